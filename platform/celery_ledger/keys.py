@@ -1,0 +1,93 @@
+"""Idempotency keys and the task ids derived from them (pure functions)."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .errors import ConfigurationError, PayloadError
+
+# Namespace of the task ids celery-ledger derives; never change it (ids would change).
+TASK_ID_NAMESPACE = uuid.UUID("6f1c3a52-5d0e-4c4e-9b59-3f0a6c1d2e77")
+
+KeySpec = str | Callable[..., Any] | None
+
+
+def canonical_json(value: Any) -> str:
+    """JSON with sorted keys and no whitespace, so equal values give equal text.
+
+    Raises:
+        PayloadError: ``value`` holds something JSON cannot represent.
+    """
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise PayloadError(f"not JSON-serialisable: {exc}") from exc
+
+
+def default_key(task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    """A stable key for a call: a hash of the task name and the canonical JSON arguments."""
+    body = canonical_json([task_name, list(args), dict(kwargs)])
+    return "h:" + hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
+def derive_task_id(task_name: str, key: str) -> str:
+    """The Celery task id (and ledger ``_id``) of the job ``(task_name, key)``."""
+    return str(uuid.uuid5(TASK_ID_NAMESPACE, f"{task_name}\x00{key}"))
+
+
+def bind_arguments(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The call's arguments by parameter name, defaults applied (for key templates)."""
+    try:
+        bound = inspect.signature(func).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise PayloadError(f"arguments do not match {func.__name__}{inspect.signature(func)}: {exc}") from exc
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def compute_key(
+    spec: KeySpec,
+    *,
+    task_name: str,
+    run: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> str:
+    """The idempotency key of a call, from the task's ``idempotency_key`` option.
+
+    ``spec`` is a callable over the task's arguments, a ``str.format`` template over the
+    arguments by name (``"order-{order_id}"``), or ``None`` for :func:`default_key`.
+    """
+    if spec is None:
+        return default_key(task_name, args, kwargs)
+    if callable(spec):
+        key = spec(*args, **kwargs)
+    elif isinstance(spec, str):
+        try:
+            key = spec.format(**bind_arguments(run, args, kwargs))
+        except (KeyError, IndexError) as exc:
+            raise ConfigurationError(
+                f"idempotency_key template {spec!r} of {task_name} names unknown argument {exc}"
+            ) from exc
+    else:
+        raise ConfigurationError(
+            f"idempotency_key of {task_name} must be a callable or a str.format template,"
+            f" not {type(spec).__name__}"
+        )
+    return validate_key(key, task_name=task_name)
+
+
+def validate_key(key: Any, *, task_name: str) -> str:
+    """Check that a key is a non-empty string of sensible length."""
+    if not isinstance(key, str) or not key:
+        raise PayloadError(f"idempotency key of {task_name} must be a non-empty str, got {key!r}")
+    if len(key) > 512:
+        raise PayloadError(f"idempotency key of {task_name} is longer than 512 characters")
+    return key

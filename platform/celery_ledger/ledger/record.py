@@ -1,0 +1,70 @@
+"""The ledger record: one MongoDB document per (task name, idempotency key)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+
+class State(StrEnum):
+    """Where a job stands. ``succeeded`` and ``dead`` are terminal."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    RETRYING = "retrying"
+    SUCCEEDED = "succeeded"
+    DEAD = "dead"
+
+
+class ErrorEntry(BaseModel):
+    """One failed attempt, as kept in the record's bounded error history."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    message: str
+    traceback_digest: str = ""
+    at: datetime
+    worker: str = ""
+    attempt: int = 0
+    fence: int = 0
+
+
+class LedgerRecord(BaseModel):
+    """A typed view of a ledger document (what ``app.ledger.get`` returns)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    id: str = Field(alias="_id")
+    schema_version: int = Field(SCHEMA_VERSION, alias="v")
+    task: str
+    key: str
+    tier: str = "default"
+    state: State
+    attempts: int = 0
+    fence: int = 0
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
+    result_json: str | None = Field(None, alias="result")
+    errors: list[ErrorEntry] = Field(default_factory=list)
+    duplicates: int = 0
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    expires_at: datetime | None = None
+
+    @property
+    def result(self) -> Any:
+        """The task's return value, decoded from the stored JSON."""
+        return None if self.result_json is None else json.loads(self.result_json)
+
+    @property
+    def last_error(self) -> ErrorEntry | None:
+        return self.errors[-1] if self.errors else None

@@ -1,0 +1,419 @@
+"""The MongoDB ledger store: claim, complete and fail, each one round trip.
+
+Op shapes are chosen for both real MongoDB and SecantusDB (see ``shared/FACTS.md``): every
+write is an ``update`` filtered on ``_id`` (never ``findAndModify``, which scans the whole
+collection on SecantusDB), and a read happens only on the rare paths.
+
+A claim is one unordered bulk write of two conditional updates:
+
+1. the claim itself: an upsert on ``_id`` that matches only while the record is claimable
+   (``claimable_at <= now``) and its fencing token is older than ours. It inserts a new
+   record, or takes a queued, retrying or lease-expired one. When the record exists but is
+   not claimable, the upsert collides with it on ``_id`` (duplicate key), which is the signal.
+2. a duplicate marker: ``$inc duplicates`` on the same ``_id`` if it already ``succeeded``.
+
+So a claim costs one round trip, and so does a suppressed duplicate. Only a record held by a
+live lease or a dead record needs a second round trip (a read) to say why.
+
+Fencing tokens are nanosecond timestamps: known to the claimer without a read, and the claim
+filter (``fence < token``) guarantees they only grow. A claimer whose clock lags falls back
+to ``stored token + 1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from pymongo import ASCENDING, MongoClient, UpdateOne, WriteConcern
+from pymongo.collection import Collection
+from pymongo.errors import (
+    BulkWriteError,
+    ConnectionFailure,
+    DuplicateKeyError,
+    OperationFailure,
+    PyMongoError,
+)
+from pymongo.monitoring import CommandListener
+
+from ..errors import LeaseLost, LedgerUnavailable, StoreError
+from .record import SCHEMA_VERSION, ErrorEntry, LedgerRecord, State
+
+FOREVER = datetime(9999, 12, 31, tzinfo=UTC)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+DUPLICATE_KEY = 11000
+
+
+class ClaimOutcome(StrEnum):
+    CLAIMED = "claimed"  # run the body with ``Claim.fence``
+    DUPLICATE = "duplicate"  # already succeeded: do not run
+    BUSY = "busy"  # held by a live lease (or a pending retry): come back at ``retry_at``
+    DEAD = "dead"  # dead-lettered: do not run; replay is the way back
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    outcome: ClaimOutcome
+    fence: int = 0
+    retry_at: datetime | None = None
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class _FenceClock:
+    """Strictly increasing nanosecond tokens within this process."""
+
+    def __init__(self) -> None:
+        self._last = 0
+        self._lock = threading.Lock()
+
+    def next(self, at_least: int = 0) -> int:
+        with self._lock:
+            self._last = max(time.time_ns(), self._last + 1, at_least)
+            return self._last
+
+
+@contextlib.contextmanager
+def translate_errors(what: str) -> Iterator[None]:
+    """Turn pymongo's errors into the platform's: transient ones into ``LedgerUnavailable``."""
+    try:
+        yield
+    except ConnectionFailure as exc:
+        raise LedgerUnavailable(f"ledger unreachable during {what}: {exc}") from exc
+    except (BulkWriteError, DuplicateKeyError):
+        raise  # the callers read these as protocol signals
+    except OperationFailure as exc:
+        if exc.has_error_label("RetryableWriteError") or exc.has_error_label(
+            "TransientTransactionError"
+        ):
+            raise LedgerUnavailable(f"ledger unavailable during {what}: {exc}") from exc
+        raise StoreError(f"ledger {what} failed: {exc}") from exc
+    except PyMongoError as exc:
+        raise StoreError(f"ledger {what} failed: {exc}") from exc
+
+
+class Ledger:
+    """The ledger of one app: a MongoDB collection of :class:`LedgerRecord` documents.
+
+    Safe to share across threads; a forked process opens its own connection pool.
+    """
+
+    def __init__(
+        self,
+        *,
+        uri: str,
+        database: str,
+        collection: str = "ledger",
+        write_concern: str = "majority",
+        timeout_ms: int = 5000,
+        lease_seconds: float = 60.0,
+        result_retention_seconds: int = 7 * 24 * 3600,
+        dead_retention_seconds: int = 30 * 24 * 3600,
+        error_history_limit: int = 20,
+        event_listeners: Sequence[CommandListener] = (),
+    ) -> None:
+        self.uri = uri
+        self.database_name = database
+        self.collection_name = collection
+        self.lease_seconds = lease_seconds
+        self.result_retention = timedelta(seconds=result_retention_seconds)
+        self.dead_retention = timedelta(seconds=dead_retention_seconds)
+        self.error_history_limit = error_history_limit
+        self._write_concern = WriteConcern(
+            w=int(write_concern) if write_concern.isdigit() else write_concern, j=True
+        )
+        self._timeout_ms = timeout_ms
+        self._event_listeners = list(event_listeners)
+        self._fences = _FenceClock()
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._client: MongoClient[dict[str, Any]] | None = None
+        self._collection: Collection[dict[str, Any]] | None = None
+
+    # -- connection -------------------------------------------------------------------------
+
+    @property
+    def client(self) -> MongoClient[dict[str, Any]]:
+        self._connect()
+        assert self._client is not None
+        return self._client
+
+    @property
+    def collection(self) -> Collection[dict[str, Any]]:
+        self._connect()
+        assert self._collection is not None
+        return self._collection
+
+    def _connect(self) -> None:
+        if self._pid == os.getpid() and self._collection is not None:
+            return
+        with self._lock:
+            if self._pid == os.getpid() and self._collection is not None:
+                return
+            # After a fork the parent's pool is unusable: drop it (not close: it is the parent's).
+            self._client = MongoClient(
+                self.uri,
+                tz_aware=True,
+                appname="celery-ledger",
+                serverSelectionTimeoutMS=self._timeout_ms,
+                connectTimeoutMS=self._timeout_ms,
+                socketTimeoutMS=max(self._timeout_ms, 10_000),
+                event_listeners=self._event_listeners,
+            )
+            database = self._client.get_database(self.database_name)
+            self._collection = database.get_collection(
+                self.collection_name, write_concern=self._write_concern
+            )
+            self._pid = os.getpid()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None and self._pid == os.getpid():
+                self._client.close()
+            self._client = self._collection = None
+            self._pid = -1
+
+    def ping(self) -> None:
+        with translate_errors("ping"):
+            self.client.admin.command("ping")
+
+    def ensure_indexes(self) -> None:
+        """Create the TTL index (retention) and the index the sweepers query."""
+        with translate_errors("index creation"):
+            self.collection.create_index("expires_at", expireAfterSeconds=0, name="retention")
+            self.collection.create_index(
+                [("state", ASCENDING), ("claimable_at", ASCENDING)], name="state_claimable"
+            )
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def get(self, task_name: str, key: str) -> LedgerRecord | None:
+        """The record of job ``(task_name, key)``, or ``None`` if the ledger has none."""
+        from ..keys import derive_task_id
+
+        return self.get_by_id(derive_task_id(task_name, key))
+
+    def get_by_id(self, record_id: str) -> LedgerRecord | None:
+        doc = self.find_raw(record_id)
+        return None if doc is None else LedgerRecord.model_validate(doc)
+
+    def find_raw(self, record_id: str) -> dict[str, Any] | None:
+        with translate_errors("read"):
+            return self.collection.find_one({"_id": record_id})
+
+    # -- the claim protocol -----------------------------------------------------------------
+
+    def claim(
+        self,
+        record_id: str,
+        *,
+        task: str,
+        key: str,
+        tier: str,
+        owner: str,
+        lease_seconds: float | None = None,
+    ) -> Claim:
+        """Try to take the exclusive lease on a record (creating it if needed). See module doc."""
+        lease = timedelta(seconds=lease_seconds or self.lease_seconds)
+        at_least = 0
+        for _ in range(3):
+            now = utcnow()
+            fence = self._fences.next(at_least)
+            outcome = self._try_claim(record_id, fence, now, now + lease, task, key, tier, owner)
+            if outcome is not None:
+                return outcome
+            doc = self.find_raw(record_id)  # the rare path: why was it not claimable?
+            if doc is None:
+                continue  # expired by TTL between the two calls: claim afresh
+            state = doc.get("state")
+            if state == State.SUCCEEDED:
+                return Claim(ClaimOutcome.DUPLICATE)
+            if state == State.DEAD:
+                return Claim(ClaimOutcome.DEAD)
+            claimable_at: datetime = doc.get("claimable_at") or EPOCH
+            if claimable_at > utcnow():
+                return Claim(ClaimOutcome.BUSY, retry_at=claimable_at)
+            at_least = int(doc.get("fence", 0)) + 1  # our clock lags the last claimer's
+        raise StoreError(f"could not claim {record_id}: the record keeps changing under us")
+
+    def _try_claim(
+        self,
+        record_id: str,
+        fence: int,
+        now: datetime,
+        lease_until: datetime,
+        task: str,
+        key: str,
+        tier: str,
+        owner: str,
+    ) -> Claim | None:
+        claim = UpdateOne(
+            {"_id": record_id, "claimable_at": {"$lte": now}, "fence": {"$lt": fence}},
+            {
+                "$set": {
+                    "v": SCHEMA_VERSION,
+                    "task": task,
+                    "key": key,
+                    "tier": tier,
+                    "state": State.RUNNING.value,
+                    "fence": fence,
+                    "lease_owner": owner,
+                    "lease_expires_at": lease_until,
+                    "claimable_at": lease_until,
+                    "started_at": now,
+                    "updated_at": now,
+                },
+                "$inc": {"attempts": 1},
+                "$setOnInsert": {"created_at": now},
+            },
+            upsert=True,
+        )
+        mark_duplicate = UpdateOne(
+            {"_id": record_id, "state": State.SUCCEEDED.value},
+            {"$inc": {"duplicates": 1}, "$set": {"last_duplicate_at": now}},
+        )
+        try:
+            with translate_errors("claim"):
+                self.collection.bulk_write([claim, mark_duplicate], ordered=False)
+        except BulkWriteError as exc:
+            errors = exc.details.get("writeErrors", [])
+            if any(e.get("index") != 0 or e.get("code") != DUPLICATE_KEY for e in errors):
+                raise StoreError(f"ledger claim of {record_id} failed: {errors}") from exc
+            if exc.details.get("nMatched", 0) >= 1:
+                return Claim(ClaimOutcome.DUPLICATE)
+            return None
+        return Claim(ClaimOutcome.CLAIMED, fence=fence)
+
+    def complete(self, record_id: str, fence: int, result_json: str) -> None:
+        """Store the result and mark the record succeeded, if ``fence`` still holds the lease."""
+        now = utcnow()
+        update = {
+            "$set": {
+                "state": State.SUCCEEDED.value,
+                "result": result_json,
+                "claimable_at": FOREVER,
+                "finished_at": now,
+                "updated_at": now,
+                "expires_at": now + self.result_retention,
+                "lease_owner": None,
+                "lease_expires_at": None,
+            }
+        }
+        self._fenced_update(record_id, fence, update, "completion")
+
+    def record_failure(
+        self,
+        record_id: str,
+        fence: int,
+        error: ErrorEntry,
+        *,
+        retry_at: datetime | None,
+        traceback: str = "",
+        reason: str = "",
+    ) -> None:
+        """Append ``error`` to the history; ``retrying`` when ``retry_at`` is set, else ``dead``."""
+        now = utcnow()
+        fields: dict[str, Any] = {
+            "updated_at": now,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "traceback": traceback[-8000:],
+        }
+        if retry_at is None:
+            fields |= {
+                "state": State.DEAD.value,
+                "claimable_at": FOREVER,
+                "finished_at": now,
+                "expires_at": now + self.dead_retention,
+                "dead_reason": reason or error.type,
+            }
+        else:
+            # Claimable at once: the retry message itself is the timer, and an early duplicate
+            # delivery that claims first is as good as the retry.
+            fields |= {"state": State.RETRYING.value, "claimable_at": now, "next_attempt_at": retry_at}
+        update = {
+            "$set": fields,
+            "$push": {
+                "errors": {"$each": [error.model_dump()], "$slice": -self.error_history_limit}
+            },
+        }
+        self._fenced_update(record_id, fence, update, "failure record")
+
+    def release(self, record_id: str, fence: int) -> None:
+        """Give a claim back without an outcome (the message goes back to the queue)."""
+        now = utcnow()
+        update = {
+            "$set": {
+                "state": State.QUEUED.value,
+                "claimable_at": now,
+                "updated_at": now,
+                "lease_owner": None,
+                "lease_expires_at": None,
+            }
+        }
+        self._fenced_update(record_id, fence, update, "release")
+
+    def _fenced_update(
+        self, record_id: str, fence: int, update: dict[str, Any], what: str
+    ) -> None:
+        with translate_errors(what):
+            result = self.collection.update_one(
+                {"_id": record_id, "fence": fence, "state": State.RUNNING.value}, update
+            )
+        if result.matched_count == 0:
+            raise LeaseLost(record_id, fence)
+
+    # -- publish side -----------------------------------------------------------------------
+
+    def enqueue(self, record_id: str, *, task: str, key: str, tier: str) -> bool:
+        """Write a ``queued`` record unless the job is known; True if it was new (one trip)."""
+        now = utcnow()
+        with translate_errors("enqueue"):
+            result = self.collection.update_one(
+                {"_id": record_id},
+                {
+                    "$setOnInsert": {
+                        "v": SCHEMA_VERSION,
+                        "task": task,
+                        "key": key,
+                        "tier": tier,
+                        "state": State.QUEUED.value,
+                        "attempts": 0,
+                        "fence": 0,
+                        "claimable_at": EPOCH,
+                        "created_at": now,
+                        "updated_at": now,
+                    }
+                },
+                upsert=True,
+            )
+        return result.upserted_id is not None
+
+    def forget_queued(self, record_id: str) -> None:
+        """Undo :meth:`enqueue` when the publish that followed it failed."""
+        with translate_errors("enqueue rollback"):
+            self.collection.delete_one({"_id": record_id, "state": State.QUEUED.value, "fence": 0})
+
+    # -- results of tasks outside the ledger protocol (Celery's own, plain tasks) ------------
+
+    def store_plain(self, task_id: str, fields: dict[str, Any]) -> None:
+        """Upsert a plain result; never touches a record that the claim protocol owns."""
+        now = utcnow()
+        with translate_errors("result store"):
+            try:
+                self.collection.update_one(
+                    {"_id": task_id, "fence": {"$exists": False}},
+                    {"$set": {**fields, "updated_at": now, "expires_at": now + self.result_retention}},
+                    upsert=True,
+                )
+            except DuplicateKeyError:
+                pass  # a ledger record owns this id: its own protocol records the outcome

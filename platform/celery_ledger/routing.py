@@ -1,0 +1,43 @@
+"""Tiers and how a task's tier is chosen (call option > settings rule > task option > default)."""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
+
+from .errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from celery import Task
+
+DEAD_LETTER_QUEUE = "dead_letter"
+
+
+class Tiers:
+    """The tiers of an app (each its own queue) and the glob rules that route tasks to them."""
+
+    def __init__(self, names: tuple[str, ...], *, default: str,
+                 rules: dict[str, str] | None = None) -> None:
+        self.names = names
+        self.default = self.check(default, where="default tier")
+        self.rules = {pattern: self.check(tier, where=f"routing rule {pattern!r}")
+                      for pattern, tier in (rules or {}).items()}
+
+    def check(self, tier: str, *, where: str) -> str:
+        if tier not in self.names:
+            raise ConfigurationError(
+                f"unknown tier {tier!r} in {where}; known tiers: {', '.join(self.names)}"
+            )
+        return tier
+
+    def resolve(self, task: Task, call_tier: str | None = None) -> str:
+        """The tier a publish of ``task`` goes to."""
+        if call_tier:
+            return self.check(call_tier, where=f"the call of {task.name}")
+        for pattern, tier in self.rules.items():
+            if fnmatchcase(task.name, pattern):
+                return tier
+        task_tier = getattr(task, "tier", None)
+        if task_tier:
+            return task_tier  # checked when the task was declared
+        return self.default

@@ -1,0 +1,81 @@
+"""Typed settings, read from ``LEDGER_*`` environment variables when the app is built."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+TIERS: tuple[str, ...] = ("critical", "default", "bulk")
+
+
+class Settings(BaseSettings):
+    """Everything ``create_app`` needs; every default is safe for production.
+
+    Read from the environment with the ``LEDGER_`` prefix, for example ``LEDGER_BROKER_URL``.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="LEDGER_", extra="forbid")
+
+    broker_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker URL (Redis).")
+    mongo_uri: str = Field(
+        "mongodb://127.0.0.1:27017/", description="MongoDB URI of the ledger."
+    )
+    mongo_db: str = Field("celery_ledger", description="Database that holds the ledger.")
+    ledger_collection: str = Field("ledger", description="Collection of ledger records.")
+    mongo_write_concern: Literal["majority", "1"] = Field(
+        "majority", description="Write concern of ledger writes (always journaled)."
+    )
+    mongo_timeout_ms: int = Field(
+        5000, ge=100, description="Server selection / socket timeout of ledger calls."
+    )
+
+    lease_seconds: float = Field(
+        60.0, gt=0, description="How long a claim is exclusive before another delivery may take over."
+    )
+    result_retention_seconds: int = Field(
+        7 * 24 * 3600, ge=60, description="How long succeeded records (results) are kept."
+    )
+    dead_retention_seconds: int = Field(
+        30 * 24 * 3600, ge=60, description="How long dead records are kept."
+    )
+    error_history_limit: int = Field(
+        20, ge=1, le=500, description="Errors kept per record (oldest dropped first)."
+    )
+
+    dedupe_on_publish: bool = Field(
+        False, description="Write a queued record at publish and skip publishing known keys."
+    )
+    max_payload_bytes: int = Field(
+        1_000_000, ge=1024, description="Largest serialised arguments a publish accepts."
+    )
+
+    defer_poll_seconds: float = Field(
+        1.0, gt=0, description="How often each worker publishes deferred messages that are due."
+    )
+    unavailable_backoff_base_seconds: float = Field(
+        1.0, gt=0, description="First delay when the ledger is unreachable at claim time."
+    )
+    unavailable_backoff_cap_seconds: float = Field(
+        60.0, gt=0, description="Largest delay when the ledger stays unreachable."
+    )
+
+    worker_prefetch_multiplier: int = Field(
+        1, ge=1, description="Messages a worker process reserves ahead of what it runs."
+    )
+    visibility_timeout_seconds: int = Field(
+        3600, ge=10, description="Redis transport: unacked messages are redelivered after this."
+    )
+    default_tier: str = Field("default", description="Tier of tasks that do not name one.")
+    routing_rules: dict[str, str] = Field(
+        default_factory=dict,
+        description='Glob patterns on task names to tiers, e.g. {"reports.*": "bulk"} (JSON).',
+    )
+
+    @field_validator("default_tier")
+    @classmethod
+    def _known_tier(cls, value: str) -> str:
+        if value not in TIERS:
+            raise ValueError(f"unknown tier {value!r}; known tiers: {', '.join(TIERS)}")
+        return value

@@ -1,0 +1,151 @@
+"""LedgerTask: the base task class of every celery-ledger app."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from celery import Task
+from celery.result import AsyncResult
+
+from . import headers
+from .errors import LedgerUnavailable, PayloadError
+from .guard import run_guarded
+from .keys import KeySpec, canonical_json, compute_key, derive_task_id, validate_key
+
+if TYPE_CHECKING:
+    from .app import LedgerCelery
+
+# Options a call may not pass through to the broker: the ledger owns them.
+_LEDGER_OWNED_OPTIONS = ("ignore_result",)
+
+
+class LedgerTask(Task):  # type: ignore[misc]
+    """A Celery task whose effects happen once per idempotency key.
+
+    Task options (``@app.task(...)``):
+        idempotency_key: a callable over the task's arguments, or a ``str.format`` template over
+            them by name (``"order-{order_id}"``). Default: a hash of the task name and the
+            canonical JSON of the arguments.
+        tier: ``critical``, ``default`` or ``bulk``: the queue the task is routed to.
+        lease_seconds: how long a claim is exclusive (default: the ``lease_seconds`` setting).
+        dedupe_on_publish: write a ``queued`` record at publish and skip known keys.
+    """
+
+    app: LedgerCelery
+    idempotency_key: KeySpec = None
+    tier: str | None = None
+    lease_seconds: float | None = None
+    dedupe_on_publish: bool | None = None
+
+    acks_late = True
+    reject_on_worker_lost = True
+
+    ledger_options: ClassVar[frozenset[str]] = frozenset(
+        {"idempotency_key", "tier", "lease_seconds", "dedupe_on_publish"}
+    )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.called_directly or request.is_eager:
+            return self.run(*args, **kwargs)
+        return run_guarded(self, args, kwargs)
+
+    def apply_async(  # type: ignore[override]
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> AsyncResult:
+        """Publish the task; see :meth:`celery.app.task.Task.apply_async`.
+
+        Extra options: ``idempotency_key`` (this call's key) and ``tier`` (this call's tier).
+        The task id is derived from ``(task name, key)`` unless given.
+
+        Raises:
+            PayloadError: the arguments are not JSON-serialisable or exceed the size limit.
+        """
+        args = tuple(args) if args else ()
+        kwargs = dict(kwargs) if kwargs else {}
+        settings = self.app.settings
+        message_headers = dict(options.pop("headers", None) or {})
+        explicit_key = options.pop("idempotency_key", None)
+        call_tier = options.pop("tier", None)
+        for name in _LEDGER_OWNED_OPTIONS:
+            options.pop(name, None)
+
+        payload = canonical_json([list(args), kwargs])
+        if len(payload) > settings.max_payload_bytes:
+            raise PayloadError(
+                f"arguments of {self.name} are {len(payload)} bytes of JSON;"
+                f" the limit is {settings.max_payload_bytes} (LEDGER_MAX_PAYLOAD_BYTES)"
+            )
+        if explicit_key is not None:
+            key = validate_key(explicit_key, task_name=self.name)
+        elif message_headers.get(headers.KEY):
+            key = str(message_headers[headers.KEY])
+        else:
+            key = compute_key(self.key_spec(), task_name=self.name, run=self.run,
+                              args=args, kwargs=kwargs)
+        tier = self.app.tiers.resolve(self, call_tier or message_headers.get(headers.TIER))
+        task_id = task_id or derive_task_id(self.name, key)
+        message_headers[headers.KEY] = key
+        message_headers[headers.TIER] = tier
+        options.setdefault("queue", tier)
+
+        if self.app.conf.task_always_eager:
+            return super().apply_async(args, kwargs, task_id=task_id, producer=producer,
+                                       link=link, link_error=link_error, shadow=shadow,
+                                       headers=message_headers, **options)
+
+        due_at = _due_time(options.pop("countdown", None), options.pop("eta", None))
+        if due_at is not None and due_at > time.time():
+            return self._publish_later(args, kwargs, task_id, due_at, link=link,
+                                       link_error=link_error, shadow=shadow,
+                                       headers=message_headers, **options)
+
+        dedupe = settings.dedupe_on_publish if self.dedupe_on_publish is None else self.dedupe_on_publish
+        if dedupe and not self.app.ledger.enqueue(task_id, task=self.name, key=key, tier=tier):
+            return self.AsyncResult(task_id)
+        try:
+            return super().apply_async(args, kwargs, task_id=task_id, producer=producer,
+                                       link=link, link_error=link_error, shadow=shadow,
+                                       headers=message_headers, **options)
+        except Exception:
+            if dedupe:
+                try:
+                    self.app.ledger.forget_queued(task_id)
+                except LedgerUnavailable:
+                    pass  # the reconciler finds queued records whose message never went out
+            raise
+
+    @classmethod
+    def key_spec(cls) -> KeySpec:
+        """The ``idempotency_key`` option as given (a function stored on the class unbound)."""
+        spec = inspect.getattr_static(cls, "idempotency_key")
+        return spec.__func__ if isinstance(spec, staticmethod) else spec
+
+    def _publish_later(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str,
+                       due_at: float, **options: Any) -> AsyncResult:
+        options = {name: value for name, value in options.items() if value is not None}
+        options.pop("producer", None)
+        self.app.delayed.schedule(self.name, list(args), kwargs, {"task_id": task_id, **options},
+                                  due_at)
+        return self.AsyncResult(task_id)
+
+
+def _due_time(countdown: float | None, eta: datetime | str | None) -> float | None:
+    if countdown is not None:
+        return time.time() + float(countdown)
+    if isinstance(eta, str):
+        eta = datetime.fromisoformat(eta)
+    if isinstance(eta, datetime):
+        return eta.timestamp()
+    return None

@@ -1,0 +1,43 @@
+"""Payments: a charge keyed on the order id, against a gateway that sometimes times out."""
+
+from __future__ import annotations
+
+import random
+
+from .app import app
+from .effects import record_effect
+
+
+class GatewayTimeout(TimeoutError):
+    """The fake gateway did not answer in time (retryable)."""
+
+
+class FakeGateway:
+    """Charges cards; fails with a timeout ``failure_rate`` of the time, before charging."""
+
+    def __init__(self, failure_rate: float = 0.2) -> None:
+        self.failure_rate = failure_rate
+
+    def charge(self, order_id: int, amount_cents: int) -> str:
+        if random.random() < self.failure_rate:
+            raise GatewayTimeout(f"gateway timed out charging order {order_id}")
+        record_effect("charge", f"order-{order_id}", amount_cents=amount_cents)
+        return f"ch_{order_id}_{amount_cents}"
+
+
+gateway = FakeGateway()
+
+
+@app.task(
+    bind=True,
+    idempotency_key=lambda order_id, amount_cents: f"order-{order_id}",
+    tier="critical",
+    autoretry_for=(GatewayTimeout,),
+    retry_backoff=0.5,
+    retry_backoff_max=5,
+    max_retries=8,
+)
+def charge(self, order_id: int, amount_cents: int) -> dict[str, object]:
+    """Charge an order exactly once, however often the message is delivered."""
+    charge_id = gateway.charge(order_id, amount_cents)
+    return {"order_id": order_id, "charge_id": charge_id, "amount_cents": amount_cents}
