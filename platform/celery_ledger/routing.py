@@ -41,3 +41,20 @@ class Tiers:
         if task_tier:
             return task_tier  # checked when the task was declared
         return self.default
+
+
+class TierWorkerDefaults:
+    """How a tier's workers run by default (``celery ledger worker --tier``)."""
+
+    def __init__(self, *, concurrency: int, prefetch_multiplier: int) -> None:
+        self.concurrency = concurrency
+        self.prefetch_multiplier = prefetch_multiplier
+
+
+# Critical workers never reserve more than they can start at once (prefetch 1); bulk workers
+# reserve a few to keep their pool busy.
+TIER_WORKER_DEFAULTS = {
+    "critical": TierWorkerDefaults(concurrency=2, prefetch_multiplier=1),
+    "default": TierWorkerDefaults(concurrency=2, prefetch_multiplier=1),
+    "bulk": TierWorkerDefaults(concurrency=2, prefetch_multiplier=4),
+}

@@ -1,0 +1,116 @@
+"""The command implementations (click, with rich tables)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from ..routing import TIER_WORKER_DEFAULTS
+from ..settings import TIERS
+
+console = Console()
+
+
+def _app(ctx: click.Context) -> Any:
+    return ctx.obj.app
+
+
+def _app_path(ctx: click.Context) -> str:
+    """The ``-A`` value the user gave celery (workers we start import the same app)."""
+    root = ctx.find_root()
+    value = root.params.get("app")
+    if not value:
+        raise click.UsageError("name the app: celery -A your.module ledger ...")
+    return str(value)
+
+
+@click.group(name="ledger")
+@click.pass_context
+def ledger(ctx: click.Context) -> None:
+    """celery-ledger: exactly-once tasks with a MongoDB ledger."""
+
+
+@ledger.command()
+@click.option("--tier", type=click.Choice(TIERS), required=True, help="The tier to consume.")
+@click.option("--concurrency", "-c", type=int, default=None, help="Pool processes (tier default).")
+@click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def worker(ctx: click.Context, tier: str, concurrency: int | None,
+           worker_args: tuple[str, ...]) -> None:
+    """Run a worker for one tier: ``celery worker -Q TIER`` with the tier's defaults."""
+    defaults = TIER_WORKER_DEFAULTS[tier]
+    argv = [sys.executable, "-m", "celery", "-A", _app_path(ctx), "worker", "-Q", tier,
+            "-n", f"{tier}@%h", "-c", str(concurrency or defaults.concurrency),
+            "--prefetch-multiplier", str(defaults.prefetch_multiplier), *worker_args]
+    console.print(f"[bold]tier {tier}[/]: {' '.join(argv[2:])}", highlight=False)
+    os.execv(sys.executable, argv)
+
+
+@ledger.command()
+@click.option("--data-dir", type=click.Path(path_type=Path), default=Path(".ledger-dev"),
+              show_default=True, help="Where the servers keep their data (survives restarts).")
+@click.option("--broker-port", type=int, default=None, help="valkey-server port (default: free).")
+@click.option("--ledger-port", type=int, default=None, help="SecantusDB port (default: free).")
+@click.option("--workers/--no-workers", default=True, help="Start one worker per tier.")
+@click.pass_context
+def stack(ctx: click.Context, data_dir: Path, broker_port: int | None, ledger_port: int | None,
+          workers: bool) -> None:
+    """Run the embedded stack (broker, ledger, a worker per tier) until Ctrl-C."""
+    from ..embedded.stack import running_stack
+
+    app_path = _app_path(ctx)
+    with running_stack(app_path, data_dir, workers=workers, broker_port=broker_port,
+                       ledger_port=ledger_port) as running:
+        console.print("[bold green]celery-ledger embedded stack is up[/]")
+        console.print(running.describe(), highlight=False)
+        console.print("\nIn another shell:")
+        for name, value in running.env.items():
+            console.print(f"  export {name}='{value}'", highlight=False)
+        console.print("Ctrl-C stops every process listed above.")
+        stop = {"now": False}
+        signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+        try:
+            while not stop["now"]:
+                time.sleep(0.5)
+                dead = [w.name for w in running.workers if not w.alive()]
+                if dead:
+                    console.print(f"[red]worker(s) exited: {', '.join(dead)}[/]")
+                    break
+        except KeyboardInterrupt:
+            pass
+        console.print("stopping...")
+
+
+@ledger.command()
+@click.argument("task_name")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw record as JSON.")
+@click.pass_context
+def show(ctx: click.Context, task_name: str, key: str, as_json: bool) -> None:
+    """Show the ledger record of TASK_NAME with idempotency KEY."""
+    record = _app(ctx).ledger.get(task_name, key)
+    if record is None:
+        raise click.ClickException(f"no ledger record for {task_name} / {key}")
+    if as_json:
+        click.echo(json.dumps(record.model_dump(mode="json"), indent=2))
+        return
+    table = Table(show_header=False, box=None)
+    for name, value in record.model_dump(exclude={"errors", "result_json"}).items():
+        table.add_row(name, str(value))
+    table.add_row("result", record.result_json or "")
+    console.print(table)
+    if record.errors:
+        errors = Table("at", "attempt", "type", "message", "worker", title="errors")
+        for error in record.errors:
+            errors.add_row(error.at.isoformat(timespec="seconds"), str(error.attempt),
+                           error.type, error.message[:80], error.worker)
+        console.print(errors)
