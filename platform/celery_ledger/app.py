@@ -102,6 +102,7 @@ def create_app(name: str, settings: Settings | None = None, **celery_options: An
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=settings.worker_prefetch_multiplier,
         worker_cancel_long_running_tasks_on_connection_loss=False,
+        broker_transport="celery_ledger.transport:Transport",
         broker_transport_options={"visibility_timeout": settings.visibility_timeout_seconds},
         broker_connection_retry_on_startup=True,
         result_backend_always_retry=True,

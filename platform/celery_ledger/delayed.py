@@ -102,15 +102,29 @@ class DelayedPublisher:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
+    def terminate(self) -> None:
+        self.stop(timeout=1.0)
+
     def _run(self) -> None:
+        failing_since: float | None = None
+        last_warning = 0.0
         while not self._stop.wait(self._interval):
             try:
                 self.publish_due()
-            except Exception:  # keep the thread alive through broker outages
-                logger.warning("delayed deliveries: publishing failed; will retry", exc_info=True)
+            except Exception as exc:  # keep the thread alive through broker outages
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - last_warning >= 30.0:  # one warning per 30 s of outage, not per poll
+                    logger.warning("delayed deliveries: publishing failing for %.0fs: %s",
+                                   now - failing_since, exc)
+                    last_warning = now
+            else:
+                if failing_since is not None:
+                    logger.info("delayed deliveries: publishing again")
+                failing_since = None
 
     def publish_due(self) -> int:
         """Publish every due entry; returns how many were published."""

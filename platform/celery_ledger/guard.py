@@ -19,12 +19,12 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.exceptions import Ignore, Reject, Retry
-from celery.utils.time import get_exponential_backoff_interval
 
 from . import headers
 from .errors import LeaseLost, LedgerUnavailable, PayloadError
 from .ledger.record import ErrorEntry
 from .ledger.store import ClaimOutcome, utcnow
+from .policies.backoff import backoff_seconds
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -48,10 +48,8 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
     except LedgerUnavailable as exc:
         deferrals = int(request_header(request, headers.DEFERRALS) or 0)
         settings = task.app.settings
-        delay = get_exponential_backoff_interval(
-            factor=settings.unavailable_backoff_base_seconds, retries=deferrals,
-            maximum=settings.unavailable_backoff_cap_seconds, full_jitter=True,
-        )
+        delay = backoff_seconds(deferrals, base_seconds=settings.unavailable_backoff_base_seconds,
+                                cap_seconds=settings.unavailable_backoff_cap_seconds)
         logger.warning("ledger unavailable; deferring %s by %.1fs: %s", request.id, delay, exc,
                        extra=context)
         defer(task, args, kwargs, delay_seconds=max(delay, 0.2), key=key, tier=tier)
@@ -158,7 +156,7 @@ def persist_until(write: Callable[[], None], *, deadline: float, what: str, reco
             if time.monotonic() >= deadline:
                 logger.error("%s of %s failed, ledger unreachable; requeueing", what, record_id)
                 raise Reject(exc, requeue=True) from exc
-            time.sleep(get_exponential_backoff_interval(0.2, attempt, 5.0, full_jitter=True) + 0.05)
+            time.sleep(backoff_seconds(attempt, base_seconds=0.2, cap_seconds=5.0) + 0.05)
             attempt += 1
 
 

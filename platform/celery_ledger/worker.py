@@ -14,27 +14,21 @@ logger = logging.getLogger("celery_ledger.worker")
 
 
 class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Ensures the ledger's indexes and publishes delayed deliveries when they fall due."""
+    """Ensures the ledger's indexes and publishes delayed deliveries when they fall due.
+
+    The publisher is the step's ``obj``, so Celery's start, stop and terminate reach it.
+    """
 
     requires = {"celery.worker.components:Pool"}
 
-    def __init__(self, worker: Any, **kwargs: Any) -> None:
-        super().__init__(worker, **kwargs)
-        self.publisher: DelayedPublisher | None = None
-
-    def start(self, worker: Any) -> None:
+    def create(self, worker: Any) -> DelayedPublisher:
         app = worker.app
         try:
             app.ledger.ensure_indexes()
         except LedgerError as exc:  # the ledger may come up later; claims defer until then
             logger.warning("could not ensure ledger indexes at start-up: %s", exc)
-        self.publisher = DelayedPublisher(
+        return DelayedPublisher(
             app.delayed,
             lambda name, args, kwargs, options: app.send_task(name, args, kwargs, **options),
             interval=app.settings.defer_poll_seconds,
         )
-        self.publisher.start()
-
-    def stop(self, worker: Any) -> None:
-        if self.publisher is not None:
-            self.publisher.stop()

@@ -1,0 +1,1 @@
+"""Policies: small, pure pieces of the platform's behaviour (one per module)."""

@@ -1,0 +1,81 @@
+"""The Redis transport with one change: an undecodable queue item cannot kill the worker.
+
+kombu's Redis channel pops an item and decodes it as JSON inside the worker's event loop; a
+non-JSON item raises out of the loop and the worker exits ("Unrecoverable error"), having
+already popped (and so lost) the item. kombu offers no decode-error hook for this transport, so
+``_brpop_read`` and ``_get`` are restated here with the decode guarded: an undecodable item is
+kept, with its queue and the reason, in a poison list (``POISON_KEY``) and the worker goes on.
+Everything else is kombu's (selected through Celery's ``broker_transport`` setting).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import loads
+
+logger = logging.getLogger("celery_ledger.transport")
+
+POISON_KEY = "celery_ledger:poison"
+
+
+class Channel(kombu_redis.Channel):  # type: ignore[misc]
+    def _brpop_read(self, **options: Any) -> bool:
+        try:
+            try:
+                dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()
+                raise
+            if not dest__item:
+                raise kombu_redis.Empty()
+            dest, item = dest__item
+            dest = bytes_to_str(dest).rsplit(self.sep, 1)[0]
+            self._queue_cycle.rotate(dest)
+            message = self._decode_or_quarantine(item, dest)
+            if message is not None:
+                self.connection._deliver(message, dest)
+            return True
+        finally:
+            self._in_poll = None
+            flush = getattr(self, "_flush_brpop_reauth", None)
+            if flush is not None:
+                flush()
+
+    def _get(self, queue: str) -> Any:
+        with self.conn_or_acquire() as client:
+            for pri in self.priority_steps:
+                item = client.rpop(self._q_for_pri(queue, pri))
+                if item:
+                    self._maybe_update_queues_expire(client, queue)
+                    message = self._decode_or_quarantine(item, queue)
+                    if message is None:
+                        raise kombu_redis.Empty()
+                    return message
+            self._maybe_update_queues_expire(client, queue)
+            raise kombu_redis.Empty()
+
+    def _decode_or_quarantine(self, item: bytes, queue: str) -> Any:
+        try:
+            message = loads(bytes_to_str(item))
+            if not isinstance(message, dict) or "body" not in message:
+                raise ValueError("not a kombu message envelope (no body)")
+            return message
+        except (ValueError, TypeError, UnicodeDecodeError) as exc:
+            reason = f"undecodable message: {type(exc).__name__}: {exc}"
+            logger.error("queue %s: %s; kept in %s", queue, reason, POISON_KEY)
+            entry = {"queue": queue, "reason": reason, "at": time.time(),
+                     "raw_base64": base64.b64encode(item).decode()}
+            with self.conn_or_acquire() as client:
+                client.lpush(POISON_KEY, json.dumps(entry))
+            return None
+
+
+class Transport(kombu_redis.Transport):  # type: ignore[misc]
+    Channel = Channel
