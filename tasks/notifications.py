@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .app import app
+from .celery import app
 from .effects import record_effect
 
 

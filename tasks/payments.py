@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from .app import app
+from .celery import app
 from .effects import record_effect
 
 

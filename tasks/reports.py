@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import time
 
-from .app import app
+from .celery import app
 from .effects import record_effect
 
 

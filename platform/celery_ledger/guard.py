@@ -69,7 +69,10 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
         raise Ignore("delivery of a dead job")
     if claim.outcome is ClaimOutcome.BUSY:
         assert claim.retry_at is not None
+        # Back when the lease ends, or sooner to see whether the holder finished (then this
+        # delivery is a suppressed duplicate); a holder that died is taken over at lease end.
         wait = max((claim.retry_at - utcnow()).total_seconds(), 0.0)
+        wait = min(wait, task.app.settings.busy_recheck_seconds)
         delay = wait + random.uniform(0.05, 0.25 + wait * 0.1)
         logger.info("%s is leased by another delivery; back in %.1fs", request.id, delay,
                     extra=context)

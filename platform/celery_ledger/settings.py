@@ -51,6 +51,9 @@ class Settings(BaseSettings):
         1_000_000, ge=1024, description="Largest serialised arguments a publish accepts."
     )
 
+    busy_recheck_seconds: float = Field(
+        5.0, gt=0, description="A delivery that finds a live lease checks again after at most this."
+    )
     defer_poll_seconds: float = Field(
         1.0, gt=0, description="How often each worker publishes deferred messages that are due."
     )

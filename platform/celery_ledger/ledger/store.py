@@ -236,7 +236,7 @@ class Ledger:
                 continue  # expired by TTL between the two calls: claim afresh
             state = doc.get("state")
             if state == State.SUCCEEDED:
-                return Claim(ClaimOutcome.DUPLICATE)
+                continue  # it finished between our two calls: the claim bulk now counts it
             if state == State.DEAD:
                 return Claim(ClaimOutcome.DEAD)
             claimable_at: datetime = doc.get("claimable_at") or EPOCH
