@@ -92,27 +92,53 @@ def run_workload(orders: int, emails: int, reports: int) -> dict[str, Any]:
         mine = [(key, r) for t, key, r in jobs if t is task]
         records = [app.ledger.get_by_id(r.id) for _, r in mine]
         kind = task.name.rsplit(".", 1)[-1].replace("rebuild_report", "report").replace("send_", "")
-        per_key = Counter(doc["key"] for doc in effects().find(
-            {"kind": kind, "key": {"$in": [k for k, _ in mine] if kind != "report"
-                                   else [f"sales-{run}:2026-10-{i + 1:02d}" for i in range(reports)]}}))
+        per_key = Counter(
+            doc["key"]
+            for doc in effects().find(
+                {
+                    "kind": kind,
+                    "key": {
+                        "$in": [k for k, _ in mine]
+                        if kind != "report"
+                        else [f"sales-{run}:2026-10-{i + 1:02d}" for i in range(reports)]
+                    },
+                }
+            )
+        )
         succeeded = sum(1 for r in records if r and r.state == "succeeded")
         dead = sum(1 for r in records if r and r.state == "dead")
         max_effects = max(per_key.values(), default=0)
         ok &= max_effects == 1 and succeeded + dead == len(mine)
-        table.add_row(task.name.removeprefix("tasks."), str(published[task.name]), str(len(mine)), str(succeeded),
-                      str(dead), str(sum(per_key.values())), str(max_effects),
-                      str(sum(r.duplicates for r in records if r)),
-                      str(sum(r.attempts - 1 for r in records if r)))
+        table.add_row(
+            task.name.removeprefix("tasks."),
+            str(published[task.name]),
+            str(len(mine)),
+            str(succeeded),
+            str(dead),
+            str(sum(per_key.values())),
+            str(max_effects),
+            str(sum(r.duplicates for r in records if r)),
+            str(sum(r.attempts - 1 for r in records if r)),
+        )
     console.print(table)
-    console.print("sent: messages published; effects: side effects that happened (counted in "
-                  "MongoDB); max/key: most effects of one key; dups: deliveries suppressed by "
-                  "the ledger; retries: extra attempts after gateway timeouts")
+    console.print(
+        "sent: messages published; effects: side effects that happened (counted in "
+        "MongoDB); max/key: most effects of one key; dups: deliveries suppressed by "
+        "the ledger; retries: extra attempts after gateway timeouts"
+    )
     sample = app.ledger.get(charge.name, jobs[0][1])
     if sample is not None:
-        console.print(f"sample result of {sample.key}: {sample.result} (attempts {sample.attempts})")
-    console.print(f"all jobs settled in {elapsed:.1f}s; "
-                  + ("[green]every job's effect happened exactly once[/]" if ok
-                     else "[red]exactly-once check FAILED[/]"))
+        console.print(
+            f"sample result of {sample.key}: {sample.result} (attempts {sample.attempts})"
+        )
+    console.print(
+        f"all jobs settled in {elapsed:.1f}s; "
+        + (
+            "[green]every job's effect happened exactly once[/]"
+            if ok
+            else "[red]exactly-once check FAILED[/]"
+        )
+    )
     return {"ok": ok}
 
 

@@ -29,5 +29,6 @@ def effects() -> Collection[dict[str, Any]]:
 
 
 def record_effect(kind: str, key: str, **details: Any) -> None:
-    effects().insert_one({"kind": kind, "key": key, "at": datetime.now(UTC), "pid": os.getpid(),
-                          **details})
+    effects().insert_one(
+        {"kind": kind, "key": key, "at": datetime.now(UTC), "pid": os.getpid(), **details}
+    )

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import difflib
+import os
 from functools import cached_property
 from typing import Any
 
 from celery import Celery, Task
-from kombu import Queue
+from kombu.entity import Queue
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from .delayed import DelayedDeliveries
 from .errors import ConfigurationError
@@ -19,11 +21,26 @@ from .task import LedgerTask
 from .worker import LedgerWorkerStep
 
 # Options of @app.task that Celery reads but that are not attributes of Task.
-_DECORATOR_OPTIONS = frozenset({
-    "base", "bind", "name", "shared", "lazy", "filter", "autoretry_for", "dont_autoretry_for",
-    "retry_kwargs", "retry_backoff", "retry_backoff_max", "retry_jitter", "pydantic",
-    "pydantic_strict", "pydantic_context", "pydantic_dump_kwargs",
-})
+_DECORATOR_OPTIONS = frozenset(
+    {
+        "base",
+        "bind",
+        "name",
+        "shared",
+        "lazy",
+        "filter",
+        "autoretry_for",
+        "dont_autoretry_for",
+        "retry_kwargs",
+        "retry_backoff",
+        "retry_backoff_max",
+        "retry_jitter",
+        "pydantic",
+        "pydantic_strict",
+        "pydantic_context",
+        "pydantic_dump_kwargs",
+    }
+)
 
 
 class LedgerCelery(Celery):  # type: ignore[misc]
@@ -50,12 +67,39 @@ class LedgerCelery(Celery):  # type: ignore[misc]
         unknown = sorted(set(options) - known)
         if unknown:
             hints = [difflib.get_close_matches(name, known, n=1) for name in unknown]
-            hint = "; ".join(f"{name!r} (did you mean {h[0]!r}?)" if h else repr(name)
-                             for name, h in zip(unknown, hints, strict=True))
+            hint = "; ".join(
+                f"{name!r} (did you mean {h[0]!r}?)" if h else repr(name)
+                for name, h in zip(unknown, hints, strict=True)
+            )
             raise ConfigurationError(f"unknown task option {hint}")
         if options.get("tier") is not None:
             self.tiers.check(options["tier"], where="a task declaration")
         return super().task(*args, **options)
+
+
+def settings_from_environment() -> Settings:
+    """``Settings()`` from ``LEDGER_*``; a bad value or an unknown ``LEDGER_*`` name is refused.
+
+    Raises:
+        ConfigurationError: naming the variable (and the closest known one for a misspelling).
+    """
+    known = {f"LEDGER_{name.upper()}" for name in Settings.model_fields}
+    unknown = sorted(
+        name for name in os.environ if name.startswith("LEDGER_") and name not in known
+    )
+    if unknown:
+        hints = [difflib.get_close_matches(name, known, n=1) for name in unknown]
+        raise ConfigurationError(
+            "unknown setting "
+            + "; ".join(
+                f"{name} (did you mean {hint[0]}?)" if hint else name
+                for name, hint in zip(unknown, hints, strict=True)
+            )
+        )
+    try:
+        return Settings()
+    except (ValidationError, SettingsError) as exc:
+        raise ConfigurationError(f"invalid LEDGER_* settings: {exc}") from exc
 
 
 def create_app(name: str, settings: Settings | None = None, **celery_options: Any) -> LedgerCelery:
@@ -65,10 +109,7 @@ def create_app(name: str, settings: Settings | None = None, **celery_options: An
         ConfigurationError: the settings are invalid (the message names the setting).
     """
     if settings is None:
-        try:
-            settings = Settings()
-        except ValidationError as exc:
-            raise ConfigurationError(f"invalid LEDGER_* settings:\n{exc}") from exc
+        settings = settings_from_environment()
     tiers = Tiers(TIERS, default=settings.default_tier, rules=settings.routing_rules)
     app = LedgerCelery(
         name,

@@ -56,18 +56,27 @@ class DelayedDeliveries:
         self, task_name: str, args: Any, kwargs: Any, options: dict[str, Any], due_at: float
     ) -> None:
         """Hold a message until ``due_at`` (unix seconds); ``options`` go to ``send_task``."""
-        envelope = {"id": uuid.uuid4().hex, "task": task_name, "args": args, "kwargs": kwargs,
-                    "options": options}
+        envelope = {
+            "id": uuid.uuid4().hex,
+            "task": task_name,
+            "args": args,
+            "kwargs": kwargs,
+            "options": options,
+        }
         try:
             member = dumps(envelope)
         except TypeError as exc:
-            raise PublishError(f"cannot delay {task_name}: options are not serialisable: {exc}") from exc
+            raise PublishError(
+                f"cannot delay {task_name}: options are not serialisable: {exc}"
+            ) from exc
         try:
             self._redis.zadd(self.key, {member: due_at})
         except redis.RedisError as exc:
             raise PublishError(f"cannot delay {task_name}: broker unavailable: {exc}") from exc
 
-    def take_due(self, *, limit: int = 100, now: float | None = None) -> list[tuple[bytes, dict[str, Any]]]:
+    def take_due(
+        self, *, limit: int = 100, now: float | None = None
+    ) -> list[tuple[bytes, dict[str, Any]]]:
         """Hand out up to ``limit`` due entries to this caller (see the module docstring)."""
         now = time.time() if now is None else now
         members = self._take_due(keys=[self.key], args=[now, self.handout_seconds, limit])
@@ -118,8 +127,11 @@ class DelayedPublisher:
                 now = time.monotonic()
                 failing_since = failing_since or now
                 if now - last_warning >= 30.0:  # one warning per 30 s of outage, not per poll
-                    logger.warning("delayed deliveries: publishing failing for %.0fs: %s",
-                                   now - failing_since, exc)
+                    logger.warning(
+                        "delayed deliveries: publishing failing for %.0fs: %s",
+                        now - failing_since,
+                        exc,
+                    )
                     last_warning = now
             else:
                 if failing_since is not None:
@@ -132,8 +144,9 @@ class DelayedPublisher:
         while True:
             batch = self._deliveries.take_due()
             for member, envelope in batch:
-                self._publish(envelope["task"], envelope["args"], envelope["kwargs"],
-                              envelope["options"])
+                self._publish(
+                    envelope["task"], envelope["args"], envelope["kwargs"], envelope["options"]
+                )
                 self._deliveries.done(member)
                 published += 1
             if len(batch) < 100:

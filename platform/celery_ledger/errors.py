@@ -48,7 +48,7 @@ class PermanentError(TaskError):
     """A failure that retrying cannot fix; the task is dead-lettered without retries."""
 
 
-class LeaseLost(LedgerError):  # noqa: N818 - control flow, named after the condition
+class LeaseLost(LedgerError):
     """A newer claim (higher fencing token) owns the record; this holder's write was refused."""
 
     def __init__(self, record_id: str, fence: int) -> None:

@@ -38,20 +38,30 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
     request = task.request
     ledger = task.app.ledger
     key = request_header(request, headers.KEY) or f"id:{request.id}"
-    tier = request_header(request, headers.TIER) or task.tier
+    tier: str = request_header(request, headers.TIER) or task.tier or task.app.tiers.default
     owner = f"{request.hostname or 'local'}:{os.getpid()}"
     context = {"task_id": request.id, "key": key, "tier": tier}
 
     try:
-        claim = ledger.claim(request.id, task=task.name, key=key, tier=tier, owner=owner,
-                             lease_seconds=task.lease_seconds)
+        claim = ledger.claim(
+            request.id,
+            task=task.name,
+            key=key,
+            tier=tier,
+            owner=owner,
+            lease_seconds=task.lease_seconds,
+        )
     except LedgerUnavailable as exc:
         deferrals = int(request_header(request, headers.DEFERRALS) or 0)
         settings = task.app.settings
-        delay = backoff_seconds(deferrals, base_seconds=settings.unavailable_backoff_base_seconds,
-                                cap_seconds=settings.unavailable_backoff_cap_seconds)
-        logger.warning("ledger unavailable; deferring %s by %.1fs: %s", request.id, delay, exc,
-                       extra=context)
+        delay = backoff_seconds(
+            deferrals,
+            base_seconds=settings.unavailable_backoff_base_seconds,
+            cap_seconds=settings.unavailable_backoff_cap_seconds,
+        )
+        logger.warning(
+            "ledger unavailable; deferring %s by %.1fs: %s", request.id, delay, exc, extra=context
+        )
         defer(task, args, kwargs, delay_seconds=max(delay, 0.2), key=key, tier=tier)
 
     if claim.outcome is ClaimOutcome.DUPLICATE:
@@ -64,8 +74,9 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
             return None if record is None else record.result
         raise Ignore("duplicate delivery of a succeeded job")
     if claim.outcome is ClaimOutcome.DEAD:
-        logger.warning("delivery of dead job %s dropped; replay it to run again", request.id,
-                       extra=context)
+        logger.warning(
+            "delivery of dead job %s dropped; replay it to run again", request.id, extra=context
+        )
         raise Ignore("delivery of a dead job")
     if claim.outcome is ClaimOutcome.BUSY:
         assert claim.retry_at is not None
@@ -74,8 +85,9 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
         wait = max((claim.retry_at - utcnow()).total_seconds(), 0.0)
         wait = min(wait, task.app.settings.busy_recheck_seconds)
         delay = wait + random.uniform(0.05, 0.25 + wait * 0.1)
-        logger.info("%s is leased by another delivery; back in %.1fs", request.id, delay,
-                    extra=context)
+        logger.info(
+            "%s is leased by another delivery; back in %.1fs", request.id, delay, extra=context
+        )
         defer(task, args, kwargs, delay_seconds=delay, key=key, tier=tier)
 
     fence = claim.fence
@@ -92,16 +104,24 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
     except Retry as exc:
         retry_at = retry_time(exc.when)
         error = error_entry(exc.exc or exc, owner=owner, attempt=request.retries + 1, fence=fence)
-        persist(lambda: ledger.record_failure(request.id, fence, error, retry_at=retry_at,
-                                              traceback=format_tb(exc.exc)), "retry record")
+        text = format_tb(exc.exc)
+        persist(
+            lambda: ledger.record_failure(
+                request.id, fence, error, retry_at=retry_at, traceback=text
+            ),
+            "retry record",
+        )
         raise
     except (Ignore, Reject):
         persist(lambda: ledger.release(request.id, fence), "release")
         raise
     except Exception as exc:
         error = error_entry(exc, owner=owner, attempt=request.retries + 1, fence=fence)
-        persist(lambda: ledger.record_failure(request.id, fence, error, retry_at=None,
-                                              traceback=format_tb(exc)), "failure record")
+        text = format_tb(exc)
+        persist(
+            lambda: ledger.record_failure(request.id, fence, error, retry_at=None, traceback=text),
+            "failure record",
+        )
         raise
 
     try:
@@ -109,15 +129,23 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
     except (TypeError, ValueError) as exc:
         payload_error = PayloadError(f"{task.name} returned a value JSON cannot hold: {exc}")
         error = error_entry(payload_error, owner=owner, attempt=request.retries + 1, fence=fence)
-        persist(lambda: ledger.record_failure(request.id, fence, error, retry_at=None),
-                "failure record")
+        persist(
+            lambda: ledger.record_failure(request.id, fence, error, retry_at=None), "failure record"
+        )
         raise payload_error from exc
     persist(lambda: ledger.complete(request.id, fence, result_json), "completion")
     return retval
 
 
-def defer(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any], *,
-          delay_seconds: float, key: str, tier: str) -> NoReturn:
+def defer(
+    task: LedgerTask,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    delay_seconds: float,
+    key: str,
+    tier: str,
+) -> NoReturn:
     """Republish this message to come back after ``delay_seconds``, then ack this delivery.
 
     A deferral does not count as a retry. If it cannot be republished, the delivery is
@@ -125,13 +153,16 @@ def defer(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     """
     request = task.request
     message_headers = dict(request.headers or {})
-    message_headers.update({
-        headers.KEY: key,
-        headers.TIER: tier,
-        headers.DEFERRALS: int(request_header(request, headers.DEFERRALS) or 0) + 1,
-    })
-    signature = task.signature_from_request(request, args, kwargs, countdown=delay_seconds,
-                                            headers=message_headers)
+    message_headers.update(
+        {
+            headers.KEY: key,
+            headers.TIER: tier,
+            headers.DEFERRALS: int(request_header(request, headers.DEFERRALS) or 0) + 1,
+        }
+    )
+    signature = task.signature_from_request(
+        request, args, kwargs, countdown=delay_seconds, headers=message_headers
+    )
     try:
         signature.apply_async()
     except Exception as exc:
@@ -152,8 +183,9 @@ def persist_until(write: Callable[[], None], *, deadline: float, what: str, reco
             write()
             return
         except LeaseLost:
-            logger.warning("%s of %s refused: the lease was taken over by a newer claim",
-                           what, record_id)
+            logger.warning(
+                "%s of %s refused: the lease was taken over by a newer claim", what, record_id
+            )
             raise Ignore("lease lost") from None
         except LedgerUnavailable as exc:
             if time.monotonic() >= deadline:

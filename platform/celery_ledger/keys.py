@@ -36,8 +36,11 @@ def default_key(task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) 
 
 
 def derive_task_id(task_name: str, key: str) -> str:
-    """The Celery task id (and ledger ``_id``) of the job ``(task_name, key)``."""
-    return str(uuid.uuid5(TASK_ID_NAMESPACE, f"{task_name}\x00{key}"))
+    """The Celery task id (and ledger ``_id``) of the job ``(task_name, key)``.
+
+    Derived from the JSON pair, so no choice of name and key can collide with another.
+    """
+    return str(uuid.uuid5(TASK_ID_NAMESPACE, json.dumps([task_name, key])))
 
 
 def bind_arguments(
@@ -47,7 +50,9 @@ def bind_arguments(
     try:
         bound = inspect.signature(func).bind(*args, **kwargs)
     except TypeError as exc:
-        raise PayloadError(f"arguments do not match {func.__name__}{inspect.signature(func)}: {exc}") from exc
+        raise PayloadError(
+            f"arguments do not match {func.__name__}{inspect.signature(func)}: {exc}"
+        ) from exc
     bound.apply_defaults()
     return dict(bound.arguments)
 
@@ -68,7 +73,12 @@ def compute_key(
     if spec is None:
         return default_key(task_name, args, kwargs)
     if callable(spec):
-        key = spec(*args, **kwargs)
+        try:
+            key = spec(*args, **kwargs)
+        except TypeError as exc:
+            raise PayloadError(
+                f"idempotency_key of {task_name} cannot take these arguments: {exc}"
+            ) from exc
     elif isinstance(spec, str):
         try:
             key = spec.format(**bind_arguments(run, args, kwargs))
@@ -90,4 +100,10 @@ def validate_key(key: Any, *, task_name: str) -> str:
         raise PayloadError(f"idempotency key of {task_name} must be a non-empty str, got {key!r}")
     if len(key) > 512:
         raise PayloadError(f"idempotency key of {task_name} is longer than 512 characters")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PayloadError(
+            f"idempotency key of {task_name} is not valid UTF-8 text: {exc}"
+        ) from exc
     return key

@@ -16,12 +16,15 @@ DEAD_LETTER_QUEUE = "dead_letter"
 class Tiers:
     """The tiers of an app (each its own queue) and the glob rules that route tasks to them."""
 
-    def __init__(self, names: tuple[str, ...], *, default: str,
-                 rules: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, names: tuple[str, ...], *, default: str, rules: dict[str, str] | None = None
+    ) -> None:
         self.names = names
         self.default = self.check(default, where="default tier")
-        self.rules = {pattern: self.check(tier, where=f"routing rule {pattern!r}")
-                      for pattern, tier in (rules or {}).items()}
+        self.rules = {
+            pattern: self.check(tier, where=f"routing rule {pattern!r}")
+            for pattern, tier in (rules or {}).items()
+        }
 
     def check(self, tier: str, *, where: str) -> str:
         if tier not in self.names:
@@ -39,7 +42,7 @@ class Tiers:
                 return tier
         task_tier = getattr(task, "tier", None)
         if task_tier:
-            return task_tier  # checked when the task was declared
+            return self.check(str(task_tier), where=f"task {task.name}")
         return self.default
 
 

@@ -19,9 +19,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LEDGER_", extra="forbid")
 
     broker_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker URL (Redis).")
-    mongo_uri: str = Field(
-        "mongodb://127.0.0.1:27017/", description="MongoDB URI of the ledger."
-    )
+    mongo_uri: str = Field("mongodb://127.0.0.1:27017/", description="MongoDB URI of the ledger.")
     mongo_db: str = Field("celery_ledger", description="Database that holds the ledger.")
     ledger_collection: str = Field("ledger", description="Collection of ledger records.")
     mongo_write_concern: Literal["majority", "1"] = Field(
@@ -32,7 +30,9 @@ class Settings(BaseSettings):
     )
 
     lease_seconds: float = Field(
-        60.0, gt=0, description="How long a claim is exclusive before another delivery may take over."
+        60.0,
+        gt=0,
+        description="How long a claim is exclusive before another delivery may take over.",
     )
     result_retention_seconds: int = Field(
         7 * 24 * 3600, ge=60, description="How long succeeded records (results) are kept."

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery import Task
@@ -47,13 +48,20 @@ class LedgerTask(Task):  # type: ignore[misc]
         {"idempotency_key", "tier", "lease_seconds", "dedupe_on_publish"}
     )
 
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        """Check the task's tier against the app's tiers, however the tier was set."""
+        tiers = getattr(app, "tiers", None)
+        if cls.tier is not None and tiers is not None:
+            tiers.check(cls.tier, where=f"task {cls.name or cls.__name__}")
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
         if request.called_directly or request.is_eager:
             return self.run(*args, **kwargs)
         return run_guarded(self, args, kwargs)
 
-    def apply_async(  # type: ignore[override]
+    def apply_async(
         self,
         args: Any = None,
         kwargs: Any = None,
@@ -90,10 +98,11 @@ class LedgerTask(Task):  # type: ignore[misc]
         if explicit_key is not None:
             key = validate_key(explicit_key, task_name=self.name)
         elif message_headers.get(headers.KEY):
-            key = str(message_headers[headers.KEY])
+            key = validate_key(message_headers[headers.KEY], task_name=self.name)
         else:
-            key = compute_key(self.key_spec(), task_name=self.name, run=self.run,
-                              args=args, kwargs=kwargs)
+            key = compute_key(
+                self.key_spec(), task_name=self.name, run=self.run, args=args, kwargs=kwargs
+            )
         tier = self.app.tiers.resolve(self, call_tier or message_headers.get(headers.TIER))
         task_id = task_id or derive_task_id(self.name, key)
         message_headers[headers.KEY] = key
@@ -101,29 +110,55 @@ class LedgerTask(Task):  # type: ignore[misc]
         options.setdefault("queue", tier)
 
         if self.app.conf.task_always_eager:
-            return super().apply_async(args, kwargs, task_id=task_id, producer=producer,
-                                       link=link, link_error=link_error, shadow=shadow,
-                                       headers=message_headers, **options)
+            return super().apply_async(
+                args,
+                kwargs,
+                task_id=task_id,
+                producer=producer,
+                link=link,
+                link_error=link_error,
+                shadow=shadow,
+                headers=message_headers,
+                **options,
+            )
 
         due_at = _due_time(options.pop("countdown", None), options.pop("eta", None))
         if due_at is not None and due_at > time.time():
-            return self._publish_later(args, kwargs, task_id, due_at, link=link,
-                                       link_error=link_error, shadow=shadow,
-                                       headers=message_headers, **options)
+            return self._publish_later(
+                args,
+                kwargs,
+                task_id,
+                due_at,
+                link=link,
+                link_error=link_error,
+                shadow=shadow,
+                headers=message_headers,
+                **options,
+            )
 
-        dedupe = settings.dedupe_on_publish if self.dedupe_on_publish is None else self.dedupe_on_publish
+        dedupe = (
+            settings.dedupe_on_publish if self.dedupe_on_publish is None else self.dedupe_on_publish
+        )
         if dedupe and not self.app.ledger.enqueue(task_id, task=self.name, key=key, tier=tier):
             return self.AsyncResult(task_id)
         try:
-            return super().apply_async(args, kwargs, task_id=task_id, producer=producer,
-                                       link=link, link_error=link_error, shadow=shadow,
-                                       headers=message_headers, **options)
+            return super().apply_async(
+                args,
+                kwargs,
+                task_id=task_id,
+                producer=producer,
+                link=link,
+                link_error=link_error,
+                shadow=shadow,
+                headers=message_headers,
+                **options,
+            )
         except Exception:
             if dedupe:
-                try:
+                # If the ledger is down too, the queued record stays and blocks a republish
+                # until the reconciler finds it (a queued record whose message never went out).
+                with contextlib.suppress(LedgerUnavailable):
                     self.app.ledger.forget_queued(task_id)
-                except LedgerUnavailable:
-                    pass  # the reconciler finds queued records whose message never went out
             raise
 
     @classmethod
@@ -132,12 +167,19 @@ class LedgerTask(Task):  # type: ignore[misc]
         spec = inspect.getattr_static(cls, "idempotency_key")
         return spec.__func__ if isinstance(spec, staticmethod) else spec
 
-    def _publish_later(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str,
-                       due_at: float, **options: Any) -> AsyncResult:
+    def _publish_later(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        task_id: str,
+        due_at: float,
+        **options: Any,
+    ) -> AsyncResult:
         options = {name: value for name, value in options.items() if value is not None}
         options.pop("producer", None)
-        self.app.delayed.schedule(self.name, list(args), kwargs, {"task_id": task_id, **options},
-                                  due_at)
+        self.app.delayed.schedule(
+            self.name, list(args), kwargs, {"task_id": task_id, **options}, due_at
+        )
         return self.AsyncResult(task_id)
 
 
@@ -147,5 +189,6 @@ def _due_time(countdown: float | None, eta: datetime | str | None) -> float | No
     if isinstance(eta, str):
         eta = datetime.fromisoformat(eta)
     if isinstance(eta, datetime):
-        return eta.timestamp()
+        # A naive eta is UTC, as Celery reads it (the app's timezone is UTC).
+        return (eta if eta.tzinfo else eta.replace(tzinfo=UTC)).timestamp()
     return None

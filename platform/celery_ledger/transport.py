@@ -14,6 +14,7 @@ import base64
 import json
 import logging
 import time
+from queue import Empty
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
@@ -25,8 +26,8 @@ logger = logging.getLogger("celery_ledger.transport")
 POISON_KEY = "celery_ledger:poison"
 
 
-class Channel(kombu_redis.Channel):  # type: ignore[misc]
-    def _brpop_read(self, **options: Any) -> bool:
+class Channel(kombu_redis.Channel):
+    def _brpop_read(self, **options: Any) -> bool | None:
         try:
             try:
                 dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
@@ -34,7 +35,7 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                 self.client.connection.disconnect()
                 raise
             if not dest__item:
-                raise kombu_redis.Empty()
+                raise Empty()
             dest, item = dest__item
             dest = bytes_to_str(dest).rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(dest)
@@ -43,12 +44,12 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                 self.connection._deliver(message, dest)
             return True
         finally:
-            self._in_poll = None
+            self._in_poll = None  # type: ignore[assignment]  # kombu's own reset
             flush = getattr(self, "_flush_brpop_reauth", None)
             if flush is not None:
                 flush()
 
-    def _get(self, queue: str) -> Any:
+    def _get(self, queue: str, timeout: Any = None) -> Any:
         with self.conn_or_acquire() as client:
             for pri in self.priority_steps:
                 item = client.rpop(self._q_for_pri(queue, pri))
@@ -56,10 +57,10 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
                     self._maybe_update_queues_expire(client, queue)
                     message = self._decode_or_quarantine(item, queue)
                     if message is None:
-                        raise kombu_redis.Empty()
+                        raise Empty()
                     return message
             self._maybe_update_queues_expire(client, queue)
-            raise kombu_redis.Empty()
+            raise Empty()
 
     def _decode_or_quarantine(self, item: bytes, queue: str) -> Any:
         try:
@@ -70,12 +71,16 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         except (ValueError, TypeError, UnicodeDecodeError) as exc:
             reason = f"undecodable message: {type(exc).__name__}: {exc}"
             logger.error("queue %s: %s; kept in %s", queue, reason, POISON_KEY)
-            entry = {"queue": queue, "reason": reason, "at": time.time(),
-                     "raw_base64": base64.b64encode(item).decode()}
+            entry = {
+                "queue": queue,
+                "reason": reason,
+                "at": time.time(),
+                "raw_base64": base64.b64encode(item).decode(),
+            }
             with self.conn_or_acquire() as client:
                 client.lpush(POISON_KEY, json.dumps(entry))
             return None
 
 
-class Transport(kombu_redis.Transport):  # type: ignore[misc]
+class Transport(kombu_redis.Transport):
     Channel = Channel

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 from celery import bootsteps
 
@@ -19,7 +19,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
     The publisher is the step's ``obj``, so Celery's start, stop and terminate reach it.
     """
 
-    requires = {"celery.worker.components:Pool"}
+    requires: ClassVar[set[str]] = {"celery.worker.components:Pool"}
 
     def create(self, worker: Any) -> DelayedPublisher:
         app = worker.app

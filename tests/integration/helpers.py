@@ -11,8 +11,13 @@ from tasks.effects import effects
 T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], T], *, timeout: float = 30.0, interval: float = 0.1,
-             what: str = "condition") -> T:
+def wait_for(
+    predicate: Callable[[], T],
+    *,
+    timeout: float = 30.0,
+    interval: float = 0.1,
+    what: str = "condition",
+) -> T:
     """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:

@@ -36,17 +36,21 @@ def test_twenty_concurrent_deliveries_of_one_key_run_the_body_once(app: Any, tok
     from tests.integration.ledger_app import record
 
     # Given 20 deliveries of one key published at once, the body taking a second
-    threads = [threading.Thread(target=record.apply_async, args=((token, 1.0),))
-               for _ in range(20)]
+    threads = [threading.Thread(target=record.apply_async, args=((token, 1.0),)) for _ in range(20)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
 
     # Then one delivery runs it; the 19 others wait for the lease, then are suppressed
-    wait_for(lambda: app.ledger.get(record.name, token) is not None
-             and app.ledger.get(record.name, token).duplicates == 19,
-             timeout=60, what="19 suppressed duplicates")
+    wait_for(
+        lambda: (
+            app.ledger.get(record.name, token) is not None
+            and app.ledger.get(record.name, token).duplicates == 19
+        ),
+        timeout=60,
+        what="19 suppressed duplicates",
+    )
     record_after = app.ledger.get(record.name, token)
     assert record_after.state is State.SUCCEEDED
     assert record_after.attempts == 1
@@ -60,8 +64,12 @@ def test_worker_killed_mid_task_completes_once_after_the_lease_expires(
 
     # Given a task in the middle of its body (before its effect)
     result = record.delay(token, 2.0)
-    running = wait_for(lambda: (r := app.ledger.get(record.name, token)) is not None
-                       and r.state is State.RUNNING and r, what="task running")
+    running = wait_for(
+        lambda: (
+            (r := app.ledger.get(record.name, token)) is not None and r.state is State.RUNNING and r
+        ),
+        what="task running",
+    )
     pid = int(running.lease_owner.rsplit(":", 1)[1])
 
     # When its pool process is killed with SIGKILL

@@ -28,11 +28,20 @@ def isolated(tmp_path: Path, stack: Any) -> Iterator[EmbeddedStack]:
 
 def test_ledger_down_then_up_runs_the_task_exactly_once(isolated: EmbeddedStack) -> None:
     assert isolated.ledger is not None and isolated.broker is not None
-    producer = create_app("outage_producer", settings=Settings(
-        broker_url=isolated.broker.url, mongo_uri=isolated.ledger.url, mongo_db="ledger_tests",
-        mongo_timeout_ms=1500), set_as_current=False)
+    producer = create_app(
+        "outage_producer",
+        settings=Settings(
+            broker_url=isolated.broker.url,
+            mongo_uri=isolated.ledger.url,
+            mongo_db="ledger_tests",
+            mongo_timeout_ms=1500,
+        ),
+        set_as_current=False,
+    )
 
-    @producer.task(name="tests.integration.ledger_app.record", idempotency_key="{token}")
+    @producer.task(
+        name="tests.integration.ledger_app.record", idempotency_key="{token}", shared=False
+    )
     def record(token: str, sleep_seconds: float = 0.0) -> dict[str, Any]:
         raise AssertionError("runs in the worker only")
 

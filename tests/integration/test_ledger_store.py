@@ -17,8 +17,12 @@ from celery_ledger.ledger.store import utcnow
 
 @pytest.fixture
 def ledger(stack: Any) -> Ledger:
-    store = Ledger(uri=stack.ledger.url, database="ledger_store_tests", lease_seconds=0.5,
-                   error_history_limit=3)
+    store = Ledger(
+        uri=stack.ledger.url,
+        database="ledger_store_tests",
+        lease_seconds=0.5,
+        error_history_limit=3,
+    )
     store.ensure_indexes()
     return store
 
@@ -71,8 +75,9 @@ def test_claim_outcomes_for_each_state(ledger: Ledger) -> None:
 
     dead_id = uuid.uuid4().hex
     held = claim(ledger, dead_id)
-    ledger.record_failure(dead_id, held.fence, ErrorEntry(type="E", message="m", at=utcnow()),
-                          retry_at=None)
+    ledger.record_failure(
+        dead_id, held.fence, ErrorEntry(type="E", message="m", at=utcnow()), retry_at=None
+    )
     assert claim(ledger, dead_id).outcome is ClaimOutcome.DEAD
 
 
@@ -82,9 +87,11 @@ def test_retrying_records_are_claimable_and_keep_a_bounded_error_history(ledger:
         held = claim(ledger, record_id)
         assert held.outcome is ClaimOutcome.CLAIMED
         ledger.record_failure(
-            record_id, held.fence,
+            record_id,
+            held.fence,
             ErrorEntry(type="E", message=f"attempt {attempt}", at=utcnow(), attempt=attempt),
-            retry_at=utcnow())
+            retry_at=utcnow(),
+        )
     record = ledger.get_by_id(record_id)
     assert record is not None
     assert record.state is State.RETRYING

@@ -43,32 +43,50 @@ class WorkerThreadCommands(monitoring.CommandListener):
 
 @pytest.fixture(scope="module")
 def counted(stack: Any) -> Iterator[tuple[Any, WorkerThreadCommands]]:
-    settings = Settings(broker_url=stack.broker.url, mongo_uri=stack.ledger.url,
-                        mongo_db="ledger_tests", defer_poll_seconds=0.2)
+    settings = Settings(
+        broker_url=stack.broker.url,
+        mongo_uri=stack.ledger.url,
+        mongo_db="ledger_tests",
+        defer_poll_seconds=0.2,
+    )
     app = create_app("roundtrips", settings=settings, set_as_current=False)
     listener = WorkerThreadCommands()
-    app.ledger = Ledger(uri=settings.mongo_uri, database=settings.mongo_db,
-                        event_listeners=[listener])
+    app.ledger = Ledger(
+        uri=settings.mongo_uri, database=settings.mongo_db, event_listeners=[listener]
+    )
     failures: dict[str, int] = {}
 
-    @app.task(name="rt.happy", idempotency_key="{token}")
+    @app.task(shared=False, name="rt.happy", idempotency_key="{token}")
     def happy(token: str) -> str:
         return token
 
-    @app.task(name="rt.flaky", idempotency_key="{token}", autoretry_for=(ConnectionError,),
-              default_retry_delay=0.1, retry_backoff=False, max_retries=3)
+    @app.task(
+        shared=False,
+        name="rt.flaky",
+        idempotency_key="{token}",
+        autoretry_for=(ConnectionError,),
+        default_retry_delay=0.1,
+        retry_backoff=False,
+        max_retries=3,
+    )
     def flaky(token: str) -> str:
         failures[token] = failures.get(token, 0) + 1
         if failures[token] == 1:
             raise ConnectionError("first attempt fails")
         return token
 
-    @app.task(name="rt.boom", idempotency_key="{token}")
+    @app.task(shared=False, name="rt.boom", idempotency_key="{token}")
     def boom(token: str) -> None:
         raise ValueError(token)
 
-    with start_worker(app, pool="solo", queues=[QUEUE], perform_ping_check=False,
-                      loglevel="WARNING", shutdown_timeout=10):
+    with start_worker(
+        app,
+        pool="solo",
+        queues=[QUEUE],
+        perform_ping_check=False,
+        loglevel="WARNING",
+        shutdown_timeout=10,
+    ):
         yield app, listener
 
 
@@ -109,5 +127,9 @@ def test_round_trips_per_task(counted: tuple[Any, WorkerThreadCommands], token: 
     observed["dead"] = listener.count(dead.id)
 
     print("\nledger round trips per task:", observed)
-    assert observed == {"happy path": 2, "suppressed duplicate": 1,
-                        "one retry (both attempts)": 4, "dead": 2}
+    assert observed == {
+        "happy path": 2,
+        "suppressed duplicate": 1,
+        "one retry (both attempts)": 4,
+        "dead": 2,
+    }

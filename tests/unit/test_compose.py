@@ -57,10 +57,27 @@ def _compose(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     empty_env_file = tmp_path / "empty.env"
     empty_env_file.write_text("")
     env = {**os.environ, **DUMMY_ENV}
-    argv = [_docker_compose(), "-f", str(COMPOSE_FILE), "--project-directory", str(ROOT),
-            "--env-file", str(empty_env_file), "--profile", "monitoring", *args]
-    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=SUBPROCESS_TIMEOUT, check=False)
+    argv = [
+        _docker_compose(),
+        "-f",
+        str(COMPOSE_FILE),
+        "--project-directory",
+        str(ROOT),
+        "--env-file",
+        str(empty_env_file),
+        "--profile",
+        "monitoring",
+        *args,
+    ]
+    return subprocess.run(
+        argv,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
+        check=False,
+    )
 
 
 def _yaml_python(compose_path: str) -> str | None:
@@ -72,10 +89,16 @@ def _yaml_python(compose_path: str) -> str | None:
         candidates.append(first[2:].split()[0])
     candidates.append("/usr/bin/python3")
     for python in candidates:
-        if Path(python).is_file() and subprocess.run(
-            [python, "-c", "import yaml"], capture_output=True, timeout=SUBPROCESS_TIMEOUT,
-            check=False,
-        ).returncode == 0:
+        if (
+            Path(python).is_file()
+            and subprocess.run(
+                [python, "-c", "import yaml"],
+                capture_output=True,
+                timeout=SUBPROCESS_TIMEOUT,
+                check=False,
+            ).returncode
+            == 0
+        ):
             return python
     return None
 
@@ -104,11 +127,16 @@ def _resolved_config(tmp_path: Path) -> dict[str, Any]:
 
     python = _yaml_python(_docker_compose())
     if python is None:
-        pytest.skip("no way to parse YAML: no PyYAML here, no `config --format json`, "
-                    "no system python3 with yaml")
+        pytest.skip(
+            "no way to parse YAML: no PyYAML here, no `config --format json`, "
+            "no system python3 with yaml"
+        )
     converted = subprocess.run(
         [python, "-c", "import json, sys, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)"],
-        input=result.stdout, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
+        input=result.stdout,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
         check=False,
     )
     assert converted.returncode == 0, converted.stderr
@@ -141,7 +169,7 @@ def _host_ips(service: dict[str, Any]) -> list[str]:
             continue
         spec = str(port).split("/", 1)[0]
         if spec.startswith("["):  # [ipv6]:host:container
-            ips.append(spec[1:spec.index("]")])
+            ips.append(spec[1 : spec.index("]")])
             continue
         parts = spec.split(":")
         ips.append(parts[0] if len(parts) == 3 else "")
@@ -159,9 +187,22 @@ def test_missing_secret_fails_loudly(tmp_path: Path) -> None:
     empty_env_file.write_text("")
     env = {k: v for k, v in {**os.environ, **DUMMY_ENV}.items() if k != "REDIS_PASSWORD"}
     result = subprocess.run(
-        [compose, "-f", str(COMPOSE_FILE), "--project-directory", str(ROOT), "--env-file",
-         str(empty_env_file), "config", "-q"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
+        [
+            compose,
+            "-f",
+            str(COMPOSE_FILE),
+            "--project-directory",
+            str(ROOT),
+            "--env-file",
+            str(empty_env_file),
+            "config",
+            "-q",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
         check=False,
     )
     assert result.returncode != 0
@@ -209,8 +250,12 @@ def test_ledger_worker_cli_exists() -> None:
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     result = subprocess.run(
         [sys.executable, "-m", "celery", "-A", "tasks", "ledger", "worker", "--help"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": pythonpath}, capture_output=True, text=True,
-        timeout=SUBPROCESS_TIMEOUT, check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert "--tier" in result.stdout

@@ -44,32 +44,58 @@ def ledger(ctx: click.Context) -> None:
 @click.option("--concurrency", "-c", type=int, default=None, help="Pool processes (tier default).")
 @click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
-def worker(ctx: click.Context, tier: str, concurrency: int | None,
-           worker_args: tuple[str, ...]) -> None:
+def worker(
+    ctx: click.Context, tier: str, concurrency: int | None, worker_args: tuple[str, ...]
+) -> None:
     """Run a worker for one tier: ``celery worker -Q TIER`` with the tier's defaults."""
     defaults = TIER_WORKER_DEFAULTS[tier]
-    argv = [sys.executable, "-m", "celery", "-A", _app_path(ctx), "worker", "-Q", tier,
-            "-n", f"{tier}@%h", "-c", str(concurrency or defaults.concurrency),
-            "--prefetch-multiplier", str(defaults.prefetch_multiplier), *worker_args]
+    argv = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        _app_path(ctx),
+        "worker",
+        "-Q",
+        tier,
+        "-n",
+        f"{tier}@%h",
+        "-c",
+        str(concurrency or defaults.concurrency),
+        "--prefetch-multiplier",
+        str(defaults.prefetch_multiplier),
+        *worker_args,
+    ]
     console.print(f"[bold]tier {tier}[/]: {' '.join(argv[2:])}", highlight=False)
     os.execv(sys.executable, argv)
 
 
 @ledger.command()
-@click.option("--data-dir", type=click.Path(path_type=Path), default=Path(".ledger-dev"),
-              show_default=True, help="Where the servers keep their data (survives restarts).")
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path),
+    default=Path(".ledger-dev"),
+    show_default=True,
+    help="Where the servers keep their data (survives restarts).",
+)
 @click.option("--broker-port", type=int, default=None, help="valkey-server port (default: free).")
 @click.option("--ledger-port", type=int, default=None, help="SecantusDB port (default: free).")
 @click.option("--workers/--no-workers", default=True, help="Start one worker per tier.")
 @click.pass_context
-def stack(ctx: click.Context, data_dir: Path, broker_port: int | None, ledger_port: int | None,
-          workers: bool) -> None:
+def stack(
+    ctx: click.Context,
+    data_dir: Path,
+    broker_port: int | None,
+    ledger_port: int | None,
+    workers: bool,
+) -> None:
     """Run the embedded stack (broker, ledger, a worker per tier) until Ctrl-C."""
     from ..embedded.stack import running_stack
 
     app_path = _app_path(ctx)
-    with running_stack(app_path, data_dir, workers=workers, broker_port=broker_port,
-                       ledger_port=ledger_port) as running:
+    with running_stack(
+        app_path, data_dir, workers=workers, broker_port=broker_port, ledger_port=ledger_port
+    ) as running:
         console.print("[bold green]celery-ledger embedded stack is up[/]")
         console.print(running.describe(), highlight=False)
         console.print("\nIn another shell:")
@@ -111,6 +137,11 @@ def show(ctx: click.Context, task_name: str, key: str, as_json: bool) -> None:
     if record.errors:
         errors = Table("at", "attempt", "type", "message", "worker", title="errors")
         for error in record.errors:
-            errors.add_row(error.at.isoformat(timespec="seconds"), str(error.attempt),
-                           error.type, error.message[:80], error.worker)
+            errors.add_row(
+                error.at.isoformat(timespec="seconds"),
+                str(error.attempt),
+                error.type,
+                error.message[:80],
+                error.worker,
+            )
         console.print(errors)

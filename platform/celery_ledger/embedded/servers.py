@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigurationError, LedgerError
 
@@ -104,35 +105,80 @@ def secantus_command() -> list[str]:
     raise ConfigurationError("SecantusDB is not installed: pip install 'celery-ledger[embedded]'")
 
 
-def start_valkey(data_dir: Path, *, port: int | None = None, password: str | None = None,
-                 ready_timeout: float = 15.0) -> ServerProcess:
+def start_valkey(
+    data_dir: Path,
+    *,
+    port: int | None = None,
+    password: str | None = None,
+    ready_timeout: float = 15.0,
+) -> ServerProcess:
     """valkey-server with AOF persistence (``appendfsync everysec``) in ``data_dir``."""
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    argv = [str(valkey_binary()), "--bind", LOOPBACK, "--port", str(port), "--dir", str(data_dir),
-            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-            "--protected-mode", "yes", "--daemonize", "no"]
+    argv = [
+        str(valkey_binary()),
+        "--bind",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--dir",
+        str(data_dir),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+        "--save",
+        "",
+        "--protected-mode",
+        "yes",
+        "--daemonize",
+        "no",
+    ]
     auth = ""
     if password:
         argv += ["--requirepass", password]
         auth = f":{password}@"
-    server = ServerProcess("valkey", port, f"redis://{auth}{LOOPBACK}:{port}/0", data_dir, argv,
-                           data_dir / "valkey.log", _spawn(argv, data_dir / "valkey.log"))
+    server = ServerProcess(
+        "valkey",
+        port,
+        f"redis://{auth}{LOOPBACK}:{port}/0",
+        data_dir,
+        argv,
+        data_dir / "valkey.log",
+        _spawn(argv, data_dir / "valkey.log"),
+    )
     _wait_ready(server, ready_timeout)
     return server
 
 
-def start_secantus(data_dir: Path, *, port: int | None = None,
-                   ready_timeout: float = 30.0) -> ServerProcess:
+def start_secantus(
+    data_dir: Path, *, port: int | None = None, ready_timeout: float = 30.0
+) -> ServerProcess:
     """A SecantusDB server storing its WiredTiger files in ``data_dir``."""
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    argv = [*secantus_command(), "--host", LOOPBACK, "--port", str(port),
-            "--storage-path", str(data_dir / "db"), "--log-level", "WARNING"]
+    argv = [
+        *secantus_command(),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--storage-path",
+        str(data_dir / "db"),
+        "--log-level",
+        "WARNING",
+    ]
     # retryWrites=false: SecantusDB slows down 10x after 10k retryable writes (shared/FACTS.md).
     url = f"mongodb://{LOOPBACK}:{port}/?retryWrites=false&directConnection=true"
-    server = ServerProcess("secantus", port, url, data_dir, argv, data_dir / "secantus.log",
-                           _spawn(argv, data_dir / "secantus.log"))
+    server = ServerProcess(
+        "secantus",
+        port,
+        url,
+        data_dir,
+        argv,
+        data_dir / "secantus.log",
+        _spawn(argv, data_dir / "secantus.log"),
+    )
     _wait_ready(server, ready_timeout)
     return server
 
@@ -140,8 +186,13 @@ def start_secantus(data_dir: Path, *, port: int | None = None,
 def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
     try:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     finally:
         log.close()
 
@@ -158,8 +209,9 @@ def _wait_ready(server: ServerProcess, timeout: float) -> None:
             return
         time.sleep(0.1)
     server.kill()
-    raise ServerStartError(f"{server.name} did not answer on port {server.port} in {timeout}s:\n"
-                           f"{server.log_tail()}")
+    raise ServerStartError(
+        f"{server.name} did not answer on port {server.port} in {timeout}s:\n{server.log_tail()}"
+    )
 
 
 def _answers(server: ServerProcess) -> bool:
@@ -170,6 +222,7 @@ def _answers(server: ServerProcess) -> bool:
             return bool(redis.Redis.from_url(server.url, socket_timeout=1).ping())
         from pymongo import MongoClient
 
+        client: MongoClient[dict[str, Any]]
         with MongoClient(server.url, serverSelectionTimeoutMS=500) as client:
             client.admin.command("ping")
         return True

@@ -78,29 +78,66 @@ class EmbeddedStack:
     @property
     def env(self) -> dict[str, str]:
         assert self.broker is not None and self.ledger is not None
-        return {"LEDGER_BROKER_URL": self.broker.url, "LEDGER_MONGO_URI": self.ledger.url,
-                **self.extra_env}
+        return {
+            "LEDGER_BROKER_URL": self.broker.url,
+            "LEDGER_MONGO_URI": self.ledger.url,
+            **self.extra_env,
+        }
 
-    def start_servers(self, *, broker_port: int | None = None,
-                      ledger_port: int | None = None) -> None:
+    def start_servers(
+        self, *, broker_port: int | None = None, ledger_port: int | None = None
+    ) -> None:
         self.broker = start_valkey(self.data_dir / "valkey", port=broker_port)
         self.ledger = start_secantus(self.data_dir / "secantus", port=ledger_port)
 
-    def start_worker(self, queues: str, *, concurrency: int = 1, name: str | None = None,
-                     pool: str = "prefork", extra_args: tuple[str, ...] = (),
-                     env: Mapping[str, str] | None = None, wait: bool = True) -> WorkerProcess:
+    def start_worker(
+        self,
+        queues: str,
+        *,
+        concurrency: int = 1,
+        name: str | None = None,
+        pool: str = "prefork",
+        extra_args: tuple[str, ...] = (),
+        env: Mapping[str, str] | None = None,
+        wait: bool = True,
+    ) -> WorkerProcess:
         name = name or f"{queues.replace(',', '-')}-{len(self.workers)}@{LOOPBACK}"
         log_path = self.data_dir / f"worker-{name.split('@')[0]}.log"
-        argv = [sys.executable, "-m", "celery", "-A", self.app_module, "worker", "-Q", queues,
-                "-n", name, "-c", str(concurrency), "-P", pool, "--loglevel", "INFO",
-                "--without-gossip", "--without-mingle", "--without-heartbeat", *extra_args]
+        argv = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            self.app_module,
+            "worker",
+            "-Q",
+            queues,
+            "-n",
+            name,
+            "-c",
+            str(concurrency),
+            "-P",
+            pool,
+            "--loglevel",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            *extra_args,
+        ]
         worker_env = {**os.environ, **self.env, **(env or {})}
         worker_env["PYTHONPATH"] = os.pathsep.join(
-            [os.getcwd(), *filter(None, [worker_env.get("PYTHONPATH")])])
+            [os.getcwd(), *filter(None, [worker_env.get("PYTHONPATH")])]
+        )
         with open(log_path, "ab") as log:
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, env=worker_env,
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=worker_env,
+                start_new_session=True,
+            )
         worker = WorkerProcess(name, queues, argv, worker_env, log_path, process)
         self.workers.append(worker)
         if wait:
@@ -109,8 +146,9 @@ class EmbeddedStack:
 
     def start_tier_workers(self, concurrency: Mapping[str, int] = DEFAULT_CONCURRENCY) -> None:
         for tier in TIERS:
-            self.start_worker(tier, concurrency=concurrency.get(tier, 1),
-                              name=f"{tier}@{LOOPBACK}", wait=False)
+            self.start_worker(
+                tier, concurrency=concurrency.get(tier, 1), name=f"{tier}@{LOOPBACK}", wait=False
+            )
         for worker in self.workers:
             self.wait_ready(worker)
 
@@ -121,11 +159,14 @@ class EmbeddedStack:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 if not worker.alive():
-                    raise ServerStartError(f"worker {worker.name} exited:\n{_tail(worker.log_path)}")
+                    raise ServerStartError(
+                        f"worker {worker.name} exited:\n{_tail(worker.log_path)}"
+                    )
                 if probe.control.ping(destination=[worker.name], timeout=0.5):
                     return
-            raise ServerStartError(f"worker {worker.name} not ready in {timeout}s:\n"
-                                   f"{_tail(worker.log_path)}")
+            raise ServerStartError(
+                f"worker {worker.name} not ready in {timeout}s:\n{_tail(worker.log_path)}"
+            )
         finally:
             probe.close()
 
@@ -146,15 +187,23 @@ class EmbeddedStack:
             if server is not None:
                 lines.append(f"{server.name:<10} pid {server.pid:<7} {server.url}")
         for worker in self.workers:
-            lines.append(f"{'worker':<10} pid {worker.pid:<7} {worker.name} queues={worker.queues}"
-                         f" log={worker.log_path}")
+            lines.append(
+                f"{'worker':<10} pid {worker.pid:<7} {worker.name} queues={worker.queues}"
+                f" log={worker.log_path}"
+            )
         return "\n".join(lines)
 
 
 @contextlib.contextmanager
-def running_stack(app_module: str, data_dir: Path, *, workers: bool = True,
-                  broker_port: int | None = None, ledger_port: int | None = None,
-                  concurrency: Mapping[str, int] = DEFAULT_CONCURRENCY) -> Iterator[EmbeddedStack]:
+def running_stack(
+    app_module: str,
+    data_dir: Path,
+    *,
+    workers: bool = True,
+    broker_port: int | None = None,
+    ledger_port: int | None = None,
+    concurrency: Mapping[str, int] = DEFAULT_CONCURRENCY,
+) -> Iterator[EmbeddedStack]:
     """Start the stack, set ``LEDGER_*`` in this process's environment, stop it all on exit."""
     stack = EmbeddedStack(app_module, data_dir)
     saved = {name: os.environ.get(name) for name in ("LEDGER_BROKER_URL", "LEDGER_MONGO_URI")}

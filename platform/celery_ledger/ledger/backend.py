@@ -55,8 +55,15 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
 
     # -- writes ------------------------------------------------------------------------------
 
-    def _store_result(self, task_id: str, result: Any, state: str, traceback: str | None = None,
-                      request: Any = None, **kwargs: Any) -> Any:
+    def _store_result(
+        self,
+        task_id: str,
+        result: Any,
+        state: str,
+        traceback: str | None = None,
+        request: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         if request is not None and getattr(request, "ledger_settled", False):
             return result  # LedgerTask recorded this outcome under its fencing token
         fields: dict[str, Any] = {
@@ -86,14 +93,17 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
             result = json.loads(doc["result"])
         if status in (states.FAILURE, states.RETRY) and "celery_state" not in doc:
             result = _exception_payload(doc)
-        return self.meta_from_decoded({  # type: ignore[no-any-return]
-            "task_id": task_id,
-            "status": status,
-            "result": result,
-            "date_done": doc.get("finished_at"),
-            "traceback": doc.get("traceback"),
-            "children": [],
-        })
+        meta: dict[str, Any] = self.meta_from_decoded(
+            {
+                "task_id": task_id,
+                "status": status,
+                "result": result,
+                "date_done": doc.get("finished_at"),
+                "traceback": doc.get("traceback"),
+                "children": [],
+            }
+        )
+        return meta
 
     def task_result_exists(self, task_id: str) -> bool:
         return self.ledger.find_raw(task_id) is not None
@@ -106,8 +116,9 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
 
     def _save_group(self, group_id: str, result: Any) -> Any:
         payload = json.dumps([r.id for r in result.results])
-        self._groups.replace_one({"_id": group_id}, {"_id": group_id, "results": payload},
-                                 upsert=True)
+        self._groups.replace_one(
+            {"_id": group_id}, {"_id": group_id, "results": payload}, upsert=True
+        )
         return result
 
     def _restore_group(self, group_id: str) -> dict[str, Any] | None:
@@ -117,8 +128,10 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
         from celery.result import GroupResult
 
         ids = json.loads(doc["results"])
-        return {"task_id": group_id,
-                "result": GroupResult(group_id, [self.app.AsyncResult(i) for i in ids], app=self.app)}
+        return {
+            "task_id": group_id,
+            "result": GroupResult(group_id, [self.app.AsyncResult(i) for i in ids], app=self.app),
+        }
 
     def _delete_group(self, group_id: str) -> None:
         self._groups.delete_one({"_id": group_id})
@@ -127,8 +140,14 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
 def _exception_payload(doc: dict[str, Any]) -> dict[str, Any]:
     """The last recorded error in the shape Celery's ``exception_to_python`` reads."""
     errors = doc.get("errors") or []
-    last = errors[-1] if errors else {"type": "celery_ledger.errors.TaskError",
-                                      "message": doc.get("dead_reason", "failed")}
+    last = (
+        errors[-1]
+        if errors
+        else {"type": "celery_ledger.errors.TaskError", "message": doc.get("dead_reason", "failed")}
+    )
     module, _, name = str(last["type"]).rpartition(".")
-    return {"exc_type": name, "exc_message": [last.get("message", "")],
-            "exc_module": module or "builtins"}
+    return {
+        "exc_type": name,
+        "exc_message": [last.get("message", "")],
+        "exc_module": module or "builtins",
+    }

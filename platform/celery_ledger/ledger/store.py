@@ -339,7 +339,11 @@ class Ledger:
         else:
             # Claimable at once: the retry message itself is the timer, and an early duplicate
             # delivery that claims first is as good as the retry.
-            fields |= {"state": State.RETRYING.value, "claimable_at": now, "next_attempt_at": retry_at}
+            fields |= {
+                "state": State.RETRYING.value,
+                "claimable_at": now,
+                "next_attempt_at": retry_at,
+            }
         update = {
             "$set": fields,
             "$push": {
@@ -362,9 +366,7 @@ class Ledger:
         }
         self._fenced_update(record_id, fence, update, "release")
 
-    def _fenced_update(
-        self, record_id: str, fence: int, update: dict[str, Any], what: str
-    ) -> None:
+    def _fenced_update(self, record_id: str, fence: int, update: dict[str, Any], what: str) -> None:
         with translate_errors(what):
             result = self.collection.update_one(
                 {"_id": record_id, "fence": fence, "state": State.RUNNING.value}, update
@@ -408,12 +410,16 @@ class Ledger:
     def store_plain(self, task_id: str, fields: dict[str, Any]) -> None:
         """Upsert a plain result; never touches a record that the claim protocol owns."""
         now = utcnow()
-        with translate_errors("result store"):
-            try:
-                self.collection.update_one(
-                    {"_id": task_id, "fence": {"$exists": False}},
-                    {"$set": {**fields, "updated_at": now, "expires_at": now + self.result_retention}},
-                    upsert=True,
-                )
-            except DuplicateKeyError:
-                pass  # a ledger record owns this id: its own protocol records the outcome
+        # DuplicateKeyError: a ledger record owns this id; its protocol records the outcome.
+        with translate_errors("result store"), contextlib.suppress(DuplicateKeyError):
+            self.collection.update_one(
+                {"_id": task_id, "fence": {"$exists": False}},
+                {
+                    "$set": {
+                        **fields,
+                        "updated_at": now,
+                        "expires_at": now + self.result_retention,
+                    }
+                },
+                upsert=True,
+            )

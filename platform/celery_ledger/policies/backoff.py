@@ -32,7 +32,8 @@ def backoff_seconds(
     if attempt < 0 or base_seconds < 0 or cap_seconds < 0:
         raise ValueError("attempt, base_seconds and cap_seconds must not be negative")
     draw = (rng or random).uniform
-    ceiling = min(cap_seconds, base_seconds * 2.0 ** min(attempt, 64))
+    # 2.0**1000 is still a finite float; a product past float range is inf, so min() caps it.
+    ceiling = min(cap_seconds, base_seconds * 2.0 ** min(attempt, 1000))
     if jitter == "none":
         return ceiling
     if jitter == "full":

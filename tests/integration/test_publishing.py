@@ -1,0 +1,69 @@
+"""Publishing: dedupe at publish, canvas, results by id, delayed retries held in Redis."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+from celery import chain, group
+
+from celery_ledger import State
+from celery_ledger.keys import derive_task_id
+
+from .helpers import effect_count, wait_for
+
+
+def test_dedupe_on_publish_does_not_publish_a_known_key(app: Any, token: str) -> None:
+    from tests.integration.ledger_app import record_deduped
+
+    first = record_deduped.delay(token)
+    assert first.get(timeout=30) == token
+    second = record_deduped.delay(token)  # the ledger already knows the key: not published
+    assert second.id == first.id
+    time.sleep(1.0)
+    record = app.ledger.get(record_deduped.name, token)
+    assert (record.state, record.attempts, record.duplicates) == (State.SUCCEEDED, 1, 0)
+    assert effect_count("deduped", token) == 1
+
+
+def test_async_result_by_derived_id_finds_the_result(app: Any, token: str) -> None:
+    from tests.integration.ledger_app import record
+
+    record.delay(token).get(timeout=30)
+    found = app.AsyncResult(derive_task_id(record.name, token))
+    assert found.get(timeout=5)["token"] == token
+
+
+def test_chain_and_group_of_ledger_tasks(app: Any) -> None:
+    from tests.integration.ledger_app import add
+
+    base = int(time.time() * 1000) % 1_000_000
+    assert chain(add.s(base, 1), add.s(2), add.s(3)).apply_async().get(timeout=30) == base + 6
+    assert [effect_count("add", step) for step in (f"{base}+1", f"{base + 1}+2")] == [1, 1]
+    # A canvas signature is frozen with its own task id, which is its ledger identity
+    other = base + 500
+    assert group(add.s(other, i) for i in range(3)).apply_async().get(timeout=30) == [
+        other,
+        other + 1,
+        other + 2,
+    ]
+    assert all(effect_count("add", f"{other}+{i}") == 1 for i in range(3))
+
+
+def test_a_delayed_retry_waits_in_redis_not_in_worker_memory(
+    stack: Any, app: Any, token: str
+) -> None:
+    from tests.integration.ledger_app import slow_retry
+
+    result = slow_retry.delay(token)
+    delayed = redis.Redis.from_url(stack.broker.url)
+    # While the retry is pending it is an entry of the delayed set, not an ETA message a
+    # worker holds (the worker has nothing scheduled or reserved).
+    wait_for(lambda: delayed.zcard(app.delayed.key) >= 1, what="retry held in Redis")
+    assert app.ledger.get(slow_retry.name, token).state is State.RETRYING
+    inspector = app.control.inspect(destination=[stack.workers[0].name], timeout=2)
+    assert not any((inspector.scheduled() or {}).values())
+    assert result.get(timeout=30) == "retried"
+    assert effect_count("attempt", token) == 2
+    assert delayed.zcard(app.delayed.key) == 0

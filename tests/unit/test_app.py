@@ -1,0 +1,296 @@
+"""celery_ledger.app.create_app and celery_ledger.settings.Settings (no broker, no MongoDB)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import celery
+import pytest
+from celery import Task
+
+from celery_ledger import ConfigurationError, LedgerCelery, LedgerTask, Settings, create_app
+from celery_ledger.ledger.store import Ledger
+
+UNREACHABLE = {"broker_url": "redis://127.0.0.1:1/0", "mongo_uri": "mongodb://127.0.0.1:1/"}
+
+
+@pytest.fixture(autouse=True)
+def no_ledger_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings come from nothing but what a test sets."""
+    for name in list(os.environ):
+        if name.upper().startswith("LEDGER_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
+    """Any attempt to open a connection fails the test (and is recorded)."""
+    attempts: list[Any] = []
+    test_thread = threading.current_thread()
+    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def guarded(real: Any) -> Any:
+        def connect(self: socket.socket, address: Any) -> Any:
+            if threading.current_thread() is not test_thread:
+                return real(self, address)  # other tests' background threads (pymongo monitors)
+            attempts.append(address)
+            raise AssertionError(f"unit test tried to connect to {address}")
+
+        return connect
+
+    monkeypatch.setattr(socket.socket, "connect", guarded(real_connect))
+    monkeypatch.setattr(socket.socket, "connect_ex", guarded(real_connect_ex))
+    yield attempts
+    assert attempts == []
+
+
+@pytest.fixture
+def app() -> LedgerCelery:
+    return create_app("unit", settings=Settings(**UNREACHABLE), set_as_current=False)
+
+
+# -- the app ----------------------------------------------------------------------------------
+
+
+def test_create_app_returns_a_celery_app_with_the_ledger_attached(app: LedgerCelery) -> None:
+    assert isinstance(app, celery.Celery)
+    assert app.main == "unit"
+    assert isinstance(app.ledger, Ledger)
+    assert app.ledger.uri == UNREACHABLE["mongo_uri"]
+    assert app.conf.broker_url == UNREACHABLE["broker_url"]
+
+
+def test_conf_is_json_only_and_acks_late(app: LedgerCelery) -> None:
+    conf = app.conf
+
+    assert conf.task_serializer == "json"
+    assert conf.result_serializer == "json"
+    assert list(conf.accept_content) == ["json"]
+    assert list(conf.result_accept_content) == ["json"]
+    assert conf.task_acks_late is True
+    assert conf.task_reject_on_worker_lost is True
+    assert conf.worker_prefetch_multiplier == 1
+    assert conf.broker_transport == "celery_ledger.transport:Transport"
+    assert conf.broker_transport_options == {"visibility_timeout": 3600}
+    assert conf.enable_utc is True
+
+
+def test_each_tier_and_the_dead_letter_queue_is_declared(app: LedgerCelery) -> None:
+    assert [q.name for q in app.conf.task_queues] == ["critical", "default", "bulk", "dead_letter"]
+    assert app.conf.task_default_queue == "default"
+
+
+def test_settings_flow_into_the_app() -> None:
+    settings = Settings(
+        **UNREACHABLE,
+        default_tier="bulk",
+        worker_prefetch_multiplier=3,
+        visibility_timeout_seconds=120,
+        lease_seconds=9.5,
+        mongo_db="db1",
+    )
+
+    app = create_app("unit", settings=settings, set_as_current=False)
+
+    assert app.settings is settings
+    assert app.conf.task_default_queue == "bulk"
+    assert app.conf.worker_prefetch_multiplier == 3
+    assert app.conf.broker_transport_options == {"visibility_timeout": 120}
+    assert app.ledger.lease_seconds == 9.5
+    assert app.ledger.database_name == "db1"
+    assert app.tiers.default == "bulk"
+
+
+def test_set_as_current_false_leaves_the_current_app_alone(app: LedgerCelery) -> None:
+    assert celery.current_app._get_current_object() is not app
+
+
+# -- tasks ------------------------------------------------------------------------------------
+
+
+def test_declared_tasks_are_ledger_tasks(app: LedgerCelery) -> None:
+    @app.task(name="shop.charge", shared=False)
+    def charge(order_id: int) -> int:
+        return order_id
+
+    assert isinstance(app.tasks["shop.charge"], LedgerTask)
+    assert isinstance(charge, LedgerTask)
+    assert charge.acks_late is True
+    assert charge.reject_on_worker_lost is True
+
+
+def test_bare_decorator_declares_a_ledger_task(app: LedgerCelery) -> None:
+    @app.task(shared=False)
+    def ping() -> str:
+        return "pong"
+
+    assert isinstance(app.tasks[ping.name], LedgerTask)
+
+
+def test_ledger_and_celery_task_options_are_accepted(app: LedgerCelery) -> None:
+    @app.task(
+        name="shop.refund",
+        idempotency_key="refund-{order_id}",
+        tier="critical",
+        lease_seconds=5.0,
+        dedupe_on_publish=True,
+        max_retries=3,
+        bind=True,
+        shared=False,
+        autoretry_for=(KeyError,),
+        retry_backoff=True,
+    )
+    def refund(self: Any, order_id: int) -> None:
+        pass
+
+    declared = app.tasks["shop.refund"]
+    assert declared.tier == "critical"
+    assert declared.lease_seconds == 5.0
+    assert declared.dedupe_on_publish is True
+    assert declared.max_retries == 3
+    assert declared.key_spec() == "refund-{order_id}"
+
+
+def test_celery_builtin_tasks_stay_plain_tasks(app: LedgerCelery) -> None:
+    builtins = {name: t for name, t in app.tasks.items() if name.startswith("celery.")}
+
+    assert "celery.backend_cleanup" in builtins
+    assert "celery.chord_unlock" in builtins
+    assert not [name for name, t in builtins.items() if isinstance(t, LedgerTask)]
+
+
+def test_base_task_option_opts_out_of_the_ledger(app: LedgerCelery) -> None:
+    @app.task(name="plain.thing", base=Task, shared=False)
+    def thing() -> None:
+        pass
+
+    assert not isinstance(app.tasks["plain.thing"], LedgerTask)
+
+
+def test_misspelt_task_option_is_refused_with_a_hint(app: LedgerCelery) -> None:
+    with pytest.raises(ConfigurationError, match=r"did you mean 'idempotency_key'\?"):
+
+        @app.task(idempotency_kye="order-{order_id}")
+        def charge(order_id: int) -> None:
+            pass
+
+
+def test_unknown_task_option_without_a_close_match_is_refused(app: LedgerCelery) -> None:
+    with pytest.raises(ConfigurationError, match="unknown task option 'zzzzzz'"):
+        app.task(zzzzzz=1)(lambda: None)
+
+
+def test_unknown_tier_in_a_task_declaration_is_refused(app: LedgerCelery) -> None:
+    with pytest.raises(ConfigurationError, match="unknown tier 'urgent'") as info:
+
+        @app.task(tier="urgent")
+        def charge() -> None:
+            pass
+
+    assert "known tiers: critical, default, bulk" in str(info.value)
+
+
+def test_declaring_tasks_and_finalizing_connects_to_nothing(
+    app: LedgerCelery, no_network: list[Any]
+) -> None:
+    @app.task(name="shop.charge", shared=False)
+    def charge(order_id: int) -> None:
+        pass
+
+    app.finalize()
+    assert "shop.charge" in app.tasks
+    assert no_network == []
+
+
+# -- settings from LEDGER_* -------------------------------------------------------------------
+
+
+def test_defaults_without_environment() -> None:
+    settings = Settings()
+
+    assert settings.lease_seconds == 60.0
+    assert settings.default_tier == "default"
+    assert settings.routing_rules == {}
+    assert settings.dedupe_on_publish is False
+    assert settings.max_payload_bytes == 1_000_000
+
+
+def test_settings_read_ledger_env_vars(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LEDGER_LEASE_SECONDS", "12.5")
+    monkeypatch.setenv("LEDGER_ROUTING_RULES", '{"reports.*":"bulk"}')
+    monkeypatch.setenv("LEDGER_DEDUPE_ON_PUBLISH", "true")
+    monkeypatch.setenv("LEDGER_MONGO_DB", "ledger_test")
+
+    settings = Settings()
+
+    assert settings.lease_seconds == 12.5
+    assert settings.routing_rules == {"reports.*": "bulk"}
+    assert settings.dedupe_on_publish is True
+    assert settings.mongo_db == "ledger_test"
+
+
+def test_create_app_uses_env_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LEDGER_BROKER_URL", UNREACHABLE["broker_url"])
+    monkeypatch.setenv("LEDGER_MONGO_URI", UNREACHABLE["mongo_uri"])
+    monkeypatch.setenv("LEDGER_LEASE_SECONDS", "12.5")
+    monkeypatch.setenv("LEDGER_ROUTING_RULES", '{"reports.*":"bulk"}')
+
+    app = create_app("unit", set_as_current=False)
+
+    assert app.ledger.lease_seconds == 12.5
+    assert app.tiers.resolve(SimpleNamespace(name="reports.daily", tier=None)) == "bulk"
+    assert app.tiers.resolve(SimpleNamespace(name="mail.send", tier=None)) == "default"
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "setting"),
+    [
+        ("LEDGER_LEASE_SECONDS", "-1", "lease_seconds"),
+        ("LEDGER_LEASE_SECONDS", "abc", "lease_seconds"),
+        ("LEDGER_MAX_PAYLOAD_BYTES", "10", "max_payload_bytes"),
+        ("LEDGER_MONGO_WRITE_CONCERN", "2", "mongo_write_concern"),
+        ("LEDGER_ROUTING_RULES", '["reports.*"]', "routing_rules"),
+        pytest.param(
+            "LEDGER_ROUTING_RULES",
+            "not json",
+            "routing_rules",
+            id="LEDGER_ROUTING_RULES-not-json",
+        ),
+    ],
+)
+def test_broken_env_value_is_a_configuration_error_naming_the_setting(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str, setting: str
+) -> None:
+    monkeypatch.setenv(var, value)
+
+    with pytest.raises(ConfigurationError, match="invalid LEDGER_\\* settings") as info:
+        create_app("unit", set_as_current=False)
+    assert setting in str(info.value)
+
+
+def test_unknown_default_tier_in_env_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LEDGER_DEFAULT_TIER", "urgent")
+
+    with pytest.raises(ConfigurationError, match="default_tier") as info:
+        create_app("unit", set_as_current=False)
+    assert "known tiers: critical, default, bulk" in str(info.value)
+
+
+def test_unknown_tier_in_env_routing_rules_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LEDGER_ROUTING_RULES", '{"reports.*":"urgent"}')
+
+    with pytest.raises(
+        ConfigurationError, match=r"unknown tier 'urgent' in routing rule 'reports\.\*'"
+    ):
+        create_app("unit", set_as_current=False)
+
+
+def test_a_misspelt_ledger_variable_is_refused_with_a_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LEDGER_LEASE_SECOND", "30")
+    with pytest.raises(ConfigurationError, match="did you mean LEDGER_LEASE_SECONDS"):
+        create_app("misspelt", set_as_current=False)

@@ -1,0 +1,477 @@
+"""LedgerTask.apply_async: keys, task ids, headers, queues and limits, with no broker.
+
+Celery's own ``Task.apply_async`` (the parent) is replaced by a recorder, so what LedgerTask
+hands to Celery is observed without publishing anything. Eager mode is not used: it bypasses
+the ledger.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import celery.app.task
+import pytest
+
+from celery_ledger import (
+    ConfigurationError,
+    LedgerCelery,
+    LedgerTask,
+    PayloadError,
+    Settings,
+    create_app,
+)
+from celery_ledger.keys import default_key, derive_task_id
+
+SENTINEL = object()
+
+
+@dataclass
+class Published:
+    args: Any
+    kwargs: Any
+    task_id: str
+    options: dict[str, Any]
+
+    @property
+    def headers(self) -> dict[str, Any]:
+        return dict(self.options["headers"])
+
+
+@dataclass
+class FakeDelayed:
+    scheduled: list[tuple[str, Any, Any, dict[str, Any], float]] = field(default_factory=list)
+
+    def schedule(
+        self, task_name: str, args: Any, kwargs: Any, options: dict[str, Any], due_at: float
+    ) -> None:
+        self.scheduled.append((task_name, args, kwargs, options, due_at))
+
+
+@dataclass
+class FakeLedger:
+    new: bool = True
+    enqueued: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    forgotten: list[str] = field(default_factory=list)
+
+    def enqueue(self, record_id: str, **fields: Any) -> bool:
+        self.enqueued.append((record_id, fields))
+        return self.new
+
+    def forget_queued(self, record_id: str) -> None:
+        self.forgotten.append(record_id)
+
+
+@pytest.fixture
+def published(monkeypatch: pytest.MonkeyPatch) -> list[Published]:
+    calls: list[Published] = []
+
+    def record(
+        self: Any,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: Any = None,
+        **options: Any,
+    ) -> object:
+        assert task_id is not None
+        calls.append(Published(args, kwargs, task_id, options))
+        return SENTINEL
+
+    monkeypatch.setattr(celery.app.task.Task, "apply_async", record)
+    return calls
+
+
+@pytest.fixture
+def app() -> LedgerCelery:
+    settings = Settings(
+        broker_url="redis://127.0.0.1:1/0",
+        mongo_uri="mongodb://127.0.0.1:1/",
+        max_payload_bytes=2048,
+        routing_rules={"reports.*": "bulk"},
+    )
+    return create_app("unit", settings=settings, set_as_current=False)
+
+
+@pytest.fixture
+def delayed(app: LedgerCelery) -> FakeDelayed:
+    fake = FakeDelayed()
+    app.__dict__["delayed"] = fake  # ``delayed`` is a cached_property: shadow it per instance
+    return fake
+
+
+@pytest.fixture
+def add(app: LedgerCelery) -> LedgerTask:
+    @app.task(name="math.add", shared=False)
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    return add
+
+
+@pytest.fixture
+def charge(app: LedgerCelery) -> LedgerTask:
+    @app.task(name="shop.charge", shared=False, idempotency_key="order-{order_id}-{region}")
+    def charge(order_id: int, region: str = "eu") -> None:
+        pass
+
+    return charge
+
+
+def only(calls: list[Published]) -> Published:
+    assert len(calls) == 1, calls
+    return calls[0]
+
+
+# -- keys and task ids ------------------------------------------------------------------------
+
+
+def test_default_key_and_derived_task_id(add: LedgerTask, published: list[Published]) -> None:
+    result = add.apply_async((1, 2))
+
+    call = only(published)
+    key = default_key("math.add", (1, 2), {})
+    assert result is SENTINEL
+    assert call.task_id == derive_task_id("math.add", key)
+    assert call.headers == {"ledger_key": key, "ledger_tier": "default"}
+    assert (tuple(call.args), call.kwargs) == ((1, 2), {})
+
+
+def test_same_call_gives_the_same_task_id(add: LedgerTask, published: list[Published]) -> None:
+    add.apply_async((1, 2))
+    add.delay(1, 2)
+    add.apply_async((1, 3))
+
+    assert published[0].task_id == published[1].task_id
+    assert published[2].task_id != published[0].task_id
+
+
+def test_kwargs_order_does_not_change_the_task_id(
+    add: LedgerTask, published: list[Published]
+) -> None:
+    add.apply_async(kwargs={"x": 1, "y": 2})
+    add.apply_async(kwargs={"y": 2, "x": 1})
+
+    assert published[0].task_id == published[1].task_id
+
+
+def test_template_key(charge: LedgerTask, published: list[Published]) -> None:
+    charge.delay(7)
+    charge.apply_async((8,), {"region": "us"})
+
+    assert [c.headers["ledger_key"] for c in published] == ["order-7-eu", "order-8-us"]
+    assert published[0].task_id == derive_task_id("shop.charge", "order-7-eu")
+
+
+def test_callable_key(app: LedgerCelery, published: list[Published]) -> None:
+    @app.task(name="mail.send", shared=False, idempotency_key=lambda to, body: f"mail:{to}")
+    def send(to: str, body: str) -> None:
+        pass
+
+    send.delay("a@example.org", "hello")
+    send.delay("a@example.org", "hello again")
+
+    assert {c.headers["ledger_key"] for c in published} == {"mail:a@example.org"}
+    assert {c.task_id for c in published} == {derive_task_id("mail.send", "mail:a@example.org")}
+
+
+def test_explicit_key_call_option_wins(charge: LedgerTask, published: list[Published]) -> None:
+    charge.apply_async((7,), idempotency_key="manual-1")
+
+    call = only(published)
+    assert call.headers["ledger_key"] == "manual-1"
+    assert call.task_id == derive_task_id("shop.charge", "manual-1")
+    assert "idempotency_key" not in call.options
+
+
+@pytest.mark.parametrize("key", ["", 42, "k" * 513])
+def test_invalid_explicit_key_is_refused(
+    charge: LedgerTask, published: list[Published], key: Any
+) -> None:
+    with pytest.raises(PayloadError):
+        charge.apply_async((7,), idempotency_key=key)
+    assert published == []
+
+
+def test_key_header_of_a_republished_message_is_kept(
+    charge: LedgerTask, published: list[Published]
+) -> None:
+    charge.apply_async((7,), headers={"ledger_key": "original", "trace": "t1"})
+
+    call = only(published)
+    assert call.headers == {"ledger_key": "original", "ledger_tier": "default", "trace": "t1"}
+    assert call.task_id == derive_task_id("shop.charge", "original")
+
+
+def test_explicit_task_id_is_kept(add: LedgerTask, published: list[Published]) -> None:
+    add.apply_async((1, 2), task_id="my-id")
+
+    assert only(published).task_id == "my-id"
+
+
+def test_template_with_arguments_not_matching_the_signature(
+    charge: LedgerTask, published: list[Published]
+) -> None:
+    with pytest.raises(PayloadError, match="arguments do not match"):
+        charge.apply_async((7, "eu", "extra"))
+    assert published == []
+
+
+# -- tiers and queues -------------------------------------------------------------------------
+
+
+def test_queue_defaults_to_the_tier(app: LedgerCelery, published: list[Published]) -> None:
+    @app.task(name="shop.pay", shared=False, tier="critical")
+    def pay() -> None:
+        pass
+
+    pay.delay()
+
+    call = only(published)
+    assert call.options["queue"] == "critical"
+    assert call.headers["ledger_tier"] == "critical"
+
+
+def test_settings_rule_routes_the_task(app: LedgerCelery, published: list[Published]) -> None:
+    @app.task(name="reports.daily", shared=False, tier="critical")
+    def daily() -> None:
+        pass
+
+    daily.delay()
+
+    assert only(published).options["queue"] == "bulk"
+
+
+def test_call_tier_overrides_the_task_tier(add: LedgerTask, published: list[Published]) -> None:
+    add.apply_async((1, 2), tier="bulk")
+
+    call = only(published)
+    assert call.options["queue"] == "bulk"
+    assert call.headers["ledger_tier"] == "bulk"
+    assert "tier" not in call.options
+
+
+def test_explicit_queue_wins_over_the_tier(add: LedgerTask, published: list[Published]) -> None:
+    add.apply_async((1, 2), queue="special", tier="critical")
+
+    call = only(published)
+    assert call.options["queue"] == "special"
+    assert call.headers["ledger_tier"] == "critical"
+
+
+def test_unknown_call_tier_publishes_nothing(add: LedgerTask, published: list[Published]) -> None:
+    with pytest.raises(ConfigurationError, match="known tiers: critical, default, bulk"):
+        add.apply_async((1, 2), tier="urgent")
+    assert published == []
+
+
+def test_unknown_tier_on_a_base_class_is_refused(
+    app: LedgerCelery, published: list[Published]
+) -> None:
+    class Urgent(LedgerTask):
+        tier = "urgent"
+
+    with pytest.raises(ConfigurationError):
+
+        @app.task(name="shop.urgent", shared=False, base=Urgent)
+        def urgent() -> None:
+            pass
+
+        urgent.delay()
+    assert published == []
+
+
+# -- payload checks ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((object(), 2), {}),
+        ((1, 2), {"when": datetime(2024, 1, 1)}),
+        (({1, 2}, 3), {}),
+        ((float("nan"), 1), {}),
+    ],
+    ids=["object", "datetime", "set", "nan"],
+)
+def test_non_json_arguments_are_refused_before_publishing(
+    add: LedgerTask, published: list[Published], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    with pytest.raises(PayloadError, match="not JSON-serialisable"):
+        add.apply_async(args, kwargs)
+    assert published == []
+
+
+def test_payload_at_the_limit_is_published(app: LedgerCelery, published: list[Published]) -> None:
+    @app.task(name="blob.store", shared=False, idempotency_key="blob")
+    def store(blob: str) -> None:
+        pass
+
+    overhead = len('[[""],{}]')
+    store.delay("x" * (2048 - overhead))
+
+    assert len(published) == 1
+
+
+def test_payload_over_the_limit_is_refused(app: LedgerCelery, published: list[Published]) -> None:
+    @app.task(name="blob.store", shared=False, idempotency_key="blob")
+    def store(blob: str) -> None:
+        pass
+
+    overhead = len('[[""],{}]')
+    with pytest.raises(PayloadError, match="LEDGER_MAX_PAYLOAD_BYTES") as info:
+        store.delay("x" * (2048 - overhead + 1))
+    assert "2049 bytes" in str(info.value)
+    assert published == []
+
+
+def test_ignore_result_is_stripped(add: LedgerTask, published: list[Published]) -> None:
+    add.apply_async((1, 2), ignore_result=True, priority=3)
+
+    call = only(published)
+    assert "ignore_result" not in call.options
+    assert call.options["priority"] == 3
+
+
+# -- delayed publishing -----------------------------------------------------------------------
+
+
+def test_countdown_schedules_a_delayed_delivery(
+    add: LedgerTask, published: list[Published], delayed: FakeDelayed
+) -> None:
+    before = time.time()
+    result = add.apply_async((1, 2), countdown=30, priority=5)
+    after = time.time()
+
+    assert published == []
+    [(name, args, kwargs, options, due_at)] = delayed.scheduled
+    task_id = derive_task_id("math.add", default_key("math.add", (1, 2), {}))
+    assert (name, args, kwargs) == ("math.add", [1, 2], {})
+    assert before + 30 <= due_at <= after + 30
+    assert options["task_id"] == task_id
+    assert options["headers"] == {
+        "ledger_key": default_key("math.add", (1, 2), {}),
+        "ledger_tier": "default",
+    }
+    assert options["queue"] == "default"
+    assert options["priority"] == 5
+    assert "countdown" not in options
+    assert None not in options.values()
+    assert result.id == task_id
+
+
+def test_future_eta_schedules_at_the_eta(
+    add: LedgerTask, published: list[Published], delayed: FakeDelayed
+) -> None:
+    eta = datetime.now(UTC) + timedelta(hours=1)
+
+    add.apply_async((1, 2), eta=eta)
+    add.apply_async((1, 3), eta=eta.isoformat())
+
+    assert published == []
+    assert [entry[4] for entry in delayed.scheduled] == [eta.timestamp()] * 2
+
+
+@pytest.mark.parametrize(
+    "option",
+    [{"countdown": 0}, {"countdown": -5}, {"eta": datetime.now(UTC) - timedelta(minutes=1)}],
+    ids=["zero", "negative", "past-eta"],
+)
+def test_due_now_is_published_at_once(
+    add: LedgerTask, published: list[Published], delayed: FakeDelayed, option: dict[str, Any]
+) -> None:
+    add.apply_async((1, 2), **option)
+
+    call = only(published)
+    assert delayed.scheduled == []
+    assert "countdown" not in call.options
+    assert "eta" not in call.options
+
+
+@pytest.fixture
+def utc_minus_5() -> Iterator[None]:
+    """Run with the process's local time zone at UTC-5 (POSIX TZ, no tz database needed)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TZ", "XST+05")
+        time.tzset()
+        try:
+            yield
+        finally:
+            mp.undo()
+            time.tzset()
+
+
+def test_naive_eta_means_utc_like_celery(
+    add: LedgerTask, delayed: FakeDelayed, published: list[Published], utc_minus_5: None
+) -> None:
+    naive_eta = datetime.now(UTC).replace(tzinfo=None) + timedelta(hours=1)
+
+    add.apply_async((1, 2), eta=naive_eta)
+
+    [(*_, due_at)] = delayed.scheduled
+    assert abs(due_at - (time.time() + 3600)) < 60
+
+
+# -- dedupe on publish ------------------------------------------------------------------------
+
+
+def test_dedupe_skips_publishing_a_known_key(
+    app: LedgerCelery, add: LedgerTask, published: list[Published]
+) -> None:
+    ledger = FakeLedger(new=False)
+    app.ledger = ledger  # type: ignore[assignment]
+    add.dedupe_on_publish = True
+
+    result = add.apply_async((1, 2))
+
+    assert published == []
+    [(record_id, fields)] = ledger.enqueued
+    assert record_id == result.id
+    assert fields == {
+        "task": "math.add",
+        "key": default_key("math.add", (1, 2), {}),
+        "tier": "default",
+    }
+
+
+def test_dedupe_publishes_a_new_key(
+    app: LedgerCelery, add: LedgerTask, published: list[Published]
+) -> None:
+    app.ledger = ledger = FakeLedger(new=True)  # type: ignore[assignment]
+    add.dedupe_on_publish = True
+
+    add.apply_async((1, 2))
+
+    assert only(published).task_id == ledger.enqueued[0][0]
+
+
+def test_dedupe_forgets_the_queued_record_when_publishing_fails(
+    app: LedgerCelery, add: LedgerTask, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("broker down")
+
+    monkeypatch.setattr(celery.app.task.Task, "apply_async", broken)
+    app.ledger = ledger = FakeLedger(new=True)  # type: ignore[assignment]
+    add.dedupe_on_publish = True
+
+    with pytest.raises(ConnectionError):
+        add.apply_async((1, 2))
+    assert ledger.forgotten == [ledger.enqueued[0][0]]
+
+
+def test_no_dedupe_by_default(
+    app: LedgerCelery, add: LedgerTask, published: list[Published]
+) -> None:
+    app.ledger = ledger = FakeLedger(new=False)  # type: ignore[assignment]
+
+    add.apply_async((1, 2))
+
+    assert ledger.enqueued == []
+    assert len(published) == 1
