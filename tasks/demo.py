@@ -36,7 +36,7 @@ def main() -> int:
     console.print("[bold]Starting the embedded stack[/] (valkey-server, SecantusDB, 3 workers)...")
     started = time.monotonic()
     with running_stack("tasks", args.data_dir) as stack:
-        console.print(stack.describe(), highlight=False)
+        console.print(stack.describe(), highlight=False, soft_wrap=True)
         console.print(f"up in {time.monotonic() - started:.1f}s\n")
         report = run_workload(args.orders, args.emails, args.reports)
     console.print("stack stopped.")

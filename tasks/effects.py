@@ -28,6 +28,14 @@ def effects() -> Collection[dict[str, Any]]:
         return _clients[pid].get_database("reference_world").get_collection("effects")
 
 
+def close_clients() -> None:
+    """Close this process's client (tests call it at the end of a session)."""
+    with _lock:
+        client = _clients.pop(os.getpid(), None)
+    if client is not None:
+        client.close()
+
+
 def record_effect(kind: str, key: str, **details: Any) -> None:
     effects().insert_one(
         {"kind": kind, "key": key, "at": datetime.now(UTC), "pid": os.getpid(), **details}

@@ -43,6 +43,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:
         running.start_worker(ALL_TIERS, concurrency=4, name="main@127.0.0.1")
         yield running
     finally:
+        from tasks.effects import close_clients
+
+        close_clients()
         running.stop()
         os.environ.clear()
         os.environ.update(saved)

@@ -97,10 +97,10 @@ def stack(
         app_path, data_dir, workers=workers, broker_port=broker_port, ledger_port=ledger_port
     ) as running:
         console.print("[bold green]celery-ledger embedded stack is up[/]")
-        console.print(running.describe(), highlight=False)
+        console.print(running.describe(), highlight=False, soft_wrap=True)
         console.print("\nIn another shell:")
         for name, value in running.env.items():
-            console.print(f"  export {name}='{value}'", highlight=False)
+            console.print(f"  export {name}='{value}'", highlight=False, soft_wrap=True)
         console.print("Ctrl-C stops every process listed above.")
         stop = {"now": False}
         signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
