@@ -12,9 +12,12 @@ from kombu.entity import Queue
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from .deadletter import DeadLetters
 from .delayed import DelayedDeliveries
 from .errors import ConfigurationError
 from .ledger.store import Ledger
+from .policies.breaker import BreakerConfig, Breakers
+from .policies.retry import TIER_RETRY_DEFAULTS, RetryPolicy
 from .routing import DEAD_LETTER_QUEUE, Tiers
 from .settings import TIERS, Settings
 from .task import LedgerTask
@@ -49,6 +52,33 @@ class LedgerCelery(Celery):  # type: ignore[misc]
     settings: Settings
     ledger: Ledger
     tiers: Tiers
+
+    @cached_property
+    def breakers(self) -> Breakers:
+        """Circuit breakers shared through Redis by every worker: ``app.breakers["payments"]``."""
+        try:
+            configs = {
+                name: BreakerConfig(**values)  # type: ignore[arg-type]
+                for name, values in self.settings.breakers.items()
+            }
+        except TypeError as exc:
+            raise ConfigurationError(f"LEDGER_BREAKERS: {exc}") from exc
+        return Breakers(self.settings.broker_url, configs=configs)
+
+    @cached_property
+    def dead_letters(self) -> DeadLetters:
+        return DeadLetters(self, self.ledger, self.settings.broker_url)
+
+    def retry_policy_for(self, tier: str) -> RetryPolicy:
+        """The tier's retry default: built-in, updated by ``LEDGER_RETRY_POLICIES``."""
+        base = TIER_RETRY_DEFAULTS.get(tier, RetryPolicy())
+        override = self.settings.retry_policies.get(tier)
+        if not override:
+            return base
+        try:
+            return base.updated(**override)
+        except TypeError as exc:
+            raise ConfigurationError(f"LEDGER_RETRY_POLICIES[{tier!r}]: {exc}") from exc
 
     @cached_property
     def delayed(self) -> DelayedDeliveries:
@@ -131,6 +161,7 @@ def create_app(name: str, settings: Settings | None = None, **celery_options: An
         result_retention_seconds=settings.result_retention_seconds,
         dead_retention_seconds=settings.dead_retention_seconds,
         error_history_limit=settings.error_history_limit,
+        max_deliveries=settings.max_deliveries,
     )
     app.conf.update(
         # JSON only: pickle is refused on both sides.
@@ -144,6 +175,7 @@ def create_app(name: str, settings: Settings | None = None, **celery_options: An
         worker_prefetch_multiplier=settings.worker_prefetch_multiplier,
         worker_cancel_long_running_tasks_on_connection_loss=False,
         broker_transport="celery_ledger.transport:Transport",
+        worker_consumer="celery_ledger.worker:LedgerConsumer",
         broker_transport_options={"visibility_timeout": settings.visibility_timeout_seconds},
         broker_connection_retry_on_startup=True,
         result_backend_always_retry=True,

@@ -7,7 +7,7 @@ it occupies the worker's prefetch. Here a delayed message is a member of one sor
 by its due time, so a delay of hours costs no worker memory and survives any restart (with the
 broker's AOF).
 
-Each worker runs a small publisher thread (:class:`DelayedPublisher`). A Lua script hands out
+Each worker's housekeeping thread runs :class:`DelayedPublisher`. A Lua script hands out
 due entries atomically, pushing their score forward by a hand-out lease, so one publisher at a
 time holds an entry; the publisher publishes the message, then removes the entry. A publisher
 that dies in between leaves the entry to be handed out again when that lease ends: delivery is
@@ -16,8 +16,6 @@ at least once, and the ledger turns a repeat into a suppressed duplicate.
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -27,8 +25,6 @@ import redis
 from kombu.utils.json import dumps, loads
 
 from .errors import PublishError
-
-logger = logging.getLogger(__name__)
 
 # KEYS[1] = the sorted set; ARGV = now, hand-out lease seconds, batch limit.
 _TAKE_DUE = """
@@ -96,47 +92,11 @@ Publish = Callable[[str, Any, Any, dict[str, Any]], None]
 
 
 class DelayedPublisher:
-    """A daemon thread that publishes due delayed messages every ``interval`` seconds."""
+    """Publishes due delayed messages (run periodically by the worker's housekeeping thread)."""
 
-    def __init__(self, deliveries: DelayedDeliveries, publish: Publish, *, interval: float) -> None:
+    def __init__(self, deliveries: DelayedDeliveries, publish: Publish) -> None:
         self._deliveries = deliveries
         self._publish = publish
-        self._interval = interval
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="ledger-delayed", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def terminate(self) -> None:
-        self.stop(timeout=1.0)
-
-    def _run(self) -> None:
-        failing_since: float | None = None
-        last_warning = 0.0
-        while not self._stop.wait(self._interval):
-            try:
-                self.publish_due()
-            except Exception as exc:  # keep the thread alive through broker outages
-                now = time.monotonic()
-                failing_since = failing_since or now
-                if now - last_warning >= 30.0:  # one warning per 30 s of outage, not per poll
-                    logger.warning(
-                        "delayed deliveries: publishing failing for %.0fs: %s",
-                        now - failing_since,
-                        exc,
-                    )
-                    last_warning = now
-            else:
-                if failing_since is not None:
-                    logger.info("delayed deliveries: publishing again")
-                failing_since = None
 
     def publish_due(self) -> int:
         """Publish every due entry; returns how many were published."""

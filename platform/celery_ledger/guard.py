@@ -15,16 +15,27 @@ import os
 import random
 import time
 import traceback
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import redis
 from celery.exceptions import Ignore, Reject, Retry
 
 from . import headers
-from .errors import LeaseLost, LedgerUnavailable, PayloadError
+from .deadletter import dead_letter_fields, entry_of, fingerprint
+from .errors import (
+    CircuitOpen,
+    LeaseLost,
+    LedgerError,
+    LedgerUnavailable,
+    PayloadError,
+    PermanentError,
+)
 from .ledger.record import ErrorEntry
 from .ledger.store import ClaimOutcome, utcnow
 from .policies.backoff import backoff_seconds
+from .policies.breaker import Admission, CircuitBreaker
+from .policies.retry import classify, decide
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -41,6 +52,8 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
     tier: str = request_header(request, headers.TIER) or task.tier or task.app.tiers.default
     owner = f"{request.hostname or 'local'}:{os.getpid()}"
     context = {"task_id": request.id, "key": key, "tier": tier}
+    breaker = task.app.breakers[task.breaker] if task.breaker else None
+    admission = admit_or_defer(task, breaker, args, kwargs, key=key, tier=tier)
 
     try:
         claim = ledger.claim(
@@ -74,6 +87,10 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
             return None if record is None else record.result
         raise Ignore("duplicate delivery of a succeeded job")
     if claim.outcome is ClaimOutcome.DEAD:
+        if claim.killed_reason:
+            killed = ledger.find_raw(request.id)
+            if killed is not None:
+                announce_dead(task, killed, args, kwargs)
         logger.warning(
             "delivery of dead job %s dropped; replay it to run again", request.id, extra=context
         )
@@ -100,10 +117,19 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
         persist_until(write, deadline=deadline, what=what, record_id=request.id)
 
     try:
+        check_payload_size(task, args, kwargs)
         retval = task.run(*args, **kwargs)
-    except Retry as exc:
+    except CircuitOpen as exc:  # a breaker used inside the body is open: come back later
+        persist(lambda: ledger.release(request.id, fence), "release")
+        delay = max((exc.retry_at or time.time()) - time.time(), 0.0) + random.uniform(0.05, 0.5)
+        logger.info("%s: %s; deferred by %.1fs", request.id, exc, delay, extra=context)
+        defer(task, args, kwargs, delay_seconds=delay, key=key, tier=tier)
+    except Retry as exc:  # the body (or Celery's autoretry) asked for a retry
+        report_to_breaker(task, breaker, admission, exc.exc)
         retry_at = retry_time(exc.when)
-        error = error_entry(exc.exc or exc, owner=owner, attempt=request.retries + 1, fence=fence)
+        error = error_entry(
+            exc.exc or exc, owner=owner, attempt=request.retries + 1, fence=fence, action="retry"
+        )
         text = format_tb(exc.exc)
         persist(
             lambda: ledger.record_failure(
@@ -116,11 +142,64 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
         persist(lambda: ledger.release(request.id, fence), "release")
         raise
     except Exception as exc:
-        error = error_entry(exc, owner=owner, attempt=request.retries + 1, fence=fence)
+        report_to_breaker(task, breaker, admission, exc)
+        decision = decide(
+            exc,
+            policy=task.resolved_retry_policy(tier),
+            retries_done=request.retries,
+            previous_delay=_float_or_none(request_header(request, headers.PREVIOUS_DELAY)),
+            retry_on=tuple(task.retry_on or ()),
+            fail_on=tuple(task.fail_on or ()),
+        )
         text = format_tb(exc)
+        if decision.retry:
+            schedule_retry(
+                task,
+                exc,
+                decision.delay_seconds,
+                key=key,
+                tier=tier,
+                fence=fence,
+                owner=owner,
+                traceback_text=text,
+                persist=persist,
+            )
+        error = error_entry(
+            exc, owner=owner, attempt=request.retries + 1, fence=fence, action="dead"
+        )
+        digest, fingerprint_text = fingerprint(exc)
+        fields = dead_letter_fields(
+            reason=decision.reason,
+            digest=digest,
+            text=fingerprint_text,
+            args=list(args),
+            kwargs=kwargs,
+            message_headers=message_headers_of(request, key, tier),
+        )
         persist(
-            lambda: ledger.record_failure(request.id, fence, error, retry_at=None, traceback=text),
+            lambda: ledger.record_failure(
+                request.id,
+                fence,
+                error,
+                retry_at=None,
+                traceback=text,
+                reason=decision.reason,
+                dead_fields=fields,
+            ),
             "failure record",
+        )
+        announce_dead(
+            task,
+            {
+                "_id": request.id,
+                "task": task.name,
+                "key": key,
+                "tier": tier,
+                "errors": [error.model_dump()],
+                **fields,
+            },
+            args,
+            kwargs,
         )
         raise
 
@@ -128,13 +207,161 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
         result_json = json.dumps(retval, allow_nan=False)
     except (TypeError, ValueError) as exc:
         payload_error = PayloadError(f"{task.name} returned a value JSON cannot hold: {exc}")
-        error = error_entry(payload_error, owner=owner, attempt=request.retries + 1, fence=fence)
+        error = error_entry(
+            payload_error, owner=owner, attempt=request.retries + 1, fence=fence, action="dead"
+        )
+        fields = dead_letter_fields(
+            reason=f"result not JSON: {exc}",
+            digest="result-not-json",
+            text=f"PayloadError: result of {task.name} is not JSON",
+            args=list(args),
+            kwargs=kwargs,
+            message_headers=message_headers_of(request, key, tier),
+        )
         persist(
-            lambda: ledger.record_failure(request.id, fence, error, retry_at=None), "failure record"
+            lambda: ledger.record_failure(
+                request.id,
+                fence,
+                error,
+                retry_at=None,
+                reason=fields["dead_reason"],
+                dead_fields=fields,
+            ),
+            "failure record",
         )
         raise payload_error from exc
+    report_to_breaker(task, breaker, admission, None)
     persist(lambda: ledger.complete(request.id, fence, result_json), "completion")
     return retval
+
+
+def admit_or_defer(
+    task: LedgerTask,
+    breaker: CircuitBreaker | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    key: str,
+    tier: str,
+) -> Admission | None:
+    """Ask the task's breaker; while it is open, defer without claiming (no attempt used)."""
+    if breaker is None:
+        return None
+    try:
+        admission = breaker.admit()
+    except redis.RedisError as exc:  # the breaker's store is down: fail open, the job matters more
+        logger.warning("breaker %s unavailable (%s); calling through", breaker.name, exc)
+        return None
+    if admission.allowed:
+        return admission
+    retry_at = admission.retry_at or time.time() + task.app.settings.busy_recheck_seconds
+    until = datetime.fromtimestamp(retry_at, UTC)
+    try:
+        task.app.ledger.record_deferral(
+            task.request.id,
+            task=task.name,
+            key=key,
+            tier=tier,
+            reason=f"circuit {breaker.name!r} open",
+            until=until,
+        )
+    except LedgerError as exc:
+        logger.warning("could not record the deferral of %s: %s", task.request.id, exc)
+    delay = max(retry_at - time.time(), 0.0) + random.uniform(0.05, 0.5)
+    logger.info("%s: circuit %r is open; deferred by %.1fs", task.request.id, breaker.name, delay)
+    defer(task, args, kwargs, delay_seconds=delay, key=key, tier=tier)
+
+
+def report_to_breaker(
+    task: LedgerTask,
+    breaker: CircuitBreaker | None,
+    admission: Admission | None,
+    exc: BaseException | None,
+) -> None:
+    """Count the call's outcome: retryable errors are the dependency's failures."""
+    if breaker is None or admission is None:
+        return
+    failed = exc is not None and classify(
+        exc, retry_on=tuple(task.retry_on or ()), fail_on=tuple(task.fail_on or ())
+    )
+    try:
+        if failed:
+            breaker.record_failure(probe=admission.probe)
+        else:
+            breaker.record_success(probe=admission.probe)
+    except redis.RedisError as error:
+        logger.warning("could not report to breaker %s: %s", breaker.name, error)
+
+
+def schedule_retry(
+    task: LedgerTask,
+    exc: Exception,
+    delay: float,
+    *,
+    key: str,
+    tier: str,
+    fence: int,
+    owner: str,
+    traceback_text: str,
+    persist: Callable[[Callable[[], None], str], None],
+) -> NoReturn:
+    """Publish the retry (held in the delayed set), record it, and tell Celery (``Retry``)."""
+    request = task.request
+    message_headers = message_headers_of(request, key, tier)
+    message_headers[headers.PREVIOUS_DELAY] = delay
+    error = error_entry(
+        exc,
+        owner=owner,
+        attempt=request.retries + 1,
+        fence=fence,
+        action="retry",
+        planned_delay_seconds=delay,
+    )
+    try:
+        # Celery's own retry machinery: republishes (through LedgerTask.apply_async, so the
+        # delay waits in Redis), fires task_retry signals and events, raises Retry.
+        task.retry(
+            exc=exc, countdown=delay, max_retries=request.retries + 1, headers=message_headers
+        )
+    except Retry as retry:
+        ledger = task.app.ledger
+        retry_at = utcnow() + timedelta(seconds=delay)
+        persist(
+            lambda: ledger.record_failure(
+                request.id, fence, error, retry_at=retry_at, traceback=traceback_text
+            ),
+            "retry record",
+        )
+        raise retry from exc
+    raise AssertionError("Task.retry returned without raising")  # pragma: no cover
+
+
+def check_payload_size(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse a message whose arguments exceed the limit (published around our API)."""
+    limit = task.app.settings.max_payload_bytes
+    size = len(json.dumps([list(args), kwargs], default=str))
+    if size > limit:
+        raise PermanentError(f"oversized message: arguments are {size} bytes, the limit is {limit}")
+
+
+def message_headers_of(request: Any, key: str, tier: str) -> dict[str, Any]:
+    message_headers = dict(request.headers or {})
+    message_headers.update({headers.KEY: key, headers.TIER: tier})
+    return message_headers
+
+
+def announce_dead(task: LedgerTask, record: dict[str, Any], args: Any, kwargs: Any) -> None:
+    try:
+        task.app.dead_letters.announce(entry_of(record))
+    except Exception:  # observability must never fail the task
+        logger.warning("could not announce dead letter %s", record.get("_id"), exc_info=True)
+
+
+def _float_or_none(value: Any) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def defer(
@@ -212,8 +439,18 @@ def request_header(request: Any, name: str) -> Any:
     return value
 
 
-def error_entry(exc: BaseException, *, owner: str, attempt: int, fence: int) -> ErrorEntry:
+def error_entry(
+    exc: BaseException,
+    *,
+    owner: str,
+    attempt: int,
+    fence: int,
+    action: str = "",
+    planned_delay_seconds: float | None = None,
+) -> ErrorEntry:
     return ErrorEntry(
+        action=action,
+        planned_delay_seconds=planned_delay_seconds,
         type=f"{type(exc).__module__}.{type(exc).__qualname__}",
         message=str(exc)[:2000],
         traceback_digest=traceback_digest(exc),

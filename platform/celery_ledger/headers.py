@@ -3,3 +3,4 @@
 KEY = "ledger_key"
 TIER = "ledger_tier"
 DEFERRALS = "ledger_deferrals"
+PREVIOUS_DELAY = "ledger_previous_delay"

@@ -44,6 +44,19 @@ class Settings(BaseSettings):
         20, ge=1, le=500, description="Errors kept per record (oldest dropped first)."
     )
 
+    max_deliveries: int = Field(
+        5, ge=1, description="Deliveries without an outcome (lost workers) before a job is poison."
+    )
+    retry_policies: dict[str, dict[str, float | int | str]] = Field(
+        default_factory=dict,
+        description="Per-tier retry defaults over the built-in ones (JSON), e.g."
+        ' {"bulk": {"max_retries": 10}}.',
+    )
+    breakers: dict[str, dict[str, float | int | None]] = Field(
+        default_factory=dict,
+        description='Circuit breaker thresholds by name (JSON), e.g. {"payments":'
+        ' {"failure_threshold": 5, "cooldown_seconds": 30}}.',
+    )
     dedupe_on_publish: bool = Field(
         False, description="Write a queued record at publish and skip publishing known keys."
     )

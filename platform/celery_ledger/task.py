@@ -15,6 +15,8 @@ from . import headers
 from .errors import LedgerUnavailable, PayloadError
 from .guard import run_guarded
 from .keys import KeySpec, canonical_json, compute_key, derive_task_id, validate_key
+from .policies.backoff import Jitter
+from .policies.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from .app import LedgerCelery
@@ -40,12 +42,31 @@ class LedgerTask(Task):  # type: ignore[misc]
     tier: str | None = None
     lease_seconds: float | None = None
     dedupe_on_publish: bool | None = None
+    # Retries (None: the tier's default, see policies/retry.py).
+    max_retries: int | None = None
+    retry_base_seconds: float | None = None
+    retry_cap_seconds: float | None = None
+    retry_jitter: Jitter | None = None
+    breaker: str | None = None  # the circuit breaker guarding this task's dependency
+    retry_on: tuple[type[BaseException], ...] = ()
+    fail_on: tuple[type[BaseException], ...] = ()
 
     acks_late = True
     reject_on_worker_lost = True
 
     ledger_options: ClassVar[frozenset[str]] = frozenset(
-        {"idempotency_key", "tier", "lease_seconds", "dedupe_on_publish"}
+        {
+            "idempotency_key",
+            "tier",
+            "lease_seconds",
+            "dedupe_on_publish",
+            "retry_base_seconds",
+            "retry_cap_seconds",
+            "retry_jitter",
+            "retry_on",
+            "fail_on",
+            "breaker",
+        }
     )
 
     @classmethod
@@ -54,6 +75,22 @@ class LedgerTask(Task):  # type: ignore[misc]
         tiers = getattr(app, "tiers", None)
         if cls.tier is not None and tiers is not None:
             tiers.check(cls.tier, where=f"task {cls.name or cls.__name__}")
+
+    def resolved_retry_policy(self, tier: str | None = None) -> RetryPolicy:
+        """Task options over the tier's default (settings may override tier defaults)."""
+        tier = tier or self.tier or self.app.tiers.default
+        return self.app.retry_policy_for(tier).updated(
+            max_retries=self.max_retries,
+            base_seconds=self.retry_base_seconds,
+            cap_seconds=self.retry_cap_seconds,
+            jitter=self.retry_jitter,
+        )
+
+    def retry(self, *args: Any, max_retries: int | None = None, **options: Any) -> Any:
+        """Celery's retry, bounded by the resolved policy when no limit is given."""
+        if max_retries is None:
+            max_retries = self.resolved_retry_policy().max_retries
+        return super().retry(*args, max_retries=max_retries, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request

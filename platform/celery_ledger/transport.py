@@ -21,9 +21,9 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
-logger = logging.getLogger("celery_ledger.transport")
+from .deadletter import POISON_KEY
 
-POISON_KEY = "celery_ledger:poison"
+logger = logging.getLogger("celery_ledger.transport")
 
 
 class Channel(kombu_redis.Channel):

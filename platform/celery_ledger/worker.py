@@ -1,11 +1,16 @@
-"""Worker bootstep: what every celery-ledger worker runs beside its pool."""
+"""What every celery-ledger worker runs beside its pool: a housekeeping thread, a consumer
+that quarantines poison messages."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from celery import bootsteps
+from celery.worker.consumer import Consumer
 
 from .delayed import DelayedPublisher
 from .errors import LedgerError
@@ -13,22 +18,109 @@ from .errors import LedgerError
 logger = logging.getLogger("celery_ledger.worker")
 
 
-class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Ensures the ledger's indexes and publishes delayed deliveries when they fall due.
+class Housekeeping:
+    """A daemon thread running small periodic jobs (publish due deliveries, move poison)."""
 
-    The publisher is the step's ``obj``, so Celery's start, stop and terminate reach it.
+    def __init__(self, jobs: list[Callable[[], object]], *, interval: float) -> None:
+        self._jobs = jobs
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ledger-housekeeping", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def terminate(self) -> None:
+        self.stop(timeout=1.0)
+
+    def _run(self) -> None:
+        failing_since: dict[int, float] = {}
+        last_warning: dict[int, float] = {}
+        while not self._stop.wait(self._interval):
+            for index, job in enumerate(self._jobs):
+                try:
+                    job()
+                except Exception as exc:  # keep going through broker or ledger outages
+                    now = time.monotonic()
+                    since = failing_since.setdefault(index, now)
+                    if now - last_warning.get(index, 0.0) >= 30.0:  # not once per tick
+                        logger.warning(
+                            "housekeeping %s failing for %.0fs: %s",
+                            getattr(job, "__qualname__", job),
+                            now - since,
+                            exc,
+                        )
+                        last_warning[index] = now
+                else:
+                    if failing_since.pop(index, None) is not None:
+                        logger.info("housekeeping %s recovered", getattr(job, "__qualname__", job))
+
+
+class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Ensures the ledger's indexes and runs the housekeeping thread.
+
+    The thread is the step's ``obj``, so Celery's start, stop and terminate reach it.
     """
 
     requires: ClassVar[set[str]] = {"celery.worker.components:Pool"}
 
-    def create(self, worker: Any) -> DelayedPublisher:
+    def create(self, worker: Any) -> Housekeeping:
         app = worker.app
         try:
             app.ledger.ensure_indexes()
         except LedgerError as exc:  # the ledger may come up later; claims defer until then
             logger.warning("could not ensure ledger indexes at start-up: %s", exc)
-        return DelayedPublisher(
+        publisher = DelayedPublisher(
             app.delayed,
             lambda name, args, kwargs, options: app.send_task(name, args, kwargs, **options),
+        )
+        return Housekeeping(
+            [publisher.publish_due, app.dead_letters.drain_poison],
             interval=app.settings.defer_poll_seconds,
         )
+
+
+class LedgerConsumer(Consumer):  # type: ignore[misc]
+    """Celery's consumer, quarantining poison messages instead of only logging them.
+
+    Celery logs and drops (acks or rejects) undecodable bodies, refused content types, unknown
+    tasks and invalid task messages; here each is first kept in the dead-letter flow with its
+    reason.
+    """
+
+    def on_decode_error(self, message: Any, exc: Exception) -> None:
+        self._quarantine(message, f"undecodable or refused content ({message.content_type}): {exc}")
+        super().on_decode_error(message, exc)
+
+    def on_unknown_message(self, body: Any, message: Any) -> None:
+        self._quarantine(message, "unknown message format (no task header)")
+        super().on_unknown_message(body, message)
+
+    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+        name = (message.headers or {}).get("task", "?")
+        self._quarantine(message, f"unknown task {name!r}")
+        super().on_unknown_task(body, message, exc)
+
+    def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
+        self._quarantine(message, f"invalid task message: {exc}")
+        super().on_invalid_task(body, message, exc)
+
+    def _quarantine(self, message: Any, reason: str) -> None:
+        raw = message.body if isinstance(message.body, bytes) else str(message.body).encode()
+        queue = (message.delivery_info or {}).get("routing_key", "")
+        try:
+            self.app.dead_letters.push_poison(
+                queue=queue,
+                reason=reason,
+                raw=raw,
+                message_headers=message.headers,
+                properties=message.properties,
+            )
+        except Exception:
+            logger.exception("could not quarantine a poison message (%s)", reason)

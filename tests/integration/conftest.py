@@ -20,6 +20,8 @@ TEST_ENV = {
     "LEDGER_UNAVAILABLE_BACKOFF_BASE_SECONDS": "0.5",
     "LEDGER_UNAVAILABLE_BACKOFF_CAP_SECONDS": "2",
     "LEDGER_MONGO_TIMEOUT_MS": "1500",
+    "LEDGER_MAX_DELIVERIES": "3",
+    "LEDGER_BREAKERS": '{"payments": {"failure_threshold": 3, "cooldown_seconds": 3}}',
 }
 APP_MODULE = "tests.integration.ledger_app"
 ALL_TIERS = "critical,default,bulk"

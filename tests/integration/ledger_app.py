@@ -6,7 +6,7 @@ import os
 import time
 from typing import Any
 
-from celery_ledger import create_app
+from celery_ledger import PermanentError, create_app
 from tasks.effects import effects, record_effect
 
 app = create_app("ledger_tests")
@@ -77,3 +77,60 @@ def slow_retry(self: Any, token: str) -> str:
     if effects().count_documents({"kind": "attempt", "key": token}) == 1:
         raise FlakyError("first attempt")
     return "retried"
+
+
+@app.task(idempotency_key="{token}")
+def fails_until_fixed(token: str) -> str:
+    """Permanently fails until a 'fixed' effect exists for the token (an operator's fix)."""
+    if effects().count_documents({"kind": "fixed", "key": token}) == 0:
+        raise PermanentError(f"bad data for {token}")
+    record_effect("fixed_run", token)
+    return "fixed"
+
+
+@app.task(idempotency_key="{token}", max_retries=2, retry_base_seconds=0.1, retry_cap_seconds=0.3)
+def always_down(token: str) -> None:
+    """A dependency that never comes back: retried twice, then dead."""
+    record_effect("attempt", token)
+    raise ConnectionError(f"dependency down for {token}")
+
+
+class RateLimited(Exception):
+    """A 429 with a Retry-After hint."""
+
+    retry_after = 1.5
+
+
+@app.task(
+    idempotency_key="{token}",
+    retry_on=(RateLimited,),
+    retry_base_seconds=0.01,
+    retry_cap_seconds=0.02,
+)
+def rate_limited_once(token: str) -> str:
+    record_effect("attempt", token)
+    if effects().count_documents({"kind": "attempt", "key": token}) == 1:
+        raise RateLimited("429 Too Many Requests")
+    return "through"
+
+
+@app.task(idempotency_key="{token}")
+def kills_its_worker(token: str) -> None:
+    """Dies with SIGKILL every time (a poison message for plain Celery's requeue loop)."""
+    record_effect("attempt", token)
+    os.kill(os.getpid(), 9)
+
+
+@app.task(
+    idempotency_key="{token}",
+    breaker="payments",
+    max_retries=10,
+    retry_base_seconds=0.2,
+    retry_cap_seconds=0.4,
+)
+def call_payments(token: str) -> str:
+    """Calls the payments dependency (recorded), which fails while an outage is recorded."""
+    record_effect("payment_call", token)
+    if effects().count_documents({"kind": "outage", "key": "payments"}):
+        raise ConnectionError("payments gateway unreachable")
+    return "paid"

@@ -9,7 +9,7 @@ from typing import Any
 
 import redis
 
-from celery_ledger.transport import POISON_KEY
+from celery_ledger import State
 
 from .helpers import effect_count, wait_for
 
@@ -49,20 +49,29 @@ def raw_message(
     ).encode()
 
 
-def test_garbage_unknown_and_pickled_messages_leave_the_worker_consuming(
+def test_every_kind_of_bad_message_is_dead_lettered_with_a_reason(
     stack: Any, app: Any, token: str
 ) -> None:
     from tests.integration.ledger_app import record
 
     broker = redis.Redis.from_url(stack.broker.url)
+    unknown = raw_message(json.dumps([[1], {}, {}]).encode(), task="no.such.task")
+    pickled = raw_message(
+        b"\x80\x04K\x01.", task=record.name, content_type="application/x-python-serialize"
+    )
+    bad_body = raw_message(b"{not json", task=record.name)
+    no_task_header = raw_message(json.dumps([[1], {}, {}]).encode(), task="")
+    oversized = raw_message(
+        json.dumps([[f"{token}-big", 0.0, "x" * 1_100_000], {}, {}]).encode(), task=record.name
+    )
     bad = [
         b"\x00\xff not json at all",
         b'{"body": "trunc',
-        raw_message(json.dumps([[1], {}, {}]).encode(), task="no.such.task"),
-        raw_message(
-            b"\x80\x04K\x01.", task=record.name, content_type="application/x-python-serialize"
-        ),
-        raw_message(b"{not json", task=record.name),
+        unknown,
+        pickled,
+        bad_body,
+        no_task_header,
+        oversized,
     ]
     for payload in bad:
         broker.lpush("default", payload)
@@ -70,10 +79,38 @@ def test_garbage_unknown_and_pickled_messages_leave_the_worker_consuming(
     # A good message published after the bad ones is still processed exactly once
     assert record.delay(token).get(timeout=30)["token"] == token
     assert effect_count("record", token) == 1
-    worker = stack.workers[0]
-    assert worker.alive()
-    wait_for(lambda: broker.llen("default") == 0, what="bad messages consumed")
-    # The two undecodable items are kept with their reason, not lost
-    poison = [json.loads(entry) for entry in broker.lrange(POISON_KEY, 0, -1)]
-    assert {base64.b64decode(p["raw_base64"]) for p in poison} >= set(bad[:2])
-    assert all(p["reason"].startswith("undecodable message") for p in poison)
+    assert stack.workers[0].alive()
+
+    def reason_of(payload: bytes) -> str | None:
+        raw = base64.b64encode(payload).decode()
+        message_id = (
+            json.loads(payload)["headers"]["id"]
+            if payload.startswith(b'{"body": "') and payload.endswith(b"}")
+            else None
+        )
+        query = {"message.original_id": message_id} if message_id else {"message.raw_base64": raw}
+        doc = app.ledger.collection.find_one({"state": "dead", **query})
+        return None if doc is None else doc["dead_reason"]
+
+    expected = {
+        0: "undecodable message",
+        1: "undecodable message",
+        2: "unknown task 'no.such.task'",
+        3: "untrusted content of type pickle",
+        4: "undecodable or refused content (application/json)",
+        5: "unknown task ''",  # a message with an empty task header
+    }
+    for index, part in expected.items():
+        reason = wait_for(
+            lambda i=index: reason_of(bad[i]),
+            timeout=20,
+            what=f"dead letter for bad message {index}",
+        )
+        assert part in reason, (index, reason)
+    big_id = json.loads(oversized)["headers"]["id"]
+    big = wait_for(
+        lambda: (r := app.ledger.get_by_id(big_id)) is not None and r.state is State.DEAD and r,
+        what="oversized record dead",
+    )
+    assert "oversized message" in big.dead_reason
+    assert effect_count("record", f"{token}-big") == 0

@@ -16,6 +16,8 @@ from rich.table import Table
 
 from ..routing import TIER_WORKER_DEFAULTS
 from ..settings import TIERS
+from .breakers import breakers
+from .dlq import dlq
 
 console = Console()
 
@@ -37,6 +39,10 @@ def _app_path(ctx: click.Context) -> str:
 @click.pass_context
 def ledger(ctx: click.Context) -> None:
     """celery-ledger: exactly-once tasks with a MongoDB ledger."""
+
+
+ledger.add_command(dlq)
+ledger.add_command(breakers)
 
 
 @ledger.command()

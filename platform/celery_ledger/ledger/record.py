@@ -34,6 +34,8 @@ class ErrorEntry(BaseModel):
     worker: str = ""
     attempt: int = 0
     fence: int = 0
+    action: str = ""  # "retry" or "dead"
+    planned_delay_seconds: float | None = None
 
 
 class LedgerRecord(BaseModel):
@@ -54,6 +56,9 @@ class LedgerRecord(BaseModel):
     result_json: str | None = Field(None, alias="result")
     errors: list[ErrorEntry] = Field(default_factory=list)
     duplicates: int = 0
+    dead_reason: str | None = None
+    fingerprint: str | None = None
+    fingerprint_text: str | None = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
     started_at: datetime | None = None

@@ -63,6 +63,7 @@ class Claim:
     outcome: ClaimOutcome
     fence: int = 0
     retry_at: datetime | None = None
+    killed_reason: str | None = None  # DEAD: this claim found the delivery limit and killed it
 
 
 def utcnow() -> datetime:
@@ -119,6 +120,7 @@ class Ledger:
         result_retention_seconds: int = 7 * 24 * 3600,
         dead_retention_seconds: int = 30 * 24 * 3600,
         error_history_limit: int = 20,
+        max_deliveries: int = 5,
         event_listeners: Sequence[CommandListener] = (),
     ) -> None:
         self.uri = uri
@@ -128,6 +130,7 @@ class Ledger:
         self.result_retention = timedelta(seconds=result_retention_seconds)
         self.dead_retention = timedelta(seconds=dead_retention_seconds)
         self.error_history_limit = error_history_limit
+        self.max_deliveries = max_deliveries
         self._write_concern = WriteConcern(
             w=int(write_concern) if write_concern.isdigit() else write_concern, j=True
         )
@@ -242,8 +245,35 @@ class Ledger:
             claimable_at: datetime = doc.get("claimable_at") or EPOCH
             if claimable_at > utcnow():
                 return Claim(ClaimOutcome.BUSY, retry_at=claimable_at)
+            if int(doc.get("inflight", 0)) >= self.max_deliveries:
+                return self._kill_poison(doc)
             at_least = int(doc.get("fence", 0)) + 1  # our clock lags the last claimer's
         raise StoreError(f"could not claim {record_id}: the record keeps changing under us")
+
+    def _kill_poison(self, doc: dict[str, Any]) -> Claim:
+        """Dead-letter a record whose deliveries keep ending without an outcome (lost workers)."""
+        reason = (
+            f"poison: delivered {doc.get('inflight')} times without an outcome"
+            " (the worker was lost each time)"
+        )
+        now = utcnow()
+        with translate_errors("poison record"):
+            self.collection.update_one(
+                {"_id": doc["_id"], "fence": doc.get("fence", 0), "state": doc.get("state")},
+                {
+                    "$set": {
+                        "state": State.DEAD.value,
+                        "claimable_at": FOREVER,
+                        "finished_at": now,
+                        "updated_at": now,
+                        "expires_at": now + self.dead_retention,
+                        "dead_reason": reason,
+                        "lease_owner": None,
+                        "lease_expires_at": None,
+                    }
+                },
+            )
+        return Claim(ClaimOutcome.DEAD, killed_reason=reason)
 
     def _try_claim(
         self,
@@ -257,7 +287,12 @@ class Ledger:
         owner: str,
     ) -> Claim | None:
         claim = UpdateOne(
-            {"_id": record_id, "claimable_at": {"$lte": now}, "fence": {"$lt": fence}},
+            {
+                "_id": record_id,
+                "claimable_at": {"$lte": now},
+                "fence": {"$lt": fence},
+                "inflight": {"$lt": self.max_deliveries},
+            },
             {
                 "$set": {
                     "v": SCHEMA_VERSION,
@@ -272,7 +307,7 @@ class Ledger:
                     "started_at": now,
                     "updated_at": now,
                 },
-                "$inc": {"attempts": 1},
+                "$inc": {"attempts": 1, "inflight": 1},
                 "$setOnInsert": {"created_at": now},
             },
             upsert=True,
@@ -306,6 +341,7 @@ class Ledger:
                 "expires_at": now + self.result_retention,
                 "lease_owner": None,
                 "lease_expires_at": None,
+                "inflight": 0,
             }
         }
         self._fenced_update(record_id, fence, update, "completion")
@@ -319,6 +355,7 @@ class Ledger:
         retry_at: datetime | None,
         traceback: str = "",
         reason: str = "",
+        dead_fields: dict[str, Any] | None = None,
     ) -> None:
         """Append ``error`` to the history; ``retrying`` when ``retry_at`` is set, else ``dead``."""
         now = utcnow()
@@ -326,6 +363,7 @@ class Ledger:
             "updated_at": now,
             "lease_owner": None,
             "lease_expires_at": None,
+            "inflight": 0,
             "traceback": traceback[-8000:],
         }
         if retry_at is None:
@@ -335,6 +373,7 @@ class Ledger:
                 "finished_at": now,
                 "expires_at": now + self.dead_retention,
                 "dead_reason": reason or error.type,
+                **(dead_fields or {}),
             }
         else:
             # Claimable at once: the retry message itself is the timer, and an early duplicate
@@ -362,6 +401,7 @@ class Ledger:
                 "updated_at": now,
                 "lease_owner": None,
                 "lease_expires_at": None,
+                "inflight": 0,
             }
         }
         self._fenced_update(record_id, fence, update, "release")
@@ -390,6 +430,7 @@ class Ledger:
                         "tier": tier,
                         "state": State.QUEUED.value,
                         "attempts": 0,
+                        "inflight": 0,
                         "fence": 0,
                         "claimable_at": EPOCH,
                         "created_at": now,
@@ -399,6 +440,34 @@ class Ledger:
                 upsert=True,
             )
         return result.upserted_id is not None
+
+    def record_deferral(
+        self, record_id: str, *, task: str, key: str, tier: str, reason: str, until: datetime
+    ) -> None:
+        """Note that a delivery was put off (no attempt used), creating the record if needed."""
+        now = utcnow()
+        with translate_errors("deferral record"):
+            self.collection.update_one(
+                {"_id": record_id},
+                {
+                    "$inc": {"deferrals": 1},
+                    "$set": {"last_deferral": {"reason": reason, "until": until, "at": now}},
+                    "$setOnInsert": {
+                        "v": SCHEMA_VERSION,
+                        "task": task,
+                        "key": key,
+                        "tier": tier,
+                        "state": State.QUEUED.value,
+                        "attempts": 0,
+                        "inflight": 0,
+                        "fence": 0,
+                        "claimable_at": EPOCH,
+                        "created_at": now,
+                        "updated_at": now,
+                    },
+                },
+                upsert=True,
+            )
 
     def forget_queued(self, record_id: str) -> None:
         """Undo :meth:`enqueue` when the publish that followed it failed."""

@@ -1,0 +1,92 @@
+"""``celery -A APP ledger breakers ...``: see circuit breakers, force one open or closed."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from .. import audit
+from ..policies.breaker import BreakerState
+
+console = Console(soft_wrap=True)
+
+
+@click.group(name="breakers")
+def breakers() -> None:
+    """Circuit breakers shared by all workers (state lives in Redis)."""
+
+
+@breakers.command(name="list")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def list_(ctx: click.Context, as_json: bool) -> None:
+    """Every breaker with its state, counts and when it admits calls again."""
+    statuses = ctx.obj.app.breakers.statuses()
+    if as_json:
+        click.echo(json.dumps([s.__dict__ for s in statuses], indent=2, default=str))
+        return
+    table = Table(
+        "name",
+        "state",
+        "forced",
+        "consecutive failures",
+        "window calls/failures",
+        "opened at",
+        "retry at",
+    )
+    for status in statuses:
+        table.add_row(
+            status.name,
+            status.state.value,
+            "yes" if status.forced else "",
+            str(status.consecutive_failures),
+            f"{status.calls_in_window}/{status.failures_in_window}",
+            _when(status.opened_at),
+            _when(status.retry_at),
+        )
+    console.print(table)
+
+
+def _force(ctx: click.Context, name: str, state: BreakerState | None, action: str) -> None:
+    app = ctx.obj.app
+    app.breakers[name].force(state)
+    audit.record(app.ledger, action, f"breaker:{name}", actor=audit.current_actor())
+    console.print(f"breaker {name}: {action}")
+
+
+@breakers.command(name="open")
+@click.argument("name")
+@click.pass_context
+def open_(ctx: click.Context, name: str) -> None:
+    """Force NAME open (tasks using it are deferred) until `clear`."""
+    _force(ctx, name, BreakerState.OPEN, "forced open")
+
+
+@breakers.command()
+@click.argument("name")
+@click.pass_context
+def close(ctx: click.Context, name: str) -> None:
+    """Force NAME closed (calls go through whatever happens) until `clear`."""
+    _force(ctx, name, BreakerState.CLOSED, "forced closed")
+
+
+@breakers.command()
+@click.argument("name")
+@click.pass_context
+def clear(ctx: click.Context, name: str) -> None:
+    """Remove a forced state: the breaker decides again from its counts."""
+    _force(ctx, name, None, "force cleared")
+
+
+def _when(value: float | None) -> str:
+    if value is None:
+        return ""
+    return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+__all__: list[Any] = ["breakers"]

@@ -1,0 +1,260 @@
+"""``celery -A APP ledger dlq ...``: triage and replay of dead-lettered jobs."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from .. import audit
+
+console = Console(soft_wrap=True)
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_since(value: str | None) -> datetime | None:
+    """``30m``, ``2h``, ``7d`` ago, or an ISO time (UTC if naive)."""
+    if not value:
+        return None
+    match = _DURATION.match(value.strip())
+    if match:
+        return datetime.now(UTC) - timedelta(seconds=float(match[1]) * _UNITS[match[2]])
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"{value!r}: use 30m, 2h, 7d or an ISO time") from exc
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def actor() -> str:
+    return audit.current_actor()
+
+
+def _dead_letters(ctx: click.Context) -> Any:
+    return ctx.obj.app.dead_letters
+
+
+def _echo_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, default=str))
+
+
+filters = [
+    click.option("--task", "task_name", help="Only this task."),
+    click.option("--reason", help="Only reasons containing this text."),
+    click.option("--since", help="Only dead since: 30m, 2h, 7d or an ISO time."),
+]
+
+
+def with_filters(func: Any) -> Any:
+    for option in reversed(filters):
+        func = option(func)
+    return func
+
+
+@click.group(name="dlq")
+def dlq() -> None:
+    """Dead letters: list, show, replay, purge."""
+
+
+@dlq.command(name="list")
+@with_filters
+@click.option("--limit", type=int, default=1000, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--records", is_flag=True, help="One row per record instead of per fingerprint.")
+@click.pass_context
+def list_(
+    ctx: click.Context,
+    task_name: str | None,
+    reason: str | None,
+    since: str | None,
+    limit: int,
+    as_json: bool,
+    records: bool,
+) -> None:
+    """Dead jobs grouped by error fingerprint (exception type and the frame that raised it)."""
+    dead = _dead_letters(ctx)
+    docs = dead.find(task=task_name, reason=reason, since=parse_since(since), limit=limit)
+    if records:
+        rows = [
+            {
+                "id": d["_id"],
+                "task": d.get("task"),
+                "key": d.get("key"),
+                "reason": d.get("dead_reason"),
+                "fingerprint": d.get("fingerprint"),
+                "dead_at": d.get("finished_at"),
+                "attempts": d.get("attempts"),
+            }
+            for d in docs
+        ]
+        if as_json:
+            _echo_json(rows)
+            return
+        table = Table("id", "task", "key", "reason", "dead at", title=f"{len(rows)} dead jobs")
+        for row in rows:
+            table.add_row(
+                row["id"],
+                str(row["task"]),
+                str(row["key"]),
+                str(row["reason"])[:60],
+                _when(row["dead_at"]),
+            )
+        console.print(table)
+        return
+    groups = dead.groups(docs)
+    if as_json:
+        _echo_json(groups)
+        return
+    table = Table(
+        "fingerprint",
+        "count",
+        "task",
+        "reason",
+        "error",
+        "first",
+        "last",
+        "example key",
+        title=f"{len(docs)} dead jobs in {len(groups)} groups",
+    )
+    for group in groups:
+        table.add_row(
+            group["fingerprint"],
+            str(group["count"]),
+            ", ".join(map(str, group["tasks"])),
+            ", ".join(group["reasons"]),
+            str(group["fingerprint_text"])[:60],
+            _when(group["first"]),
+            _when(group["last"]),
+            str(group["example"]),
+        )
+    console.print(table)
+
+
+@dlq.command()
+@click.argument("ident")
+@click.option("--task", "task_name", help="The task, when IDENT is a key used by several.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def show(ctx: click.Context, ident: str, task_name: str | None, as_json: bool) -> None:
+    """A dead job by record id or idempotency key: reason, errors, original message."""
+    doc = _dead_letters(ctx).get(ident, task=task_name)
+    if doc is None:
+        raise click.ClickException(f"no record {ident!r}")
+    if as_json:
+        _echo_json(doc)
+        return
+    table = Table(show_header=False, box=None)
+    for name in (
+        "_id",
+        "task",
+        "key",
+        "tier",
+        "state",
+        "attempts",
+        "dead_reason",
+        "fingerprint",
+        "fingerprint_text",
+        "finished_at",
+        "replays",
+    ):
+        table.add_row(name, str(doc.get(name, "")))
+    message = doc.get("message") or {}
+    table.add_row("args", str(message.get("args_json", "(raw message)")))
+    table.add_row("kwargs", str(message.get("kwargs_json", "")))
+    console.print(table)
+    errors = Table("at", "attempt", "action", "type", "message", "delay", title="error history")
+    for error in doc.get("errors", []):
+        delay = error.get("planned_delay_seconds")
+        errors.add_row(
+            _when(error.get("at")),
+            str(error.get("attempt")),
+            error.get("action", ""),
+            error.get("type", ""),
+            str(error.get("message", ""))[:70],
+            "" if delay is None else f"{delay:.1f}s",
+        )
+    console.print(errors)
+
+
+@dlq.command()
+@click.argument("ident", required=False)
+@with_filters
+@click.option("--dry-run", is_flag=True, help="Say what would be replayed; change nothing.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def replay(
+    ctx: click.Context,
+    ident: str | None,
+    task_name: str | None,
+    reason: str | None,
+    since: str | None,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Republish dead jobs to their tier, attempts reset, same key (so nothing runs twice)."""
+    dead = _dead_letters(ctx)
+    if ident:
+        doc = dead.get(ident, task=task_name)
+        if doc is None:
+            raise click.ClickException(f"no record {ident!r}")
+        docs = [doc]
+    elif task_name or reason or since:
+        docs = dead.find(task=task_name, reason=reason, since=parse_since(since))
+    else:
+        raise click.UsageError("name a record (ID or KEY) or a filter (--task/--reason/--since)")
+    outcomes = []
+    with Progress(console=console, transient=True, disable=as_json or len(docs) < 2) as progress:
+        bar = progress.add_task("replaying", total=len(docs))
+        for doc in docs:
+            outcomes.append(dead.replay(doc, dry_run=dry_run, actor=actor()))
+            progress.advance(bar)
+    if not dry_run:
+        for outcome in outcomes:
+            if outcome.replayed:
+                audit.record(ctx.obj.app.ledger, "replay", outcome.record_id, actor=actor())
+    if as_json:
+        _echo_json([o.__dict__ for o in outcomes])
+        return
+    for outcome in outcomes:
+        mark = "[green]replayed[/]" if outcome.replayed else "[yellow]skipped[/]"
+        console.print(f"{mark} {outcome.record_id}: {outcome.detail}")
+    done = sum(o.replayed for o in outcomes)
+    console.print(f"{done} of {len(outcomes)} {'would be ' if dry_run else ''}replayed")
+
+
+@dlq.command()
+@with_filters
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+def purge(
+    ctx: click.Context, task_name: str | None, reason: str | None, since: str | None, yes: bool
+) -> None:
+    """Delete dead records (after asking)."""
+    dead = _dead_letters(ctx)
+    docs = dead.find(task=task_name, reason=reason, since=parse_since(since), limit=100_000)
+    if not docs:
+        console.print("nothing to purge")
+        return
+    if not yes:
+        click.confirm(f"Delete {len(docs)} dead records for good?", abort=True)
+    purged = dead.purge(docs, actor=actor())
+    audit.record(
+        ctx.obj.app.ledger,
+        "purge",
+        f"{purged} dead records",
+        actor=actor(),
+        filters={"task": task_name, "reason": reason, "since": since},
+    )
+    console.print(f"purged {purged} dead records")
+
+
+def _when(value: Any) -> str:
+    return value.strftime("%Y-%m-%d %H:%M:%S") if isinstance(value, datetime) else str(value or "")

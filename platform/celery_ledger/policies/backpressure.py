@@ -1,0 +1,177 @@
+"""Publish-side backpressure: per-tier high-water marks on queue depth, with hysteresis.
+
+With the Redis transport each tier's queue is a Redis list named after the tier, so its depth
+is one ``LLEN`` (kombu's priority sub-queues, ``<queue>\\x06\\x16<n>``, are not counted: we do
+not use priorities). :class:`QueueDepths` samples every tier in one pipelined round trip and
+serves the sample for ``ttl_seconds``, so a producer publishing thousands of messages a second
+costs the broker at most one round trip per ttl.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import redis
+
+from ..errors import Backpressure as BackpressureError
+from ..errors import ConfigurationError
+from ..settings import TIERS
+
+Policy = Literal["block", "reject", "shed"]
+Decision = Literal["publish", "shed"]
+
+
+class QueueDepths:
+    """Cached ``LLEN`` of each queue; redis errors propagate (nothing stale is served)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        queues: Iterable[str] = TIERS,
+        *,
+        ttl_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.queues = (queues,) if isinstance(queues, str) else tuple(queues)
+        if not self.queues:
+            raise ConfigurationError("QueueDepths needs at least one queue")
+        self.ttl_seconds = ttl_seconds
+        self._client = client
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._depths: dict[str, int] = {}
+        self._sampled_at: float | None = None
+
+    def refresh(self) -> dict[str, int]:
+        """Sample every queue now (one pipelined round trip) and return the depths."""
+        with self._lock:
+            return self._sample()
+
+    def depths(self) -> dict[str, int]:
+        """Every queue's depth, sampled at most ``ttl_seconds`` ago."""
+        with self._lock:
+            sampled_at = self._sampled_at
+            if sampled_at is None or self._clock() - sampled_at >= self.ttl_seconds:
+                return self._sample()
+            return dict(self._depths)
+
+    def depth(self, queue: str) -> int:
+        """One queue's depth, sampled at most ``ttl_seconds`` ago (``KeyError`` if unknown)."""
+        if queue not in self.queues:
+            raise KeyError(f"queue {queue!r} is not sampled; sampled: {', '.join(self.queues)}")
+        return self.depths()[queue]
+
+    def _sample(self) -> dict[str, int]:
+        # Holding the lock across the round trip makes concurrent callers share one sample.
+        pipe = self._client.pipeline(transaction=False)
+        for queue in self.queues:
+            pipe.llen(queue)
+        self._depths = {queue: int(n) for queue, n in zip(self.queues, pipe.execute(), strict=True)}
+        self._sampled_at = self._clock()
+        return dict(self._depths)
+
+
+@dataclass(frozen=True)
+class TierLimit:
+    """A tier's high-water mark and what a publish above it does.
+
+    Once depth exceeds ``high_water`` the limit stays engaged until depth is at most
+    ``low_water`` (default: 90% of ``high_water``). ``high_water=None`` means no limit.
+    """
+
+    high_water: int | None
+    policy: Policy
+    block_timeout_seconds: float = 5.0
+    low_water: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("block", "reject", "shed"):
+            raise ConfigurationError(f"unknown backpressure policy {self.policy!r}")
+        if self.block_timeout_seconds < 0:
+            raise ConfigurationError("block_timeout_seconds must not be negative")
+        if self.high_water is not None and self.high_water < 0:
+            raise ConfigurationError("high_water must not be negative")
+        if self.low_water is not None and (
+            self.high_water is None or not 0 <= self.low_water <= self.high_water
+        ):
+            raise ConfigurationError("low_water must be between 0 and high_water")
+
+    @property
+    def release_depth(self) -> int | None:
+        """The depth at or below which an engaged limit releases."""
+        if self.high_water is None:
+            return None
+        return self.low_water if self.low_water is not None else int(self.high_water * 0.9)
+
+
+class Backpressure:
+    """Decides, per publish, whether a tier may take another message."""
+
+    def __init__(
+        self,
+        depths: QueueDepths,
+        limits: Mapping[str, TierLimit],
+        *,
+        on_shed: Callable[[str], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        poll_seconds: float = 0.05,
+    ) -> None:
+        unknown = sorted(set(limits) - set(depths.queues))
+        if unknown:
+            raise ConfigurationError(f"limits on queues that are not sampled: {unknown}")
+        self.depths = depths
+        self.limits = dict(limits)
+        self.shed_counts: dict[str, int] = dict.fromkeys(self.limits, 0)
+        self._on_shed = on_shed
+        self._sleep = sleep
+        self._clock = clock
+        self._poll_seconds = poll_seconds
+        self._engaged: dict[str, bool] = dict.fromkeys(self.limits, False)
+        self._lock = threading.Lock()
+
+    def engaged(self, tier: str) -> bool:
+        return self._engaged.get(tier, False)
+
+    def check(self, tier: str) -> Decision:
+        """``"publish"``, ``"shed"``, or raises :class:`celery_ledger.errors.Backpressure`."""
+        limit = self.limits.get(tier)
+        if limit is None or limit.high_water is None:
+            return "publish"
+        depth = self.depths.depth(tier)
+        if not self._update(tier, limit, depth):
+            return "publish"
+        if limit.policy == "reject":
+            raise BackpressureError(tier, depth, limit.high_water)
+        if limit.policy == "shed":
+            with self._lock:
+                self.shed_counts[tier] += 1
+            if self._on_shed is not None:
+                self._on_shed(tier)
+            return "shed"
+        return self._block(tier, limit)
+
+    def _update(self, tier: str, limit: TierLimit, depth: int) -> bool:
+        """Apply hysteresis to a fresh depth; returns whether the tier is engaged."""
+        assert limit.high_water is not None and limit.release_depth is not None
+        with self._lock:
+            if self._engaged[tier]:
+                self._engaged[tier] = depth > limit.release_depth
+            else:
+                self._engaged[tier] = depth > limit.high_water
+            return self._engaged[tier]
+
+    def _block(self, tier: str, limit: TierLimit) -> Decision:
+        assert limit.high_water is not None
+        deadline = self._clock() + limit.block_timeout_seconds
+        while True:
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise BackpressureError(tier, self.depths.depth(tier), limit.high_water)
+            self._sleep(min(self._poll_seconds, remaining))
+            if not self._update(tier, limit, self.depths.depth(tier)):
+                return "publish"

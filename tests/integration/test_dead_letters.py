@@ -1,0 +1,110 @@
+"""Retries with backoff, the dead-letter flow, replay, and poison messages."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import redis
+
+from celery_ledger import State
+from tasks.effects import record_effect
+
+from .helpers import effect_count, wait_for
+
+
+def dead_letter_copies(stack: Any) -> list[dict[str, Any]]:
+    """The bodies of the messages in the dead_letter queue (kombu's Redis list)."""
+    import base64
+
+    broker = redis.Redis.from_url(stack.broker.url)
+    return [
+        json.loads(base64.b64decode(json.loads(raw)["body"]))
+        for raw in broker.lrange("dead_letter", 0, -1)
+    ]
+
+
+def test_a_permanent_error_dead_letters_at_once(stack: Any, app: Any, token: str) -> None:
+    from tests.integration.ledger_app import fails_until_fixed
+
+    with pytest.raises(Exception, match=f"bad data for {token}"):
+        fails_until_fixed.delay(token).get(timeout=30)
+    record = app.ledger.get(fails_until_fixed.name, token)
+    assert (record.state, record.attempts) == (State.DEAD, 1)
+    assert record.dead_reason.startswith("permanent error: PermanentError")
+    assert [e.action for e in record.errors] == ["dead"]
+    raw = app.ledger.find_raw(record.id)
+    assert json.loads(raw["message"]["args_json"]) == [token]
+    copy = wait_for(
+        lambda: [c for c in dead_letter_copies(stack) if c["record_id"] == record.id],
+        what="dead-letter copy",
+    )[0]
+    assert copy["reason"] == record.dead_reason and copy["fingerprint"] == record.fingerprint
+
+
+def test_exhausted_retries_dead_letter_with_their_history(app: Any, token: str) -> None:
+    from tests.integration.ledger_app import always_down
+
+    with pytest.raises(ConnectionError):
+        always_down.delay(token).get(timeout=30)
+    record = app.ledger.get(always_down.name, token)
+    assert record.state is State.DEAD
+    assert record.attempts == 3 and effect_count("attempt", token) == 3
+    assert record.dead_reason == "retries exhausted after 2 retries"
+    assert [e.action for e in record.errors] == ["retry", "retry", "dead"]
+    delays = [e.planned_delay_seconds for e in record.errors[:2]]
+    assert all(d is not None and 0 <= d <= 0.3 for d in delays)
+
+
+def test_retry_after_hint_is_honoured(app: Any, token: str) -> None:
+    from tests.integration.ledger_app import rate_limited_once
+
+    assert rate_limited_once.delay(token).get(timeout=30) == "through"
+    record = app.ledger.get(rate_limited_once.name, token)
+    assert record.errors[0].planned_delay_seconds == pytest.approx(1.5)
+    gap = (record.finished_at - record.errors[0].at).total_seconds()
+    assert gap >= 1.4
+
+
+def test_replay_runs_a_dead_job_once_and_replaying_again_does_nothing(app: Any, token: str) -> None:
+    from tests.integration.ledger_app import fails_until_fixed
+
+    with pytest.raises(Exception, match="bad data"):
+        fails_until_fixed.delay(token).get(timeout=30)
+    record_effect("fixed", token)  # the operator fixes the data
+
+    doc = app.dead_letters.get(token, task=fails_until_fixed.name)
+    outcome = app.dead_letters.replay(doc, actor="test")
+    assert outcome.replayed
+    result = app.AsyncResult(doc["_id"])
+    wait_for(
+        lambda: app.ledger.get_by_id(doc["_id"]).state is State.SUCCEEDED,
+        what="replayed job succeeded",
+    )
+    assert result.get(timeout=10) == "fixed"
+    assert effect_count("fixed_run", token) == 1
+    replayed = app.ledger.find_raw(doc["_id"])
+    assert replayed["replays"] == 1 and replayed["audit"][0]["by"] == "test"
+
+    again = app.dead_letters.replay(app.ledger.find_raw(doc["_id"]), actor="test")
+    assert not again.replayed and "nothing to do" in again.detail
+    assert effect_count("fixed_run", token) == 1
+
+
+def test_a_message_whose_worker_keeps_dying_becomes_poison(app: Any, token: str) -> None:
+    from tests.integration.ledger_app import kills_its_worker
+
+    # Plain Celery requeues such a message forever (reject_on_worker_lost, celery#9082).
+    kills_its_worker.delay(token)
+    record = wait_for(
+        lambda: (
+            (r := app.ledger.get(kills_its_worker.name, token)) is not None
+            and r.state is State.DEAD
+            and r
+        ),
+        timeout=90,
+        what="poison dead-lettered",
+    )
+    assert record.dead_reason.startswith("poison: delivered 3 times")
+    assert effect_count("attempt", token) == 3
