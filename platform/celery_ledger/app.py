@@ -15,6 +15,7 @@ from pydantic_settings import SettingsError
 from .deadletter import DeadLetters
 from .delayed import DelayedDeliveries
 from .errors import ConfigurationError
+from .hooks import Hooks
 from .ledger.store import Ledger
 from .policies.breaker import BreakerConfig, Breakers
 from .policies.retry import TIER_RETRY_DEFAULTS, RetryPolicy
@@ -54,6 +55,11 @@ class LedgerCelery(Celery):  # type: ignore[misc]
     tiers: Tiers
 
     @cached_property
+    def hooks(self) -> Hooks:
+        """Platform events (see :mod:`celery_ledger.hooks`)."""
+        return Hooks()
+
+    @cached_property
     def breakers(self) -> Breakers:
         """Circuit breakers shared through Redis by every worker: ``app.breakers["payments"]``."""
         try:
@@ -63,7 +69,13 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             }
         except TypeError as exc:
             raise ConfigurationError(f"LEDGER_BREAKERS: {exc}") from exc
-        return Breakers(self.settings.broker_url, configs=configs)
+        return Breakers(
+            self.settings.broker_url,
+            configs=configs,
+            on_transition=lambda name, old, new: self.hooks.emit(
+                "breaker", name=name, old=old, new=new
+            ),
+        )
 
     @cached_property
     def dead_letters(self) -> DeadLetters:

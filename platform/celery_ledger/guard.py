@@ -75,9 +75,19 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
         logger.warning(
             "ledger unavailable; deferring %s by %.1fs: %s", request.id, delay, exc, extra=context
         )
-        defer(task, args, kwargs, delay_seconds=max(delay, 0.2), key=key, tier=tier)
+        defer(
+            task,
+            args,
+            kwargs,
+            delay_seconds=max(delay, 0.2),
+            key=key,
+            tier=tier,
+            reason="ledger unavailable",
+        )
 
+    hooks = task.app.hooks
     if claim.outcome is ClaimOutcome.DUPLICATE:
+        hooks.emit("duplicate", task=task.name, tier=tier, record_id=request.id)
         logger.info("duplicate suppressed: %s already succeeded", request.id, extra=context)
         request.ledger_settled = True
         if request.callbacks or request.chain:
@@ -105,16 +115,34 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
         logger.info(
             "%s is leased by another delivery; back in %.1fs", request.id, delay, extra=context
         )
-        defer(task, args, kwargs, delay_seconds=delay, key=key, tier=tier)
+        defer(
+            task,
+            args,
+            kwargs,
+            delay_seconds=delay,
+            key=key,
+            tier=tier,
+            reason="leased by another delivery",
+        )
 
     fence = claim.fence
+    hooks.emit("claimed", task=task.name, tier=tier, record_id=request.id, fence=fence)
+    started = time.monotonic()
     request.ledger_fence = fence
     request.ledger_settled = True
     deadline = time.monotonic() + (task.lease_seconds or ledger.lease_seconds) * 0.8
     context["fence"] = fence
 
     def persist(write: Callable[[], None], what: str) -> None:
-        persist_until(write, deadline=deadline, what=what, record_id=request.id)
+        persist_until(
+            write,
+            deadline=deadline,
+            what=what,
+            record_id=request.id,
+            on_lease_lost=lambda lost: hooks.emit(
+                "lease_lost", task=task.name, tier=tier, record_id=request.id, fence=lost.fence
+            ),
+        )
 
     try:
         check_payload_size(task, args, kwargs)
@@ -123,7 +151,15 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
         persist(lambda: ledger.release(request.id, fence), "release")
         delay = max((exc.retry_at or time.time()) - time.time(), 0.0) + random.uniform(0.05, 0.5)
         logger.info("%s: %s; deferred by %.1fs", request.id, exc, delay, extra=context)
-        defer(task, args, kwargs, delay_seconds=delay, key=key, tier=tier)
+        defer(
+            task,
+            args,
+            kwargs,
+            delay_seconds=delay,
+            key=key,
+            tier=tier,
+            reason="circuit open (inside the body)",
+        )
     except Retry as exc:  # the body (or Celery's autoretry) asked for a retry
         report_to_breaker(task, breaker, admission, exc.exc)
         retry_at = retry_time(exc.when)
@@ -232,6 +268,13 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
         raise payload_error from exc
     report_to_breaker(task, breaker, admission, None)
     persist(lambda: ledger.complete(request.id, fence, result_json), "completion")
+    hooks.emit(
+        "succeeded",
+        task=task.name,
+        tier=tier,
+        record_id=request.id,
+        seconds=time.monotonic() - started,
+    )
     return retval
 
 
@@ -269,7 +312,7 @@ def admit_or_defer(
         logger.warning("could not record the deferral of %s: %s", task.request.id, exc)
     delay = max(retry_at - time.time(), 0.0) + random.uniform(0.05, 0.5)
     logger.info("%s: circuit %r is open; deferred by %.1fs", task.request.id, breaker.name, delay)
-    defer(task, args, kwargs, delay_seconds=delay, key=key, tier=tier)
+    defer(task, args, kwargs, delay_seconds=delay, key=key, tier=tier, reason="circuit open")
 
 
 def report_to_breaker(
@@ -332,6 +375,9 @@ def schedule_retry(
             ),
             "retry record",
         )
+        task.app.hooks.emit(
+            "retried", task=task.name, tier=tier, record_id=request.id, delay=delay, error=exc
+        )
         raise retry from exc
     raise AssertionError("Task.retry returned without raising")  # pragma: no cover
 
@@ -352,7 +398,16 @@ def message_headers_of(request: Any, key: str, tier: str) -> dict[str, Any]:
 
 def announce_dead(task: LedgerTask, record: dict[str, Any], args: Any, kwargs: Any) -> None:
     try:
-        task.app.dead_letters.announce(entry_of(record))
+        entry = entry_of(record)
+        task.app.dead_letters.announce(entry)
+        task.app.hooks.emit(
+            "dead",
+            task=task.name,
+            tier=entry.get("tier"),
+            record_id=entry["record_id"],
+            reason=entry.get("reason"),
+            entry=entry,
+        )
     except Exception:  # observability must never fail the task
         logger.warning("could not announce dead letter %s", record.get("_id"), exc_info=True)
 
@@ -372,6 +427,7 @@ def defer(
     delay_seconds: float,
     key: str,
     tier: str,
+    reason: str = "",
 ) -> NoReturn:
     """Republish this message to come back after ``delay_seconds``, then ack this delivery.
 
@@ -395,10 +451,25 @@ def defer(
     except Exception as exc:
         logger.error("could not defer %s (%s); requeueing it", request.id, exc)
         raise Reject(exc, requeue=True) from exc
+    task.app.hooks.emit(
+        "deferred",
+        task=task.name,
+        tier=tier,
+        record_id=request.id,
+        delay=delay_seconds,
+        reason=reason,
+    )
     raise Ignore(f"deferred by {delay_seconds:.1f}s")
 
 
-def persist_until(write: Callable[[], None], *, deadline: float, what: str, record_id: str) -> None:
+def persist_until(
+    write: Callable[[], None],
+    *,
+    deadline: float,
+    what: str,
+    record_id: str,
+    on_lease_lost: Callable[[LeaseLost], None] | None = None,
+) -> None:
     """Run a fenced ledger write, retrying while the ledger is unreachable until ``deadline``.
 
     Past the deadline our lease may be taken over anyway: the message is requeued, and the
@@ -409,10 +480,12 @@ def persist_until(write: Callable[[], None], *, deadline: float, what: str, reco
         try:
             write()
             return
-        except LeaseLost:
+        except LeaseLost as lost:
             logger.warning(
                 "%s of %s refused: the lease was taken over by a newer claim", what, record_id
             )
+            if on_lease_lost is not None:
+                on_lease_lost(lost)
             raise Ignore("lease lost") from None
         except LedgerUnavailable as exc:
             if time.monotonic() >= deadline:
