@@ -2,6 +2,8 @@
 
 from .app import LedgerCelery, create_app
 from .errors import (
+    Backpressure,
+    CircuitOpen,
     ConfigurationError,
     LeaseLost,
     LedgerError,
@@ -17,6 +19,8 @@ from .settings import Settings
 from .task import LedgerTask
 
 __all__ = [
+    "Backpressure",
+    "CircuitOpen",
     "ConfigurationError",
     "ErrorEntry",
     "LeaseLost",

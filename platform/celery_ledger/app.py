@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import difflib
 import os
+from dataclasses import replace
 from functools import cached_property
 from typing import Any
 
+import redis
 from celery import Celery, Task
 from kombu.entity import Queue
 from pydantic import ValidationError
@@ -17,9 +19,12 @@ from .delayed import DelayedDeliveries
 from .errors import ConfigurationError
 from .hooks import Hooks
 from .ledger.store import Ledger
+from .policies.backpressure import Backpressure, QueueDepths
 from .policies.breaker import BreakerConfig, Breakers
+from .policies.rate_limit import RateLimits
 from .policies.retry import TIER_RETRY_DEFAULTS, RetryPolicy
-from .routing import DEAD_LETTER_QUEUE, Tiers
+from .pressure import Pressure, Throttle, ThrottleRule
+from .routing import DEAD_LETTER_QUEUE, DEFAULT_TIER_LIMITS, Tiers
 from .settings import TIERS, Settings
 from .task import LedgerTask
 from .worker import LedgerWorkerStep
@@ -78,6 +83,56 @@ class LedgerCelery(Celery):  # type: ignore[misc]
         )
 
     @cached_property
+    def redis(self) -> redis.Redis:
+        """A client of the broker's Redis, for the platform's shared state."""
+        return redis.Redis.from_url(
+            self.settings.broker_url, socket_timeout=5, socket_connect_timeout=5
+        )
+
+    @cached_property
+    def queue_depths(self) -> QueueDepths:
+        return QueueDepths(self.redis, (*self.tiers.names, DEAD_LETTER_QUEUE), ttl_seconds=1.0)
+
+    @cached_property
+    def backpressure(self) -> Backpressure:
+        limits = dict(DEFAULT_TIER_LIMITS)
+        for tier, values in self.settings.tier_limits.items():
+            self.tiers.check(tier, where="LEDGER_TIER_LIMITS")
+            try:
+                limits[tier] = replace(limits[tier], **values)  # type: ignore[arg-type]
+            except TypeError as exc:
+                raise ConfigurationError(f"LEDGER_TIER_LIMITS[{tier!r}]: {exc}") from exc
+        return Backpressure(
+            self.queue_depths, limits, on_shed=lambda tier: self.hooks.emit("shed", tier=tier)
+        )
+
+    @cached_property
+    def rate_limits(self) -> RateLimits:
+        try:
+            limits = {
+                name: (float(v["rate_per_second"]), int(v["burst"]))
+                for name, v in self.settings.rate_limits.items()
+            }
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"LEDGER_RATE_LIMITS needs rate_per_second and burst: {exc}"
+            ) from exc
+        return RateLimits(self.redis, limits)
+
+    @cached_property
+    def throttle(self) -> Throttle:
+        settings = self.settings
+        rule = ThrottleRule(
+            latency_threshold_ms=settings.throttle_latency_ms,
+            critical_backlog=settings.throttle_critical_backlog,
+            resume_ratio=settings.throttle_resume_ratio,
+        )
+        pressure = Pressure(self.redis, window_seconds=settings.pressure_window_seconds)
+        return Throttle(
+            pressure, self.queue_depths, rule, interval_seconds=settings.throttle_check_seconds
+        )
+
+    @cached_property
     def dead_letters(self) -> DeadLetters:
         return DeadLetters(self, self.ledger, self.settings.broker_url)
 
@@ -114,6 +169,12 @@ class LedgerCelery(Celery):  # type: ignore[misc]
                 for name, h in zip(unknown, hints, strict=True)
             )
             raise ConfigurationError(f"unknown task option {hint}")
+        bucket = options.get("rate_bucket")
+        if bucket is not None and bucket not in self.settings.rate_limits:
+            configured = ", ".join(self.settings.rate_limits) or "none configured"
+            raise ConfigurationError(
+                f"rate_bucket {bucket!r} is not in LEDGER_RATE_LIMITS (known: {configured})"
+            )
         if options.get("tier") is not None:
             self.tiers.check(options["tier"], where="a task declaration")
         return super().task(*args, **options)

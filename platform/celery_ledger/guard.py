@@ -54,6 +54,7 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
     context = {"task_id": request.id, "key": key, "tier": tier}
     breaker = task.app.breakers[task.breaker] if task.breaker else None
     admission = admit_or_defer(task, breaker, args, kwargs, key=key, tier=tier)
+    wait_for_rate(task, args, kwargs, key=key, tier=tier)
 
     try:
         claim = ledger.claim(
@@ -313,6 +314,29 @@ def admit_or_defer(
     delay = max(retry_at - time.time(), 0.0) + random.uniform(0.05, 0.5)
     logger.info("%s: circuit %r is open; deferred by %.1fs", task.request.id, breaker.name, delay)
     defer(task, args, kwargs, delay_seconds=delay, key=key, tier=tier, reason="circuit open")
+
+
+def wait_for_rate(
+    task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any], *, key: str, tier: str
+) -> None:
+    """Take a token from the task's shared bucket, or defer until one is due (no claim made)."""
+    if not task.rate_bucket:
+        return
+    try:
+        wait = task.app.rate_limits[task.rate_bucket].try_acquire()
+    except redis.RedisError as exc:  # the bucket's store is down: fail open
+        logger.warning("rate bucket %s unavailable (%s); running", task.rate_bucket, exc)
+        return
+    if wait > 0:
+        defer(
+            task,
+            args,
+            kwargs,
+            delay_seconds=wait + random.uniform(0.0, wait * 0.2),
+            key=key,
+            tier=tier,
+            reason=f"rate limited ({task.rate_bucket})",
+        )
 
 
 def report_to_breaker(

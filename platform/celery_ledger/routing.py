@@ -6,11 +6,19 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
 from .errors import ConfigurationError
+from .policies.backpressure import TierLimit
 
 if TYPE_CHECKING:
     from celery import Task
 
 DEAD_LETTER_QUEUE = "dead_letter"
+
+# Producers wait (up to 5 s) rather than grow a tier's backlog without bound; shed is opt-in.
+DEFAULT_TIER_LIMITS = {
+    "critical": TierLimit(high_water=10_000, policy="block", block_timeout_seconds=5.0),
+    "default": TierLimit(high_water=50_000, policy="block", block_timeout_seconds=5.0),
+    "bulk": TierLimit(high_water=100_000, policy="block", block_timeout_seconds=5.0),
+}
 
 
 class Tiers:

@@ -57,6 +57,31 @@ class Settings(BaseSettings):
         description='Circuit breaker thresholds by name (JSON), e.g. {"payments":'
         ' {"failure_threshold": 5, "cooldown_seconds": 30}}.',
     )
+    tier_limits: dict[str, dict[str, float | int | str | None]] = Field(
+        default_factory=dict,
+        description="Backpressure per tier over the defaults (JSON), e.g."
+        ' {"bulk": {"high_water": 20000, "policy": "shed"}}; policies: block, reject, shed.',
+    )
+    rate_limits: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description="Token buckets shared by all workers (JSON), e.g."
+        ' {"reports": {"rate_per_second": 5, "burst": 10}}; tasks name one with rate_bucket=.',
+    )
+    throttle_latency_ms: float | None = Field(
+        500.0, gt=0, description="Bulk workers pause while foreground p95 latency is above this."
+    )
+    throttle_critical_backlog: int | None = Field(
+        100, ge=1, description="Bulk workers pause while the critical queue is deeper than this."
+    )
+    throttle_resume_ratio: float = Field(
+        0.7, gt=0, lt=1, description="Resume when both signals are below this share of the mark."
+    )
+    throttle_check_seconds: float = Field(
+        1.0, gt=0, description="How often bulk workers evaluate the throttle."
+    )
+    pressure_window_seconds: float = Field(
+        30.0, gt=0, description="Window of reported foreground latencies (report_latency)."
+    )
     dedupe_on_publish: bool = Field(
         False, description="Write a queued record at publish and skip publishing known keys."
     )

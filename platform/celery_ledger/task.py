@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import redis
 from celery import Task
 from celery.result import AsyncResult
 
@@ -20,6 +22,8 @@ from .policies.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from .app import LedgerCelery
+
+logger = logging.getLogger("celery_ledger.task")
 
 # Options a call may not pass through to the broker: the ledger owns them.
 _LEDGER_OWNED_OPTIONS = ("ignore_result",)
@@ -48,6 +52,7 @@ class LedgerTask(Task):  # type: ignore[misc]
     retry_cap_seconds: float | None = None
     retry_jitter: Jitter | None = None
     breaker: str | None = None  # the circuit breaker guarding this task's dependency
+    rate_bucket: str | None = None  # a shared token bucket (LEDGER_RATE_LIMITS) the task draws from
     retry_on: tuple[type[BaseException], ...] = ()
     fail_on: tuple[type[BaseException], ...] = ()
 
@@ -66,6 +71,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             "retry_on",
             "fail_on",
             "breaker",
+            "rate_bucket",
         }
     )
 
@@ -173,6 +179,8 @@ class LedgerTask(Task):  # type: ignore[misc]
                 **options,
             )
 
+        if self._over_high_water(tier, task_id, key, args, kwargs, message_headers):
+            return self.AsyncResult(task_id)
         dedupe = (
             settings.dedupe_on_publish if self.dedupe_on_publish is None else self.dedupe_on_publish
         )
@@ -197,6 +205,41 @@ class LedgerTask(Task):  # type: ignore[misc]
                 with contextlib.suppress(LedgerUnavailable):
                     self.app.ledger.forget_queued(task_id)
             raise
+
+    def _over_high_water(
+        self,
+        tier: str,
+        task_id: str,
+        key: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        message_headers: dict[str, Any],
+    ) -> bool:
+        """Apply the tier's backpressure; True if the job was shed (recorded, not published).
+
+        Raises:
+            Backpressure: the tier is above its mark and its policy is reject, or block timed out.
+        """
+        try:
+            decision = self.app.backpressure.check(tier)
+        except redis.RedisError as exc:  # the publish itself will say if the broker is down
+            logger.warning("backpressure check on %s skipped: %s", tier, exc)
+            return False
+        if decision == "publish":
+            return False
+        depth = self.app.queue_depths.depth(tier)
+        reason = f"shed: tier {tier} above its high-water mark (depth {depth})"
+        self.app.ledger.record_shed(
+            task_id,
+            task=self.name,
+            key=key,
+            tier=tier,
+            reason=reason,
+            args=list(args),
+            kwargs=kwargs,
+            headers=message_headers,
+        )
+        return True
 
     @classmethod
     def key_spec(cls) -> KeySpec:

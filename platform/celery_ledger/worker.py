@@ -62,6 +62,58 @@ class Housekeeping:
                         logger.info("housekeeping %s recovered", getattr(job, "__qualname__", job))
 
 
+class BulkThrottle:
+    """Pauses this worker's bulk consumption while the foreground is under strain.
+
+    It asks the worker itself, through Celery's remote control (``cancel_consumer`` /
+    ``add_consumer``), so the change runs in the worker's event loop: messages not yet taken
+    stay in the queue, messages already reserved still run; nothing is lost or run twice.
+    """
+
+    def __init__(self, app: Any, hostname: str, queue: str = "bulk") -> None:
+        self._app = app
+        self._hostname = hostname
+        self._queue = queue
+        self.engaged = False
+
+    def tick(self) -> None:
+        throttle = self._app.throttle
+        should = throttle.should_throttle()
+        if should == self.engaged:
+            return
+        control = self._app.control
+        if should:
+            control.cancel_consumer(
+                self._queue, destination=[self._hostname], reply=True, timeout=2.0
+            )
+            logger.warning(
+                "throttling %s on %s: %s", self._queue, self._hostname, throttle.reason()
+            )
+        else:
+            control.add_consumer(self._queue, destination=[self._hostname], reply=True, timeout=2.0)
+            logger.warning("resuming %s on %s", self._queue, self._hostname)
+        self.engaged = should
+        self._app.hooks.emit(
+            "throttle", queue=self._queue, engaged=should, reason=throttle.reason()
+        )
+
+
+class Every:
+    """Runs ``job`` at most once per ``seconds`` (housekeeping ticks may come faster)."""
+
+    def __init__(self, seconds: float, job: Callable[[], object]) -> None:
+        self._seconds = seconds
+        self._job = job
+        self._last = 0.0
+        self.__qualname__ = getattr(job, "__qualname__", "job")
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self._last >= self._seconds:
+            self._last = now
+            self._job()
+
+
 class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Ensures the ledger's indexes and runs the housekeeping thread.
 
@@ -80,10 +132,11 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             app.delayed,
             lambda name, args, kwargs, options: app.send_task(name, args, kwargs, **options),
         )
-        return Housekeeping(
-            [publisher.publish_due, app.dead_letters.drain_poison],
-            interval=app.settings.defer_poll_seconds,
-        )
+        jobs: list[Callable[[], object]] = [publisher.publish_due, app.dead_letters.drain_poison]
+        if "bulk" in app.amqp.queues.consume_from:
+            throttle = BulkThrottle(app, worker.hostname)
+            jobs.append(Every(app.settings.throttle_check_seconds, throttle.tick))
+        return Housekeeping(jobs, interval=app.settings.defer_poll_seconds)
 
 
 class LedgerConsumer(Consumer):  # type: ignore[misc]

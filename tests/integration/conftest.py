@@ -22,6 +22,7 @@ TEST_ENV = {
     "LEDGER_MONGO_TIMEOUT_MS": "1500",
     "LEDGER_MAX_DELIVERIES": "3",
     "LEDGER_BREAKERS": '{"payments": {"failure_threshold": 3, "cooldown_seconds": 3}}',
+    "LEDGER_RATE_LIMITS": '{"limited": {"rate_per_second": 4, "burst": 2}}',
 }
 APP_MODULE = "tests.integration.ledger_app"
 ALL_TIERS = "critical,default,bulk"

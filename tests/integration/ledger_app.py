@@ -134,3 +134,17 @@ def call_payments(token: str) -> str:
     if effects().count_documents({"kind": "outage", "key": "payments"}):
         raise ConnectionError("payments gateway unreachable")
     return "paid"
+
+
+@app.task(idempotency_key="{token}", rate_bucket="limited")
+def rate_limited(token: str) -> str:
+    """Draws from the shared 'limited' bucket (4/s, burst 2) across all worker processes."""
+    record_effect("limited", token)
+    return token
+
+
+@app.task(idempotency_key="{token}", tier="bulk")
+def bulk_item(token: str) -> str:
+    time.sleep(0.02)
+    record_effect("bulk", token)
+    return token

@@ -469,6 +469,54 @@ class Ledger:
                 upsert=True,
             )
 
+    def record_shed(
+        self,
+        record_id: str,
+        *,
+        task: str,
+        key: str,
+        tier: str,
+        reason: str,
+        args: Any,
+        kwargs: Any,
+        headers: dict[str, Any],
+    ) -> None:
+        """Record a job shed by backpressure: dead with its message, so it can be replayed."""
+        import json
+
+        now = utcnow()
+        with translate_errors("shed record"):
+            self.collection.update_one(
+                {"_id": record_id},
+                {
+                    "$setOnInsert": {
+                        "v": SCHEMA_VERSION,
+                        "task": task,
+                        "key": key,
+                        "tier": tier,
+                        "state": State.DEAD.value,
+                        "attempts": 0,
+                        "inflight": 0,
+                        "fence": 0,
+                        "claimable_at": FOREVER,
+                        "created_at": now,
+                        "updated_at": now,
+                        "finished_at": now,
+                        "expires_at": now + self.dead_retention,
+                        "dead_reason": reason,
+                        "fingerprint": "shed",
+                        "fingerprint_text": f"shed by backpressure ({tier})",
+                        "shed": True,
+                        "message": {
+                            "args_json": json.dumps(args),
+                            "kwargs_json": json.dumps(kwargs),
+                            "headers": json.loads(json.dumps(headers, default=str)),
+                        },
+                    }
+                },
+                upsert=True,
+            )
+
     def forget_queued(self, record_id: str) -> None:
         """Undo :meth:`enqueue` when the publish that followed it failed."""
         with translate_errors("enqueue rollback"):
