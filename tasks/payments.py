@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import random
 
+from celery_ledger import PermanentError
+
 from .celery import app
 from .effects import record_effect
 
 
 class GatewayTimeout(TimeoutError):
     """The fake gateway did not answer in time (retryable)."""
+
+
+class InvalidAmount(PermanentError):
+    """The order's amount cannot be charged; retrying will not help."""
 
 
 class FakeGateway:
@@ -19,6 +25,8 @@ class FakeGateway:
         self.failure_rate = failure_rate
 
     def charge(self, order_id: int, amount_cents: int) -> str:
+        if amount_cents <= 0:
+            raise InvalidAmount(f"order {order_id}: cannot charge {amount_cents} cents")
         if random.random() < self.failure_rate:
             raise GatewayTimeout(f"gateway timed out charging order {order_id}")
         record_effect("charge", f"order-{order_id}", amount_cents=amount_cents)
@@ -32,10 +40,10 @@ gateway = FakeGateway()
     bind=True,
     idempotency_key=lambda order_id, amount_cents: f"order-{order_id}",
     tier="critical",
-    autoretry_for=(GatewayTimeout,),
-    retry_backoff=0.5,
-    retry_backoff_max=5,
+    breaker="gateway",
     max_retries=8,
+    retry_base_seconds=0.5,
+    retry_cap_seconds=5.0,
 )
 def charge(self, order_id: int, amount_cents: int) -> dict[str, object]:
     """Charge an order exactly once, however often the message is delivered."""

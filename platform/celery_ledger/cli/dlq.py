@@ -224,7 +224,8 @@ def replay(
         _echo_json([o.__dict__ for o in outcomes])
         return
     for outcome in outcomes:
-        mark = "[green]replayed[/]" if outcome.replayed else "[yellow]skipped[/]"
+        done_label = "would replay" if dry_run else "replayed"
+        mark = f"[green]{done_label}[/]" if outcome.replayed else "[yellow]skipped[/]"
         console.print(f"{mark} {outcome.record_id}: {outcome.detail}")
     done = sum(o.replayed for o in outcomes)
     console.print(f"{done} of {len(outcomes)} {'would be ' if dry_run else ''}replayed")
