@@ -2,4 +2,7 @@
 
 from celery_ledger import create_app
 
-app = create_app("reference", include=["tasks.payments", "tasks.notifications", "tasks.reports"])
+app = create_app(
+    "reference",
+    include=["tasks.payments", "tasks.notifications", "tasks.reports", "tasks.backfills"],
+)

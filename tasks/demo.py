@@ -126,6 +126,7 @@ def run_workload(orders: int, emails: int, reports: int) -> dict[str, Any]:
         "MongoDB); max/key: most effects of one key; dups: deliveries suppressed by "
         "the ledger; retries: extra attempts after gateway timeouts"
     )
+    backfill_orders(run)
     sample = app.ledger.get(charge.name, jobs[0][1])
     if sample is not None:
         console.print(
@@ -140,6 +141,24 @@ def run_workload(orders: int, emails: int, reports: int) -> dict[str, Any]:
         )
     )
     return {"ok": ok}
+
+
+def backfill_orders(run: int, n: int = 2000) -> None:
+    """The long-job example: a checkpointed backfill over ``n`` orders."""
+    from tasks.backfills import loyalty_backfill
+    from tasks.effects import effects
+
+    orders = effects().database.get_collection("orders")
+    orders.delete_many({})
+    orders.insert_many(
+        [{"_id": i, "customer_id": i % 97, "amount_cents": 1000 + i} for i in range(n)]
+    )
+    started = time.monotonic()
+    result = loyalty_backfill.delay(str(run)).get(timeout=300)
+    console.print(
+        f"long job: loyalty_backfill over {n} orders in batches of 500: {result} "
+        f"in {time.monotonic() - started:.1f}s"
+    )
 
 
 if __name__ == "__main__":

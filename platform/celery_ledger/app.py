@@ -19,11 +19,14 @@ from .delayed import DelayedDeliveries
 from .errors import ConfigurationError
 from .hooks import Hooks
 from .ledger.store import Ledger
+from .observability import install as install_observability
+from .observability import ledger_listeners
 from .policies.backpressure import Backpressure, QueueDepths
 from .policies.breaker import BreakerConfig, Breakers
 from .policies.rate_limit import RateLimits
 from .policies.retry import TIER_RETRY_DEFAULTS, RetryPolicy
 from .pressure import Pressure, Throttle, ThrottleRule
+from .reconciler import reconcile
 from .routing import DEAD_LETTER_QUEUE, DEFAULT_TIER_LIMITS, Tiers
 from .settings import TIERS, Settings
 from .task import LedgerTask
@@ -235,6 +238,7 @@ def create_app(name: str, settings: Settings | None = None, **celery_options: An
         dead_retention_seconds=settings.dead_retention_seconds,
         error_history_limit=settings.error_history_limit,
         max_deliveries=settings.max_deliveries,
+        event_listeners=ledger_listeners(settings),  # metrics: ledger latency
     )
     app.conf.update(
         # JSON only: pickle is refused on both sides.
@@ -260,6 +264,21 @@ def create_app(name: str, settings: Settings | None = None, **celery_options: An
         timezone="UTC",
     )
     app.steps["worker"].add(LedgerWorkerStep)
+    install_observability(app)  # metrics, Sentry, JSON logs: as the settings say
+
+    @app.task(name="celery_ledger.reconcile", base=Task, shared=False)  # type: ignore[untyped-decorator]
+    def reconcile_task() -> dict[str, Any]:
+        """The reconciler, for celery beat (see :mod:`celery_ledger.reconciler`)."""
+        return reconcile(app).as_dict()
+
+    app.conf.beat_schedule = {
+        "celery-ledger-reconcile": {
+            "task": "celery_ledger.reconcile",
+            "schedule": settings.reconcile_every_seconds,
+            "options": {"queue": settings.default_tier},
+        },
+        **(app.conf.beat_schedule or {}),
+    }
     return app
 
 

@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from . import headers
 from .deadletter import dead_letter_fields, entry_of, fingerprint
@@ -36,6 +36,7 @@ from .ledger.store import ClaimOutcome, utcnow
 from .policies.backoff import backoff_seconds
 from .policies.breaker import Admission, CircuitBreaker
 from .policies.retry import classify, decide
+from .progress import Execution, Heartbeat, Interrupted
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -64,6 +65,8 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
             tier=tier,
             owner=owner,
             lease_seconds=task.lease_seconds,
+            message={"args_json": json.dumps(list(args)), "kwargs_json": json.dumps(kwargs)},
+            max_attempts=task.max_attempts,
         )
     except LedgerUnavailable as exc:
         deferrals = int(request_header(request, headers.DEFERRALS) or 0)
@@ -131,13 +134,76 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
     started = time.monotonic()
     request.ledger_fence = fence
     request.ledger_settled = True
-    deadline = time.monotonic() + (task.lease_seconds or ledger.lease_seconds) * 0.8
+    lease_seconds = task.lease_seconds or ledger.lease_seconds
     context["fence"] = fence
+    age_limit = task.max_age_seconds
+    sent_at = _float_or_none(request_header(request, headers.ENQUEUED_AT))
+    if age_limit is not None and sent_at is not None and time.time() - sent_at > age_limit:
+        retire_job(
+            task,
+            request.id,
+            fence,
+            args,
+            kwargs,
+            key=key,
+            tier=tier,
+            reason=f"expired: enqueued {time.time() - sent_at:.0f}s ago (max age {age_limit:.0f}s)",
+        )
+        raise Ignore("expired")
+    interval = lease_seconds / 3 if task.heartbeat_seconds is None else task.heartbeat_seconds
+    heartbeat = Heartbeat(
+        ledger,
+        request.id,
+        fence,
+        lease_seconds=lease_seconds,
+        interval_seconds=interval or lease_seconds,
+    )
+    if interval:
+        heartbeat.start()
+    request.ledger_execution = Execution(ledger, request.id, fence, heartbeat, lease_seconds)
+    try:
+        return _run_claimed(
+            task,
+            args,
+            kwargs,
+            key=key,
+            tier=tier,
+            owner=owner,
+            fence=fence,
+            admission=admission,
+            breaker=breaker,
+            started=started,
+            context=context,
+            lease_seconds=lease_seconds,
+        )
+    finally:
+        heartbeat.stop()
+
+
+def _run_claimed(
+    task: LedgerTask,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    key: str,
+    tier: str,
+    owner: str,
+    fence: int,
+    admission: Admission | None,
+    breaker: CircuitBreaker | None,
+    started: float,
+    context: dict[str, Any],
+    lease_seconds: float,
+) -> Any:
+    """Run the body under the claim ``fence`` and record its outcome."""
+    request = task.request
+    ledger = task.app.ledger
+    hooks = task.app.hooks
 
     def persist(write: Callable[[], None], what: str) -> None:
         persist_until(
             write,
-            deadline=deadline,
+            deadline=time.monotonic() + lease_seconds * 0.8,
             what=what,
             record_id=request.id,
             on_lease_lost=lambda lost: hooks.emit(
@@ -148,6 +214,27 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
     try:
         check_payload_size(task, args, kwargs)
         retval = task.run(*args, **kwargs)
+    except Interrupted:  # warm shutdown: progress is checkpointed, the message goes back
+        persist(lambda: ledger.release(request.id, fence), "release")
+        logger.warning(
+            "%s interrupted by shutdown; requeued to resume from its checkpoint",
+            request.id,
+            extra=context,
+        )
+        raise Reject("worker shutting down", requeue=True) from None
+    except SoftTimeLimitExceeded:
+        limit = task.soft_time_limit or (request.timelimit and request.timelimit[1])
+        retire_job(
+            task,
+            request.id,
+            fence,
+            args,
+            kwargs,
+            key=key,
+            tier=tier,
+            reason=f"time limit exceeded (soft, {limit}s)",
+        )
+        raise
     except CircuitOpen as exc:  # a breaker used inside the body is open: come back later
         persist(lambda: ledger.release(request.id, fence), "release")
         delay = max((exc.retry_at or time.time()) - time.time(), 0.0) + random.uniform(0.05, 0.5)
@@ -358,6 +445,32 @@ def report_to_breaker(
             breaker.record_success(probe=admission.probe)
     except redis.RedisError as error:
         logger.warning("could not report to breaker %s: %s", breaker.name, error)
+
+
+def retire_job(
+    task: LedgerTask,
+    record_id: str,
+    fence: int | None,
+    args: Any,
+    kwargs: Any,
+    *,
+    key: str,
+    tier: str,
+    reason: str,
+) -> None:
+    """Dead-letter a job that ran out of budget, then run its cleanup hook."""
+    ledger = task.app.ledger
+    artefacts = list(ledger.load_progress(record_id).get("artefacts", []))
+    if not ledger.retire(record_id, fence, reason):
+        return
+    logger.error("%s retired: %s", record_id, reason)
+    try:
+        task.on_retire(reason, artefacts)
+    except Exception:
+        logger.warning("cleanup of retired %s failed", record_id, exc_info=True)
+    record = ledger.find_raw(record_id)
+    if record is not None:
+        announce_dead(task, record, args, kwargs)
 
 
 def schedule_retry(

@@ -82,6 +82,15 @@ class Settings(BaseSettings):
     pressure_window_seconds: float = Field(
         30.0, gt=0, description="Window of reported foreground latencies (report_latency)."
     )
+    reconcile_lease_grace_seconds: float = Field(
+        30.0, ge=0, description="The reconciler republishes jobs whose lease ended this long ago."
+    )
+    reconcile_stale_after_seconds: float = Field(
+        900.0, gt=0, description="...and queued or retrying jobs untouched for this long."
+    )
+    reconcile_every_seconds: float = Field(
+        60.0, gt=0, description="How often celery beat runs the reconciler."
+    )
     dedupe_on_publish: bool = Field(
         False, description="Write a queued record at publish and skip publishing known keys."
     )
@@ -112,6 +121,24 @@ class Settings(BaseSettings):
     routing_rules: dict[str, str] = Field(
         default_factory=dict,
         description='Glob patterns on task names to tiers, e.g. {"reports.*": "bulk"} (JSON).',
+    )
+
+    # -- operations (celery_ledger.observability) --
+    metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Port of each worker's Prometheus /metrics endpoint (unset: no metrics).",
+    )
+    metrics_address: str = Field(
+        "0.0.0.0", description="Address the worker's metrics endpoint listens on."
+    )
+    sentry_dsn: str | None = Field(
+        None,
+        description="Sentry DSN: report dead letters, open breakers, lost leases (unset: off).",
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Worker log lines: text, or one JSON object per line with task fields."
     )
 
     @field_validator("default_tier")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import os
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -19,6 +21,7 @@ from .guard import run_guarded
 from .keys import KeySpec, canonical_json, compute_key, derive_task_id, validate_key
 from .policies.backoff import Jitter
 from .policies.retry import RetryPolicy
+from .progress import Execution, Step, batches
 
 if TYPE_CHECKING:
     from .app import LedgerCelery
@@ -53,6 +56,10 @@ class LedgerTask(Task):  # type: ignore[misc]
     retry_jitter: Jitter | None = None
     breaker: str | None = None  # the circuit breaker guarding this task's dependency
     rate_bucket: str | None = None  # a shared token bucket (LEDGER_RATE_LIMITS) the task draws from
+    # Long-lived jobs.
+    heartbeat_seconds: float | None = None  # default: a third of the lease; 0 turns it off
+    max_age_seconds: float | None = None  # retire (dead, "expired") messages older than this
+    max_attempts: int | None = None  # total claims of one job, whatever their cause
     retry_on: tuple[type[BaseException], ...] = ()
     fail_on: tuple[type[BaseException], ...] = ()
 
@@ -72,8 +79,56 @@ class LedgerTask(Task):  # type: ignore[misc]
             "fail_on",
             "breaker",
             "rate_bucket",
+            "heartbeat_seconds",
+            "max_age_seconds",
+            "max_attempts",
         }
     )
+
+    # -- the API of a running body ------------------------------------------------------------
+
+    @property
+    def execution(self) -> Execution:
+        execution: Execution | None = getattr(self.request, "ledger_execution", None)
+        if execution is None:
+            raise RuntimeError("only available while a LedgerTask runs in a worker")
+        return execution
+
+    def heartbeat(self) -> None:
+        """Extend the lease now (automatic every third of the lease; for long blocking calls)."""
+        self.execution.heartbeat.beat()
+
+    def checkpoint(self, state: dict[str, Any]) -> None:
+        """Store progress; a later attempt starts with it in :attr:`checkpoint_state`."""
+        self.execution.checkpoint(state)
+
+    @property
+    def checkpoint_state(self) -> dict[str, Any] | None:
+        """The last checkpoint of this job (from any earlier attempt), or None."""
+        state: dict[str, Any] | None = self.execution.progress.get("checkpoint")
+        return state
+
+    def step(self, name: str) -> Step:
+        """A sub-step that runs once per job (context manager, decorator or ``.run(func)``)."""
+        return self.execution.step(name)
+
+    def batches(self, collection: Any, **options: Any) -> Iterator[list[dict[str, Any]]]:
+        """Read a MongoDB collection in checkpointed ``_id`` order (see :func:`batches`)."""
+        return batches(self.execution, collection, **options)
+
+    def should_stop(self) -> bool:
+        """True once the worker is shutting down: checkpoint and raise :class:`Interrupted`."""
+        return self.execution.should_stop()
+
+    def register_artefact(self, path: str) -> None:
+        """Name a temporary file the job leaves behind, removed if the job is retired."""
+        self.execution.register_artefact(path)
+
+    def on_retire(self, reason: str, artefacts: list[str]) -> None:
+        """Cleanup hook when the job is retired (time budget, age): removes its artefacts."""
+        for path in artefacts:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
     @classmethod
     def on_bound(cls, app: Any) -> None:
@@ -150,6 +205,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         task_id = task_id or derive_task_id(self.name, key)
         message_headers[headers.KEY] = key
         message_headers[headers.TIER] = tier
+        message_headers.setdefault(headers.ENQUEUED_AT, time.time())
         options.setdefault("queue", tier)
 
         if self.app.conf.task_always_eager:

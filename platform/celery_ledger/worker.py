@@ -4,16 +4,18 @@ that quarantines poison messages."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from celery import bootsteps
+from celery import bootsteps, signals
 from celery.worker.consumer import Consumer
 
 from .delayed import DelayedPublisher
 from .errors import LedgerError
+from .progress import shutdown_flag
 
 logger = logging.getLogger("celery_ledger.worker")
 
@@ -124,6 +126,11 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def create(self, worker: Any) -> Housekeeping:
         app = worker.app
+        flag = shutdown_flag(os.getpid())
+        flag.unlink(missing_ok=True)
+        # On warm shutdown, tell running bodies (in the pool processes) to checkpoint and yield.
+        signals.worker_shutting_down.connect(lambda **_: flag.touch(), weak=False)
+        signals.worker_shutdown.connect(lambda **_: flag.unlink(missing_ok=True), weak=False)
         try:
             app.ledger.ensure_indexes()
         except LedgerError as exc:  # the ledger may come up later; claims defer until then

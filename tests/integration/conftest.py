@@ -39,7 +39,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:
     """Broker, ledger and one 4-process worker on every tier, shared by the session."""
     saved = dict(os.environ)
     os.environ.update(TEST_ENV)
-    running = EmbeddedStack(APP_MODULE, tmp_path_factory.mktemp("stack"))
+    # Both servers require authentication (random passwords); the URLs carry them.
+    running = EmbeddedStack(APP_MODULE, tmp_path_factory.mktemp("stack"), auth=True)
     try:
         running.start_servers()
         os.environ.update(running.env)
@@ -70,6 +71,6 @@ def token() -> str:
 
 def make_isolated_stack(base: Path) -> EmbeddedStack:
     """A stack of its own, for tests that kill or stop servers."""
-    running = EmbeddedStack(APP_MODULE, base)
+    running = EmbeddedStack(APP_MODULE, base, auth=True)
     running.start_servers()
     return running

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -148,3 +149,68 @@ def bulk_item(token: str) -> str:
     time.sleep(0.02)
     record_effect("bulk", token)
     return token
+
+
+def _processed() -> Any:
+    return effects().database.get_collection("processed")
+
+
+@app.task(bind=True, idempotency_key="{token}")
+def backfill_docs(self: Any, token: str, batch_size: int = 250, pause: float = 0.15) -> int:
+    """Process every document of source_<token> once, in checkpointed batches."""
+    from pymongo.errors import BulkWriteError
+
+    source = effects().database.get_collection(f"source_{token}")
+    done = 0
+    for batch in self.batches(source, batch_size=batch_size):
+        record_effect("read", token, n=len(batch))
+        # Idempotent by construction: a re-read batch cannot process a document twice.
+        with contextlib.suppress(BulkWriteError):
+            _processed().insert_many([{"_id": f"{token}:{d['_id']}"} for d in batch], ordered=False)
+        done += len(batch)
+        time.sleep(pause)
+    return done
+
+
+@app.task(bind=True, idempotency_key="{token}")
+def two_steps(self: Any, token: str, pause: float) -> dict[str, Any]:
+    """A charge step, a pause (the crash window), then a receipt step."""
+    with self.step("charge") as charged:
+        if not charged.done:
+            record_effect("charge", token)
+            charged.result = f"ch-{token}"
+    time.sleep(pause)
+    receipt = self.step("receipt").run(lambda: record_effect("receipt", token) or "sent")
+    return {"charge": charged.result, "receipt": receipt}
+
+
+@app.task(idempotency_key="{token}")
+def long_sleeper(token: str, seconds: float) -> int:
+    """Runs longer than its lease; heartbeats keep the claim."""
+    time.sleep(seconds)
+    record_effect("slept", token)
+    return os.getpid()
+
+
+@app.task(idempotency_key="{token}", heartbeat_seconds=0)
+def slow_without_heartbeat(token: str, seconds: float) -> int:
+    time.sleep(seconds)
+    record_effect("slow", token)
+    return os.getpid()
+
+
+@app.task(idempotency_key="{token}", max_age_seconds=60)
+def expiring(token: str) -> None:
+    record_effect("expiring", token)
+
+
+@app.task(bind=True, idempotency_key="{token}", soft_time_limit=1)
+def soft_limited(self: Any, token: str, artefact: str) -> None:
+    self.register_artefact(artefact)
+    time.sleep(10)
+
+
+@app.task(idempotency_key="{token}", time_limit=2)
+def hard_limited(token: str) -> None:
+    time.sleep(10)
+    record_effect("hard", token)

@@ -38,7 +38,10 @@ class Published:
 
     @property
     def headers(self) -> dict[str, Any]:
-        return dict(self.options["headers"])
+        """The message headers, less the publish-time stamp (checked on its own)."""
+        headers = dict(self.options["headers"])
+        headers.pop("ledger_enqueued_at", None)
+        return headers
 
 
 @dataclass
@@ -139,6 +142,8 @@ def test_default_key_and_derived_task_id(add: LedgerTask, published: list[Publis
     key = default_key("math.add", (1, 2), {})
     assert result is SENTINEL
     assert call.task_id == derive_task_id("math.add", key)
+    enqueued_at = call.options["headers"]["ledger_enqueued_at"]
+    assert abs(enqueued_at - time.time()) < 5  # the job's first publish, for max age
     assert call.headers == {"ledger_key": key, "ledger_tier": "default"}
     assert (tuple(call.args), call.kwargs) == ((1, 2), {})
 
@@ -355,6 +360,7 @@ def test_countdown_schedules_a_delayed_delivery(
     assert (name, args, kwargs) == ("math.add", [1, 2], {})
     assert before + 30 <= due_at <= after + 30
     assert options["task_id"] == task_id
+    options["headers"].pop("ledger_enqueued_at")
     assert options["headers"] == {
         "ledger_key": default_key("math.add", (1, 2), {}),
         "ledger_tier": "default",

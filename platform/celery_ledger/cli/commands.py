@@ -18,6 +18,7 @@ from ..routing import TIER_WORKER_DEFAULTS
 from ..settings import TIERS
 from .breakers import breakers
 from .dlq import dlq
+from .health import health
 
 console = Console()
 
@@ -43,6 +44,7 @@ def ledger(ctx: click.Context) -> None:
 
 ledger.add_command(dlq)
 ledger.add_command(breakers)
+ledger.add_command(health)
 
 
 @ledger.command()
@@ -87,6 +89,11 @@ def worker(
 @click.option("--broker-port", type=int, default=None, help="valkey-server port (default: free).")
 @click.option("--ledger-port", type=int, default=None, help="SecantusDB port (default: free).")
 @click.option("--workers/--no-workers", default=True, help="Start one worker per tier.")
+@click.option("--auth/--no-auth", default=True, help="Random passwords for broker and ledger.")
+@click.option("--flower/--no-flower", default=None, help="Start Flower (default: if installed).")
+@click.option("--flower-port", type=int, default=None, help="Flower's port (default: free).")
+@click.option("--flower-user", default=None, help="Flower basic-auth user (default: flower).")
+@click.option("--flower-password", default=None, help="Flower password (default: random).")
 @click.pass_context
 def stack(
     ctx: click.Context,
@@ -94,13 +101,31 @@ def stack(
     broker_port: int | None,
     ledger_port: int | None,
     workers: bool,
+    auth: bool,
+    flower: bool | None,
+    flower_port: int | None,
+    flower_user: str | None,
+    flower_password: str | None,
 ) -> None:
-    """Run the embedded stack (broker, ledger, a worker per tier) until Ctrl-C."""
+    """Run the embedded stack (broker, ledger, a worker per tier, Flower) until Ctrl-C."""
+    import importlib.util
+
     from ..embedded.stack import running_stack
 
     app_path = _app_path(ctx)
+    if flower is None:
+        flower = importlib.util.find_spec("flower") is not None
     with running_stack(
-        app_path, data_dir, workers=workers, broker_port=broker_port, ledger_port=ledger_port
+        app_path,
+        data_dir,
+        workers=workers,
+        broker_port=broker_port,
+        ledger_port=ledger_port,
+        auth=auth,
+        flower=flower,
+        flower_port=flower_port,
+        flower_user=flower_user,
+        flower_password=flower_password,
     ) as running:
         console.print("[bold green]celery-ledger embedded stack is up[/]")
         console.print(running.describe(), highlight=False, soft_wrap=True)
@@ -120,6 +145,30 @@ def stack(
         except KeyboardInterrupt:
             pass
         console.print("stopping...")
+
+
+@ledger.command(name="reconcile")
+@click.option("--dry-run", is_flag=True, help="Report what would be done; change nothing.")
+@click.option("--grace", type=float, default=None, help="Lease grace seconds (setting).")
+@click.option("--stale-after", type=float, default=None, help="Stale seconds (setting).")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def reconcile_command(
+    ctx: click.Context, dry_run: bool, grace: float | None, stale_after: float | None, as_json: bool
+) -> None:
+    """Republish jobs whose worker died or whose message is gone (fencing keeps it safe)."""
+    from ..reconciler import reconcile
+
+    report = reconcile(
+        _app(ctx), lease_grace_seconds=grace, stale_after_seconds=stale_after, dry_run=dry_run
+    )
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2))
+        return
+    table = Table("found / done", "count", title="reconcile" + (" (dry run)" if dry_run else ""))
+    for name, value in report.as_dict().items():
+        table.add_row(name.replace("_", " "), str(len(value) if isinstance(value, list) else value))
+    console.print(table)
 
 
 @ledger.command()

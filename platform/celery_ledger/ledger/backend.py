@@ -8,12 +8,14 @@ Tasks outside the protocol (Celery's own, or a ``base=celery.Task`` task) get pl
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from celery import states
 from celery.backends.base import BaseBackend
 from pymongo.errors import ConnectionFailure
 
+from ..deadletter import entry_of
 from ..errors import LedgerUnavailable
 from .record import State
 from .store import Ledger
@@ -66,6 +68,12 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
     ) -> Any:
         if request is not None and getattr(request, "ledger_settled", False):
             return result  # LedgerTask recorded this outcome under its fencing token
+        if (
+            state == states.FAILURE
+            and isinstance(result, dict)
+            and result.get("exc_type") == "TimeLimitExceeded"
+        ):
+            self._retire_after_hard_limit(task_id, request)
         fields: dict[str, Any] = {
             "state": LEDGER_STATE.get(state, State.QUEUED).value,
             "celery_state": state,
@@ -76,6 +84,25 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
             fields["task"] = request.task
         self.ledger.store_plain(task_id, fields)
         return result
+
+    def _retire_after_hard_limit(self, task_id: str, request: Any) -> None:
+        """The worker killed a body at its hard time limit: retire the job (dead), clean up."""
+        reason = "time limit exceeded (hard)"
+        artefacts = list(self.ledger.load_progress(task_id).get("artefacts", []))
+        if not self.ledger.retire(task_id, None, reason):
+            return
+        task = self.app.tasks.get(getattr(request, "task", None) or "")
+        on_retire = getattr(task, "on_retire", None)
+        if on_retire is not None:
+            try:
+                on_retire(reason, artefacts)
+            except Exception:  # cleanup must not hide the retirement
+                logging.getLogger("celery_ledger.backend").warning(
+                    "cleanup of %s failed", task_id, exc_info=True
+                )
+        doc = self.ledger.find_raw(task_id)
+        if doc is not None:
+            self.app.dead_letters.announce(entry_of(doc))
 
     def _forget(self, task_id: str) -> None:
         # The record is what keeps the job from running twice: drop only the stored result.

@@ -224,14 +224,22 @@ class Ledger:
         tier: str,
         owner: str,
         lease_seconds: float | None = None,
+        message: dict[str, Any] | None = None,
+        max_attempts: int | None = None,
     ) -> Claim:
-        """Try to take the exclusive lease on a record (creating it if needed). See module doc."""
+        """Try to take the exclusive lease on a record (creating it if needed). See module doc.
+
+        ``message`` (arguments as JSON) is kept on the record so that the reconciler can
+        republish a job whose message is gone; ``max_attempts`` is the job's attempts budget.
+        """
         lease = timedelta(seconds=lease_seconds or self.lease_seconds)
         at_least = 0
         for _ in range(3):
             now = utcnow()
             fence = self._fences.next(at_least)
-            outcome = self._try_claim(record_id, fence, now, now + lease, task, key, tier, owner)
+            outcome = self._try_claim(
+                record_id, fence, now, now + lease, task, key, tier, owner, message, max_attempts
+            )
             if outcome is not None:
                 return outcome
             doc = self.find_raw(record_id)  # the rare path: why was it not claimable?
@@ -246,16 +254,20 @@ class Ledger:
             if claimable_at > utcnow():
                 return Claim(ClaimOutcome.BUSY, retry_at=claimable_at)
             if int(doc.get("inflight", 0)) >= self.max_deliveries:
-                return self._kill_poison(doc)
+                return self._kill(
+                    doc,
+                    f"poison: delivered {doc.get('inflight')} times without"
+                    " an outcome (the worker was lost each time)",
+                )
+            if max_attempts is not None and int(doc.get("attempts", 0)) >= max_attempts:
+                return self._kill(
+                    doc, f"attempts budget exhausted ({doc.get('attempts')} attempts)"
+                )
             at_least = int(doc.get("fence", 0)) + 1  # our clock lags the last claimer's
         raise StoreError(f"could not claim {record_id}: the record keeps changing under us")
 
-    def _kill_poison(self, doc: dict[str, Any]) -> Claim:
-        """Dead-letter a record whose deliveries keep ending without an outcome (lost workers)."""
-        reason = (
-            f"poison: delivered {doc.get('inflight')} times without an outcome"
-            " (the worker was lost each time)"
-        )
+    def _kill(self, doc: dict[str, Any], reason: str) -> Claim:
+        """Dead-letter a record that must not be claimed again (poison, attempts budget)."""
         now = utcnow()
         with translate_errors("poison record"):
             self.collection.update_one(
@@ -285,14 +297,20 @@ class Ledger:
         key: str,
         tier: str,
         owner: str,
+        message: dict[str, Any] | None = None,
+        max_attempts: int | None = None,
     ) -> Claim | None:
+        claim_filter: dict[str, Any] = {
+            "_id": record_id,
+            "claimable_at": {"$lte": now},
+            "fence": {"$lt": fence},
+            "inflight": {"$lt": self.max_deliveries},
+        }
+        if max_attempts is not None:
+            claim_filter["attempts"] = {"$lt": max_attempts}
+        extra = {} if message is None else {"message": message}
         claim = UpdateOne(
-            {
-                "_id": record_id,
-                "claimable_at": {"$lte": now},
-                "fence": {"$lt": fence},
-                "inflight": {"$lt": self.max_deliveries},
-            },
+            claim_filter,
             {
                 "$set": {
                     "v": SCHEMA_VERSION,
@@ -306,6 +324,7 @@ class Ledger:
                     "claimable_at": lease_until,
                     "started_at": now,
                     "updated_at": now,
+                    **extra,
                 },
                 "$inc": {"attempts": 1, "inflight": 1},
                 "$setOnInsert": {"created_at": now},
@@ -405,6 +424,135 @@ class Ledger:
             }
         }
         self._fenced_update(record_id, fence, update, "release")
+
+    # -- long-lived jobs: heartbeats, progress, retirement -----------------------------------
+
+    def heartbeat(self, record_id: str, fence: int, lease_seconds: float | None = None) -> datetime:
+        """Extend the lease held with ``fence``; returns the new expiry (LeaseLost if taken)."""
+        until = utcnow() + timedelta(seconds=lease_seconds or self.lease_seconds)
+        self._fenced_update(
+            record_id,
+            fence,
+            {"$set": {"lease_expires_at": until, "claimable_at": until}},
+            "heartbeat",
+        )
+        return until
+
+    def save_checkpoint(
+        self, record_id: str, fence: int, state: dict[str, Any], lease_seconds: float | None = None
+    ) -> None:
+        """Store progress (and extend the lease: a checkpoint is a sign of life)."""
+        now = utcnow()
+        until = now + timedelta(seconds=lease_seconds or self.lease_seconds)
+        self._fenced_update(
+            record_id,
+            fence,
+            {
+                "$set": {
+                    "checkpoint": state,
+                    "checkpoint_at": now,
+                    "lease_expires_at": until,
+                    "claimable_at": until,
+                }
+            },
+            "checkpoint",
+        )
+
+    def save_step(self, record_id: str, fence: int, name: str, result_json: str) -> None:
+        self._fenced_update(
+            record_id,
+            fence,
+            {"$set": {f"steps.{name}": {"result": result_json, "at": utcnow()}}},
+            "step record",
+        )
+
+    def add_artefact(self, record_id: str, fence: int, path: str) -> None:
+        self._fenced_update(record_id, fence, {"$addToSet": {"artefacts": path}}, "artefact")
+
+    def load_progress(self, record_id: str) -> dict[str, Any]:
+        """The record's checkpoint, completed steps and artefacts (one read)."""
+        with translate_errors("progress read"):
+            doc = self.collection.find_one(
+                {"_id": record_id}, {"checkpoint": 1, "steps": 1, "artefacts": 1}
+            )
+        return doc or {}
+
+    def retire(
+        self,
+        record_id: str,
+        fence: int | None,
+        reason: str,
+        dead_fields: dict[str, Any] | None = None,
+    ) -> bool:
+        """Dead-letter a running job (time budget, age). With ``fence=None``: only while its
+        lease is live (the worker that held it was stopped by its own parent). True if done."""
+        now = utcnow()
+        flt: dict[str, Any] = {"_id": record_id, "state": State.RUNNING.value}
+        if fence is None:
+            flt["lease_expires_at"] = {"$gt": now}
+        else:
+            flt["fence"] = fence
+        with translate_errors("retirement"):
+            result = self.collection.update_one(
+                flt,
+                {
+                    "$set": {
+                        "state": State.DEAD.value,
+                        "claimable_at": FOREVER,
+                        "finished_at": now,
+                        "updated_at": now,
+                        "expires_at": now + self.dead_retention,
+                        "dead_reason": reason,
+                        "lease_owner": None,
+                        "lease_expires_at": None,
+                        "inflight": 0,
+                        "fingerprint": reason.split(":", 1)[0].split(" (", 1)[0].replace(" ", "-"),
+                        "fingerprint_text": reason.split(":", 1)[0],
+                        **(dead_fields or {}),
+                    }
+                },
+            )
+        return result.matched_count == 1
+
+    # -- the reconciler's view -----------------------------------------------------------------
+
+    def expired_leases(self, *, grace_seconds: float, limit: int = 500) -> list[dict[str, Any]]:
+        """Running records whose lease ended more than ``grace_seconds`` ago."""
+        cutoff = utcnow() - timedelta(seconds=grace_seconds)
+        with translate_errors("reconcile query"):
+            return list(
+                self.collection.find(
+                    {"state": State.RUNNING.value, "claimable_at": {"$lt": cutoff}}
+                ).limit(limit)
+            )
+
+    def stale(
+        self, state: State, *, older_than_seconds: float, limit: int = 500
+    ) -> list[dict[str, Any]]:
+        """Queued or retrying records untouched for ``older_than_seconds``."""
+        cutoff = utcnow() - timedelta(seconds=older_than_seconds)
+        with translate_errors("reconcile query"):
+            return list(
+                self.collection.find(
+                    {
+                        "state": state.value,
+                        "claimable_at": {"$lt": cutoff},
+                        "updated_at": {"$lt": cutoff},
+                    }
+                ).limit(limit)
+            )
+
+    def touch(self, record_id: str, expected_updated_at: Any) -> bool:
+        """Mark a record as reconciled now, if nobody changed it since we read it."""
+        with translate_errors("reconcile mark"):
+            result = self.collection.update_one(
+                {"_id": record_id, "updated_at": expected_updated_at},
+                {
+                    "$set": {"updated_at": utcnow(), "reconciled_at": utcnow()},
+                    "$inc": {"reconciled": 1},
+                },
+            )
+        return result.matched_count == 1
 
     def _fenced_update(self, record_id: str, fence: int, update: dict[str, Any], what: str) -> None:
         with translate_errors(what):

@@ -1,0 +1,127 @@
+"""Flower for the embedded stack: loopback only, basic auth always (extra ``flower``).
+
+Credentials are random per start unless given, and reach Flower through its environment
+(``FLOWER_BASIC_AUTH``), not its command line. Flower still serves ``/metrics`` and
+``/healthcheck`` without credentials (shared/FACTS.md), hence the loopback address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigurationError
+from .servers import LOOPBACK, ServerStartError, free_port
+
+
+@dataclass
+class FlowerProcess:
+    port: int
+    user: str
+    password: str
+    log_path: Path
+    process: subprocess.Popen[bytes] = field(repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if not self.alive():
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+
+def start_flower(
+    app_module: str,
+    data_dir: Path,
+    *,
+    env: Mapping[str, str],
+    port: int | None = None,
+    user: str | None = None,
+    password: str | None = None,
+    ready_timeout: float = 30.0,
+) -> FlowerProcess:
+    """``celery -A APP flower`` on 127.0.0.1 with basic auth; waits until it answers."""
+    try:
+        import flower  # noqa: F401
+    except ImportError as exc:
+        raise ConfigurationError(
+            "Flower is not installed: pip install 'celery-ledger[flower]'"
+        ) from exc
+    port = port or free_port()
+    user = user or "flower"
+    password = password or secrets.token_urlsafe(18)
+    if ":" in user or "," in user or "," in password:
+        raise ConfigurationError("Flower credentials may not contain ',' (nor ':' in the user)")
+    child_env = {k: v for k, v in {**os.environ, **env}.items() if not k.startswith("FLOWER_")}
+    child_env["FLOWER_BASIC_AUTH"] = f"{user}:{password}"
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        [os.getcwd(), *filter(None, [child_env.get("PYTHONPATH")])]
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        app_module,
+        "flower",
+        f"--address={LOOPBACK}",
+        f"--port={port}",
+    ]
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = data_dir / "flower.log"
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env,
+            start_new_session=True,
+        )
+    running = FlowerProcess(port, user, password, log_path, process)
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if not running.alive():
+            raise ServerStartError(f"flower exited:\n{_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(f"{running.url}/healthcheck", timeout=1) as response:
+                if response.status == 200:
+                    return running
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    running.stop()
+    raise ServerStartError(f"flower did not answer in {ready_timeout}s:\n{_tail(log_path)}")
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

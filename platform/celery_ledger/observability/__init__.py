@@ -1,0 +1,76 @@
+"""Operations: Prometheus metrics, Sentry reports and JSON logs, each off unless configured.
+
+``create_app`` calls :func:`install` (and passes :func:`ledger_listeners` to the ledger):
+
+- ``LEDGER_METRICS_PORT``: workers count platform events and ledger round trips
+  (:mod:`.metrics`) and serve ``/metrics`` from their main process (:mod:`.exporter`).
+- ``LEDGER_SENTRY_DSN``: Sentry with its Celery integration, scrubbed (:mod:`.sentry`).
+- ``LEDGER_LOG_FORMAT=json``: one JSON object per log line with the task's fields (:mod:`.logs`).
+
+Every producer stamps the messages it publishes with ``ledger_sent_at`` (unix seconds), from
+which workers measure how long a message waited in its queue.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery import signals
+
+from ..errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from pymongo.monitoring import CommandListener
+
+    from ..app import LedgerCelery
+    from ..settings import Settings
+
+SENT_AT_HEADER = "ledger_sent_at"
+
+
+def stamp_sent_at(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """``before_task_publish``: the publish time, overwritten at every (re)publish."""
+    if isinstance(headers, dict):
+        headers[SENT_AT_HEADER] = time.time()
+
+
+def ledger_listeners(settings: Settings) -> list[CommandListener]:
+    """The pymongo command listeners the ledger's client gets (ledger latency metrics)."""
+    if settings.metrics_port is None:
+        return []
+    return [_metrics_module().LEDGER_COMMANDS]
+
+
+def install(app: LedgerCelery) -> None:
+    """Wire what the app's settings ask for; does nothing for the defaults but stamp messages."""
+    signals.before_task_publish.connect(stamp_sent_at, weak=False, dispatch_uid=SENT_AT_HEADER)
+    settings = app.settings
+    if settings.metrics_port is not None:
+        from .exporter import MetricsStep
+
+        _metrics_module().instrument(app)
+        app.steps["worker"].add(MetricsStep)
+    if settings.sentry_dsn:
+        from .sentry import install as install_sentry
+
+        install_sentry(app)
+    if settings.log_format == "json":
+        from .logs import install as install_json_logs
+
+        install_json_logs()
+
+
+def _metrics_module() -> Any:
+    try:
+        from . import metrics
+    except ModuleNotFoundError as exc:
+        if not str(exc.name).startswith("prometheus_client"):
+            raise
+        raise ConfigurationError(
+            "LEDGER_METRICS_PORT needs prometheus-client: pip install 'celery-ledger[metrics]'"
+        ) from exc
+    return metrics
+
+
+__all__ = ["SENT_AT_HEADER", "install", "ledger_listeners", "stamp_sent_at"]

@@ -1,0 +1,181 @@
+"""The worker's ``/metrics`` endpoint: prometheus-client's multiprocess mode for the prefork pool.
+
+:class:`MetricsStep` is a worker bootstep (added by ``create_app`` when ``LEDGER_METRICS_PORT``
+is set). Its ``create`` runs in the worker's main process before the pool forks:
+
+1. it makes a fresh private directory, ``celery-ledger-metrics-<pid>`` under
+   ``$PROMETHEUS_MULTIPROC_DIR`` if set (else the system's temp directory), and points
+   ``PROMETHEUS_MULTIPROC_DIR`` at it, so two workers on one host never mix files;
+2. it switches prometheus-client to multiprocess values (the library reads the variable when
+   it is first imported, possibly earlier) and enables the metrics: each pool process then
+   writes its own files there, which survive its exit (counters keep their totals).
+
+Its ``start`` runs after the pool has forked and serves ``/metrics`` from a thread of the main
+process on ``LEDGER_METRICS_ADDRESS:LEDGER_METRICS_PORT``: the files merged by
+``MultiProcessCollector``, plus gauges sampled on scrape (:class:`StateCollector`). A pool
+process that exits is marked dead (``worker_process_shutdown``), which drops its live gauges;
+the directory is removed when the worker shuts down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+from celery import bootsteps, signals
+from prometheus_client import CollectorRegistry, multiprocess, start_http_server, values
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..policies.breaker import BreakerState
+from . import metrics
+
+logger = logging.getLogger("celery_ledger.metrics")
+
+ENV = "PROMETHEUS_MULTIPROC_DIR"
+BREAKER_VALUES = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+
+
+def prepare_multiprocess_dir() -> Path:
+    """A fresh per-worker directory, set as ``PROMETHEUS_MULTIPROC_DIR`` (see the module doc)."""
+    path = Path(_base_dir()) / f"celery-ledger-metrics-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)  # left by a killed worker that had our pid
+    path.mkdir(parents=True, mode=0o700)
+    os.environ[ENV] = str(path)
+    values.ValueClass = values.get_value_class()
+    return path
+
+
+def _base_dir() -> str:
+    current = os.environ.get(ENV, "")
+    if current and Path(current).name.startswith("celery-ledger-metrics-"):
+        return str(Path(current).parent)  # inherited from a worker that started us
+    return current or tempfile.gettempdir()
+
+
+def mark_dead(pid: int | None = None, **_: Any) -> None:
+    """``worker_process_shutdown``: drop the exiting pool process's live gauges."""
+    path = os.environ.get(ENV)
+    if path and metrics.active() is not None:
+        with contextlib.suppress(Exception):
+            multiprocess.mark_process_dead(pid or os.getpid(), path)
+
+
+class StateCollector(Collector):
+    """Gauges read from Redis and the ledger when Prometheus scrapes (main process only).
+
+    Every worker exports the same shared state: aggregate with ``max`` across instances.
+    """
+
+    def __init__(self, app: Any, consuming: list[str]) -> None:
+        self.app = app
+        self.consuming = consuming
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "celery_ledger_dependency_up",
+            "1 if the worker reached the dependency during this scrape.",
+            labels=["dependency"],
+        )
+        consuming = GaugeMetricFamily(
+            "celery_ledger_worker_consuming", "Queues this worker consumes.", labels=["queue"]
+        )
+        for queue in self.consuming:
+            consuming.add_metric([queue], 1)
+        yield consuming
+        broker_up = True
+        try:
+            yield from self._broker()
+        except Exception as exc:
+            broker_up = False
+            logger.warning("metrics: broker unreachable on scrape: %s", exc)
+        up.add_metric(["broker"], 1 if broker_up else 0)
+        ledger_up = True
+        try:
+            dead = self.app.ledger.collection.count_documents({"state": "dead"})
+        except Exception as exc:
+            ledger_up = False
+            logger.warning("metrics: ledger unreachable on scrape: %s", exc)
+        else:
+            yield GaugeMetricFamily(
+                "celery_ledger_dead_letters", "Dead records in the ledger.", value=dead
+            )
+        up.add_metric(["ledger"], 1 if ledger_up else 0)
+        yield up
+
+    def _broker(self) -> Iterator[Metric]:
+        depths = self.app.queue_depths.depths()
+        depth = GaugeMetricFamily(
+            "celery_ledger_queue_depth", "Messages waiting in each queue.", labels=["queue"]
+        )
+        for queue, n in sorted(depths.items()):
+            depth.add_metric([queue], n)
+        delayed = GaugeMetricFamily(
+            "celery_ledger_delayed_deliveries",
+            "Retries and deferrals held in Redis until due.",
+            value=self.app.delayed.pending(),
+        )
+        breakers = GaugeMetricFamily(
+            "celery_ledger_breaker_state",
+            "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
+            labels=["breaker"],
+        )
+        for status in self.app.breakers.statuses():
+            breakers.add_metric([status.name], BREAKER_VALUES[status.state])
+        yield from (depth, delayed, breakers)
+
+
+class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Multiprocess metrics set-up and the ``/metrics`` server of a worker (module doc)."""
+
+    requires: ClassVar[set[str]] = {"celery.worker.components:Pool"}
+    label = "ledger metrics"
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.server: Any = None
+        self.directory: Path | None = None
+        self._owner_pid = os.getpid()
+
+    def create(self, worker: Any) -> None:
+        self.directory = prepare_multiprocess_dir()
+        self._owner_pid = os.getpid()
+        metrics.enable(registry=None)
+        signals.worker_process_shutdown.connect(mark_dead, weak=False, dispatch_uid=ENV)
+        signals.worker_shutdown.connect(self._cleanup, weak=False, dispatch_uid=f"{ENV}-{id(self)}")
+
+    def start(self, worker: Any) -> None:
+        app = worker.app
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=str(self.directory))
+        consuming = sorted(app.amqp.queues.consume_from or app.amqp.queues)
+        registry.register(StateCollector(app, consuming))
+        port, address = app.settings.metrics_port, app.settings.metrics_address
+        try:
+            self.server, _ = start_http_server(port, addr=address, registry=registry)
+        except OSError as exc:  # metrics must not stop the worker
+            logger.error("metrics: cannot listen on %s:%s: %s", address, port, exc)
+            return
+        logger.info("metrics on http://%s:%s/metrics (%s)", address, port, self.directory)
+
+    def stop(self, worker: Any) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    def terminate(self, worker: Any) -> None:
+        self.stop(worker)
+
+    def shutdown(self, worker: Any) -> None:
+        self.stop(worker)
+
+    def _cleanup(self, **_: Any) -> None:
+        if os.getpid() == self._owner_pid and self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)

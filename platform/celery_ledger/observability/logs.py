@@ -1,0 +1,106 @@
+"""JSON log lines with the running task's fields (``LEDGER_LOG_FORMAT=json``).
+
+:class:`JsonFormatter` writes one JSON object per record. :class:`TaskContextFilter` adds
+``task_id``, ``task_name``, ``key``, ``tier``, ``attempt`` and ``fence`` to every record emitted
+while a task runs in this thread (from Celery's current task: its message headers and the
+fencing token the guard sets on the request). :func:`install` puts both on the handlers Celery
+sets up for the worker (``after_setup_logger`` and ``after_setup_task_logger``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+from celery import signals
+from celery._state import get_current_task
+
+TASK_FIELDS = ("task_id", "task_name", "key", "tier", "attempt", "fence")
+
+# Attributes every LogRecord has; anything else came from ``extra=`` or a filter.
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
+    "message",
+    "asctime",
+    "data",  # Celery's task logger
+}
+
+
+class TaskContextFilter(logging.Filter):
+    """Adds the running task's fields to a record (never overrides fields already set)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            fields = task_fields()
+        except Exception:  # logging must never fail
+            return True
+        for name, value in fields.items():
+            if value is not None and getattr(record, name, None) in (None, "???"):
+                setattr(record, name, value)
+        return True
+
+
+def task_fields() -> dict[str, Any]:
+    task = get_current_task()
+    request = getattr(task, "request", None)
+    if task is None or request is None or not getattr(request, "id", None):
+        return {}
+    return {
+        "task_id": request.id,
+        "task_name": task.name,
+        "key": _header(request, "ledger_key"),
+        "tier": _header(request, "ledger_tier") or getattr(task, "tier", None),
+        "attempt": int(getattr(request, "retries", 0) or 0) + 1,
+        "fence": getattr(request, "ledger_fence", None),
+    }
+
+
+def _header(request: Any, name: str) -> Any:
+    value = getattr(request, name, None)
+    if value is None and isinstance(getattr(request, "headers", None), dict):
+        value = request.headers.get(name)
+    return value
+
+
+class JsonFormatter(logging.Formatter):
+    """``{"ts", "level", "logger", "message", "process", <task fields>, <extra>, "exc_info"}``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "process": record.processName,
+            "pid": record.process,
+        }
+        for name, value in vars(record).items():
+            if name not in _STANDARD and not name.startswith("_") and value not in (None, "???"):
+                entry[name] = value
+        if record.exc_info:
+            entry["exc_info"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack_info"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, default=str, ensure_ascii=False)
+
+
+def configure(logger: logging.Logger) -> None:
+    """JSON formatter and task filter on every handler of ``logger`` (idempotent)."""
+    for handler in logger.handlers:
+        handler.setFormatter(JsonFormatter())
+        if not any(isinstance(f, TaskContextFilter) for f in handler.filters):
+            handler.addFilter(TaskContextFilter())
+
+
+def _on_setup(logger: logging.Logger | None = None, **_: Any) -> None:
+    if logger is not None:
+        configure(logger)
+
+
+def install() -> None:
+    """Switch the worker's log handlers to JSON when Celery sets them up."""
+    signals.after_setup_logger.connect(_on_setup, weak=False, dispatch_uid="ledger-json-logs")
+    signals.after_setup_task_logger.connect(
+        _on_setup, weak=False, dispatch_uid="ledger-json-task-logs"
+    )

@@ -1,0 +1,191 @@
+"""Sentry reports (extra ``sentry``: ``sentry-sdk`` with its Celery integration).
+
+On when ``LEDGER_SENTRY_DSN`` is set. Besides the task failures the Celery integration reports,
+three platform events become Sentry events, each grouped by its own fingerprint:
+
+    dead        ["celery-ledger", "dead", <the dead letter's fingerprint>]   level error
+    breaker     ["celery-ledger", "breaker-open", <breaker name>]            level warning
+    lease_lost  ["celery-ledger", "lease-lost", <task name>]                  level warning
+
+A dead job raised by its body is reported with that exception (the integration's later report
+of the same exception is dropped by Sentry's dedupe). Control flow is never reported (Celery's
+``Retry``/``Ignore``/``Reject``, our ``LeaseLost``/``CircuitOpen``). Scrubbed by default: no
+PII, no local variables, no task arguments, results or request bodies, no credentials in URLs.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from typing import TYPE_CHECKING, Any
+
+from celery.exceptions import Ignore, Reject, Retry
+
+from ..errors import CircuitOpen, ConfigurationError, LeaseLost
+
+if TYPE_CHECKING:
+    from ..app import LedgerCelery
+
+logger = logging.getLogger("celery_ledger.sentry")
+
+CONTROL_FLOW: tuple[type[BaseException], ...] = (Retry, Ignore, Reject, LeaseLost, CircuitOpen)
+FILTERED = "[Filtered]"
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/\s@:]*:[^/\s@]*@", re.I)
+_DATA_KEYS = frozenset({"args", "kwargs", "result", "retval", "return_value", "message", "body"})
+
+
+def install(app: LedgerCelery, *, transport: Any = None) -> bool:
+    """``sentry_sdk.init`` with the integration and the scrubbing; subscribe the hooks."""
+    dsn = app.settings.sentry_dsn
+    if not dsn:
+        return False
+    try:
+        import sentry_sdk
+        from sentry_sdk.integrations.celery import CeleryIntegration
+        from sentry_sdk.integrations.logging import ignore_logger
+    except ImportError as exc:
+        raise ConfigurationError(
+            "LEDGER_SENTRY_DSN needs sentry-sdk: pip install 'celery-ledger[sentry]'"
+        ) from exc
+    options: dict[str, Any] = {}
+    if transport is not None:
+        options["transport"] = transport
+    sentry_sdk.init(
+        dsn=dsn,
+        integrations=[CeleryIntegration(propagate_traces=False)],
+        # No PII: send_default_pii is off by default (and deprecated in recent SDKs, which
+        # derive their data_collection from it); our before_send scrubs on top of that.
+        include_local_variables=False,
+        max_request_body_size="never",
+        before_send=before_send,  # type: ignore[arg-type]
+        before_breadcrumb=before_breadcrumb,
+        **options,
+    )
+    ignore_logger("celery_ledger.deadletter")  # its error line is the `dead` event below
+    app.hooks.on("dead", report_dead)
+    app.hooks.on("breaker", report_breaker)
+    app.hooks.on("lease_lost", report_lease_lost)
+    return True
+
+
+def report_dead(
+    *, task: str, tier: str | None, record_id: str, reason: Any = None, entry: Any = None, **_: Any
+) -> None:
+    """Called inside the guard's ``except`` when a body's exception killed the job."""
+    import sentry_sdk
+
+    entry = entry if isinstance(entry, dict) else {}
+    group = str(entry.get("fingerprint") or task)
+    with sentry_sdk.new_scope() as scope:
+        scope.fingerprint = ["celery-ledger", "dead", group]
+        _tag(scope, "dead", task=task, tier=tier)
+        scope.set_context(
+            "dead letter",
+            {
+                "record_id": record_id,
+                "reason": str(reason or "")[:500],
+                "fingerprint": group,
+                "fingerprint_text": entry.get("fingerprint_text"),
+            },
+        )
+        exc = sys.exc_info()[1]
+        if exc is not None and not isinstance(exc, CONTROL_FLOW):
+            sentry_sdk.capture_exception(exc)
+        else:
+            sentry_sdk.capture_message(f"dead-lettered {task}: {reason}", level="error")
+
+
+def report_breaker(*, name: str, new: Any, **_: Any) -> None:
+    import sentry_sdk
+
+    if str(getattr(new, "value", new)) != "open":
+        return
+    with sentry_sdk.new_scope() as scope:
+        scope.fingerprint = ["celery-ledger", "breaker-open", name]
+        _tag(scope, "breaker", breaker=name)
+        sentry_sdk.capture_message(f"circuit breaker {name!r} opened", level="warning")
+
+
+def report_lease_lost(
+    *, task: str, tier: str | None, record_id: str, fence: Any = None, **_: Any
+) -> None:
+    import sentry_sdk
+
+    with sentry_sdk.new_scope() as scope:
+        scope.fingerprint = ["celery-ledger", "lease-lost", task]
+        _tag(scope, "lease_lost", task=task, tier=tier)
+        scope.set_context("lease", {"record_id": record_id, "fence": fence})
+        sentry_sdk.capture_message(
+            f"lease lost by {task}: a newer claim took over (raise lease_seconds?)",
+            level="warning",
+        )
+
+
+def _tag(scope: Any, event: str, **tags: Any) -> None:
+    scope.set_tag("celery_ledger.event", event)
+    for name, value in tags.items():
+        if value is not None:
+            scope.set_tag(f"celery_ledger.{name}", str(value))
+
+
+def before_send(event: dict[str, Any], hint: dict[str, Any]) -> dict[str, Any] | None:
+    """Drop control flow; scrub request data, task data, local variables and URL credentials."""
+    exc_info = hint.get("exc_info") if hint else None
+    if exc_info and isinstance(exc_info[1], CONTROL_FLOW):
+        return None
+    try:
+        return scrub(event)
+    except Exception:  # never send an event we could not scrub
+        logger.warning("could not scrub a Sentry event; dropped", exc_info=True)
+        return None
+
+
+def before_breadcrumb(crumb: dict[str, Any], hint: dict[str, Any]) -> dict[str, Any] | None:
+    crumb.pop("data", None)
+    if isinstance(crumb.get("message"), str):
+        crumb["message"] = redact(crumb["message"])
+    return crumb
+
+
+def scrub(event: dict[str, Any]) -> dict[str, Any]:
+    event.pop("request", None)
+    for name in ("extra", "contexts"):
+        section = event.get(name)
+        if isinstance(section, dict):
+            event[name] = _strip_data(section)
+    for container in ("exception", "threads"):
+        for value in (event.get(container) or {}).get("values") or []:
+            if isinstance(value.get("value"), str):
+                value["value"] = redact(value["value"])
+            for frame in (value.get("stacktrace") or {}).get("frames") or []:
+                frame.pop("vars", None)
+    if isinstance(event.get("message"), str):
+        event["message"] = redact(event["message"])
+    logentry = event.get("logentry")
+    if isinstance(logentry, dict):
+        for key in ("message", "formatted"):
+            if isinstance(logentry.get(key), str):
+                logentry[key] = redact(logentry[key])
+        logentry.pop("params", None)  # log arguments: any data
+    for crumb in (event.get("breadcrumbs") or {}).get("values") or []:
+        before_breadcrumb(crumb, {})
+    return event
+
+
+def _strip_data(value: Any) -> Any:
+    """Task arguments and results out; strings redacted, recursively."""
+    if isinstance(value, dict):
+        return {
+            key: FILTERED if key in _DATA_KEYS else _strip_data(item) for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [_strip_data(item) for item in value]
+    if isinstance(value, str):
+        return redact(value)
+    return value
+
+
+def redact(text: str) -> str:
+    """``redis://:secret@host`` → ``redis://[Filtered]@host``."""
+    return _URL_CREDENTIALS.sub(lambda m: f"{m['scheme']}{FILTERED}@", text)

@@ -1,0 +1,234 @@
+"""Long-lived jobs: heartbeats, checkpoints, steps and checkpointed batch reads.
+
+While a body runs, a heartbeat thread extends its lease every third of the lease, so a long
+job keeps its claim and a dead worker's lease ends within one lease. The same thread watches
+for the worker's warm shutdown (a flag file its parent writes on SIGTERM), so the body can
+checkpoint and hand its message back (:meth:`Execution.should_stop`, :class:`Interrupted`).
+
+Every write is fenced: a worker whose lease was taken over cannot write a checkpoint or a
+step, and learns it (:class:`~celery_ledger.errors.LeaseLost`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+from .errors import ConfigurationError, LeaseLost, LedgerError
+from .ledger.store import Ledger
+
+logger = logging.getLogger("celery_ledger.progress")
+
+T = TypeVar("T")
+_STEP_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+
+
+class Interrupted(LedgerError):
+    """The worker is shutting down: the job hands its message back and resumes elsewhere."""
+
+
+def shutdown_flag(parent_pid: int) -> Path:
+    """The file a worker's main process creates when a warm shutdown begins."""
+    return Path(tempfile.gettempdir()) / f"celery-ledger-shutdown-{parent_pid}"
+
+
+class Heartbeat:
+    """A daemon thread extending one lease while the body runs."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        record_id: str,
+        fence: int,
+        *,
+        lease_seconds: float,
+        interval_seconds: float,
+    ) -> None:
+        self._ledger = ledger
+        self._record_id = record_id
+        self._fence = fence
+        self._lease_seconds = lease_seconds
+        self._interval = interval_seconds
+        self._stop = threading.Event()
+        self._flag = shutdown_flag(os.getppid())
+        self.lost = False
+        self.shutdown_requested = False
+        self._thread = threading.Thread(target=self._run, name="ledger-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+
+    def beat(self) -> None:
+        try:
+            self._ledger.heartbeat(self._record_id, self._fence, self._lease_seconds)
+        except LeaseLost:
+            self.lost = True
+            raise
+
+    def _run(self) -> None:
+        waited = 0.0
+        tick = min(1.0, self._interval)
+        while not self._stop.wait(tick):
+            waited += tick
+            if not self.shutdown_requested and self._flag.exists():
+                self.shutdown_requested = True
+                logger.warning(
+                    "worker shutting down: %s should checkpoint and stop", self._record_id
+                )
+            if waited < self._interval or self.lost:
+                continue
+            waited = 0.0
+            try:
+                self.beat()
+            except LeaseLost:
+                logger.warning("lease on %s lost: a newer claim took over", self._record_id)
+            except LedgerError as exc:  # ledger down: try again next beat, the lease may hold
+                logger.warning("heartbeat of %s failed: %s", self._record_id, exc)
+
+
+class Execution:
+    """What a running LedgerTask body can reach through ``self`` (one per attempt)."""
+
+    def __init__(
+        self, ledger: Ledger, record_id: str, fence: int, heartbeat: Heartbeat, lease_seconds: float
+    ) -> None:
+        self.ledger = ledger
+        self.record_id = record_id
+        self.fence = fence
+        self.heartbeat = heartbeat
+        self.lease_seconds = lease_seconds
+        self._progress: dict[str, Any] | None = None
+
+    @property
+    def progress(self) -> dict[str, Any]:
+        """Checkpoint, steps and artefacts stored by earlier attempts (read once, lazily)."""
+        if self._progress is None:
+            self._progress = self.ledger.load_progress(self.record_id)
+        return self._progress
+
+    def checkpoint(self, state: Mapping[str, Any]) -> None:
+        state = dict(state)  # BSON values (ObjectId cursors, datetimes) are fine here
+        self._fenced(
+            lambda: self.ledger.save_checkpoint(
+                self.record_id, self.fence, state, self.lease_seconds
+            )
+        )
+        self.progress["checkpoint"] = state
+
+    def step(self, name: str) -> Step:
+        if not _STEP_NAME.match(name):
+            raise ConfigurationError(f"step name {name!r}: use letters, digits, '_' or '-'")
+        return Step(self, name)
+
+    def should_stop(self) -> bool:
+        return self.heartbeat.shutdown_requested
+
+    def register_artefact(self, path: str) -> None:
+        self._fenced(lambda: self.ledger.add_artefact(self.record_id, self.fence, path))
+        self.progress.setdefault("artefacts", []).append(path)
+
+    def _fenced(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except LeaseLost:
+            self.heartbeat.lost = True
+            raise
+
+
+class Step:
+    """A sub-step that runs once per job: ``with self.step("x") as s`` or ``@self.step("x")``.
+
+    A completed step's result is kept in the record; a later attempt (after a crash, a retry or
+    a replay) skips the step and gets the same result.
+    """
+
+    def __init__(self, execution: Execution, name: str) -> None:
+        self._execution = execution
+        self.name = name
+        saved = execution.progress.get("steps", {}).get(name)
+        self.done = saved is not None
+        self.result: Any = json.loads(saved["result"]) if saved is not None else None
+
+    def __enter__(self) -> Step:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None and not self.done:
+            self.complete(self.result)
+
+    def complete(self, result: Any = None) -> None:
+        """Record the step as done with ``result`` (JSON)."""
+        result_json = json.dumps(result)
+        execution = self._execution
+        execution._fenced(
+            lambda: execution.ledger.save_step(
+                execution.record_id, execution.fence, self.name, result_json
+            )
+        )
+        execution.progress.setdefault("steps", {})[self.name] = {"result": result_json}
+        self.done, self.result = True, result
+
+    def run(self, func: Callable[[], T]) -> T:
+        """Run ``func`` unless the step is done; either way return its (recorded) result."""
+        if not self.done:
+            self.complete(func())
+        return self.result  # type: ignore[no-any-return]
+
+    def __call__(self, func: Callable[[], T]) -> Callable[[], T]:
+        """Decorator form: the decorated function runs at most once per job."""
+        return lambda: self.run(func)
+
+
+def batches(
+    execution: Execution,
+    collection: Any,
+    *,
+    name: str = "backfill",
+    batch_size: int = 500,
+    query: Mapping[str, Any] | None = None,
+    projection: Mapping[str, Any] | None = None,
+) -> Iterator[list[dict[str, Any]]]:
+    """Read ``collection`` in ``_id`` order, ``batch_size`` documents per query, resuming
+    after the last batch this job finished (its ``_id`` is checkpointed under ``name``).
+
+    A batch counts as finished when the caller asks for the next one; on a warm shutdown the
+    generator raises :class:`Interrupted` after checkpointing.
+    """
+    if batch_size < 1:
+        raise ConfigurationError("batch_size must be at least 1")
+    cursors = dict((execution.progress.get("checkpoint") or {}).get("cursors", {}))
+    last_id = cursors.get(name)
+    while True:
+        flt = dict(query or {})
+        if last_id is not None:
+            flt["_id"] = {"$gt": last_id}
+        batch = list(collection.find(flt, projection).sort("_id", 1).limit(batch_size))
+        if not batch:
+            return
+        yield batch
+        last_id = batch[-1]["_id"]
+        cursors[name] = last_id
+        state = dict(execution.progress.get("checkpoint") or {})
+        state["cursors"] = cursors
+        execution.checkpoint(state)
+        if execution.should_stop():
+            raise Interrupted(f"shutdown: {name} stopped after _id {last_id!r}")

@@ -1,0 +1,207 @@
+"""Operations against the real stack: authentication, Flower, health, metrics and JSON logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from argparse import Namespace
+from base64 import b64encode
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+from pymongo import MongoClient
+from pymongo.errors import OperationFailure
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from celery_ledger.cli.health import health
+from celery_ledger.embedded.flower import start_flower
+from celery_ledger.embedded.servers import LOOPBACK, free_port
+from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
+
+from .conftest import APP_MODULE
+from .helpers import wait_for
+
+OPS_QUEUE = "ops"
+
+
+def test_clients_without_credentials_are_refused(stack: EmbeddedStack) -> None:
+    assert stack.broker is not None and stack.ledger is not None
+    # Given clients that connect without the stack's passwords
+    anonymous_redis = redis.Redis(
+        host=LOOPBACK, port=stack.broker.port, protocol=2, retry=Retry(NoBackoff(), 0)
+    )
+    anonymous_mongo: MongoClient[dict[str, Any]] = MongoClient(
+        LOOPBACK, stack.ledger.port, directConnection=True, serverSelectionTimeoutMS=2000
+    )
+    try:
+        # Then the broker answers NOAUTH and the ledger refuses a read
+        with pytest.raises(redis.AuthenticationError, match="Authentication required"):
+            anonymous_redis.ping()
+        with pytest.raises(OperationFailure) as refused:
+            anonymous_mongo.ledger_tests.ledger.find_one()
+        assert refused.value.code == 13  # Unauthorized
+    finally:
+        anonymous_redis.close()
+        anonymous_mongo.close()
+    # While the URLs the stack hands out carry working credentials
+    assert redis.Redis.from_url(stack.broker.url).ping()
+    with MongoClient(stack.ledger.url) as client:
+        client.ledger_tests.ledger.find_one()
+
+
+def _get(url: str, auth: tuple[str, str] | None = None) -> int:
+    request = urllib.request.Request(url)
+    if auth is not None:
+        token = b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=15) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+
+
+def test_flower_requires_basic_auth(stack: EmbeddedStack, tmp_path: Path) -> None:
+    # Given Flower on the real broker, with generated credentials
+    flower = start_flower(APP_MODULE, tmp_path, env=stack.env)
+    try:
+        assert flower.url.startswith(f"http://{LOOPBACK}:")
+        assert len(flower.password) >= 16
+        # Then its API answers with the credentials only
+        assert _get(f"{flower.url}/api/workers", (flower.user, flower.password)) == 200
+        assert _get(f"{flower.url}/api/workers") == 401
+        assert _get(f"{flower.url}/api/workers", (flower.user, "wrong")) == 401
+    finally:
+        flower.stop()
+    assert not flower.alive()
+
+
+def _celery(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", APP_MODULE, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+
+
+def test_health_of_the_running_stack(app: Any) -> None:
+    result = _celery("ledger", "health", "--json", "--timeout", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    status = {check["name"]: check["status"] for check in report["checks"]}
+    assert report["ok"] is True
+    assert status["broker"] == "ok"
+    assert status["ledger"] in ("ok", "warn")  # warn: other tests left dead letters
+    for tier in ("critical", "default", "bulk"):
+        assert status[f"tier {tier}"] == "ok"
+    # And the table for people
+    runner = CliRunner()
+    table = runner.invoke(health, ["--timeout", "1", "--tiers", "critical"], obj=Namespace(app=app))
+    assert table.exit_code == 0 and "healthy" in table.output, table.output
+
+
+@pytest.fixture(scope="module")
+def observed_worker(
+    stack: EmbeddedStack, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[WorkerProcess, int, Path]]:
+    """A worker of its own queue with metrics on and JSON logs."""
+    port = free_port()
+    metrics_base = tmp_path_factory.mktemp("metrics")
+    env = {
+        "LEDGER_METRICS_PORT": str(port),
+        "LEDGER_METRICS_ADDRESS": LOOPBACK,
+        "LEDGER_LOG_FORMAT": "json",
+        "PROMETHEUS_MULTIPROC_DIR": str(metrics_base),
+    }
+    worker = stack.start_worker(OPS_QUEUE, concurrency=2, name=f"ops@{LOOPBACK}", env=env)
+    try:
+        yield worker, port, metrics_base
+    finally:
+        worker.stop()
+        stack.workers.remove(worker)
+
+
+def _scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_worker_metrics_and_json_logs(
+    app: Any, token: str, observed_worker: tuple[WorkerProcess, int, Path]
+) -> None:
+    from tests.integration import ledger_app
+
+    worker, port, metrics_base = observed_worker
+    # Given jobs on the observed worker: one succeeds (then a duplicate), one dies
+    ledger_app.record.apply_async((token,), queue=OPS_QUEUE).get(timeout=30)
+    ledger_app.record.apply_async((token,), queue=OPS_QUEUE)
+    dead = ledger_app.boom.apply_async((f"{token}-dead",), queue=OPS_QUEUE)
+    dead.get(timeout=30, propagate=False)
+
+    # Then the pool processes' metrics are served by the main process
+    record, boom = ledger_app.record.name, ledger_app.boom.name
+
+    def scraped() -> dict[tuple[str, frozenset[tuple[str, str]]], float] | None:
+        samples = _scrape(port)
+        key = ("celery_ledger_duplicates_suppressed_total", _labels(task=record, tier="default"))
+        return samples if samples.get(key) else None
+
+    samples = wait_for(scraped, timeout=20, what="the duplicate in the metrics")
+
+    def at(name: str, **labels: str) -> float:
+        return samples.get((name, _labels(**labels)), 0.0)
+
+    assert at("celery_ledger_tasks_started_total", task=record, tier="default") >= 1
+    assert at("celery_ledger_tasks_succeeded_total", task=record, tier="default") >= 1
+    assert at("celery_ledger_tasks_dead_total", task=boom, tier="default") >= 1
+    assert at("celery_ledger_queue_wait_seconds_count", task=record, tier="default") >= 2
+    assert at("celery_ledger_ledger_command_seconds_count", command="update") >= 2
+    assert at("celery_ledger_worker_consuming", queue=OPS_QUEUE) == 1
+    assert at("celery_ledger_dependency_up", dependency="broker") == 1
+    assert at("celery_ledger_dependency_up", dependency="ledger") == 1
+    assert at("celery_ledger_dead_letters") >= 1
+    assert ("celery_ledger_queue_depth", _labels(queue="critical")) in samples
+    directories = list(metrics_base.glob("celery-ledger-metrics-*"))
+    assert [d.name for d in directories] == [f"celery-ledger-metrics-{worker.pid}"]
+
+    # And the worker's log lines are JSON, with the task's fields while a task runs
+    entries = [
+        json.loads(line)
+        for line in worker.log_path.read_text().splitlines()
+        if line.startswith("{")
+    ]
+    dead_line = next(e for e in entries if e["logger"] == "celery_ledger.deadletter")
+    assert dead_line["task_id"] == dead.id and dead_line["key"] == f"{token}-dead"
+    assert dead_line["tier"] == "default" and dead_line["attempt"] == 1
+    assert isinstance(dead_line["fence"], int)
+
+
+def _labels(**labels: str) -> frozenset[tuple[str, str]]:
+    return frozenset(labels.items())
+
+
+def test_the_worker_removes_its_metrics_directory_when_it_stops(
+    observed_worker: tuple[WorkerProcess, int, Path],
+) -> None:
+    worker, _, metrics_base = observed_worker  # runs after the test above: same module worker
+    worker.stop()
+    assert list(metrics_base.iterdir()) == []

@@ -1,0 +1,57 @@
+"""``ledger health``: which tiers have workers, and the exit code when something is down."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from click.testing import CliRunner
+
+from celery_ledger import Settings, create_app
+from celery_ledger.cli.health import health, tier_checks
+from celery_ledger.embedded.servers import free_port
+
+TIERS = ("critical", "default", "bulk")
+
+
+def test_a_required_tier_without_a_worker_is_down_and_others_only_warn() -> None:
+    active = {
+        "critical@a": [{"name": "critical"}],
+        "all@b": [{"name": "critical"}, {"name": "default"}, {"name": "celery"}],
+    }
+    checks = {c.name: c for c in tier_checks(active, TIERS, required=("critical", "bulk"))}
+    assert checks["tier critical"].status == "ok"
+    assert checks["tier critical"].data["workers"] == ["all@b", "critical@a"]
+    assert checks["tier default"].status == "ok"
+    assert checks["tier bulk"].status == "down"
+    assert tier_checks(active, TIERS, required=("critical",))[2].status == "warn"
+    assert {c.status for c in tier_checks(None, TIERS, required=())} == {"warn"}
+
+
+def test_broker_and_ledger_down_exit_non_zero_with_json() -> None:
+    # Given an app whose broker and ledger ports answer nothing
+    app = create_app(
+        "health_down",
+        settings=Settings(
+            broker_url=f"redis://127.0.0.1:{free_port()}/0",
+            mongo_uri=f"mongodb://127.0.0.1:{free_port()}/?directConnection=true",
+        ),
+        set_as_current=False,
+    )
+    # When the health command runs
+    result = CliRunner().invoke(
+        health, ["--json", "--timeout", "0.3", "--tiers", "critical"], obj=SimpleNamespace(app=app)
+    )
+    # Then it exits 1 and says what is down
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.output)
+    status = {c["name"]: c["status"] for c in report["checks"]}
+    assert report["ok"] is False
+    assert status["broker"] == "down" and status["ledger"] == "down"
+    assert status["tier critical"] == "down" and status["tier bulk"] == "skipped"
+
+
+def test_an_unknown_tier_is_a_usage_error() -> None:
+    app = create_app("health_usage", settings=Settings(), set_as_current=False)
+    result = CliRunner().invoke(health, ["--tiers", "critcal"], obj=SimpleNamespace(app=app))
+    assert result.exit_code == 2 and "unknown tier 'critcal'" in result.output

@@ -1,0 +1,85 @@
+"""JSON logs: one object per line, with the running task's fields."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from typing import Any
+
+import pytest
+from celery import signals
+
+from celery_ledger import Settings, create_app
+from celery_ledger.observability import logs
+
+
+@pytest.fixture
+def stream() -> Any:
+    out = io.StringIO()
+    logger = logging.getLogger("logs_tests")
+    handler = logging.StreamHandler(out)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logs.configure(logger)
+    yield out
+    logger.removeHandler(handler)
+
+
+def lines(out: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def test_one_json_object_per_record_with_extra_fields_and_tracebacks(stream: Any) -> None:
+    logger = logging.getLogger("logs_tests")
+    logger.info("claimed %s", "r1", extra={"fence": 42})
+    try:
+        raise ValueError("multi\nline")
+    except ValueError:
+        logger.exception("failed")
+    first, second = lines(stream)
+    assert first["message"] == "claimed r1" and first["fence"] == 42
+    assert first["level"] == "INFO" and first["logger"] == "logs_tests"
+    assert first["ts"].endswith("+00:00")
+    assert "task_id" not in first  # not inside a task
+    assert second["level"] == "ERROR" and "ValueError: multi\nline" in second["exc_info"]
+
+
+def test_records_emitted_while_a_task_runs_carry_its_fields(stream: Any) -> None:
+    # Given a task whose body logs, run with ledger headers and a fencing token
+    app = create_app("logs_tests", settings=Settings(), set_as_current=False)
+    app.conf.task_always_eager = True
+
+    @app.task(bind=True, name="logs_tests.work", shared=False)
+    def work(self: Any) -> None:
+        self.request.ledger_fence = 7  # what the guard sets after its claim
+        logging.getLogger("logs_tests").info("working")
+
+    work.apply(task_id="id-1", retries=2, headers={"ledger_key": "k-1", "ledger_tier": "bulk"})
+    # Then the log line has the task's id, name, key, tier, attempt and fence
+    [line] = lines(stream)
+    assert line["message"] == "working"
+    assert {k: line[k] for k in logs.TASK_FIELDS} == {
+        "task_id": "id-1",
+        "task_name": "logs_tests.work",
+        "key": "k-1",
+        "tier": "bulk",
+        "attempt": 3,
+        "fence": 7,
+    }
+
+
+def test_json_logs_follow_the_setting_through_celery_signals() -> None:
+    # Given an app with LEDGER_LOG_FORMAT=json
+    create_app("logs_json", settings=Settings(log_format="json"), set_as_current=False)
+    logger = logging.getLogger("logs_tests.signal")
+    handler = logging.StreamHandler(io.StringIO())
+    logger.addHandler(handler)
+    try:
+        # When Celery sets up its logger
+        signals.after_setup_logger.send(sender=None, logger=logger, loglevel=logging.INFO)
+        # Then its handlers format JSON with the task filter
+        assert isinstance(handler.formatter, logs.JsonFormatter)
+        assert any(isinstance(f, logs.TaskContextFilter) for f in handler.filters)
+    finally:
+        logger.removeHandler(handler)

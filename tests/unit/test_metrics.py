@@ -1,0 +1,156 @@
+"""Metrics: platform events, signals and ledger commands update prometheus-client metrics."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from celery_ledger import Settings, create_app
+from celery_ledger.observability import SENT_AT_HEADER, ledger_listeners, metrics, stamp_sent_at
+from celery_ledger.observability.exporter import MetricsStep, StateCollector
+from celery_ledger.policies.breaker import BreakerState
+
+TASK = "billing.charge"
+
+
+@pytest.fixture
+def registry() -> Iterator[CollectorRegistry]:
+    registry = CollectorRegistry()
+    metrics.enable(registry)
+    yield registry
+    metrics.disable()
+
+
+@pytest.fixture
+def app() -> Any:
+    return create_app("metrics_tests", settings=Settings(metrics_port=9808), set_as_current=False)
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+def test_metrics_are_wired_only_when_a_port_is_set(app: Any) -> None:
+    # Given an app with LEDGER_METRICS_PORT, and one without
+    plain = create_app("plain", settings=Settings(), set_as_current=False)
+    # Then only the first has the exporter step and the ledger latency listener
+    assert MetricsStep in app.steps["worker"]
+    assert MetricsStep not in plain.steps["worker"]
+    assert ledger_listeners(app.settings) == [metrics.LEDGER_COMMANDS]
+    assert ledger_listeners(plain.settings) == []
+
+
+def test_task_events_update_counters_and_durations(app: Any, registry: CollectorRegistry) -> None:
+    # When a job runs, fails once, runs again and succeeds, and a duplicate is suppressed
+    emit = app.hooks.emit
+    emit("claimed", task=TASK, tier="critical", record_id="r1", fence=1)
+    emit("retried", task=TASK, tier="critical", record_id="r1", delay=1.0, error=ValueError())
+    emit("claimed", task=TASK, tier="critical", record_id="r1", fence=2)
+    emit("succeeded", task=TASK, tier="critical", record_id="r1", seconds=0.2)
+    emit("duplicate", task=TASK, tier="critical", record_id="r1")
+    emit("deferred", task=TASK, tier="critical", record_id="r2", delay=1, reason="circuit open")
+    emit("lease_lost", task=TASK, tier="critical", record_id="r3", fence=3)
+    emit("dead", task=TASK, tier=None, record_id="r4", reason="boom", entry={})
+    emit("breaker", name="payments", old=BreakerState.CLOSED, new=BreakerState.OPEN)
+    emit("throttle", queue="bulk", engaged=True, reason="critical backlog")
+    emit("shed", tier="bulk")
+
+    # Then each has its counter, labelled by task and tier
+    labels = {"task": TASK, "tier": "critical"}
+    assert value(registry, "celery_ledger_tasks_started_total", **labels) == 2
+    assert value(registry, "celery_ledger_tasks_retried_total", **labels) == 1
+    assert value(registry, "celery_ledger_tasks_succeeded_total", **labels) == 1
+    assert value(registry, "celery_ledger_duplicates_suppressed_total", **labels) == 1
+    deferred = {**labels, "reason": "circuit open"}
+    assert value(registry, "celery_ledger_tasks_deferred_total", **deferred) == 1
+    assert value(registry, "celery_ledger_lease_lost_total", **labels) == 1
+    assert value(registry, "celery_ledger_tasks_dead_total", task=TASK, tier="unknown") == 1
+    transition = {"breaker": "payments", "to": "open"}
+    assert value(registry, "celery_ledger_breaker_transitions_total", **transition) == 1
+    assert value(registry, "celery_ledger_throttle_engaged", queue="bulk") == 1
+    assert value(registry, "celery_ledger_publishes_shed_total", tier="bulk") == 1
+    # And durations by outcome: the failed attempt and the successful one
+    for outcome, total in (("retried", 1), ("succeeded", 1)):
+        count = value(
+            registry, "celery_ledger_task_duration_seconds_count", **labels, outcome=outcome
+        )
+        assert count == total, outcome
+    succeeded = {**labels, "outcome": "succeeded"}
+    assert value(registry, "celery_ledger_task_duration_seconds_sum", **succeeded) == 0.2
+
+
+def test_poison_dead_letters_are_counted_by_queue(app: Any, registry: CollectorRegistry) -> None:
+    for hook in app.dead_letters.hooks:
+        hook({"record_id": "poison-abc", "tier": "default"})
+        hook({"record_id": "a-task-id", "tier": "default"})  # counted by the `dead` event
+    assert value(registry, "celery_ledger_poison_messages_total", queue="default") == 1
+
+
+def test_queue_wait_is_measured_from_the_published_header(registry: CollectorRegistry) -> None:
+    # Given a message stamped at publish 2 seconds ago
+    headers: dict[str, Any] = {}
+    stamp_sent_at(headers=headers)
+    headers[SENT_AT_HEADER] -= 2.0
+    request = SimpleNamespace(headers=headers, ledger_tier="bulk")
+    # When its delivery starts
+    metrics.observe_queue_wait(sender=SimpleNamespace(name=TASK, request=request, tier=None))
+    # Then it waited about 2 seconds
+    labels = {"task": TASK, "tier": "bulk"}
+    assert value(registry, "celery_ledger_queue_wait_seconds_count", **labels) == 1
+    assert 2.0 <= value(registry, "celery_ledger_queue_wait_seconds_sum", **labels) < 3.0
+
+
+def test_ledger_commands_are_timed_by_name(registry: CollectorRegistry) -> None:
+    listener = metrics.LEDGER_COMMANDS
+    listener.succeeded(SimpleNamespace(command_name="update", duration_micros=1500))
+    listener.failed(SimpleNamespace(command_name="find", duration_micros=300))
+    assert value(registry, "celery_ledger_ledger_command_seconds_count", command="update") == 1
+    assert value(registry, "celery_ledger_ledger_command_seconds_sum", command="update") == 0.0015
+    assert value(registry, "celery_ledger_ledger_command_failures_total", command="find") == 1
+
+
+def test_a_broken_metric_never_raises(
+    app: Any, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a metric that fails
+    active = metrics.active()
+    assert active is not None
+    active.started = None  # type: ignore[assignment]
+    # When an event and a signal reach it, twice
+    with caplog.at_level(logging.WARNING, "celery_ledger.metrics"):
+        for _ in range(2):
+            app.hooks.emit("claimed", task=TASK, tier="default", record_id="r", fence=1)
+            metrics.observe_queue_wait(sender=object())
+    # Then nothing raised, and the failure was logged once (rate-limited)
+    assert len([r for r in caplog.records if "metrics:" in r.getMessage()]) <= 1
+
+
+def test_nothing_is_recorded_while_disabled(app: Any) -> None:
+    metrics.disable()
+    app.hooks.emit("claimed", task=TASK, tier="default", record_id="r", fence=1)  # no error
+
+
+def test_scrape_time_gauges_and_a_broker_outage() -> None:
+    # Given an app whose broker answers and whose ledger does not
+    status = SimpleNamespace(name="payments", state=BreakerState.OPEN)
+    app = SimpleNamespace(
+        queue_depths=SimpleNamespace(depths=lambda: {"critical": 3, "dead_letter": 1}),
+        delayed=SimpleNamespace(pending=lambda: 4),
+        breakers=SimpleNamespace(statuses=lambda: [status]),
+        ledger=SimpleNamespace(collection=None),  # count_documents fails
+    )
+    registry = CollectorRegistry()
+    registry.register(StateCollector(app, ["critical", "default"]))
+    # Then the broker's state is exported and the ledger is reported down
+    assert value(registry, "celery_ledger_queue_depth", queue="critical") == 3
+    assert value(registry, "celery_ledger_delayed_deliveries") == 4
+    assert value(registry, "celery_ledger_breaker_state", breaker="payments") == 2
+    assert value(registry, "celery_ledger_worker_consuming", queue="default") == 1
+    assert value(registry, "celery_ledger_dependency_up", dependency="broker") == 1
+    assert value(registry, "celery_ledger_dependency_up", dependency="ledger") == 0
+    assert registry.get_sample_value("celery_ledger_dead_letters") is None
