@@ -1,0 +1,1 @@
+"""Operations: monitoring config, benchmarks (``ops.bench``) and the chaos soak (``ops.chaos``)."""

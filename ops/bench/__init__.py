@@ -1,0 +1,1 @@
+"""Benchmarks against plain Celery: ``python -m ops.bench.throughput | roundtrips | scale``."""

@@ -1,0 +1,32 @@
+"""(c) celery-ledger: ``create_app``, settings from ``LEDGER_*``; ``bench.noop`` is a LedgerTask."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from celery_ledger import LedgerCelery, Settings, create_app
+
+
+def build(env: Mapping[str, str]) -> LedgerCelery:
+    settings = Settings(
+        broker_url=env["LEDGER_BROKER_URL"],
+        mongo_uri=env["LEDGER_MONGO_URI"],
+        mongo_db=env.get("LEDGER_MONGO_DB", "bench_ledger"),
+    )
+    app = create_app("bench_ledger", settings=settings, set_as_current=False)
+    app.conf.task_default_queue = env.get("BENCH_QUEUE", "bench")
+
+    @app.task(name="bench.noop", idempotency_key="{run}-{i}", shared=False)
+    def noop(run: str, i: int) -> int:
+        return i
+
+    return app
+
+
+def __getattr__(name: str) -> Any:  # ``celery -A`` reads ``app``; built on first access
+    if name == "app":
+        globals()["app"] = build(os.environ)
+        return globals()["app"]
+    raise AttributeError(name)
