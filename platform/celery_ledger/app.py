@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from dataclasses import replace
 from functools import cached_property
@@ -14,6 +15,7 @@ from kombu.entity import Queue
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from .crypto import RedactSensitive, Sealer
 from .deadletter import DeadLetters
 from .delayed import DelayedDeliveries
 from .errors import ConfigurationError
@@ -61,6 +63,15 @@ class LedgerCelery(Celery):  # type: ignore[misc]
     settings: Settings
     ledger: Ledger
     tiers: Tiers
+
+    @cached_property
+    def sealer(self) -> Sealer:
+        """Encryption at rest for sensitive tasks (``LEDGER_ENCRYPTION_KEYS``)."""
+        return Sealer(self.settings.encryption_keys)
+
+    def is_sensitive(self, task_name: Any) -> bool:
+        task = self.tasks.get(task_name) if isinstance(task_name, str) else None
+        return bool(getattr(task, "sensitive", False))
 
     @cached_property
     def hooks(self) -> Hooks:
@@ -180,6 +191,10 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             )
         if options.get("tier") is not None:
             self.tiers.check(options["tier"], where="a task declaration")
+        if options.get("sensitive") and not self.sealer.enabled:
+            raise ConfigurationError(
+                "sensitive=True needs LEDGER_ENCRYPTION_KEYS (a JSON list of Fernet keys)"
+            )
         return super().task(*args, **options)
 
 
@@ -263,7 +278,9 @@ def create_app(name: str, settings: Settings | None = None, **celery_options: An
         enable_utc=True,
         timezone="UTC",
     )
+    app.ledger.open_text = lambda text: app.sealer.open(text)
     app.steps["worker"].add(LedgerWorkerStep)
+    logging.getLogger("celery.app.trace").addFilter(RedactSensitive(app.is_sensitive))
     install_observability(app)  # metrics, Sentry, JSON logs: as the settings say
 
     @app.task(name="celery_ledger.reconcile", base=Task, shared=False)  # type: ignore[untyped-decorator]

@@ -307,7 +307,9 @@ class DeadLetters:
     def _publish_original(self, doc: dict[str, Any]) -> None:
         message = doc["message"]
         if "args_json" in message:
-            args, kwargs = json.loads(message["args_json"]), json.loads(message["kwargs_json"])
+            opened = self._app.sealer.open
+            args = json.loads(opened(message["args_json"]))
+            kwargs = json.loads(opened(message["kwargs_json"]))
             message_headers = {headers.KEY: doc["key"], headers.TIER: doc.get("tier")}
             self._app.send_task(
                 doc["task"],

@@ -22,6 +22,7 @@ import redis
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from . import headers
+from .crypto import REDACTED
 from .deadletter import dead_letter_fields, entry_of, fingerprint
 from .errors import (
     CircuitOpen,
@@ -65,7 +66,9 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
             tier=tier,
             owner=owner,
             lease_seconds=task.lease_seconds,
-            message={"args_json": json.dumps(list(args)), "kwargs_json": json.dumps(kwargs)},
+            message=sealed_if_sensitive(
+                task, {"args_json": json.dumps(list(args)), "kwargs_json": json.dumps(kwargs)}
+            ),
             max_attempts=task.max_attempts,
         )
     except LedgerUnavailable as exc:
@@ -252,9 +255,14 @@ def _run_claimed(
         report_to_breaker(task, breaker, admission, exc.exc)
         retry_at = retry_time(exc.when)
         error = error_entry(
-            exc.exc or exc, owner=owner, attempt=request.retries + 1, fence=fence, action="retry"
+            task.sensitive,
+            exc.exc or exc,
+            owner=owner,
+            attempt=request.retries + 1,
+            fence=fence,
+            action="retry",
         )
-        text = format_tb(exc.exc)
+        text = "" if task.sensitive else format_tb(exc.exc)
         persist(
             lambda: ledger.record_failure(
                 request.id, fence, error, retry_at=retry_at, traceback=text
@@ -275,7 +283,7 @@ def _run_claimed(
             retry_on=tuple(task.retry_on or ()),
             fail_on=tuple(task.fail_on or ()),
         )
-        text = format_tb(exc)
+        text = "" if task.sensitive else format_tb(exc)
         if decision.retry:
             schedule_retry(
                 task,
@@ -289,17 +297,23 @@ def _run_claimed(
                 persist=persist,
             )
         error = error_entry(
-            exc, owner=owner, attempt=request.retries + 1, fence=fence, action="dead"
+            task.sensitive,
+            exc,
+            owner=owner,
+            attempt=request.retries + 1,
+            fence=fence,
+            action="dead",
         )
         digest, fingerprint_text = fingerprint(exc)
         fields = dead_letter_fields(
-            reason=decision.reason,
+            reason=redacted_reason(task, decision.reason),
             digest=digest,
             text=fingerprint_text,
             args=list(args),
             kwargs=kwargs,
             message_headers=message_headers_of(request, key, tier),
         )
+        fields["message"] = sealed_if_sensitive(task, fields["message"])
         persist(
             lambda: ledger.record_failure(
                 request.id,
@@ -332,7 +346,12 @@ def _run_claimed(
     except (TypeError, ValueError) as exc:
         payload_error = PayloadError(f"{task.name} returned a value JSON cannot hold: {exc}")
         error = error_entry(
-            payload_error, owner=owner, attempt=request.retries + 1, fence=fence, action="dead"
+            task.sensitive,
+            payload_error,
+            owner=owner,
+            attempt=request.retries + 1,
+            fence=fence,
+            action="dead",
         )
         fields = dead_letter_fields(
             reason=f"result not JSON: {exc}",
@@ -342,6 +361,7 @@ def _run_claimed(
             kwargs=kwargs,
             message_headers=message_headers_of(request, key, tier),
         )
+        fields["message"] = sealed_if_sensitive(task, fields["message"])
         persist(
             lambda: ledger.record_failure(
                 request.id,
@@ -355,7 +375,8 @@ def _run_claimed(
         )
         raise payload_error from exc
     report_to_breaker(task, breaker, admission, None)
-    persist(lambda: ledger.complete(request.id, fence, result_json), "completion")
+    stored = task.app.sealer.seal(result_json) if task.sensitive else result_json
+    persist(lambda: ledger.complete(request.id, fence, stored), "completion")
     hooks.emit(
         "succeeded",
         task=task.name,
@@ -490,6 +511,7 @@ def schedule_retry(
     message_headers = message_headers_of(request, key, tier)
     message_headers[headers.PREVIOUS_DELAY] = delay
     error = error_entry(
+        task.sensitive,
         exc,
         owner=owner,
         attempt=request.retries + 1,
@@ -649,7 +671,28 @@ def request_header(request: Any, name: str) -> Any:
     return value
 
 
+def sealed_if_sensitive(task: LedgerTask, message: dict[str, Any]) -> dict[str, Any]:
+    """A message's arguments, sealed when the task is sensitive (plain otherwise)."""
+    if not task.sensitive:
+        return message
+    sealer = task.app.sealer
+    return {
+        **message,
+        **{
+            name: sealer.seal(message[name])
+            for name in ("args_json", "kwargs_json")
+            if name in message
+        },
+    }
+
+
+def redacted_reason(task: LedgerTask, reason: str) -> str:
+    """A dead reason without the exception's text for sensitive tasks ("kind: Type")."""
+    return ": ".join(reason.split(": ")[:2]) if task.sensitive else reason
+
+
 def error_entry(
+    redact: bool,
     exc: BaseException,
     *,
     owner: str,
@@ -662,7 +705,7 @@ def error_entry(
         action=action,
         planned_delay_seconds=planned_delay_seconds,
         type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-        message=str(exc)[:2000],
+        message=REDACTED if redact else str(exc)[:2000],
         traceback_digest=traceback_digest(exc),
         at=utcnow(),
         worker=owner,

@@ -134,8 +134,8 @@ def _republish(app: LedgerCelery, doc: dict[str, Any]) -> bool:
         return False
     app.send_task(
         doc["task"],
-        json.loads(message["args_json"]),
-        json.loads(message["kwargs_json"]),
+        json.loads(app.sealer.open(message["args_json"])),
+        json.loads(app.sealer.open(message["kwargs_json"])),
         task_id=doc["_id"],
         queue=doc.get("tier") or None,
         headers={headers.KEY: doc.get("key"), headers.TIER: doc.get("tier")},

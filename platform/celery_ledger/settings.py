@@ -91,6 +91,10 @@ class Settings(BaseSettings):
     reconcile_every_seconds: float = Field(
         60.0, gt=0, description="How often celery beat runs the reconciler."
     )
+    encryption_keys: list[str] = Field(
+        default_factory=list,
+        description="Fernet keys (JSON list, newest first) sealing sensitive tasks' data at rest.",
+    )
     dedupe_on_publish: bool = Field(
         False, description="Write a queued record at publish and skip publishing known keys."
     )

@@ -16,6 +16,7 @@ from celery import Task
 from celery.result import AsyncResult
 
 from . import headers
+from .crypto import REDACTED
 from .errors import LedgerUnavailable, PayloadError
 from .guard import run_guarded
 from .keys import KeySpec, canonical_json, compute_key, derive_task_id, validate_key
@@ -60,6 +61,7 @@ class LedgerTask(Task):  # type: ignore[misc]
     heartbeat_seconds: float | None = None  # default: a third of the lease; 0 turns it off
     max_age_seconds: float | None = None  # retire (dead, "expired") messages older than this
     max_attempts: int | None = None  # total claims of one job, whatever their cause
+    sensitive: bool = False  # arguments and results encrypted at rest, never logged
     retry_on: tuple[type[BaseException], ...] = ()
     fail_on: tuple[type[BaseException], ...] = ()
 
@@ -82,6 +84,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             "heartbeat_seconds",
             "max_age_seconds",
             "max_attempts",
+            "sensitive",
         }
     )
 
@@ -207,6 +210,8 @@ class LedgerTask(Task):  # type: ignore[misc]
         message_headers[headers.TIER] = tier
         message_headers.setdefault(headers.ENQUEUED_AT, time.time())
         options.setdefault("queue", tier)
+        if self.sensitive:  # what monitoring (events, Flower) shows of the arguments
+            options["argsrepr"] = options["kwargsrepr"] = REDACTED
 
         if self.app.conf.task_always_eager:
             return super().apply_async(

@@ -214,3 +214,14 @@ def soft_limited(self: Any, token: str, artefact: str) -> None:
 def hard_limited(token: str) -> None:
     time.sleep(10)
     record_effect("hard", token)
+
+
+@app.task(idempotency_key="{token}", sensitive=True)
+def store_card(token: str, card_number: str) -> dict[str, str]:
+    record_effect("card", token)
+    return {"last4": card_number[-4:], "echo": card_number}
+
+
+@app.task(idempotency_key="{token}", sensitive=True)
+def reject_card(token: str, card_number: str) -> None:
+    raise PermanentError(f"card {card_number} declined")

@@ -117,7 +117,7 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
         status = doc.get("celery_state") or CELERY_STATE[State(doc["state"])]
         result: Any = None
         if doc.get("result") is not None:
-            result = json.loads(doc["result"])
+            result = json.loads(self.app.sealer.open(doc["result"]))
         if status in (states.FAILURE, states.RETRY) and "celery_state" not in doc:
             result = _exception_payload(doc)
         meta: dict[str, Any] = self.meta_from_decoded(

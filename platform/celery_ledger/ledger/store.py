@@ -26,7 +26,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -137,6 +137,8 @@ class Ledger:
         self._timeout_ms = timeout_ms
         self._event_listeners = list(event_listeners)
         self._fences = _FenceClock()
+        # Opens sealed values (sensitive tasks); the app sets it to its Sealer's ``open``.
+        self.open_text: Callable[[str], str] = lambda text: text
         self._lock = threading.Lock()
         self._pid = -1
         self._client: MongoClient[dict[str, Any]] | None = None
@@ -207,7 +209,11 @@ class Ledger:
 
     def get_by_id(self, record_id: str) -> LedgerRecord | None:
         doc = self.find_raw(record_id)
-        return None if doc is None else LedgerRecord.model_validate(doc)
+        if doc is None:
+            return None
+        if isinstance(doc.get("result"), str):
+            doc["result"] = self.open_text(doc["result"])
+        return LedgerRecord.model_validate(doc)
 
     def find_raw(self, record_id: str) -> dict[str, Any] | None:
         with translate_errors("read"):
