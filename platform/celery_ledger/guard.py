@@ -214,6 +214,53 @@ def _run_claimed(
             ),
         )
 
+    def dead_letter(
+        exc: BaseException, *, reason: str, digest: str, text: str, traceback_text: str = ""
+    ) -> None:
+        """Record the job dead with its reason and original message, then announce it."""
+        error = error_entry(
+            task.sensitive,
+            exc,
+            owner=owner,
+            attempt=request.retries + 1,
+            fence=fence,
+            action="dead",
+        )
+        fields = dead_letter_fields(
+            reason=redacted_reason(task, reason),
+            digest=digest,
+            text=text,
+            args=list(args),
+            kwargs=kwargs,
+            message_headers=message_headers_of(request, key, tier),
+        )
+        fields["message"] = sealed_if_sensitive(task, fields["message"])
+        persist(
+            lambda: ledger.record_failure(
+                request.id,
+                fence,
+                error,
+                retry_at=None,
+                traceback=traceback_text,
+                reason=fields["dead_reason"],
+                dead_fields=fields,
+            ),
+            "failure record",
+        )
+        announce_dead(
+            task,
+            {
+                "_id": request.id,
+                "task": task.name,
+                "key": key,
+                "tier": tier,
+                "errors": [error.model_dump()],
+                **fields,
+            },
+            args,
+            kwargs,
+        )
+
     try:
         check_payload_size(task, args, kwargs)
         retval = task.run(*args, **kwargs)
@@ -296,48 +343,9 @@ def _run_claimed(
                 traceback_text=text,
                 persist=persist,
             )
-        error = error_entry(
-            task.sensitive,
-            exc,
-            owner=owner,
-            attempt=request.retries + 1,
-            fence=fence,
-            action="dead",
-        )
         digest, fingerprint_text = fingerprint(exc)
-        fields = dead_letter_fields(
-            reason=redacted_reason(task, decision.reason),
-            digest=digest,
-            text=fingerprint_text,
-            args=list(args),
-            kwargs=kwargs,
-            message_headers=message_headers_of(request, key, tier),
-        )
-        fields["message"] = sealed_if_sensitive(task, fields["message"])
-        persist(
-            lambda: ledger.record_failure(
-                request.id,
-                fence,
-                error,
-                retry_at=None,
-                traceback=text,
-                reason=decision.reason,
-                dead_fields=fields,
-            ),
-            "failure record",
-        )
-        announce_dead(
-            task,
-            {
-                "_id": request.id,
-                "task": task.name,
-                "key": key,
-                "tier": tier,
-                "errors": [error.model_dump()],
-                **fields,
-            },
-            args,
-            kwargs,
+        dead_letter(
+            exc, reason=decision.reason, digest=digest, text=fingerprint_text, traceback_text=text
         )
         raise
 
@@ -345,33 +353,11 @@ def _run_claimed(
         result_json = json.dumps(retval, allow_nan=False)
     except (TypeError, ValueError) as exc:
         payload_error = PayloadError(f"{task.name} returned a value JSON cannot hold: {exc}")
-        error = error_entry(
-            task.sensitive,
+        dead_letter(
             payload_error,
-            owner=owner,
-            attempt=request.retries + 1,
-            fence=fence,
-            action="dead",
-        )
-        fields = dead_letter_fields(
             reason=f"result not JSON: {exc}",
             digest="result-not-json",
             text=f"PayloadError: result of {task.name} is not JSON",
-            args=list(args),
-            kwargs=kwargs,
-            message_headers=message_headers_of(request, key, tier),
-        )
-        fields["message"] = sealed_if_sensitive(task, fields["message"])
-        persist(
-            lambda: ledger.record_failure(
-                request.id,
-                fence,
-                error,
-                retry_at=None,
-                reason=fields["dead_reason"],
-                dead_fields=fields,
-            ),
-            "failure record",
         )
         raise payload_error from exc
     report_to_breaker(task, breaker, admission, None)

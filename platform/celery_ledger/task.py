@@ -213,8 +213,8 @@ class LedgerTask(Task):  # type: ignore[misc]
         if self.sensitive:  # what monitoring (events, Flower) shows of the arguments
             options["argsrepr"] = options["kwargsrepr"] = REDACTED
 
-        if self.app.conf.task_always_eager:
-            return super().apply_async(
+        def publish_now() -> AsyncResult:
+            return super(LedgerTask, self).apply_async(
                 args,
                 kwargs,
                 task_id=task_id,
@@ -225,6 +225,9 @@ class LedgerTask(Task):  # type: ignore[misc]
                 headers=message_headers,
                 **options,
             )
+
+        if self.app.conf.task_always_eager:
+            return publish_now()
 
         due_at = _due_time(options.pop("countdown", None), options.pop("eta", None))
         if due_at is not None and due_at > time.time():
@@ -248,17 +251,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         if dedupe and not self.app.ledger.enqueue(task_id, task=self.name, key=key, tier=tier):
             return self.AsyncResult(task_id)
         try:
-            return super().apply_async(
-                args,
-                kwargs,
-                task_id=task_id,
-                producer=producer,
-                link=link,
-                link_error=link_error,
-                shadow=shadow,
-                headers=message_headers,
-                **options,
-            )
+            return publish_now()
         except Exception:
             if dedupe:
                 # If the ledger is down too, the queued record stays and blocks a republish

@@ -102,6 +102,23 @@ def translate_errors(what: str) -> Iterator[None]:
         raise StoreError(f"ledger {what} failed: {exc}") from exc
 
 
+def queued_record(*, task: str, key: str, tier: str, now: datetime) -> dict[str, Any]:
+    """The fields of a new record that waits for its first claim."""
+    return {
+        "v": SCHEMA_VERSION,
+        "task": task,
+        "key": key,
+        "tier": tier,
+        "state": State.QUEUED.value,
+        "attempts": 0,
+        "inflight": 0,
+        "fence": 0,
+        "claimable_at": EPOCH,
+        "created_at": now,
+        "updated_at": now,
+    }
+
+
 class Ledger:
     """The ledger of one app: a MongoDB collection of :class:`LedgerRecord` documents.
 
@@ -576,21 +593,7 @@ class Ledger:
         with translate_errors("enqueue"):
             result = self.collection.update_one(
                 {"_id": record_id},
-                {
-                    "$setOnInsert": {
-                        "v": SCHEMA_VERSION,
-                        "task": task,
-                        "key": key,
-                        "tier": tier,
-                        "state": State.QUEUED.value,
-                        "attempts": 0,
-                        "inflight": 0,
-                        "fence": 0,
-                        "claimable_at": EPOCH,
-                        "created_at": now,
-                        "updated_at": now,
-                    }
-                },
+                {"$setOnInsert": queued_record(task=task, key=key, tier=tier, now=now)},
                 upsert=True,
             )
         return result.upserted_id is not None
@@ -606,19 +609,7 @@ class Ledger:
                 {
                     "$inc": {"deferrals": 1},
                     "$set": {"last_deferral": {"reason": reason, "until": until, "at": now}},
-                    "$setOnInsert": {
-                        "v": SCHEMA_VERSION,
-                        "task": task,
-                        "key": key,
-                        "tier": tier,
-                        "state": State.QUEUED.value,
-                        "attempts": 0,
-                        "inflight": 0,
-                        "fence": 0,
-                        "claimable_at": EPOCH,
-                        "created_at": now,
-                        "updated_at": now,
-                    },
+                    "$setOnInsert": queued_record(task=task, key=key, tier=tier, now=now),
                 },
                 upsert=True,
             )
