@@ -1,0 +1,268 @@
+"""End-to-end throughput: celery-ledger against plain Celery, in one run.
+
+    python -m ops.bench.throughput [--tasks 1000] [--concurrency 2] [--repeats 3]
+
+Configurations, all on the same valkey broker and the same SecantusDB server, each with its own
+queue and database and a fresh worker (``--concurrency`` prefork processes) per run:
+
+    plain-redis         plain Celery, Redis result backend
+    plain-mongo         plain Celery, Celery's MongoDB result backend (retryWrites=false)
+    plain-mongo-started the same with task_track_started
+    ledger              celery_ledger.create_app (LedgerTask, the ledger as result backend)
+
+A run publishes N tiny tasks and waits for every result (``AsyncResult.get``); its time runs from
+the first publish to the last result. Runs are interleaved across configurations (repeat 1 of
+each, then repeat 2, ...) so that the machine's noise spreads evenly; the median is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import import_module
+from typing import Any
+
+from celery import Celery
+from pymongo import MongoClient
+from redis import Redis
+
+from .common import (
+    Servers,
+    median,
+    print_header,
+    print_table,
+    pyplot,
+    rss_kib,
+    running_servers,
+    start_worker,
+    write_results,
+)
+
+GOAL_VS_STARTED = 1.0
+GOAL_VS_PLAIN_MONGO = 0.8
+
+
+@dataclass(frozen=True)
+class Configuration:
+    name: str
+    app_module: str
+    description: str
+    database: str | None = None  # the MongoDB database it writes (dropped before each run)
+    redis_db: int | None = None  # the Redis database of its results (flushed before each run)
+
+    @property
+    def queue(self) -> str:
+        return f"bench_{self.name.replace('-', '_')}"
+
+    def env(self, servers: Servers) -> dict[str, str]:
+        return {
+            "BENCH_BROKER_URL": servers.broker.url,
+            "BENCH_REDIS_RESULTS": servers.redis_url(1),
+            "BENCH_MONGO_RESULTS": servers.mongo_url(self.database or "bench_unused"),
+            "LEDGER_BROKER_URL": servers.broker.url,
+            "LEDGER_MONGO_URI": servers.ledger.url,
+            "LEDGER_MONGO_DB": self.database or "bench_unused",
+            "BENCH_QUEUE": self.queue,
+        }
+
+    def reset(self, servers: Servers) -> None:
+        if self.database:
+            client: MongoClient[dict[str, Any]]
+            with MongoClient(servers.ledger.url) as client:
+                client.drop_database(self.database)
+        if self.redis_db is not None:
+            with Redis.from_url(servers.redis_url(self.redis_db)) as redis:
+                redis.flushdb()
+
+
+CONFIGURATIONS = (
+    Configuration(
+        "plain-redis", "ops.bench.apps.plain_redis", "plain Celery, Redis result backend", None, 1
+    ),
+    Configuration(
+        "plain-mongo",
+        "ops.bench.apps.plain_mongo",
+        "plain Celery, MongoDB result backend",
+        "bench_plain_mongo",
+    ),
+    Configuration(
+        "plain-mongo-started",
+        "ops.bench.apps.plain_mongo_started",
+        "plain Celery, MongoDB result backend, task_track_started",
+        "bench_plain_mongo_started",
+    ),
+    Configuration("ledger", "ops.bench.apps.ledger", "celery-ledger (LedgerTask)", "bench_ledger"),
+)
+
+
+@dataclass
+class RunResult:
+    configuration: str
+    tasks: int
+    seconds: float
+    pool_rss_kib: list[int]
+    worker_rss_kib: int
+
+    @property
+    def tasks_per_second(self) -> float:
+        return self.tasks / self.seconds
+
+
+def run_once(
+    servers: Servers,
+    configuration: Configuration,
+    *,
+    tasks: int,
+    concurrency: int,
+    after: Callable[[Any], None] | None = None,
+) -> RunResult:
+    """One run: reset its database, start a fresh worker, publish ``tasks``, wait for them."""
+    configuration.reset(servers)
+    env = configuration.env(servers)
+    worker = start_worker(
+        servers,
+        configuration.app_module,
+        queue=configuration.queue,
+        concurrency=concurrency,
+        name=f"{configuration.name}-{uuid.uuid4().hex[:6]}",
+        env=env,
+    )
+    app: Celery = import_module(configuration.app_module).build(env)
+    task = app.tasks["bench.noop"]
+    run = uuid.uuid4().hex[:10]
+    try:
+        # Warm-up: every pool process connects before the clock starts.
+        warm = [task.apply_async((f"warm-{run}", i), queue=configuration.queue) for i in range(8)]
+        for result in warm:
+            result.get(timeout=60, interval=0.05)
+        started = time.perf_counter()
+        results = [task.apply_async((run, i), queue=configuration.queue) for i in range(tasks)]
+        for i, result in enumerate(results):
+            value = result.get(timeout=600, interval=0.05)
+            if value != i:
+                raise AssertionError(f"{configuration.name}: task {i} returned {value!r}")
+        seconds = time.perf_counter() - started
+        pool = [rss_kib(pid) for pid in worker.pool_pids()]
+        result_obj = RunResult(configuration.name, tasks, seconds, pool, rss_kib(worker.pid))
+        if after is not None:
+            after(app)
+        return result_obj
+    finally:
+        worker.stop()
+        app.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=1000, help="tasks per run (default 1000)")
+    parser.add_argument("--concurrency", type=int, default=2, help="prefork processes (2)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (3)")
+    parser.add_argument(
+        "--only", default="", help="comma-separated configuration names (default: all)"
+    )
+    args = parser.parse_args(argv)
+    chosen = [c for c in CONFIGURATIONS if not args.only or c.name in args.only.split(",")]
+
+    config = {
+        "tasks": args.tasks,
+        "worker": f"1 worker x {args.concurrency} prefork processes",
+        "repeats": args.repeats,
+        "delivery": "acks_late, prefetch 1, JSON (as create_app)",
+        "wait": "AsyncResult.get per task, poll interval 0.05s",
+    }
+    facts = print_header("throughput: end-to-end tasks/s, first publish to last result", config)
+    runs: list[RunResult] = []
+    with running_servers("bench-throughput") as servers:
+        for repeat in range(args.repeats):
+            for configuration in chosen:
+                result = run_once(
+                    servers, configuration, tasks=args.tasks, concurrency=args.concurrency
+                )
+                runs.append(result)
+                print(
+                    f"  run {repeat + 1}/{args.repeats} {configuration.name:<20}"
+                    f" {result.tasks_per_second:7.1f} tasks/s ({result.seconds:.2f}s)",
+                    flush=True,
+                )
+
+    medians: dict[str, float] = {}
+    rows = []
+    for configuration in chosen:
+        rates = [r.tasks_per_second for r in runs if r.configuration == configuration.name]
+        medians[configuration.name] = median(rates)
+        rows.append(
+            [
+                configuration.name,
+                configuration.description,
+                f"{median(rates):.1f}",
+                f"{min(rates):.1f}",
+                f"{max(rates):.1f}",
+                f"{args.tasks / median(rates):.2f}",
+            ]
+        )
+    print_table(
+        f"throughput, {args.tasks} tiny tasks, median of {args.repeats} runs",
+        ["configuration", "what", "tasks/s", "min", "max", "seconds"],
+        rows,
+    )
+    ratios: dict[str, float] = {}
+    if {"ledger", "plain-mongo", "plain-mongo-started"} <= medians.keys():
+        ratios = {
+            "ledger/plain-mongo": medians["ledger"] / medians["plain-mongo"],
+            "ledger/plain-mongo-started": medians["ledger"] / medians["plain-mongo-started"],
+        }
+        print_table(
+            "ratios (medians)",
+            ["ratio", "value", "goal", "met"],
+            [
+                [
+                    "ledger / plain-mongo",
+                    f"{ratios['ledger/plain-mongo']:.2f}",
+                    f">= {GOAL_VS_PLAIN_MONGO}",
+                    "yes" if ratios["ledger/plain-mongo"] >= GOAL_VS_PLAIN_MONGO else "NO",
+                ],
+                [
+                    "ledger / plain-mongo-started",
+                    f"{ratios['ledger/plain-mongo-started']:.2f}",
+                    f">= {GOAL_VS_STARTED}",
+                    "yes" if ratios["ledger/plain-mongo-started"] >= GOAL_VS_STARTED else "NO",
+                ],
+            ],
+        )
+
+    plt = pyplot()
+    figure, axes = plt.subplots(figsize=(8, 4))
+    names = [c.name for c in chosen]
+    values = [medians[n] for n in names]
+    lows = [
+        medians[n] - min(r.tasks_per_second for r in runs if r.configuration == n) for n in names
+    ]
+    highs = [
+        max(r.tasks_per_second for r in runs if r.configuration == n) - medians[n] for n in names
+    ]
+    axes.bar(names, values, yerr=[lows, highs], capsize=4, color=["#999", "#6a9", "#4a7", "#36c"])
+    axes.set_ylabel("tasks/s (median, min-max)")
+    axes.set_title(f"{args.tasks} tiny tasks, {args.concurrency} prefork processes")
+    write_results(
+        "throughput",
+        {
+            "configuration": config,
+            "machine": facts,
+            "runs": [vars(r) | {"tasks_per_second": r.tasks_per_second} for r in runs],
+            "median_tasks_per_second": medians,
+            "ratios": ratios,
+            "goals": {
+                "ledger/plain-mongo": GOAL_VS_PLAIN_MONGO,
+                "ledger/plain-mongo-started": GOAL_VS_STARTED,
+            },
+        },
+        figure,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
