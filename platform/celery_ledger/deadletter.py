@@ -53,7 +53,7 @@ def fingerprint(exc: BaseException) -> tuple[str, str]:
 
 def reason_fingerprint(reason: str, task: str) -> tuple[str, str]:
     """A fingerprint for dead letters without an exception (poison messages)."""
-    text = f"{reason.split(':', 1)[0]} ({task})"
+    text = _storable(f"{reason.split(':', 1)[0]} ({task})")
     return hashlib.sha256(text.encode()).hexdigest()[:12], text
 
 
@@ -150,6 +150,7 @@ class DeadLetters:
 
     def _poison_record(self, entry: dict[str, Any]) -> dict[str, Any]:
         message_headers = entry.get("headers") or {}
+        message_headers = _jsonable(message_headers) or {}
         task = str(message_headers.get("task") or "(unknown)")
         message_id = str(message_headers.get("id") or "")
         now = utcnow()
@@ -161,7 +162,7 @@ class DeadLetters:
             "v": 1,
             "task": task,
             "key": str(message_headers.get(headers.KEY) or record_id),
-            "tier": entry.get("queue", ""),
+            "tier": _storable(entry.get("queue", "")),
             "state": State.DEAD.value,
             "attempts": 0,
             "fence": 0,
@@ -170,14 +171,14 @@ class DeadLetters:
             "updated_at": now,
             "finished_at": now,
             "expires_at": now + self._ledger.dead_retention,
-            "dead_reason": entry["reason"],
+            "dead_reason": _storable(entry["reason"]),
             "fingerprint": digest,
             "fingerprint_text": text,
             "poison": True,
             "message": {
                 "queue": entry.get("queue"),
                 "headers": message_headers,
-                "properties": entry.get("properties"),
+                "properties": _jsonable(entry.get("properties")),
                 "raw_base64": entry["raw_base64"],
                 "original_id": message_id,
             },
@@ -379,4 +380,16 @@ def entry_of(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str)) if value is not None else None
+    """``value`` as plain JSON types whose strings any BSON encoder accepts (raw messages can
+    carry lone surrogates, which would make the ledger write fail)."""
+    return None if value is None else _storable(json.loads(json.dumps(value, default=str)))
+
+
+def _storable(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, list):
+        return [_storable(item) for item in value]
+    if isinstance(value, dict):
+        return {_storable(key): _storable(item) for key, item in value.items()}
+    return value

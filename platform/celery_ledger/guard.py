@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -32,6 +33,7 @@ from .errors import (
     PayloadError,
     PermanentError,
 )
+from .keys import validate_key
 from .ledger.record import ErrorEntry
 from .ledger.store import ClaimOutcome, utcnow
 from .policies.backoff import backoff_seconds
@@ -50,8 +52,11 @@ logger = logging.getLogger("celery_ledger.guard")
 def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     request = task.request
     ledger = task.app.ledger
-    key = request_header(request, headers.KEY) or f"id:{request.id}"
-    tier: str = request_header(request, headers.TIER) or task.tier or task.app.tiers.default
+    key = valid_key_or_none(request_header(request, headers.KEY), task.name) or f"id:{request.id}"
+    header_tier = request_header(request, headers.TIER)  # raw messages may carry anything
+    if not (isinstance(header_tier, str) and header_tier in task.app.tiers.names):
+        header_tier = None
+    tier: str = header_tier or task.tier or task.app.tiers.default
     owner = f"{request.hostname or 'local'}:{os.getpid()}"
     context = {"task_id": request.id, "key": key, "tier": tier}
     breaker = task.app.breakers[task.breaker] if task.breaker else None
@@ -72,7 +77,7 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
             max_attempts=task.max_attempts,
         )
     except LedgerUnavailable as exc:
-        deferrals = int(request_header(request, headers.DEFERRALS) or 0)
+        deferrals = int(_float_or_none(request_header(request, headers.DEFERRALS)) or 0)
         settings = task.app.settings
         delay = backoff_seconds(
             deferrals,
@@ -227,9 +232,9 @@ def _run_claimed(
             action="dead",
         )
         fields = dead_letter_fields(
-            reason=redacted_reason(task, reason),
+            reason=storable(redacted_reason(task, reason)),
             digest=digest,
-            text=text,
+            text=storable(text),
             args=list(args),
             kwargs=kwargs,
             message_headers=message_headers_of(request, key, tier),
@@ -309,7 +314,7 @@ def _run_claimed(
             fence=fence,
             action="retry",
         )
-        text = "" if task.sensitive else format_tb(exc.exc)
+        text = "" if task.sensitive else storable(format_tb(exc.exc))
         persist(
             lambda: ledger.record_failure(
                 request.id, fence, error, retry_at=retry_at, traceback=text
@@ -330,7 +335,7 @@ def _run_claimed(
             retry_on=tuple(task.retry_on or ()),
             fail_on=tuple(task.fail_on or ()),
         )
-        text = "" if task.sensitive else format_tb(exc)
+        text = "" if task.sensitive else storable(format_tb(exc))
         if decision.retry:
             schedule_retry(
                 task,
@@ -558,10 +563,12 @@ def announce_dead(task: LedgerTask, record: dict[str, Any], args: Any, kwargs: A
 
 
 def _float_or_none(value: Any) -> float | None:
+    """A finite number from a header, or None (raw messages may carry anything)."""
     try:
-        return None if value is None else float(value)
-    except (TypeError, ValueError):
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
         return None
+    return number if math.isfinite(number) and abs(number) < 1e12 else None
 
 
 def defer(
@@ -585,7 +592,8 @@ def defer(
         {
             headers.KEY: key,
             headers.TIER: tier,
-            headers.DEFERRALS: int(request_header(request, headers.DEFERRALS) or 0) + 1,
+            headers.DEFERRALS: int(_float_or_none(request_header(request, headers.DEFERRALS)) or 0)
+            + 1,
         }
     )
     signature = task.signature_from_request(
@@ -657,6 +665,20 @@ def request_header(request: Any, name: str) -> Any:
     return value
 
 
+def storable(text: str) -> str:
+    """Text any BSON encoder accepts: lone surrogates (from odd input) become escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def valid_key_or_none(value: Any, task_name: str) -> str | None:
+    """A message's ledger key if it is a valid key (raw messages may carry anything)."""
+    try:
+        return validate_key(value, task_name=task_name) if value else None
+    except PayloadError:
+        logger.warning("ignoring an invalid ledger_key header on a %s message", task_name)
+        return None
+
+
 def sealed_if_sensitive(task: LedgerTask, message: dict[str, Any]) -> dict[str, Any]:
     """A message's arguments, sealed when the task is sensitive (plain otherwise)."""
     if not task.sensitive:
@@ -691,7 +713,7 @@ def error_entry(
         action=action,
         planned_delay_seconds=planned_delay_seconds,
         type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-        message=REDACTED if redact else str(exc)[:2000],
+        message=REDACTED if redact else storable(str(exc)[:2000]),
         traceback_digest=traceback_digest(exc),
         at=utcnow(),
         worker=owner,

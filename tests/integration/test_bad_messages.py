@@ -114,3 +114,26 @@ def test_every_kind_of_bad_message_is_dead_lettered_with_a_reason(
     )
     assert "oversized message" in big.dead_reason
     assert effect_count("record", f"{token}-big") == 0
+
+
+def test_untrusted_ledger_headers_and_unencodable_text_still_end_in_a_dead_letter(
+    stack: Any, app: Any, token: str
+) -> None:
+    """Found by the hypothesis suite: odd headers and lone surrogates in kwargs."""
+    from tests.integration.ledger_app import add
+
+    broker = redis.Redis.from_url(stack.broker.url)
+    weird_kwargs = raw_message(
+        json.dumps([[], {"\ud807\udf3a": None}, {}]).encode(),
+        task=add.name,
+        headers={"ledger_tier": ["x"], "ledger_deferrals": "nan"},
+    )
+    message_id = json.loads(weird_kwargs)["headers"]["id"]
+    broker.lpush("default", weird_kwargs)
+    record = wait_for(
+        lambda: (r := app.ledger.get_by_id(message_id)) is not None and r.state is State.DEAD and r,
+        what="dead letter",
+    )
+    assert record.dead_reason.startswith("error not retryable: TypeError")
+    assert record.tier == "default"
+    assert stack.workers[0].alive()
