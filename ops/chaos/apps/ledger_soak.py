@@ -1,0 +1,48 @@
+"""The soak on celery-ledger: settings from ``LEDGER_*``; ``soak.work`` keyed on ``key``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_ledger import LedgerCelery, PermanentError, Settings, create_app
+
+from . import world
+
+RESTORE_SWEEP = {"unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+
+
+def build(settings: Settings | None = None) -> LedgerCelery:
+    """The app (settings from ``LEDGER_*`` unless given) with its one task, ``soak.work``."""
+    app = create_app("soak_ledger", settings=settings, set_as_current=False)
+    # kombu sweeps for unacked messages past the visibility timeout only every
+    # interval x throttle seconds (10 x 10 by default): sweep every second instead.
+    app.conf.broker_transport_options = {
+        **app.conf.broker_transport_options,
+        **RESTORE_SWEEP,
+    }
+
+    @app.task(
+        bind=True,
+        shared=False,
+        name="soak.work",
+        idempotency_key="{key}",
+        retry_on=(world.FlakyError,),
+        max_retries=8,
+        retry_base_seconds=0.2,
+        retry_cap_seconds=1.0,
+    )
+    def work(self: Any, key: str, kind: str, param: float) -> str:
+        try:
+            fence = getattr(self.request, "ledger_fence", None)
+            return world.work("ledger", key, kind, param, fence)
+        except world.DesignedFailure as exc:
+            raise PermanentError(str(exc)) from exc
+
+    return app
+
+
+def __getattr__(name: str) -> Any:  # ``celery -A`` reads ``app``; built on first access
+    if name == "app":
+        globals()["app"] = build()
+        return globals()["app"]
+    raise AttributeError(name)

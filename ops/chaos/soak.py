@@ -1,0 +1,894 @@
+"""Chaos soak: exactly-once effects under crashes, restarts and a bad network, and plain Celery.
+
+    python -m ops.chaos.soak --profile ci|long [--seed N] [--only ledger|plain]
+
+Both systems run side by side, under the same faults: the same task body (``apps/world.py``:
+record the attempt; fail, sleep or not as designed; then record one effect, on a server of its
+own that no fault touches) on celery-ledger workers and on plain Celery workers (``acks_late``,
+``reject_on_worker_lost``, no ledger). Jobs: quick, flaky (retryable errors, then success),
+permanent failures (must end dead) and long (a few seconds), published in waves to mixed tiers.
+
+Faults, while the jobs run: SIGKILL of a random pool process of each system every few seconds;
+SIGKILL of a whole worker (restarted; its unacked messages come back after the visibility
+timeout); SIGKILL and restart of the broker (valkey, AOF) and of the ledger (SecantusDB, same
+port and data); and through an asyncio TCP proxy between the workers and both servers: delays,
+connection resets and a partition. Plain Celery does not use the ledger server.
+
+At the end every job must reach its designed terminal state (succeeded, or dead for the
+permanent failures) with exactly one effect per succeeded job, nothing lost, and the dead
+letters exactly the designed failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from pymongo import MongoClient
+from redis import Redis
+
+from celery_ledger import Settings
+from celery_ledger.embedded.servers import ServerProcess, start_secantus, start_valkey
+from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
+
+from ..bench.common import REPO, RESULTS, console, machine, print_table
+from .proxy import Proxy, ProxyLoop
+
+SYSTEMS = ("ledger", "plain")
+TIERS = ("critical", "default", "bulk")
+LEDGER_DELAYED_KEY = "soak_ledger:ledger:delayed"
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    tasks: int  # per system
+    mix: dict[str, float]  # kind -> share
+    long_seconds: tuple[float, float]
+    publish_seconds: float  # publishing is spread over this, in waves
+    waves: int
+    fault_seconds: float  # faults are injected during this
+    pool_kill_every: float
+    worker_kills: int
+    broker_kills: int
+    ledger_kills: int
+    delays: int
+    resets: int
+    partitions: int
+    partition_seconds: float
+    workers: int  # per system
+    concurrency: int
+    drain_timeout: float
+    lease_seconds: float
+    visibility_timeout: int
+
+
+PROFILES = {
+    "ci": Profile(
+        name="ci",
+        tasks=300,
+        mix={"quick": 0.70, "flaky": 0.12, "permanent": 0.08, "long": 0.10},
+        long_seconds=(1.0, 3.0),
+        publish_seconds=24.0,
+        waves=8,
+        fault_seconds=40.0,
+        pool_kill_every=3.0,
+        worker_kills=1,
+        broker_kills=1,
+        ledger_kills=1,
+        delays=2,
+        resets=3,
+        partitions=1,
+        partition_seconds=3.0,
+        workers=2,
+        concurrency=2,
+        drain_timeout=90.0,
+        lease_seconds=8.0,
+        visibility_timeout=30,
+    ),
+    "long": Profile(
+        name="long",
+        tasks=5000,
+        mix={"quick": 0.82, "flaky": 0.08, "permanent": 0.05, "long": 0.05},
+        long_seconds=(1.0, 4.0),
+        publish_seconds=240.0,
+        waves=60,
+        fault_seconds=300.0,
+        pool_kill_every=3.0,
+        worker_kills=4,
+        broker_kills=3,
+        ledger_kills=3,
+        delays=8,
+        resets=12,
+        partitions=3,
+        partition_seconds=4.0,
+        workers=2,
+        concurrency=2,
+        drain_timeout=300.0,
+        lease_seconds=8.0,
+        visibility_timeout=30,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    key: str
+    kind: str  # quick | flaky | permanent | long
+    param: float  # flaky: failures before success; long: seconds
+    tier: str
+
+    @property
+    def designed(self) -> str:
+        return "dead" if self.kind == "permanent" else "succeeded"
+
+
+def plan_jobs(profile: Profile, rng: random.Random, run: str) -> list[Job]:
+    kinds = list(profile.mix)
+    jobs = []
+    for i in range(profile.tasks):
+        kind = rng.choices(kinds, weights=[profile.mix[k] for k in kinds])[0]
+        param = {
+            "flaky": float(rng.randint(1, 2)),
+            "long": round(rng.uniform(*profile.long_seconds), 2),
+        }.get(kind, 0.0)
+        jobs.append(Job(f"{run}-{kind}-{i}", kind, param, rng.choice(TIERS)))
+    return jobs
+
+
+@dataclass
+class Kill:
+    at: float
+    system: str
+    kind: str
+    pids: list[int]
+
+
+@dataclass
+class SystemReport:
+    system: str
+    tasks: int = 0
+    succeeded: int = 0
+    dead: int = 0
+    designed_dead: int = 0
+    lost: list[str] = field(default_factory=list)
+    wrong_outcome: list[str] = field(default_factory=list)
+    duplicates: int = 0  # effects beyond the first, over all keys
+    duplicate_keys: list[str] = field(default_factory=list)
+    duplicate_causes: dict[str, int] = field(default_factory=dict)
+    effects_of_failed_jobs: int = 0
+    dead_letters_match: bool | None = None
+    dead_letter_detail: str = ""
+    drain_seconds: float | None = None
+    quiet: bool = False
+    details: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SoakReport:
+    profile: str
+    seed: int
+    faults: dict[str, int]
+    systems: dict[str, SystemReport]
+    crashes: list[str]  # workers that exited by themselves (restarted by the soak)
+    fault_log: list[str]
+    fault_seconds: float
+    total_seconds: float
+    config: dict[str, Any]
+
+    def render(self) -> None:
+        print_table(
+            f"faults injected ({self.profile} profile, seed {self.seed})",
+            ["fault", "count"],
+            [[kind, count] for kind, count in sorted(self.faults.items())],
+        )
+        rows = []
+        for name, r in self.systems.items():
+            rows.append(
+                [
+                    name,
+                    r.tasks,
+                    r.succeeded,
+                    f"{r.dead}/{r.designed_dead}",
+                    r.duplicates,
+                    len(r.lost),
+                    len(r.wrong_outcome),
+                    "yes"
+                    if r.dead_letters_match
+                    else ("-" if r.dead_letters_match is None else "NO"),
+                    "-" if r.drain_seconds is None else f"{r.drain_seconds:.1f}s",
+                ]
+            )
+        print_table(
+            f"chaos soak: {self.fault_seconds:.0f}s of faults, {self.total_seconds:.0f}s in all",
+            [
+                "system",
+                "tasks",
+                "succeeded",
+                "dead/designed",
+                "duplicates",
+                "lost",
+                "wrong outcome",
+                "dead letters = designed",
+                "time to drain",
+            ],
+            rows,
+        )
+        console.print("fault timeline: " + "; ".join(self.fault_log), highlight=False)
+        for crash in self.crashes:
+            console.print(f"worker exited by itself (restarted): {crash}", highlight=False)
+        for name, r in self.systems.items():
+            if r.duplicate_causes:
+                console.print(f"{name} duplicate effects by cause: {r.duplicate_causes}")
+            for line in r.details[:12]:
+                console.print(f"  {name}: {line}", highlight=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def without_ledger_environment() -> Iterator[None]:
+    """Hide this process's ``LEDGER_*`` variables (workers inherit the environment)."""
+    saved = {name: value for name, value in os.environ.items() if name.startswith("LEDGER_")}
+    for name in saved:
+        del os.environ[name]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+class Soak:
+    """One soak run: servers, proxies, workers, jobs, faults, then the accounting."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        seed: int,
+        data_dir: Path,
+        systems: tuple[str, ...] = SYSTEMS,
+        plain_reject_on_worker_lost: bool = True,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.profile = profile
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.data_dir = data_dir
+        self.systems = systems
+        self.plain_reject_on_worker_lost = plain_reject_on_worker_lost
+        self.log = log
+        self.run_id = f"s{seed % 100000:05d}{int(time.time()) % 100000:05d}"
+        self.jobs = plan_jobs(profile, self.rng, self.run_id)
+        self.faults: Counter[str] = Counter()
+        self.kills: list[Kill] = []
+        self.ledger_outages: list[tuple[float, float]] = []  # wall-clock windows
+        self.workers: dict[str, list[WorkerProcess]] = {s: [] for s in systems}
+        self.stacks: dict[str, EmbeddedStack] = {}
+        self.publish_lock = threading.Lock()
+        self.workers_lock = threading.Lock()
+        self.retired: set[int] = set()  # pids of workers we killed or replaced
+        self.crashes: list[str] = []  # workers that exited by themselves
+        self.fault_log: list[str] = []
+        self.started = 0.0
+        self.wall_started = 0.0
+        self.broker: ServerProcess
+        self.ledger: ServerProcess
+        self.world: ServerProcess
+        self.broker_proxy: Proxy
+        self.ledger_proxy: Proxy
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def worker_env(self, system: str) -> dict[str, str]:
+        broker = f"redis://127.0.0.1:{self.broker_proxy.listen_port}"
+        common = {
+            "PYTHONPATH": str(REPO),
+            "SOAK_WORLD_URI": self.world.url,
+            "SOAK_VISIBILITY_TIMEOUT_SECONDS": str(self.profile.visibility_timeout),
+            "SOAK_PLAIN_BROKER_URL": f"{broker}/1",
+            "SOAK_PLAIN_REJECT_ON_WORKER_LOST": "1" if self.plain_reject_on_worker_lost else "0",
+        }
+        ledger_uri = (
+            f"mongodb://127.0.0.1:{self.ledger_proxy.listen_port}/"
+            "?retryWrites=false&directConnection=true"
+        )
+        return common | {
+            "LEDGER_BROKER_URL": f"{broker}/0",
+            "LEDGER_MONGO_URI": ledger_uri,
+            "LEDGER_MONGO_DB": "soak",
+            "LEDGER_LEASE_SECONDS": str(self.profile.lease_seconds),
+            "LEDGER_VISIBILITY_TIMEOUT_SECONDS": str(self.profile.visibility_timeout),
+            "LEDGER_BUSY_RECHECK_SECONDS": "2",
+            "LEDGER_DEFER_POLL_SECONDS": "0.25",
+            "LEDGER_UNAVAILABLE_BACKOFF_BASE_SECONDS": "0.5",
+            "LEDGER_UNAVAILABLE_BACKOFF_CAP_SECONDS": "3",
+            "LEDGER_MONGO_TIMEOUT_MS": "2000",
+        }
+
+    def start_worker(self, system: str, index: int | None = None) -> WorkerProcess:
+        index = len(self.workers[system]) if index is None else index
+        queues = ",".join(TIERS) if system == "ledger" else ",".join(f"plain_{t}" for t in TIERS)
+        worker = self.stacks[system].start_worker(
+            queues,
+            concurrency=self.profile.concurrency,
+            name=f"{system}-{index}@127.0.0.1",
+            env=self.worker_env(system),
+            extra_args=("--loglevel", "INFO"),  # the logs explain a lost or duplicated job
+            wait=False,
+        )
+        self.workers[system].append(worker)
+        return worker
+
+    def wait_ready(self, system: str, worker: WorkerProcess, timeout: float = 120.0) -> None:
+        """Until the worker answers a ping (on its system's broker database)."""
+        db = 0 if system == "ledger" else 1
+        probe = Celery(broker=self.broker.url.rsplit("/", 1)[0] + f"/{db}", set_as_current=False)
+        try:
+            deadline = time.monotonic() + timeout
+            while not probe.control.ping(destination=[worker.name], timeout=0.5):
+                if not worker.alive() or time.monotonic() > deadline:
+                    log = worker.log_path.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"worker {worker.name} did not come up:\n{log}")
+        finally:
+            probe.close()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        self.broker = start_valkey(self.data_dir / "valkey")
+        self.ledger = start_secantus(self.data_dir / "secantus")
+        self.world = start_secantus(self.data_dir / "world")
+        modules = {"ledger": "ops.chaos.apps.ledger_soak", "plain": "ops.chaos.apps.plain_soak"}
+        try:
+            with ProxyLoop() as proxies:
+                self.broker_proxy = proxies.add("broker", target_port=self.broker.port)
+                self.ledger_proxy = proxies.add("ledger", target_port=self.ledger.port)
+                for system in self.systems:
+                    self.stacks[system] = EmbeddedStack(
+                        modules[system], self.data_dir, broker=self.broker, ledger=self.ledger
+                    )
+                    for index in range(self.profile.workers):
+                        self.start_worker(system, index)
+                for system in self.systems:
+                    for worker in self.workers[system]:
+                        self.wait_ready(system, worker)
+                try:
+                    yield
+                finally:
+                    for workers in self.workers.values():
+                        for worker in workers:
+                            worker.kill()
+        finally:
+            for server in (self.world, self.ledger, self.broker):
+                server.stop()
+
+    # -- publishing -------------------------------------------------------------------------
+
+    def publishers(self) -> dict[str, Callable[[Job], None]]:
+        out: dict[str, Callable[[Job], None]] = {}
+        if "ledger" in self.systems:
+            from .apps.ledger_soak import build
+
+            settings = Settings(
+                broker_url=self.broker.url, mongo_uri=self.ledger.url, mongo_db="soak"
+            )
+            task = build(settings).tasks["soak.work"]
+            out["ledger"] = lambda job: task.apply_async(
+                (job.key, job.kind, job.param), tier=job.tier
+            )
+        if "plain" in self.systems:
+            from .apps import plain_soak
+
+            plain_broker = self.broker.url.rsplit("/", 1)[0] + "/1"
+            plain_task = plain_soak.build(plain_broker).tasks["soak.work"]
+            out["plain"] = lambda job: plain_task.apply_async(
+                (job.key, job.kind, job.param), queue=plain_soak.queue_of(job.tier)
+            )
+        return out
+
+    def publish_all(self) -> None:
+        publish = self.publishers()
+        waves = self.profile.waves
+        for wave in range(waves):
+            self.sleep_until(wave * self.profile.publish_seconds / waves)
+            chunk = self.jobs[wave::waves]
+            with self.publish_lock:  # never while the broker is down (a kill holds the lock)
+                for job in chunk:
+                    for system in self.systems:
+                        publish[system](job)
+
+    def sleep_until(self, offset: float) -> None:
+        time.sleep(max(0.0, self.started + offset - time.monotonic()))
+
+    # -- faults -----------------------------------------------------------------------------
+
+    def timeline(self) -> list[tuple[float, str]]:
+        p, rng = self.profile, self.rng
+        events: list[tuple[float, str]] = []
+        t = 2.0
+        while t < p.fault_seconds:
+            events.append((t, "pool kill"))
+            t += p.pool_kill_every
+        # Whole-worker kills early enough that the visibility timeout brings their messages back
+        # before the drain ends.
+        for i in range(p.worker_kills):
+            share = (i + rng.random()) / p.worker_kills
+            events.append((p.fault_seconds * (0.1 + 0.4 * share), "worker kill"))
+        for name, count in (("broker kill", p.broker_kills), ("ledger kill", p.ledger_kills)):
+            events += [(rng.uniform(0.2, 0.8) * p.fault_seconds, name) for _ in range(count)]
+        for _ in range(p.delays):
+            start = rng.uniform(0.05, 0.8) * p.fault_seconds
+            events += [(start, "proxy delay"), (start + 4.0, "delay end")]
+        events += [
+            (rng.uniform(0.1, 0.9) * p.fault_seconds, "proxy reset") for _ in range(p.resets)
+        ]
+        events += [
+            (rng.uniform(0.3, 0.85) * p.fault_seconds, "partition") for _ in range(p.partitions)
+        ]
+        return sorted(events)
+
+    def inject(self) -> None:
+        for offset, kind in self.timeline():
+            self.sleep_until(offset)
+            self.fault_log.append(f"{time.monotonic() - self.started:6.2f}s {kind}")
+            try:
+                getattr(self, "fault_" + kind.replace(" ", "_"))()
+            except Exception as exc:  # a fault that could not be injected is reported, not fatal
+                self.log(f"fault {kind} failed: {exc!r}")
+                self.faults[f"{kind} (failed)"] += 1
+        self.ledger_proxy.delay(0)
+        self.broker_proxy.delay(0)
+
+    def fault_pool_kill(self) -> None:
+        for system in self.systems:
+            candidates = [(w, w.pool_pids()) for w in self.workers[system] if w.alive()]
+            candidates = [(w, pids) for w, pids in candidates if pids]
+            if not candidates:
+                continue
+            _, pids = self.rng.choice(candidates)
+            pid = self.rng.choice(pids)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            self.kills.append(Kill(time.time(), system, "pool", [pid]))
+            self.faults[f"pool process SIGKILL ({system})"] += 1
+
+    def fault_worker_kill(self) -> None:
+        for system in self.systems:
+            alive = [w for w in self.workers[system] if w.alive()]
+            if not alive:
+                continue
+            victim = self.rng.choice(alive)
+            pids = [victim.pid, *victim.pool_pids()]
+            victim.kill()
+            self.kills.append(Kill(time.time(), system, "worker", pids))
+            self.faults[f"whole worker SIGKILL + restart ({system})"] += 1
+            with self.workers_lock:
+                self.retired.add(victim.pid)
+                self.start_worker(system)
+
+    def supervise(self, stop: threading.Event) -> None:
+        """Restart a worker that exited by itself, as a process supervisor would; note why."""
+        while not stop.wait(0.5):
+            for system in self.systems:
+                with self.workers_lock:
+                    for worker in list(self.workers[system]):
+                        if worker.alive() or worker.pid in self.retired:
+                            continue
+                        self.retired.add(worker.pid)
+                        self.crashes.append(f"{system}: {worker.name}: {_last_error(worker)}")
+                        self.log(f"worker {worker.name} exited by itself; restarting it")
+                        self.start_worker(system)
+
+    def fault_broker_kill(self) -> None:
+        with self.publish_lock:
+            self.broker.kill()
+            time.sleep(1.0)
+            self.broker.restart()
+        self.faults["broker SIGKILL + restart"] += 1
+
+    def fault_ledger_kill(self) -> None:
+        began = time.time()
+        self.ledger.kill()
+        time.sleep(1.0)
+        self.ledger.restart()
+        self.ledger_outages.append((began, time.time()))
+        self.faults["ledger SIGKILL + restart"] += 1
+
+    def fault_proxy_delay(self) -> None:
+        seconds = self.rng.uniform(0.02, 0.08)
+        self.ledger_proxy.delay(seconds)
+        self.broker_proxy.delay(seconds)
+        self.faults["proxy delay (4s)"] += 1
+
+    def fault_delay_end(self) -> None:
+        self.ledger_proxy.delay(0)
+        self.broker_proxy.delay(0)
+
+    def fault_proxy_reset(self) -> None:
+        began = time.time()
+        self.ledger_proxy.reset()
+        self.broker_proxy.reset()
+        self.ledger_outages.append((began, time.time()))
+        self.faults["proxy connection reset"] += 1
+
+    def fault_partition(self) -> None:
+        began = time.time()
+        seconds = self.profile.partition_seconds
+        other = threading.Thread(target=self.broker_proxy.partition, args=(seconds,))
+        other.start()
+        self.ledger_proxy.partition(seconds)
+        other.join()
+        self.ledger_outages.append((began, time.time()))
+        self.faults[f"partition ({seconds:.0f}s)"] += 1
+
+    # -- accounting -------------------------------------------------------------------------
+
+    def outcomes(self, system: str) -> dict[str, str]:
+        """key -> succeeded | dead | pending, as the system knows it now."""
+        world = MongoClient(self.world.url).get_database("soak_world")
+        try:
+            if system == "ledger":
+                client: MongoClient[dict[str, Any]]
+                with MongoClient(self.ledger.url, serverSelectionTimeoutMS=3000) as client:
+                    docs = client.soak.ledger.find({"task": "soak.work"}, {"key": 1, "state": 1})
+                    states = {d["key"]: d["state"] for d in docs}
+                return {
+                    j.key: states.get(j.key, "missing")
+                    if states.get(j.key) in ("succeeded", "dead")
+                    else "pending"
+                    for j in self.jobs
+                }
+            done = set(world.effects.distinct("key", {"system": "plain"}))
+            failed = set(world.failures.distinct("key", {"system": "plain"}))
+            return {
+                j.key: "succeeded"
+                if j.key in done
+                else "dead"
+                if j.key in failed and j.kind == "permanent"
+                else "pending"
+                for j in self.jobs
+            }
+        finally:
+            world.client.close()
+
+    def broker_quiet(self, system: str) -> bool:
+        db = 0 if system == "ledger" else 1
+        with Redis.from_url(self.broker.url.rsplit("/", 1)[0] + f"/{db}") as redis:
+            queues = TIERS if system == "ledger" else [f"plain_{t}" for t in TIERS]
+            waiting = sum(int(redis.llen(q)) for q in queues) + int(redis.hlen("unacked"))
+            if system == "ledger":
+                waiting += int(redis.zcard(LEDGER_DELAYED_KEY))
+            return waiting == 0
+
+    def broker_leftovers(self, system: str) -> list[str]:
+        """What the broker still holds for a system (queues, unacked, delayed), by job key."""
+        db = 0 if system == "ledger" else 1
+        lines = []
+        with Redis.from_url(self.broker.url.rsplit("/", 1)[0] + f"/{db}") as redis:
+            queues = TIERS if system == "ledger" else [f"plain_{t}" for t in TIERS]
+            for queue in queues:
+                items = redis.lrange(queue, 0, -1)
+                if items:
+                    lines.append(f"queue {queue}: {[_message_key(i) for i in items][:10]}")
+            unacked = redis.hgetall("unacked")
+            scores = dict(redis.zrange("unacked_index", 0, -1, withscores=True))
+            for tag, raw in list(unacked.items())[:10]:
+                age = time.time() - scores.get(tag, 0.0)
+                lines.append(f"unacked {_message_key(raw)} for {age:.0f}s")
+            if system == "ledger":
+                for member, due in redis.zrange(LEDGER_DELAYED_KEY, 0, 9, withscores=True):
+                    args = json.loads(member).get("args") or ["?"]
+                    lines.append(f"delayed {args[0]} due in {due - time.time():.0f}s")
+        return lines
+
+    def drain(self, faults_ended: float) -> dict[str, tuple[float | None, bool]]:
+        """Wait until every job is terminal and the broker holds nothing more, per system."""
+        drained: dict[str, float | None] = dict.fromkeys(self.systems)
+        quiet: dict[str, bool] = dict.fromkeys(self.systems, False)
+        deadline = time.monotonic() + self.profile.drain_timeout
+        while time.monotonic() < deadline and not all(quiet.values()):
+            for system in self.systems:
+                if quiet[system]:
+                    continue
+                states = self.outcomes(system)
+                if drained[system] is None and all(s != "pending" for s in states.values()):
+                    drained[system] = time.monotonic() - faults_ended
+                    self.log(f"{system}: every job terminal {drained[system]:.1f}s after faults")
+                if drained[system] is not None and self.broker_quiet(system):
+                    quiet[system] = True
+            time.sleep(0.5)
+        return {s: (drained[s], quiet[s]) for s in self.systems}
+
+    def account(self, system: str, drained: float | None, quiet: bool) -> SystemReport:
+        report = SystemReport(system, tasks=len(self.jobs), drain_seconds=drained, quiet=quiet)
+        states = self.outcomes(system)
+        world = MongoClient(self.world.url).get_database("soak_world")
+        try:
+            effects: dict[str, list[dict[str, Any]]] = defaultdict(list)
+            for doc in world.effects.find({"system": system}).sort("at", 1):
+                effects[doc["key"]].append(doc)
+        finally:
+            world.client.close()
+        records: dict[str, dict[str, Any]] = {}
+        if system == "ledger":
+            client: MongoClient[dict[str, Any]]
+            with MongoClient(self.ledger.url) as client:
+                records = {d["key"]: d for d in client.soak.ledger.find({"task": "soak.work"})}
+                dead_docs = list(client.soak.ledger.find({"state": "dead"}))
+        if not quiet:
+            report.details += [f"broker: {line}" for line in self.broker_leftovers(system)]
+        for job in self.jobs:
+            state = states[job.key]
+            report.succeeded += state == "succeeded"
+            report.dead += state == "dead"
+            report.designed_dead += job.designed == "dead"
+            if state == "pending":
+                report.lost.append(job.key)
+                record = records.get(job.key)
+                report.details.append(
+                    f"not terminal: {job.key} ({job.kind}) record="
+                    + (
+                        "none"
+                        if record is None
+                        else f"{record.get('state')} attempts={record.get('attempts')}"
+                        f" inflight={record.get('inflight')} reason={record.get('dead_reason')}"
+                    )
+                    + f"; in the broker's AOF: {broker_fate(self.broker, job.key, system)}"
+                )
+            elif state != job.designed:
+                report.wrong_outcome.append(job.key)
+                reason = records.get(job.key, {}).get("dead_reason")
+                report.details.append(f"wrong outcome: {job.key} ({job.kind}) {state}: {reason}")
+            runs = effects.get(job.key, [])
+            if job.kind == "permanent":
+                report.effects_of_failed_jobs += len(runs)
+            elif len(runs) > 1:
+                report.duplicates += len(runs) - 1
+                report.duplicate_keys.append(job.key)
+                final_fence = records.get(job.key, {}).get("fence")
+                # The extra runs: for the ledger every run but the one that completed; for plain
+                # Celery (no fences) every run but the last.
+                extra = (
+                    [r for r in runs if r.get("fence") != final_fence]
+                    if system == "ledger"
+                    else runs[:-1]
+                )
+                for run in extra:
+                    cause = self.cause_of(system, run)
+                    report.duplicate_causes[cause] = report.duplicate_causes.get(cause, 0) + 1
+                report.details.append(
+                    f"duplicate: {job.key} ({job.kind}) effects at "
+                    + ", ".join(
+                        f"{r['at'] - self.wall_started:.2f}s pid {r['pid']} fence {r.get('fence')}"
+                        for r in runs
+                    )
+                    + (f"; completed with fence {final_fence}" if system == "ledger" else "")
+                )
+        if system == "ledger":
+            designed = {j.key for j in self.jobs if j.designed == "dead"}
+            dead_keys = {d.get("key") for d in dead_docs}
+            reasons_ok = all("permanent error" in str(d.get("dead_reason")) for d in dead_docs)
+            with Redis.from_url(self.broker.url) as redis:
+                poison = int(redis.llen("celery_ledger:poison"))
+                copies = {_dead_letter_key(raw) for raw in redis.lrange("dead_letter", 0, -1)}
+            report.dead_letters_match = dead_keys == designed and reasons_ok and poison == 0
+            report.dead_letter_detail = (
+                f"dead records {len(dead_keys)} (designed {len(designed)},"
+                f" extra {sorted(dead_keys - designed)[:5]}, missing"
+                f" {sorted(designed - dead_keys)[:5]}), reasons ok {reasons_ok}, poison {poison},"
+                f" dead_letter queue copies {len(copies & designed)}/{len(designed)}"
+            )
+            report.details.insert(0, report.dead_letter_detail)
+        return report
+
+    def cause_of(self, system: str, run: dict[str, Any]) -> str:
+        """Why a run's effect was not its job's last: a kill soon after it, or a ledger outage.
+
+        "Soon" is within a lease: a holder that outlives its effect by longer has either
+        recorded its completion or lost its lease anyway.
+        """
+        window = self.profile.lease_seconds
+        for kill in self.kills:
+            if (
+                kill.system == system
+                and run["pid"] in kill.pids
+                and run["at"] <= kill.at <= run["at"] + window
+            ):
+                return f"{kill.kind} SIGKILL after the effect"
+        if system == "ledger":
+            for began, ended in self.ledger_outages:
+                if began - window <= run["at"] <= ended:
+                    return "ledger unreachable after the effect"
+            return "UNEXPLAINED"
+        return "redelivered (no ledger)"
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def run(self) -> SoakReport:
+        began = time.monotonic()
+        with self.running():
+            self.log(
+                f"soak {self.profile.name}: {len(self.jobs)} jobs per system"
+                f" {dict(Counter(j.kind for j in self.jobs))}, systems {self.systems},"
+                f" seed {self.seed}; workers up in {time.monotonic() - began:.1f}s"
+            )
+            self.started = time.monotonic()
+            self.wall_started = time.time()
+            stop = threading.Event()
+            supervisor = threading.Thread(target=self.supervise, args=(stop,), name="supervisor")
+            supervisor.start()
+            injector = threading.Thread(target=self.inject, name="chaos-faults")
+            injector.start()
+            try:
+                self.publish_all()
+                injector.join()
+                faults_ended = time.monotonic()
+                self.log(
+                    f"faults over after {faults_ended - self.started:.1f}s: {dict(self.faults)}"
+                )
+                drained = self.drain(faults_ended)
+            finally:
+                stop.set()
+                supervisor.join()
+            reports = {s: self.account(s, *drained[s]) for s in self.systems}
+        return SoakReport(
+            profile=self.profile.name,
+            seed=self.seed,
+            faults=dict(self.faults),
+            systems=reports,
+            crashes=self.crashes,
+            fault_log=self.fault_log,
+            fault_seconds=faults_ended - self.started,
+            total_seconds=time.monotonic() - began,
+            config=asdict(self.profile),
+        )
+
+
+def _aof_commands(broker: ServerProcess) -> Iterator[list[bytes]]:
+    """The commands in valkey's append-only files, in order (RESP arrays)."""
+    for path in sorted((broker.data_dir / "appendonlydir").glob("*.incr.aof")):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            if data[i : i + 1] != b"*":
+                i += 1
+                continue
+            end = data.index(b"\r\n", i)
+            count, i, args = int(data[i + 1 : end]), end + 2, []
+            for _ in range(count):
+                end = data.index(b"\r\n", i)
+                length = int(data[i + 1 : end])
+                args.append(data[end + 2 : end + 2 + length])
+                i = end + 4 + length
+            yield args
+
+
+def broker_fate(broker: ServerProcess, key: str, system: str) -> str:
+    """What the broker's AOF says happened to a job's first message (replays the list ops)."""
+    wanted_db = 0 if system == "ledger" else 1
+    lists: dict[bytes, deque[bytes]] = defaultdict(deque)
+    db, fate = 0, "never published"
+    try:
+        for args in _aof_commands(broker):
+            name = args[0].upper()
+            if name == b"SELECT":
+                db = int(args[1])
+            elif db != wanted_db:
+                continue
+            elif name in (b"LPUSH", b"RPUSH"):
+                for value in args[2:]:
+                    (lists[args[1]].appendleft if name == b"LPUSH" else lists[args[1]].append)(
+                        value
+                    )
+                    if _message_key(value) == key and fate == "never published":
+                        fate = f"pushed to {args[1].decode()}"
+            elif name in (b"RPOP", b"LPOP") and lists[args[1]]:
+                value = lists[args[1]].pop() if name == b"RPOP" else lists[args[1]].popleft()
+                if _message_key(value) == key:
+                    fate = "popped by a consumer, never registered as unacked (lost in flight)"
+            elif name == b"HSET" and args[1] == b"unacked" and _message_key(args[3]) == key:
+                fate = "popped and registered as unacked"
+    except (OSError, ValueError, IndexError) as exc:
+        return f"unreadable AOF ({exc})"
+    return fate
+
+
+def _last_error(worker: WorkerProcess) -> str:
+    """The last error line of a worker's log (why it exited)."""
+    try:
+        lines = worker.log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "?"
+    errors = [line for line in lines if "CRITICAL" in line or "Error" in line]
+    tail = [line for line in lines[-40:] if line and not line.startswith(" ")]
+    return (errors or tail or ["?"])[-1][:300]
+
+
+def _message_key(raw: bytes) -> str:
+    """The job key of a queued task message (kombu's Redis envelope), for diagnostics."""
+    try:
+        envelope = json.loads(raw)
+        if isinstance(envelope, list):  # an unacked entry: [message, exchange, routing key]
+            envelope = envelope[0]
+        return str(json.loads(base64.b64decode(envelope["body"]))[0][0])
+    except (ValueError, KeyError, TypeError, IndexError):
+        return "?"
+
+
+def _dead_letter_key(raw: bytes) -> str | None:
+    try:
+        envelope = json.loads(raw)
+        return json.loads(base64.b64decode(envelope["body"])).get("key")
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def run(
+    profile: Profile,
+    *,
+    seed: int | None = None,
+    data_dir: Path | None = None,
+    systems: tuple[str, ...] = SYSTEMS,
+    log: Callable[[str], None] = print,
+) -> SoakReport:
+    """Run a soak; servers and workers live in ``data_dir`` (a temporary one by default)."""
+    seed = random.SystemRandom().randrange(1 << 30) if seed is None else seed
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(without_ledger_environment())
+        if data_dir is None:
+            data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-")))
+        return Soak(profile, seed=seed, data_dir=data_dir, systems=systems, log=log).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="ci")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--only", choices=SYSTEMS, default=None, help="run one system only")
+    parser.add_argument("--keep", type=Path, default=None, help="keep data and logs here")
+    args = parser.parse_args(argv)
+    profile = PROFILES[args.profile]
+    facts = machine()
+    console.print(
+        f"[bold]chaos soak[/], profile {profile.name}: {profile.tasks} jobs per system,"
+        f" {profile.workers} workers x {profile.concurrency} processes per system,"
+        f" lease {profile.lease_seconds}s, visibility timeout {profile.visibility_timeout}s;"
+        f" machine: {facts['cores']} cores, load average {facts['loadavg_at_start']}",
+        highlight=False,
+    )
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    report = run(
+        profile,
+        seed=args.seed,
+        data_dir=args.keep,
+        systems=(args.only,) if args.only else SYSTEMS,
+    )
+    report.render()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"soak-{profile.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(asdict(report) | {"machine": facts}, indent=2, default=str))
+    console.print(f"wrote {path}", highlight=False)
+    ledger = report.systems.get("ledger")
+    ok = ledger is None or (
+        not ledger.lost
+        and not ledger.wrong_outcome
+        and ledger.duplicates == 0
+        and bool(ledger.dead_letters_match)
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
