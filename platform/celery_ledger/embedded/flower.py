@@ -7,10 +7,8 @@ Credentials are random per start unless given, and reach Flower through its envi
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -21,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigurationError
-from .servers import LOOPBACK, ServerStartError, free_port
+from .servers import LOOPBACK, ManagedProcess, ServerStartError, free_port
 
 
 @dataclass
-class FlowerProcess:
+class FlowerProcess(ManagedProcess):
     port: int
     user: str
     password: str
@@ -35,25 +33,6 @@ class FlowerProcess:
     @property
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if not self.alive():
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-            self.process.wait(10)
 
 
 def start_flower(

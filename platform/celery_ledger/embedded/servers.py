@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import quote_plus
 
 from ..errors import ConfigurationError, LedgerError
@@ -40,8 +40,39 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class ManagedProcess:
+    """A child process we started; ``stop()`` and ``kill()`` end it by PID."""
+
+    process: subprocess.Popen[bytes]
+    stop_timeout: ClassVar[float] = 10.0
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout: float | None = None) -> None:
+        """SIGTERM, then :meth:`kill` after ``timeout``; waits for the process to exit."""
+        if not self.alive():
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+        try:
+            self.process.wait(self.stop_timeout if timeout is None else timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL (a crash), then reap."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+
 @dataclass
-class ServerProcess:
+class ServerProcess(ManagedProcess):
     """A server we started; ``stop()`` ends it by PID."""
 
     name: str
@@ -51,30 +82,6 @@ class ServerProcess:
     argv: list[str]
     log_path: Path
     process: subprocess.Popen[bytes] = field(repr=False)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout``; waits for the process to exit."""
-        if not self.alive():
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-    def kill(self) -> None:
-        """SIGKILL (a crash), then reap."""
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        self.process.wait(10)
 
     def restart(self, ready_timeout: float = 30.0) -> None:
         """Start again on the same port and data directory (after stop or kill)."""

@@ -16,18 +16,26 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from celery import Celery
 
 from ..settings import TIERS
 from .flower import FlowerProcess, start_flower
-from .servers import LOOPBACK, ServerProcess, ServerStartError, start_secantus, start_valkey
+from .servers import (
+    LOOPBACK,
+    ManagedProcess,
+    ServerProcess,
+    ServerStartError,
+    start_secantus,
+    start_valkey,
+)
 
 DEFAULT_CONCURRENCY = {"critical": 1, "default": 2, "bulk": 1}
 
 
 @dataclass
-class WorkerProcess:
+class WorkerProcess(ManagedProcess):
     """A ``celery worker`` we started for one tier (or set of queues)."""
 
     name: str
@@ -36,13 +44,7 @@ class WorkerProcess:
     env: dict[str, str]
     log_path: Path
     process: subprocess.Popen[bytes] = field(repr=False)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
+    stop_timeout: ClassVar[float] = 20.0  # a warm shutdown lets running tasks finish
 
     def pool_pids(self) -> list[int]:
         """PIDs of the worker's pool processes (Linux: /proc)."""
@@ -51,17 +53,6 @@ class WorkerProcess:
         except OSError:
             return []
         return [int(pid) for pid in text.split()]
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """Warm shutdown (SIGTERM); SIGKILL of the whole process group after ``timeout``."""
-        if not self.alive():
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
 
     def kill(self) -> None:
         """SIGKILL the worker and its pool processes (a host crash)."""
