@@ -14,6 +14,7 @@ from celery_ledger import Settings, State, create_app
 from celery_ledger.embedded.stack import EmbeddedStack
 
 from .conftest import make_isolated_stack
+from .helpers import shared_task
 
 
 @pytest.fixture
@@ -39,11 +40,7 @@ def test_ledger_down_then_up_runs_the_task_exactly_once(isolated: EmbeddedStack)
         set_as_current=False,
     )
 
-    @producer.task(
-        name="tests.integration.ledger_app.record", idempotency_key="{token}", shared=False
-    )
-    def record(token: str, sleep_seconds: float = 0.0) -> dict[str, Any]:
-        raise AssertionError("runs in the worker only")
+    record = shared_task(producer, "tests.integration.ledger_app.record")
 
     # Given the ledger crashes
     isolated.ledger.kill()

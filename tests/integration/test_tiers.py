@@ -20,7 +20,7 @@ from celery_ledger.pressure import Pressure
 from tasks.effects import effects
 
 from .conftest import make_isolated_stack
-from .helpers import effect_count, wait_for
+from .helpers import effect_count, shared_task, wait_for
 
 
 @pytest.fixture
@@ -163,13 +163,7 @@ def test_bulk_throttles_under_foreground_latency_and_resumes_without_loss(
         set_as_current=False,
     )
 
-    @app.task(
-        name="tests.integration.ledger_app.bulk_item",
-        idempotency_key="{token}",
-        tier="bulk",
-        shared=False,
-    )
-    def bulk_item(token: str) -> str: ...
+    bulk_item = shared_task(app, "tests.integration.ledger_app.bulk_item")
 
     pressure = Pressure(redis.Redis.from_url(throttled_stack.broker.url), window_seconds=2)
     tokens = [f"thr-{uuid.uuid4().hex[:8]}-{i}" for i in range(150)]
