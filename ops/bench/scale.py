@@ -86,13 +86,12 @@ def time_operations(ledger: Ledger, samples: int) -> dict[str, list[float]]:
     for i in range(samples):
         key = f"sample-{run}-{i}"
         record_id = derive_task_id(TASK, key)
-        args = {"task": TASK, "key": key, "tier": "default", "owner": "bench:1"}
         t0 = time.perf_counter()
-        claim = ledger.claim(record_id, **args)
+        claim = ledger.claim(record_id, task=TASK, key=key, tier="default", owner="bench:1")
         t1 = time.perf_counter()
         ledger.complete(record_id, claim.fence, "1")
         t2 = time.perf_counter()
-        duplicate = ledger.claim(record_id, **args)
+        duplicate = ledger.claim(record_id, task=TASK, key=key, tier="default", owner="bench:1")
         t3 = time.perf_counter()
         assert claim.outcome is ClaimOutcome.CLAIMED and duplicate.outcome is ClaimOutcome.DUPLICATE
         timings["claim"].append((t1 - t0) * 1000)

@@ -22,7 +22,6 @@ letters exactly the designed failures.
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import json
 import os
@@ -31,9 +30,9 @@ import signal
 import tempfile
 import threading
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -45,197 +44,16 @@ from celery_ledger import Settings
 from celery_ledger.embedded.servers import ServerProcess, start_secantus, start_valkey
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 
-from ..bench.common import REPO, RESULTS, console, machine, print_table
+from ..bench.common import REPO, RESULTS, console, machine
+from .forensics import broker_fate, dead_letter_key, last_error, message_key
+from .plan import PROFILES, TIERS, Job, Profile, plan_jobs
 from .proxy import Proxy, ProxyLoop
+from .report import Kill, SoakReport, SystemReport
+
+__all__ = ["PROFILES", "Profile", "SoakReport", "SystemReport", "run"]
 
 SYSTEMS = ("ledger", "plain")
-TIERS = ("critical", "default", "bulk")
 LEDGER_DELAYED_KEY = "soak_ledger:ledger:delayed"
-
-
-@dataclass(frozen=True)
-class Profile:
-    name: str
-    tasks: int  # per system
-    mix: dict[str, float]  # kind -> share
-    long_seconds: tuple[float, float]
-    publish_seconds: float  # publishing is spread over this, in waves
-    waves: int
-    fault_seconds: float  # faults are injected during this
-    pool_kill_every: float
-    worker_kills: int
-    broker_kills: int
-    ledger_kills: int
-    delays: int
-    resets: int
-    partitions: int
-    partition_seconds: float
-    workers: int  # per system
-    concurrency: int
-    drain_timeout: float
-    lease_seconds: float
-    visibility_timeout: int
-
-
-PROFILES = {
-    "ci": Profile(
-        name="ci",
-        tasks=300,
-        mix={"quick": 0.70, "flaky": 0.12, "permanent": 0.08, "long": 0.10},
-        long_seconds=(1.0, 3.0),
-        publish_seconds=24.0,
-        waves=8,
-        fault_seconds=40.0,
-        pool_kill_every=3.0,
-        worker_kills=1,
-        broker_kills=1,
-        ledger_kills=1,
-        delays=2,
-        resets=3,
-        partitions=1,
-        partition_seconds=3.0,
-        workers=2,
-        concurrency=2,
-        drain_timeout=90.0,
-        lease_seconds=8.0,
-        visibility_timeout=30,
-    ),
-    "long": Profile(
-        name="long",
-        tasks=5000,
-        mix={"quick": 0.82, "flaky": 0.08, "permanent": 0.05, "long": 0.05},
-        long_seconds=(1.0, 4.0),
-        publish_seconds=240.0,
-        waves=60,
-        fault_seconds=300.0,
-        pool_kill_every=3.0,
-        worker_kills=4,
-        broker_kills=3,
-        ledger_kills=3,
-        delays=8,
-        resets=12,
-        partitions=3,
-        partition_seconds=4.0,
-        workers=2,
-        concurrency=2,
-        drain_timeout=300.0,
-        lease_seconds=8.0,
-        visibility_timeout=30,
-    ),
-}
-
-
-@dataclass(frozen=True)
-class Job:
-    key: str
-    kind: str  # quick | flaky | permanent | long
-    param: float  # flaky: failures before success; long: seconds
-    tier: str
-
-    @property
-    def designed(self) -> str:
-        return "dead" if self.kind == "permanent" else "succeeded"
-
-
-def plan_jobs(profile: Profile, rng: random.Random, run: str) -> list[Job]:
-    kinds = list(profile.mix)
-    jobs = []
-    for i in range(profile.tasks):
-        kind = rng.choices(kinds, weights=[profile.mix[k] for k in kinds])[0]
-        param = {
-            "flaky": float(rng.randint(1, 2)),
-            "long": round(rng.uniform(*profile.long_seconds), 2),
-        }.get(kind, 0.0)
-        jobs.append(Job(f"{run}-{kind}-{i}", kind, param, rng.choice(TIERS)))
-    return jobs
-
-
-@dataclass
-class Kill:
-    at: float
-    system: str
-    kind: str
-    pids: list[int]
-
-
-@dataclass
-class SystemReport:
-    system: str
-    tasks: int = 0
-    succeeded: int = 0
-    dead: int = 0
-    designed_dead: int = 0
-    lost: list[str] = field(default_factory=list)
-    wrong_outcome: list[str] = field(default_factory=list)
-    duplicates: int = 0  # effects beyond the first, over all keys
-    duplicate_keys: list[str] = field(default_factory=list)
-    duplicate_causes: dict[str, int] = field(default_factory=dict)
-    effects_of_failed_jobs: int = 0
-    dead_letters_match: bool | None = None
-    dead_letter_detail: str = ""
-    drain_seconds: float | None = None
-    quiet: bool = False
-    details: list[str] = field(default_factory=list)
-
-
-@dataclass
-class SoakReport:
-    profile: str
-    seed: int
-    faults: dict[str, int]
-    systems: dict[str, SystemReport]
-    crashes: list[str]  # workers that exited by themselves (restarted by the soak)
-    fault_log: list[str]
-    fault_seconds: float
-    total_seconds: float
-    config: dict[str, Any]
-
-    def render(self) -> None:
-        print_table(
-            f"faults injected ({self.profile} profile, seed {self.seed})",
-            ["fault", "count"],
-            [[kind, count] for kind, count in sorted(self.faults.items())],
-        )
-        rows = []
-        for name, r in self.systems.items():
-            rows.append(
-                [
-                    name,
-                    r.tasks,
-                    r.succeeded,
-                    f"{r.dead}/{r.designed_dead}",
-                    r.duplicates,
-                    len(r.lost),
-                    len(r.wrong_outcome),
-                    "yes"
-                    if r.dead_letters_match
-                    else ("-" if r.dead_letters_match is None else "NO"),
-                    "-" if r.drain_seconds is None else f"{r.drain_seconds:.1f}s",
-                ]
-            )
-        print_table(
-            f"chaos soak: {self.fault_seconds:.0f}s of faults, {self.total_seconds:.0f}s in all",
-            [
-                "system",
-                "tasks",
-                "succeeded",
-                "dead/designed",
-                "duplicates",
-                "lost",
-                "wrong outcome",
-                "dead letters = designed",
-                "time to drain",
-            ],
-            rows,
-        )
-        console.print("fault timeline: " + "; ".join(self.fault_log), highlight=False)
-        for crash in self.crashes:
-            console.print(f"worker exited by itself (restarted): {crash}", highlight=False)
-        for name, r in self.systems.items():
-            if r.duplicate_causes:
-                console.print(f"{name} duplicate effects by cause: {r.duplicate_causes}")
-            for line in r.details[:12]:
-                console.print(f"  {name}: {line}", highlight=False, soft_wrap=True)
 
 
 @contextlib.contextmanager
@@ -286,7 +104,7 @@ class Soak:
         self.wall_started = 0.0
         self.broker: ServerProcess
         self.ledger: ServerProcess
-        self.world: ServerProcess
+        self.world_server: ServerProcess
         self.broker_proxy: Proxy
         self.ledger_proxy: Proxy
 
@@ -296,7 +114,7 @@ class Soak:
         broker = f"redis://127.0.0.1:{self.broker_proxy.listen_port}"
         common = {
             "PYTHONPATH": str(REPO),
-            "SOAK_WORLD_URI": self.world.url,
+            "SOAK_WORLD_URI": self.world_server.url,
             "SOAK_VISIBILITY_TIMEOUT_SECONDS": str(self.profile.visibility_timeout),
             "SOAK_PLAIN_BROKER_URL": f"{broker}/1",
             "SOAK_PLAIN_REJECT_ON_WORKER_LOST": "1" if self.plain_reject_on_worker_lost else "0",
@@ -349,7 +167,7 @@ class Soak:
     def running(self) -> Iterator[None]:
         self.broker = start_valkey(self.data_dir / "valkey")
         self.ledger = start_secantus(self.data_dir / "secantus")
-        self.world = start_secantus(self.data_dir / "world")
+        self.world_server = start_secantus(self.data_dir / "world")
         modules = {"ledger": "ops.chaos.apps.ledger_soak", "plain": "ops.chaos.apps.plain_soak"}
         try:
             with ProxyLoop() as proxies:
@@ -371,7 +189,7 @@ class Soak:
                         for worker in workers:
                             worker.kill()
         finally:
-            for server in (self.world, self.ledger, self.broker):
+            for server in (self.world_server, self.ledger, self.broker):
                 server.stop()
 
     # -- publishing -------------------------------------------------------------------------
@@ -487,7 +305,7 @@ class Soak:
                         if worker.alive() or worker.pid in self.retired:
                             continue
                         self.retired.add(worker.pid)
-                        self.crashes.append(f"{system}: {worker.name}: {_last_error(worker)}")
+                        self.crashes.append(f"{system}: {worker.name}: {last_error(worker)}")
                         self.log(f"worker {worker.name} exited by itself; restarting it")
                         self.start_worker(system)
 
@@ -535,13 +353,18 @@ class Soak:
 
     # -- accounting -------------------------------------------------------------------------
 
+    def world(self) -> MongoClient[dict[str, Any]]:
+        return MongoClient(self.world_server.url)
+
+    def ledger_client(self) -> MongoClient[dict[str, Any]]:
+        return MongoClient(self.ledger.url, serverSelectionTimeoutMS=3000)
+
     def outcomes(self, system: str) -> dict[str, str]:
         """key -> succeeded | dead | pending, as the system knows it now."""
-        world = MongoClient(self.world.url).get_database("soak_world")
-        try:
+        with self.world() as world_client:
+            world = world_client.soak_world
             if system == "ledger":
-                client: MongoClient[dict[str, Any]]
-                with MongoClient(self.ledger.url, serverSelectionTimeoutMS=3000) as client:
+                with self.ledger_client() as client:
                     docs = client.soak.ledger.find({"task": "soak.work"}, {"key": 1, "state": 1})
                     states = {d["key"]: d["state"] for d in docs}
                 return {
@@ -560,8 +383,6 @@ class Soak:
                 else "pending"
                 for j in self.jobs
             }
-        finally:
-            world.client.close()
 
     def broker_quiet(self, system: str) -> bool:
         db = 0 if system == "ledger" else 1
@@ -581,12 +402,12 @@ class Soak:
             for queue in queues:
                 items = redis.lrange(queue, 0, -1)
                 if items:
-                    lines.append(f"queue {queue}: {[_message_key(i) for i in items][:10]}")
+                    lines.append(f"queue {queue}: {[message_key(i) for i in items][:10]}")
             unacked = redis.hgetall("unacked")
             scores = dict(redis.zrange("unacked_index", 0, -1, withscores=True))
             for tag, raw in list(unacked.items())[:10]:
                 age = time.time() - scores.get(tag, 0.0)
-                lines.append(f"unacked {_message_key(raw)} for {age:.0f}s")
+                lines.append(f"unacked {message_key(raw)} for {age:.0f}s")
             if system == "ledger":
                 for member, due in redis.zrange(LEDGER_DELAYED_KEY, 0, 9, withscores=True):
                     args = json.loads(member).get("args") or ["?"]
@@ -614,17 +435,14 @@ class Soak:
     def account(self, system: str, drained: float | None, quiet: bool) -> SystemReport:
         report = SystemReport(system, tasks=len(self.jobs), drain_seconds=drained, quiet=quiet)
         states = self.outcomes(system)
-        world = MongoClient(self.world.url).get_database("soak_world")
-        try:
-            effects: dict[str, list[dict[str, Any]]] = defaultdict(list)
-            for doc in world.effects.find({"system": system}).sort("at", 1):
+        effects: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        with self.world() as world_client:
+            for doc in world_client.soak_world.effects.find({"system": system}).sort("at", 1):
                 effects[doc["key"]].append(doc)
-        finally:
-            world.client.close()
         records: dict[str, dict[str, Any]] = {}
+        dead_docs: list[dict[str, Any]] = []
         if system == "ledger":
-            client: MongoClient[dict[str, Any]]
-            with MongoClient(self.ledger.url) as client:
+            with self.ledger_client() as client:
                 records = {d["key"]: d for d in client.soak.ledger.find({"task": "soak.work"})}
                 dead_docs = list(client.soak.ledger.find({"state": "dead"}))
         if not quiet:
@@ -678,11 +496,11 @@ class Soak:
                 )
         if system == "ledger":
             designed = {j.key for j in self.jobs if j.designed == "dead"}
-            dead_keys = {d.get("key") for d in dead_docs}
+            dead_keys = {str(d.get("key")) for d in dead_docs}
             reasons_ok = all("permanent error" in str(d.get("dead_reason")) for d in dead_docs)
             with Redis.from_url(self.broker.url) as redis:
                 poison = int(redis.llen("celery_ledger:poison"))
-                copies = {_dead_letter_key(raw) for raw in redis.lrange("dead_letter", 0, -1)}
+                copies = {dead_letter_key(raw) for raw in redis.lrange("dead_letter", 0, -1)}
             report.dead_letters_match = dead_keys == designed and reasons_ok and poison == 0
             report.dead_letter_detail = (
                 f"dead records {len(dead_keys)} (designed {len(designed)},"
@@ -754,84 +572,6 @@ class Soak:
             total_seconds=time.monotonic() - began,
             config=asdict(self.profile),
         )
-
-
-def _aof_commands(broker: ServerProcess) -> Iterator[list[bytes]]:
-    """The commands in valkey's append-only files, in order (RESP arrays)."""
-    for path in sorted((broker.data_dir / "appendonlydir").glob("*.incr.aof")):
-        data, i = path.read_bytes(), 0
-        while i < len(data):
-            if data[i : i + 1] != b"*":
-                i += 1
-                continue
-            end = data.index(b"\r\n", i)
-            count, i, args = int(data[i + 1 : end]), end + 2, []
-            for _ in range(count):
-                end = data.index(b"\r\n", i)
-                length = int(data[i + 1 : end])
-                args.append(data[end + 2 : end + 2 + length])
-                i = end + 4 + length
-            yield args
-
-
-def broker_fate(broker: ServerProcess, key: str, system: str) -> str:
-    """What the broker's AOF says happened to a job's first message (replays the list ops)."""
-    wanted_db = 0 if system == "ledger" else 1
-    lists: dict[bytes, deque[bytes]] = defaultdict(deque)
-    db, fate = 0, "never published"
-    try:
-        for args in _aof_commands(broker):
-            name = args[0].upper()
-            if name == b"SELECT":
-                db = int(args[1])
-            elif db != wanted_db:
-                continue
-            elif name in (b"LPUSH", b"RPUSH"):
-                for value in args[2:]:
-                    (lists[args[1]].appendleft if name == b"LPUSH" else lists[args[1]].append)(
-                        value
-                    )
-                    if _message_key(value) == key and fate == "never published":
-                        fate = f"pushed to {args[1].decode()}"
-            elif name in (b"RPOP", b"LPOP") and lists[args[1]]:
-                value = lists[args[1]].pop() if name == b"RPOP" else lists[args[1]].popleft()
-                if _message_key(value) == key:
-                    fate = "popped by a consumer, never registered as unacked (lost in flight)"
-            elif name == b"HSET" and args[1] == b"unacked" and _message_key(args[3]) == key:
-                fate = "popped and registered as unacked"
-    except (OSError, ValueError, IndexError) as exc:
-        return f"unreadable AOF ({exc})"
-    return fate
-
-
-def _last_error(worker: WorkerProcess) -> str:
-    """The last error line of a worker's log (why it exited)."""
-    try:
-        lines = worker.log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "?"
-    errors = [line for line in lines if "CRITICAL" in line or "Error" in line]
-    tail = [line for line in lines[-40:] if line and not line.startswith(" ")]
-    return (errors or tail or ["?"])[-1][:300]
-
-
-def _message_key(raw: bytes) -> str:
-    """The job key of a queued task message (kombu's Redis envelope), for diagnostics."""
-    try:
-        envelope = json.loads(raw)
-        if isinstance(envelope, list):  # an unacked entry: [message, exchange, routing key]
-            envelope = envelope[0]
-        return str(json.loads(base64.b64decode(envelope["body"]))[0][0])
-    except (ValueError, KeyError, TypeError, IndexError):
-        return "?"
-
-
-def _dead_letter_key(raw: bytes) -> str | None:
-    try:
-        envelope = json.loads(raw)
-        return json.loads(base64.b64decode(envelope["body"])).get("key")
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 def run(

@@ -29,7 +29,7 @@ def build_plain(env: Mapping[str, str], *, backend: str, track_started: bool) ->
             task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1
         )
 
-    @app.task(name="bench.noop", shared=False)
+    @app.task(name="bench.noop", shared=False)  # type: ignore[untyped-decorator]
     def noop(run: str, i: int) -> int:
         return i
 

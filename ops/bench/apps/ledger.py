@@ -18,7 +18,7 @@ def build(env: Mapping[str, str]) -> LedgerCelery:
     app = create_app("bench_ledger", settings=settings, set_as_current=False)
     app.conf.task_default_queue = env.get("BENCH_QUEUE", "bench")
 
-    @app.task(name="bench.noop", idempotency_key="{run}-{i}", shared=False)
+    @app.task(name="bench.noop", idempotency_key="{run}-{i}", shared=False)  # type: ignore[untyped-decorator]
     def noop(run: str, i: int) -> int:
         return i
 

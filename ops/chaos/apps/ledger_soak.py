@@ -8,7 +8,12 @@ from celery_ledger import LedgerCelery, PermanentError, Settings, create_app
 
 from . import world
 
-RESTORE_SWEEP = {"unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+RESTORE_SWEEP = {
+    "unacked_restore_interval": 1,
+    "unacked_restore_throttle": 1,
+    # A worker killed while it sweeps holds the sweep lock until this expires (300 s default).
+    "unacked_mutex_expire": 10,
+}
 
 
 def build(settings: Settings | None = None) -> LedgerCelery:
@@ -21,7 +26,7 @@ def build(settings: Settings | None = None) -> LedgerCelery:
         **RESTORE_SWEEP,
     }
 
-    @app.task(
+    @app.task(  # type: ignore[untyped-decorator]
         bind=True,
         shared=False,
         name="soak.work",

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from celery import Celery
-from kombu import Queue
+from kombu.entity import Queue
 
 from . import world
 from .ledger_soak import RESTORE_SWEEP
@@ -38,7 +38,7 @@ def build(broker_url: str | None = None) -> Celery:
         task_queues=[Queue(queue_of(tier)) for tier in TIERS],
     )
 
-    @app.task(
+    @app.task(  # type: ignore[untyped-decorator]
         bind=True,
         shared=False,
         name="soak.work",
