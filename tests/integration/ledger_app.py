@@ -225,3 +225,9 @@ def store_card(token: str, card_number: str) -> dict[str, str]:
 @app.task(idempotency_key="{token}", sensitive=True)
 def reject_card(token: str, card_number: str) -> None:
     raise PermanentError(f"card {card_number} declined")
+
+
+@app.task
+def echo(*args: Any, **kwargs: Any) -> list[Any]:
+    """Returns its arguments as given (the bad-input suite's round trip)."""
+    return [list(args), kwargs]
