@@ -295,20 +295,23 @@ class Ledger:
         with translate_errors("poison record"):
             self.collection.update_one(
                 {"_id": doc["_id"], "fence": doc.get("fence", 0), "state": doc.get("state")},
-                {
-                    "$set": {
-                        "state": State.DEAD.value,
-                        "claimable_at": FOREVER,
-                        "finished_at": now,
-                        "updated_at": now,
-                        "expires_at": now + self.dead_retention,
-                        "dead_reason": reason,
-                        "lease_owner": None,
-                        "lease_expires_at": None,
-                    }
-                },
+                {"$set": self._dead(now, reason)},
             )
         return Claim(ClaimOutcome.DEAD, killed_reason=reason)
+
+    def _dead(self, now: datetime, reason: str) -> dict[str, Any]:
+        """The fields that make a record dead (terminal, kept for the dead retention)."""
+        return {
+            "state": State.DEAD.value,
+            "claimable_at": FOREVER,
+            "finished_at": now,
+            "updated_at": now,
+            "expires_at": now + self.dead_retention,
+            "dead_reason": reason,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "inflight": 0,
+        }
 
     def _try_claim(
         self,
@@ -410,11 +413,7 @@ class Ledger:
         }
         if retry_at is None:
             fields |= {
-                "state": State.DEAD.value,
-                "claimable_at": FOREVER,
-                "finished_at": now,
-                "expires_at": now + self.dead_retention,
-                "dead_reason": reason or error.type,
+                **self._dead(now, reason or error.type),
                 **(dead_fields or {}),
             }
         else:
@@ -520,15 +519,7 @@ class Ledger:
                 flt,
                 {
                     "$set": {
-                        "state": State.DEAD.value,
-                        "claimable_at": FOREVER,
-                        "finished_at": now,
-                        "updated_at": now,
-                        "expires_at": now + self.dead_retention,
-                        "dead_reason": reason,
-                        "lease_owner": None,
-                        "lease_expires_at": None,
-                        "inflight": 0,
+                        **self._dead(now, reason),
                         "fingerprint": reason.split(":", 1)[0].split(" (", 1)[0].replace(" ", "-"),
                         "fingerprint_text": reason.split(":", 1)[0],
                         **(dead_fields or {}),
