@@ -40,7 +40,7 @@ from celery import Celery
 from pymongo import MongoClient
 from redis import Redis
 
-from celery_ledger import Settings
+from celery_ledger import LedgerCelery, Settings
 from celery_ledger.embedded.servers import ServerProcess, start_secantus, start_valkey
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 
@@ -53,6 +53,9 @@ from .report import Kill, SoakReport, SystemReport
 __all__ = ["PROFILES", "Profile", "SoakReport", "SystemReport", "run"]
 
 SYSTEMS = ("ledger", "plain")
+RECONCILE_EVERY_SECONDS = 3.0
+# A queued job untouched this long is republished (the ledger dedupes a second copy).
+RECONCILE_STALE_AFTER_SECONDS = 12.0
 LEDGER_DELAYED_KEY = "soak_ledger:ledger:delayed"
 
 
@@ -91,6 +94,8 @@ class Soak:
         self.run_id = f"s{seed % 100000:05d}{int(time.time()) % 100000:05d}"
         self.jobs = plan_jobs(profile, self.rng, self.run_id)
         self.faults: Counter[str] = Counter()
+        self.faults_repaired: Counter[str] = Counter()  # what the reconciler brought back
+        self._ledger_app: LedgerCelery | None = None
         self.kills: list[Kill] = []
         self.ledger_outages: list[tuple[float, float]] = []  # wall-clock windows
         self.workers: dict[str, list[WorkerProcess]] = {s: [] for s in systems}
@@ -134,6 +139,7 @@ class Soak:
             "LEDGER_UNAVAILABLE_BACKOFF_BASE_SECONDS": "0.5",
             "LEDGER_UNAVAILABLE_BACKOFF_CAP_SECONDS": "3",
             "LEDGER_MONGO_TIMEOUT_MS": "2000",
+            "LEDGER_DEDUPE_ON_PUBLISH": "true",
         }
 
     def start_worker(self, system: str, index: int | None = None) -> WorkerProcess:
@@ -197,12 +203,7 @@ class Soak:
     def publishers(self) -> dict[str, Callable[[Job], None]]:
         out: dict[str, Callable[[Job], None]] = {}
         if "ledger" in self.systems:
-            from .apps.ledger_soak import build
-
-            settings = Settings(
-                broker_url=self.broker.url, mongo_uri=self.ledger.url, mongo_db="soak"
-            )
-            task = build(settings).tasks["soak.work"]
+            task = self.ledger_app().tasks["soak.work"]
             out["ledger"] = lambda job: task.apply_async(
                 (job.key, job.kind, job.param), tier=job.tier
             )
@@ -215,6 +216,42 @@ class Soak:
                 (job.key, job.kind, job.param), queue=plain_soak.queue_of(job.tier)
             )
         return out
+
+    def ledger_app(self) -> LedgerCelery:
+        """The soak's own ledger app (publisher and reconciler), built once."""
+        if self._ledger_app is None:
+            from .apps.ledger_soak import build
+
+            self._ledger_app = build(
+                Settings(
+                    broker_url=self.broker.url,
+                    mongo_uri=self.ledger.url,
+                    mongo_db="soak",
+                    mongo_timeout_ms=2000,
+                    dedupe_on_publish=True,
+                )
+            )
+        return self._ledger_app
+
+    def reconcile_now_and_then(self, stop: threading.Event) -> None:
+        """What ``celery beat`` does in production: the reconciler, every few seconds."""
+        from celery_ledger.reconciler import reconcile
+
+        app = self.ledger_app()
+        while not stop.wait(RECONCILE_EVERY_SECONDS):
+            try:
+                report = reconcile(
+                    app,
+                    lease_grace_seconds=self.profile.lease_seconds / 2,
+                    stale_after_seconds=RECONCILE_STALE_AFTER_SECONDS,
+                )
+            except Exception as exc:  # a server under a fault: the next sweep tries again
+                self.log(f"reconcile failed: {exc!r}"[:200])
+                continue
+            if report.republished or report.restored_from_broker:
+                self.faults_repaired.update(
+                    republished=report.republished, restored=report.restored_from_broker
+                )
 
     def publish_all(self) -> None:
         publish = self.publishers()
@@ -547,6 +584,11 @@ class Soak:
             stop = threading.Event()
             supervisor = threading.Thread(target=self.supervise, args=(stop,), name="supervisor")
             supervisor.start()
+            reconciler = threading.Thread(
+                target=self.reconcile_now_and_then, args=(stop,), name="reconciler"
+            )
+            if "ledger" in self.systems:
+                reconciler.start()
             injector = threading.Thread(target=self.inject, name="chaos-faults")
             injector.start()
             try:
@@ -560,11 +602,16 @@ class Soak:
             finally:
                 stop.set()
                 supervisor.join()
+                if reconciler.is_alive():
+                    reconciler.join()
+                if self._ledger_app is not None:
+                    self._ledger_app.close()
             reports = {s: self.account(s, *drained[s]) for s in self.systems}
         return SoakReport(
             profile=self.profile.name,
             seed=self.seed,
             faults=dict(self.faults),
+            repaired=dict(self.faults_repaired),
             systems=reports,
             crashes=self.crashes,
             fault_log=self.fault_log,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import logging
 import os
 import time
@@ -18,7 +19,7 @@ from celery.result import AsyncResult
 from . import headers
 from .crypto import REDACTED
 from .errors import LedgerUnavailable, PayloadError
-from .guard import run_guarded
+from .guard import run_guarded, sealed_if_sensitive
 from .keys import KeySpec, canonical_json, compute_key, derive_task_id, validate_key
 from .policies.backoff import Jitter
 from .policies.retry import RetryPolicy
@@ -245,10 +246,13 @@ class LedgerTask(Task):  # type: ignore[misc]
 
         if self._over_high_water(tier, task_id, key, args, kwargs, message_headers):
             return self.AsyncResult(task_id)
-        dedupe = (
+        # A retry republishes a job the ledger knows: never deduplicated.
+        dedupe = "retries" not in options and (
             settings.dedupe_on_publish if self.dedupe_on_publish is None else self.dedupe_on_publish
         )
-        if dedupe and not self.app.ledger.enqueue(task_id, task=self.name, key=key, tier=tier):
+        if dedupe and not self.app.ledger.enqueue(
+            task_id, task=self.name, key=key, tier=tier, message=self._message_of(args, kwargs)
+        ):
             return self.AsyncResult(task_id)
         try:
             return publish_now()
@@ -294,6 +298,13 @@ class LedgerTask(Task):  # type: ignore[misc]
             headers=message_headers,
         )
         return True
+
+    def _message_of(self, args: Any, kwargs: Any) -> dict[str, Any]:
+        """The arguments as the ledger keeps them for a republish (sealed if sensitive)."""
+        return sealed_if_sensitive(
+            self,
+            {"args_json": json.dumps(list(args or ())), "kwargs_json": json.dumps(kwargs or {})},
+        )
 
     @classmethod
     def key_spec(cls) -> KeySpec:

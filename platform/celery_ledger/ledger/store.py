@@ -578,14 +578,27 @@ class Ledger:
 
     # -- publish side -----------------------------------------------------------------------
 
-    def enqueue(self, record_id: str, *, task: str, key: str, tier: str) -> bool:
-        """Write a ``queued`` record unless the job is known; True if it was new (one trip)."""
+    def enqueue(
+        self,
+        record_id: str,
+        *,
+        task: str,
+        key: str,
+        tier: str,
+        message: dict[str, Any] | None = None,
+    ) -> bool:
+        """Write a ``queued`` record unless the job is known; True if it was new (one trip).
+
+        ``message`` (arguments as JSON) lets the reconciler republish the job if its message
+        is lost before the first claim.
+        """
         now = utcnow()
+        fields = queued_record(task=task, key=key, tier=tier, now=now)
+        if message is not None:
+            fields["message"] = message
         with translate_errors("enqueue"):
             result = self.collection.update_one(
-                {"_id": record_id},
-                {"$setOnInsert": queued_record(task=task, key=key, tier=tier, now=now)},
-                upsert=True,
+                {"_id": record_id}, {"$setOnInsert": fields}, upsert=True
             )
         return result.upserted_id is not None
 
