@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pymongo import MongoClient
+from pymongo.client_session import ClientSession
 from pymongo.collection import Collection
 
 _lock = threading.Lock()
@@ -34,6 +35,19 @@ def close_clients() -> None:
         client = _clients.pop(os.getpid(), None)
     if client is not None:
         client.close()
+
+
+def record_effect_in(session: ClientSession, kind: str, key: str, **details: Any) -> None:
+    """Record an effect inside ``session``'s transaction (an atomic step: see LedgerTask.step).
+
+    The session belongs to the ledger's client, so the write goes through that client; the
+    ``reference_world`` database lives on the ledger's deployment.
+    """
+    world = session.client.get_database("reference_world").get_collection("effects")
+    world.insert_one(
+        {"kind": kind, "key": key, "at": datetime.now(UTC), "pid": os.getpid(), **details},
+        session=session,
+    )
 
 
 def record_effect(kind: str, key: str, **details: Any) -> None:

@@ -8,6 +8,7 @@ queue and database and a fresh worker (``--concurrency`` prefork processes) per 
     plain-redis         plain Celery, Redis result backend
     plain-mongo         plain Celery, Celery's MongoDB result backend (retryWrites=false)
     plain-mongo-started the same with task_track_started
+    plain-mongo-durable the same with the ledger's write concern (w=majority, journaled)
     ledger              celery_ledger.create_app (LedgerTask, the ledger as result backend)
 
 A run publishes N tiny tasks and waits for every result (``AsyncResult.get``); its time runs from
@@ -93,6 +94,12 @@ CONFIGURATIONS = (
         "ops.bench.apps.plain_mongo_started",
         "plain Celery, MongoDB result backend, task_track_started",
         "bench_plain_mongo_started",
+    ),
+    Configuration(
+        "plain-mongo-durable",
+        "ops.bench.apps.plain_mongo_durable",
+        "plain Celery, MongoDB backend, track_started, w=majority + journal (as the ledger)",
+        "bench_plain_mongo_durable",
     ),
     Configuration("ledger", "ops.bench.apps.ledger", "celery-ledger (LedgerTask)", "bench_ledger"),
 )
@@ -232,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
                 ],
             ],
         )
+    if {"ledger", "plain-mongo-durable"} <= medians.keys():
+        ratios["ledger/plain-mongo-durable"] = medians["ledger"] / medians["plain-mongo-durable"]
+        print(
+            "same durability: ledger / plain-mongo-durable (w=majority, journaled) ="
+            f" {ratios['ledger/plain-mongo-durable']:.2f}",
+            flush=True,
+        )
 
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(8, 4))
@@ -243,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     highs = [
         max(r.tasks_per_second for r in runs if r.configuration == n) - medians[n] for n in names
     ]
-    axes.bar(names, values, yerr=[lows, highs], capsize=4, color=["#999", "#6a9", "#4a7", "#36c"])
+    colours = ["#999", "#6a9", "#4a7", "#285", "#36c"][-len(names) :]
+    axes.bar(names, values, yerr=[lows, highs], capsize=4, color=colours)
     axes.set_ylabel("tasks/s (median, min-max)")
     axes.set_title(f"{args.tasks} tiny tasks, {args.concurrency} prefork processes")
     write_results(

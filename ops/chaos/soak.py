@@ -474,8 +474,13 @@ class Soak:
         states = self.outcomes(system)
         effects: dict[str, list[dict[str, Any]]] = defaultdict(list)
         with self.world() as world_client:
-            for doc in world_client.soak_world.effects.find({"system": system}).sort("at", 1):
+            found = world_client.soak_world.effects.find({"system": system})
+            for doc in found.sort("at", 1):
                 effects[doc["key"]].append(doc)
+        if system == "ledger":  # its effects commit in atomic steps on the ledger's server
+            with self.ledger_client() as client:
+                for doc in client.soak_world.effects.find({"system": system}).sort("at", 1):
+                    effects[doc["key"]].append(doc)
         records: dict[str, dict[str, Any]] = {}
         dead_docs: list[dict[str, Any]] = []
         if system == "ledger":

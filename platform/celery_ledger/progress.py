@@ -22,6 +22,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+from pymongo.client_session import ClientSession
+
 from .errors import ConfigurationError, LeaseLost, LedgerError
 from .ledger.store import Ledger
 
@@ -29,6 +31,10 @@ logger = logging.getLogger("celery_ledger.progress")
 
 T = TypeVar("T")
 _STEP_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+
+
+class _StepNotRecorded(Exception):
+    """Aborts an atomic step's transaction whose step record did not match."""
 
 
 class Interrupted(LedgerError):
@@ -192,6 +198,43 @@ class Step:
         if not self.done:
             self.complete(func())
         return self.result  # type: ignore[no-any-return]
+
+    def atomic(self, func: Callable[[ClientSession], T]) -> T:
+        """Run ``func(session)`` and record the step in one MongoDB transaction: exactly once.
+
+        ``func`` makes its writes with ``session=session`` on collections of the ledger's
+        deployment (``session.client[db][collection]``). They commit together with the step
+        record, under this attempt's fence: a worker that dies before the commit leaves no
+        trace, and a later attempt skips the step and gets the same result. ``func`` may run
+        more than once within one attempt when a transient error aborts the transaction
+        (every run but the committed one is rolled back), so it must not act outside it.
+        """
+        if self.done:
+            return self.result  # type: ignore[no-any-return]
+        execution = self._execution
+
+        def in_transaction(session: ClientSession) -> T:
+            result = func(session)
+            recorded = execution.ledger.save_step_in(
+                session, execution.record_id, execution.fence, self.name, json.dumps(result)
+            )
+            if not recorded:
+                raise _StepNotRecorded  # aborts: nothing of this run is kept
+            return result
+
+        try:
+            result = execution.ledger.run_transaction(in_transaction)
+        except _StepNotRecorded:
+            # Recorded by a commit of ours whose reply was lost, or the lease was taken over.
+            saved = execution.ledger.load_progress(execution.record_id).get("steps", {})
+            if self.name not in saved:
+                execution.heartbeat.lost = True
+                raise LeaseLost(execution.record_id, execution.fence) from None
+            self.done, self.result = True, json.loads(saved[self.name]["result"])
+            return self.result  # type: ignore[no-any-return]
+        execution.progress.setdefault("steps", {})[self.name] = {"result": json.dumps(result)}
+        self.done, self.result = True, result
+        return result
 
     def __call__(self, func: Callable[[], T]) -> Callable[[], T]:
         """Decorator form: the decorated function runs at most once per job."""

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from celery_ledger import PermanentError, create_app
-from tasks.effects import effects, record_effect
+from tasks.effects import effects, record_effect, record_effect_in
 
 app = create_app("ledger_tests")
 
@@ -231,3 +231,34 @@ def reject_card(token: str, card_number: str) -> None:
 def echo(*args: Any, **kwargs: Any) -> list[Any]:
     """Returns its arguments as given (the bad-input suite's round trip)."""
     return [list(args), kwargs]
+
+
+@app.task(
+    bind=True,
+    idempotency_key="{token}",
+    autoretry_for=(FlakyError,),
+    default_retry_delay=0.3,
+    max_retries=3,
+    retry_backoff=False,
+)
+def atomic_effect(self: Any, token: str, mode: str) -> dict[str, Any]:
+    """One effect in an atomic step; ``mode`` says what goes wrong on the first attempt.
+
+    ``kill-after``: the pool process dies after the step commits; ``fail-after``: a retryable
+    error after the step; ``fail-inside``: the step's function fails after its write.
+    """
+    record_effect("atomic-attempt", token)
+    first = effects().count_documents({"kind": "atomic-attempt", "key": token}) == 1
+
+    def charge(session: Any) -> dict[str, Any]:
+        record_effect_in(session, "atomic", token)
+        if mode == "fail-inside":
+            raise PermanentError(f"declined after the write: {token}")
+        return {"receipt": f"r-{token}", "pid": os.getpid()}
+
+    receipt: dict[str, Any] = self.step("charge").atomic(charge)
+    if first and mode == "kill-after":
+        os.kill(os.getpid(), 9)
+    if first and mode == "fail-after":
+        raise FlakyError(f"failed after the step: {token}")
+    return receipt

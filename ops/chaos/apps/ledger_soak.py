@@ -1,8 +1,14 @@
-"""The soak on celery-ledger: settings from ``LEDGER_*``; ``soak.work`` keyed on ``key``."""
+"""The soak on celery-ledger: settings from ``LEDGER_*``; ``soak.work`` keyed on ``key``.
+
+Its effect is an atomic step (``self.step("effect").atomic``): the effect document and the
+step record commit in one transaction on the ledger's server.
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+from pymongo.client_session import ClientSession
 
 from celery_ledger import LedgerCelery, PermanentError, Settings, create_app
 
@@ -37,9 +43,17 @@ def build(settings: Settings | None = None) -> LedgerCelery:
         retry_cap_seconds=1.0,
     )
     def work(self: Any, key: str, kind: str, param: float) -> str:
+        def act(doc: dict[str, Any]) -> None:
+            # The effect commits with the step record, in one transaction on the ledger.
+            def write(session: ClientSession) -> None:
+                effects = session.client.get_database("soak_world").get_collection("effects")
+                effects.insert_one(dict(doc), session=session)
+
+            self.step("effect").atomic(write)
+
         try:
             fence = getattr(self.request, "ledger_fence", None)
-            return world.work("ledger", key, kind, param, fence)
+            return world.work("ledger", key, kind, param, fence, act)
         except world.DesignedFailure as exc:
             raise PermanentError(str(exc)) from exc
 

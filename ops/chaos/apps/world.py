@@ -1,7 +1,9 @@
 """The outside world the soak's task bodies act on: one document per effect, counted later.
 
 It lives on a SecantusDB server of its own (``SOAK_WORLD_URI``) that no fault touches, so an
-effect either happened or not; only the platform under test is disturbed.
+effect either happened or not; only the platform under test is disturbed. celery-ledger's body
+writes its effect in an atomic step instead: into ``soak_world.effects`` on the ledger's server,
+in the transaction that records the step (the way an app keeps effects in its own MongoDB).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pymongo import MongoClient
@@ -35,16 +38,27 @@ def collection(name: str) -> Collection[dict[str, Any]]:
         return _clients[pid].get_database("soak_world").get_collection(name)
 
 
-def work(system: str, key: str, kind: str, param: float, fence: int | None) -> str:
+def work(
+    system: str,
+    key: str,
+    kind: str,
+    param: float,
+    fence: int | None,
+    act: Callable[[dict[str, Any]], None] | None = None,
+) -> str:
     """The body both systems run: record the attempt, fail or sleep as designed, act once.
 
     Kinds: ``quick``; ``flaky`` (fails ``param`` times, retryable); ``permanent`` (always
-    fails); ``long`` (sleeps ``param`` seconds first).
+    fails); ``long`` (sleeps ``param`` seconds first). ``act`` writes the effect document
+    (default: into ``effects`` on the world server).
     """
 
     def note(what: str) -> None:
         doc = {"system": system, "key": key, "pid": os.getpid(), "fence": fence, "at": time.time()}
-        collection(what).insert_one(doc)
+        if what == "effects" and act is not None:
+            act(doc)
+        else:
+            collection(what).insert_one(doc)
 
     note("attempts")
     if kind == "flaky":

@@ -30,9 +30,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from pymongo import ASCENDING, MongoClient, UpdateOne, WriteConcern
+from pymongo.client_session import ClientSession
 from pymongo.collection import Collection
 from pymongo.errors import (
     BulkWriteError,
@@ -42,6 +43,7 @@ from pymongo.errors import (
     PyMongoError,
 )
 from pymongo.monitoring import CommandListener
+from pymongo.read_concern import ReadConcern
 
 from ..errors import LeaseLost, LedgerUnavailable, StoreError
 from .record import SCHEMA_VERSION, ErrorEntry, LedgerRecord, State
@@ -49,6 +51,7 @@ from .record import SCHEMA_VERSION, ErrorEntry, LedgerRecord, State
 FOREVER = datetime(9999, 12, 31, tzinfo=UTC)
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 DUPLICATE_KEY = 11000
+T = TypeVar("T")
 
 
 class ClaimOutcome(StrEnum):
@@ -487,6 +490,39 @@ class Ledger:
             {"$set": {f"steps.{name}": {"result": result_json, "at": utcnow()}}},
             "step record",
         )
+
+    def run_transaction(self, callback: Callable[[ClientSession], T]) -> T:
+        """Run ``callback(session)`` in one MongoDB transaction on the ledger's deployment.
+
+        pymongo's ``with_transaction`` retries the callback on transient errors (write
+        conflicts, elections) and the commit on an unknown result; anything else aborts and
+        propagates as raised (pymongo's errors too: the callback's own writes may raise them).
+        """
+        with self.client.start_session() as session:
+            return session.with_transaction(
+                callback,
+                read_concern=ReadConcern("majority"),
+                write_concern=self._write_concern,
+            )
+
+    def save_step_in(
+        self, session: ClientSession, record_id: str, fence: int, name: str, result_json: str
+    ) -> bool:
+        """In ``session``'s transaction: record step ``name`` under ``fence``.
+
+        False if the fence no longer holds or the step is already recorded (the caller aborts).
+        """
+        result = self.collection.update_one(
+            {
+                "_id": record_id,
+                "fence": fence,
+                "state": State.RUNNING.value,
+                f"steps.{name}": {"$exists": False},
+            },
+            {"$set": {f"steps.{name}": {"result": result_json, "at": utcnow(), "atomic": True}}},
+            session=session,
+        )
+        return result.matched_count == 1
 
     def add_artefact(self, record_id: str, fence: int, path: str) -> None:
         self._fenced_update(record_id, fence, {"$addToSet": {"artefacts": path}}, "artefact")
