@@ -26,9 +26,11 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import redis
+from bson.errors import InvalidDocument
 from kombu.entity import Queue
 
 from . import headers
+from .errors import LedgerUnavailable, StoreError
 from .ledger.record import State
 from .ledger.store import EPOCH, FOREVER, Ledger, translate_errors, utcnow
 from .routing import DEAD_LETTER_QUEUE
@@ -137,16 +139,64 @@ class DeadLetters:
             raw_entry = self._redis.lindex(POISON_KEY, -1)  # oldest; removed only once stored
             if raw_entry is None:
                 break
-            entry = json.loads(raw_entry)
-            record = self._poison_record(entry)
-            with translate_errors("dead-letter insert"):
-                self._ledger.collection.replace_one(
-                    {"_id": record["_id"], "state": State.DEAD.value}, record, upsert=True
-                )
+            record = self._store_poison(raw_entry)
             self._redis.lrem(POISON_KEY, -1, raw_entry)  # type: ignore[arg-type]
             self.announce(_entry_of(record))
             moved += 1
         return moved
+
+    def _store_poison(self, raw_entry: bytes | str) -> dict[str, Any]:
+        """Store the dead record of a poison entry, and return it.
+
+        An entry the ledger cannot hold as it is (BSON refuses a NUL in a key and integers past
+        64 bits; or the entry is not one of ours) is stored sanitized instead, so that it never
+        blocks the entries behind it. Only a transient ledger outage leaves it in the list.
+        """
+        try:
+            record = self._poison_record(json.loads(raw_entry))
+            self._insert_dead(record)
+        except LedgerUnavailable:
+            raise
+        except (ValueError, TypeError, KeyError, OverflowError, InvalidDocument, StoreError) as exc:
+            logger.warning("poison entry stored sanitized: %s: %s", type(exc).__name__, exc)
+            record = self._sanitized_poison_record(raw_entry, exc)
+            self._insert_dead(record)
+        return record
+
+    def _insert_dead(self, record: dict[str, Any]) -> None:
+        with translate_errors("dead-letter insert"):
+            self._ledger.collection.replace_one(
+                {"_id": record["_id"], "state": State.DEAD.value}, record, upsert=True
+            )
+
+    def _sanitized_poison_record(self, raw_entry: bytes | str, exc: Exception) -> dict[str, Any]:
+        """A poison record with only the entry's reason, queue, raw message and identity, and
+        the whole entry (headers and properties included) as base64."""
+        try:
+            entry = json.loads(raw_entry)
+        except ValueError:
+            entry = None
+        entry = entry if isinstance(entry, dict) else {}
+        found = entry.get("headers")
+        found = found if isinstance(found, dict) else {}
+        identity = {
+            name: found[name]
+            for name in ("id", "task", headers.KEY)
+            if isinstance(found.get(name), str) and "\x00" not in found[name]
+        }
+        reason = str(entry.get("reason") or "unreadable poison entry")
+        raw = entry.get("raw_base64")
+        record = self._poison_record(
+            {
+                "queue": str(entry.get("queue") or ""),
+                "reason": f"{reason} (kept sanitized, {type(exc).__name__}: {exc})",
+                "raw_base64": raw if isinstance(raw, str) else "",
+                "headers": identity,
+            }
+        )
+        data = raw_entry.encode() if isinstance(raw_entry, str) else raw_entry
+        record["message"]["entry_base64"] = base64.b64encode(data).decode()
+        return record
 
     def _poison_record(self, entry: dict[str, Any]) -> dict[str, Any]:
         message_headers = entry.get("headers") or {}

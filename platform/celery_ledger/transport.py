@@ -1,10 +1,13 @@
-"""The Redis transport with one change: an undecodable queue item cannot kill the worker.
+"""The Redis transport with one change: an undecodable or malformed queue item cannot kill the
+worker.
 
 kombu's Redis channel pops an item and decodes it as JSON inside the worker's event loop; a
-non-JSON item raises out of the loop and the worker exits ("Unrecoverable error"), having
-already popped (and so lost) the item. kombu offers no decode-error hook for this transport, so
-``_brpop_read`` and ``_get`` are restated here with the decode guarded: an undecodable item is
-kept, with its queue and the reason, in a poison list (``POISON_KEY``) and the worker goes on.
+non-JSON item, or an envelope whose fields have the wrong types (see
+:func:`celery_ledger.envelope.envelope_problem`), raises out of the loop and the worker exits
+("Unrecoverable error"), having already popped (and so lost) the item. kombu offers no
+decode-error hook for this transport, so ``_brpop_read`` and ``_get`` are restated here with
+the decode guarded: such an item is kept, with its queue and the reason, in a poison list
+(``POISON_KEY``) and the worker goes on.
 Everything else is kombu's (selected through Celery's ``broker_transport`` setting).
 """
 
@@ -22,6 +25,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from .deadletter import POISON_KEY
+from .envelope import envelope_problem
 
 logger = logging.getLogger("celery_ledger.transport")
 
@@ -63,23 +67,31 @@ class Channel(kombu_redis.Channel):
             raise Empty()
 
     def _decode_or_quarantine(self, item: bytes, queue: str) -> Any:
+        """The envelope of ``item``, or None once it is kept as poison with its reason."""
         try:
             message = loads(bytes_to_str(item))
-            if not isinstance(message, dict) or "body" not in message:
-                raise ValueError("not a kombu message envelope (no body)")
-            return message
-        except (ValueError, TypeError, UnicodeDecodeError) as exc:
-            reason = f"undecodable message: {type(exc).__name__}: {exc}"
-            logger.error("queue %s: %s; kept in %s", queue, reason, POISON_KEY)
-            entry = {
-                "queue": queue,
-                "reason": reason,
-                "at": time.time(),
-                "raw_base64": base64.b64encode(item).decode(),
-            }
-            with self.conn_or_acquire() as client:
-                client.lpush(POISON_KEY, json.dumps(entry))
+        except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+            self._keep_poison(item, queue, f"undecodable message: {type(exc).__name__}: {exc}")
             return None
+        problem = envelope_problem(message, self.codecs)
+        if problem is None:
+            return message
+        headers = message.get("headers") if isinstance(message, dict) else None
+        self._keep_poison(item, queue, f"malformed message: {problem}", headers)
+        return None
+
+    def _keep_poison(self, item: bytes, queue: str, reason: str, headers: Any = None) -> None:
+        logger.error("queue %s: %s; kept in %s", queue, reason, POISON_KEY)
+        entry = {
+            "queue": queue,
+            "reason": reason,
+            "at": time.time(),
+            "raw_base64": base64.b64encode(item).decode(),
+        }
+        if isinstance(headers, dict):
+            entry["headers"] = headers  # the dead record's task and id, where usable
+        with self.conn_or_acquire() as client:
+            client.lpush(POISON_KEY, json.dumps(entry))
 
 
 class Transport(kombu_redis.Transport):

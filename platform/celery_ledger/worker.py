@@ -11,9 +11,12 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from celery import bootsteps, signals
+from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer
+from kombu.exceptions import ContentDisallowed, DecodeError
 
 from .delayed import DelayedPublisher
+from .envelope import body_problem
 from .errors import LedgerError
 from .progress import shutdown_flag
 
@@ -151,8 +154,33 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
 
     Celery logs and drops (acks or rejects) undecodable bodies, refused content types, unknown
     tasks and invalid task messages; here each is first kept in the dead-letter flow with its
-    reason.
+    reason. A task body that is not ``[args, kwargs, embed]`` is refused here as an invalid task
+    message, before Celery's strategy and pool unpack it (where it would stop the worker or be
+    dropped); the transport has already refused malformed envelopes and headers.
     """
+
+    def create_task_handler(self, *args: Any, **kwargs: Any) -> Callable[[Any], Any]:
+        on_task_received: Callable[[Any], Any] = super().create_task_handler(*args, **kwargs)
+
+        def on_valid_task_received(message: Any) -> Any:
+            problem = self._body_problem(message)
+            if problem is not None:
+                return self.on_invalid_task(None, message, InvalidTaskError(problem))
+            return on_task_received(message)
+
+        return on_valid_task_received
+
+    def _body_problem(self, message: Any) -> str | None:
+        """Why the body of a known task's message is unusable, or None (Celery decides)."""
+        headers = message.headers
+        task = headers.get("task") if isinstance(headers, dict) else None
+        if not isinstance(task, str) or task not in self.strategies:
+            return None  # not a protocol 2 message of a task here: Celery's own checks apply
+        try:
+            body = message.decode()  # memoized: Celery's request reuses it
+        except (ContentDisallowed, DecodeError):
+            return None  # Celery refuses these itself (on_invalid_task, on_decode_error)
+        return body_problem(body)
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         self._quarantine(message, f"undecodable or refused content ({message.content_type}): {exc}")

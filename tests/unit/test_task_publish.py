@@ -443,6 +443,8 @@ def test_dedupe_skips_publishing_a_known_key(
         "task": "math.add",
         "key": default_key("math.add", (1, 2), {}),
         "tier": "default",
+        # kept so that the reconciler can republish the job if its message is lost
+        "message": {"args_json": "[1, 2]", "kwargs_json": "{}"},
     }
 
 
