@@ -24,7 +24,10 @@ TEST_ENV = {
     "LEDGER_BREAKERS": '{"payments": {"failure_threshold": 3, "cooldown_seconds": 3}}',
     "LEDGER_RATE_LIMITS": '{"limited": {"rate_per_second": 4, "burst": 2}}',
     # Test-only Fernet keys (newest first): sensitive tasks are sealed at rest.
-    "LEDGER_ENCRYPTION_KEYS": '["0qFzQc5xoZQhPWiz7RlXDGRcus0k650e5VRXFgPRCH8=", "AcKyJ2oLnrAAy_LZcIqJcLFxu0NMYeTJnp7JIrpzIs4="]',
+    "LEDGER_ENCRYPTION_KEYS": (
+        '["0qFzQc5xoZQhPWiz7RlXDGRcus0k650e5VRXFgPRCH8=",'
+        ' "AcKyJ2oLnrAAy_LZcIqJcLFxu0NMYeTJnp7JIrpzIs4="]'
+    ),
 }
 APP_MODULE = "tests.integration.ledger_app"
 ALL_TIERS = "critical,default,bulk"

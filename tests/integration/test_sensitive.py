@@ -33,7 +33,7 @@ def test_a_dead_sensitive_job_keeps_no_plaintext_anywhere(
 ) -> None:
     from tests.integration.ledger_app import reject_card
 
-    with pytest.raises(Exception, match="PermanentError|declined|redacted"):
+    with pytest.raises(Exception, match=r"PermanentError|declined|redacted"):
         reject_card.delay(token, CARD).get(timeout=30)
     record = app.ledger.get(reject_card.name, token)
     assert record.state is State.DEAD
