@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
+from celery.utils.time import maybe_iso8601
 
 from . import headers
 from .crypto import REDACTED
@@ -48,15 +49,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("celery_ledger.guard")
 
+INT64 = range(-(2**63), 2**63)  # what BSON stores as an integer
+MAX_RETRIES_HEADER = 2**31  # a ``retries`` header at or past this is not a count
+
 
 def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     request = task.request
     ledger = task.app.ledger
+    # Raw messages may carry anything: what the guard and Celery's retry read must be sound.
+    request.retries = retries_done(request.retries)
     key = valid_key_or_none(request_header(request, headers.KEY), task.name) or f"id:{request.id}"
     header_tier = request_header(request, headers.TIER)  # raw messages may carry anything
     if not (isinstance(header_tier, str) and header_tier in task.app.tiers.names):
         header_tier = None
     tier: str = header_tier or task.tier or task.app.tiers.default
+    request.ledger_run_tier = tier  # a retry republishes to it (LedgerTask.retry)
+    request.ledger_key = key  # LedgerTask.job_key
     owner = f"{request.hostname or 'local'}:{os.getpid()}"
     context = {"task_id": request.id, "key": key, "tier": tier}
     breaker = task.app.breakers[task.breaker] if task.breaker else None
@@ -158,6 +166,19 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
             reason=f"expired: enqueued {time.time() - sent_at:.0f}s ago (max age {age_limit:.0f}s)",
         )
         raise Ignore("expired")
+    expires = expiry_of(request.expires)  # Celery's own expiry, enforced here (LedgerRequest)
+    if expires is not None and expires <= datetime.now(UTC):
+        retire_job(
+            task,
+            request.id,
+            fence,
+            args,
+            kwargs,
+            key=key,
+            tier=tier,
+            reason=f"expired: the message expired at {expires.isoformat()} before it ran",
+        )
+        raise Ignore("expired")
     interval = lease_seconds / 3 if task.heartbeat_seconds is None else task.heartbeat_seconds
     heartbeat = Heartbeat(
         ledger,
@@ -237,7 +258,7 @@ def _run_claimed(
             text=storable(text),
             args=list(args),
             kwargs=kwargs,
-            message_headers=message_headers_of(request, key, tier),
+            message_headers=storable_value(message_headers_of(request, key, tier)),
         )
         fields["message"] = sealed_if_sensitive(task, fields["message"])
         persist(
@@ -668,6 +689,47 @@ def request_header(request: Any, name: str) -> Any:
 def storable(text: str) -> str:
     """Text any BSON encoder accepts: lone surrogates (from odd input) become escapes."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def storable_value(value: Any) -> Any:
+    """Decoded JSON (headers of raw messages) as any BSON encoder stores it.
+
+    Integers past 64 bits become their text, and so does anything not JSON; strings lose lone
+    surrogates; keys lose NUL and a leading ``$`` (escaped as ``\\x00`` and ``\\$``).
+    """
+    if value is None or isinstance(value, bool | float):
+        return value
+    if isinstance(value, int):
+        return value if value in INT64 else str(value)
+    if isinstance(value, list | tuple):
+        return [storable_value(item) for item in value]
+    if isinstance(value, dict):
+        return {storable_key(name): storable_value(item) for name, item in value.items()}
+    return storable(value if isinstance(value, str) else str(value))
+
+
+def storable_key(name: Any) -> str:
+    """A document key BSON and MongoDB accept, from any header name."""
+    key = storable(str(name)).replace("\x00", "\\x00")
+    return "\\" + key if key.startswith("$") else key
+
+
+def retries_done(value: Any) -> int:
+    """The retries a message has behind it, from its ``retries`` header (0 if not a count)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_RETRIES_HEADER:
+        return value
+    return 0
+
+
+def expiry_of(value: Any) -> datetime | None:
+    """When a message expires, from its ``expires`` header (ISO 8601; naive is UTC), or None."""
+    try:
+        expires = maybe_iso8601(value)
+    except (AttributeError, TypeError, ValueError, OverflowError):
+        return None
+    if not isinstance(expires, datetime):
+        return None
+    return expires if expires.tzinfo else expires.replace(tzinfo=UTC)
 
 
 def valid_key_or_none(value: Any, task_name: str) -> str | None:

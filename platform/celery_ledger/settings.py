@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from dataclasses import asdict, fields
+from typing import Any, Literal, TypeVar
 
-from pydantic import Field, field_validator
+import redis.connection
+from pydantic import Field, TypeAdapter, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from pymongo import uri_parser
+from pymongo.errors import PyMongoError
+
+from .policies.breaker import BreakerConfig
+from .policies.retry import TIER_RETRY_DEFAULTS, RetryPolicy
 
 TIERS: tuple[str, ...] = ("critical", "default", "bulk")
 
@@ -16,9 +24,13 @@ class Settings(BaseSettings):
     Read from the environment with the ``LEDGER_`` prefix, for example ``LEDGER_BROKER_URL``.
     """
 
-    model_config = SettingsConfigDict(env_prefix="LEDGER_", extra="forbid")
+    # Every float is finite: ``inf`` or ``nan`` would only fail later, at the first use.
+    model_config = SettingsConfigDict(env_prefix="LEDGER_", extra="forbid", allow_inf_nan=False)
 
-    broker_url: str = Field("redis://127.0.0.1:6379/0", description="Celery broker URL (Redis).")
+    broker_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Celery broker URL (Redis: redis://, rediss:// or unix://).",
+    )
     mongo_uri: str = Field("mongodb://127.0.0.1:27017/", description="MongoDB URI of the ledger.")
     mongo_db: str = Field("celery_ledger", description="Database that holds the ledger.")
     ledger_collection: str = Field("ledger", description="Collection of ledger records.")
@@ -50,7 +62,8 @@ class Settings(BaseSettings):
     retry_policies: dict[str, dict[str, float | int | str]] = Field(
         default_factory=dict,
         description="Per-tier retry defaults over the built-in ones (JSON), e.g."
-        ' {"bulk": {"max_retries": 10}}.',
+        ' {"bulk": {"max_retries": 10}}; options: max_retries, base_seconds, cap_seconds,'
+        " jitter (full, decorrelated, none).",
     )
     breakers: dict[str, dict[str, float | int | None]] = Field(
         default_factory=dict,
@@ -148,6 +161,127 @@ class Settings(BaseSettings):
     @field_validator("default_tier")
     @classmethod
     def _known_tier(cls, value: str) -> str:
-        if value not in TIERS:
-            raise ValueError(f"unknown tier {value!r}; known tiers: {', '.join(TIERS)}")
+        _check_tier(value)
         return value
+
+    @field_validator("broker_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        try:
+            redis.connection.parse_url(value)  # what the breakers and shared state connect with
+        except ValueError as exc:
+            raise ValueError(f"not a Redis URL: {exc}") from None
+        return value
+
+    @field_validator("mongo_uri")
+    @classmethod
+    def _mongodb_uri(cls, value: str) -> str:
+        if value.startswith(_SRV):  # parsing resolves an SRV name (DNS): check its shape only
+            host = value.removeprefix(_SRV).partition("/")[0].rpartition("@")[2]
+            if host and ":" not in host:
+                return value
+            raise ValueError("a mongodb+srv:// URI names one host, without a port")
+        try:
+            uri_parser.parse_uri(value)
+        except PyMongoError as exc:
+            raise ValueError(f"not a MongoDB URI: {exc}") from None
+        return value
+
+    @field_validator("mongo_db")
+    @classmethod
+    def _database_name(cls, value: str) -> str:
+        if not value or len(value.encode()) > 63 or not _BAD_DATABASE_CHARS.isdisjoint(value):
+            raise ValueError(
+                'a MongoDB database name is 1-63 bytes without spaces, NUL or any of . $ / \\ "'
+            )
+        return value
+
+    @field_validator("ledger_collection")
+    @classmethod
+    def _collection_name(cls, value: str) -> str:
+        value.encode()  # lone surrogates: UnicodeEncodeError, a ValueError
+        if (
+            not value
+            or not {"$", "\x00"}.isdisjoint(value)
+            or ".." in value
+            or value.startswith((".", "system."))
+            or value.endswith(".")
+        ):
+            raise ValueError(
+                "a MongoDB collection name is not empty, has no $, NUL or '..', does not start"
+                " with 'system.' and neither starts nor ends with '.'"
+            )
+        return value
+
+    @field_validator("retry_policies")
+    @classmethod
+    def _retry_policies(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        checked: dict[str, dict[str, Any]] = {}
+        for tier, options in value.items():
+            _check_tier(tier)
+            base = TIER_RETRY_DEFAULTS.get(tier, RetryPolicy())
+            checked[tier] = _checked_options(RetryPolicy, base, options, what=f"tier {tier!r}")
+        return checked
+
+    @field_validator("breakers")
+    @classmethod
+    def _breakers(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        return {
+            name: _checked_options(
+                BreakerConfig, BreakerConfig(), options, what=f"breaker {name!r}"
+            )
+            for name, options in value.items()
+        }
+
+    @field_validator("sentry_dsn")
+    @classmethod
+    def _sentry_dsn(cls, value: str | None) -> str | None:
+        if not value:
+            return value
+        try:
+            from sentry_sdk.utils import BadDsn, Dsn
+        except ImportError:  # create_app says that the sentry extra is missing
+            return value
+        try:
+            Dsn(value)
+        except BadDsn as exc:
+            raise ValueError(f"not a Sentry DSN: {exc}") from None
+        return value
+
+
+_SRV = "mongodb+srv://"
+_BAD_DATABASE_CHARS = frozenset(' ./\\"$\x00')
+Options = TypeVar("Options", BreakerConfig, RetryPolicy)
+
+
+def _check_tier(tier: str) -> None:
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; known tiers: {', '.join(TIERS)}")
+
+
+def _checked_options(
+    kind: type[Options], base: Options, options: dict[str, Any], *, what: str
+) -> dict[str, Any]:
+    """``options`` over ``base``, checked as ``kind`` builds them (types, ranges, finite).
+
+    Returns the options converted to their field types (``"5"`` becomes ``5``).
+    """
+    known = [field.name for field in fields(kind)]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"{what}: unknown option {', '.join(unknown)}; known: {', '.join(known)}")
+    try:
+        built = TypeAdapter(kind).validate_python({**asdict(base), **options})
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, error['loc']))}: {error['msg']}".lstrip(": ").replace(
+                "Value error, ", ""
+            )
+            for error in exc.errors()
+        )
+        raise ValueError(f"{what}: {problems}") from None
+    checked = {name: getattr(built, name) for name in options}
+    infinite = [n for n, v in checked.items() if isinstance(v, float) and not math.isfinite(v)]
+    if infinite:
+        raise ValueError(f"{what}: {', '.join(infinite)} must be finite")
+    return checked

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import redis
 from celery import Task
 from celery.result import AsyncResult
+from celery.worker.request import Request
 
 from . import headers
 from .crypto import REDACTED
@@ -32,6 +33,18 @@ logger = logging.getLogger("celery_ledger.task")
 
 # Options a call may not pass through to the broker: the ledger owns them.
 _LEDGER_OWNED_OPTIONS = ("ignore_result",)
+
+
+class LedgerRequest(Request):  # type: ignore[misc]
+    """A LedgerTask message in the worker: its expiry is the guard's to enforce.
+
+    Celery discards an expired message unrecorded and adds its id to the worker's revoked ids,
+    which (ids derive from keys) would discard every later delivery of the job, a replay too.
+    The guard claims it instead and retires it: dead, with reason ``expired``.
+    """
+
+    def maybe_expire(self) -> bool:
+        return False
 
 
 class LedgerTask(Task):  # type: ignore[misc]
@@ -68,6 +81,7 @@ class LedgerTask(Task):  # type: ignore[misc]
 
     acks_late = True
     reject_on_worker_lost = True
+    Request = LedgerRequest
 
     ledger_options: ClassVar[frozenset[str]] = frozenset(
         {
@@ -105,6 +119,12 @@ class LedgerTask(Task):  # type: ignore[misc]
     def checkpoint(self, state: dict[str, Any]) -> None:
         """Store progress; a later attempt starts with it in :attr:`checkpoint_state`."""
         self.execution.checkpoint(state)
+
+    @property
+    def job_key(self) -> str:
+        """The running job's idempotency key: pass it on to receivers of outside effects."""
+        key: str = self.request.ledger_key
+        return key
 
     @property
     def checkpoint_state(self) -> dict[str, Any] | None:
@@ -155,6 +175,9 @@ class LedgerTask(Task):  # type: ignore[misc]
         """Celery's retry, bounded by the resolved policy when no limit is given."""
         if max_retries is None:
             max_retries = self.resolved_retry_policy().max_retries
+        run_tier = getattr(self.request, "ledger_run_tier", None)
+        if run_tier is not None:  # the tier the guard validated, not the message's header
+            options.setdefault("tier", run_tier)
         return super().retry(*args, max_retries=max_retries, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

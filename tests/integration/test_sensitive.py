@@ -28,9 +28,7 @@ def test_results_and_arguments_are_sealed_in_the_ledger(app: Any, token: str) ->
     assert app.ledger.get(store_card.name, token).result["last4"] == "1111"
 
 
-def test_a_dead_sensitive_job_keeps_no_plaintext_anywhere(
-    stack: Any, app: Any, token: str
-) -> None:
+def test_a_dead_sensitive_job_keeps_no_plaintext_anywhere(stack: Any, app: Any, token: str) -> None:
     from tests.integration.ledger_app import reject_card
 
     with pytest.raises(Exception, match=r"PermanentError|declined|redacted"):
@@ -43,8 +41,10 @@ def test_a_dead_sensitive_job_keeps_no_plaintext_anywhere(
     broker = redis.Redis.from_url(stack.broker.url)
 
     def copies() -> list[str]:
-        return [base64.b64decode(json.loads(m)["body"]).decode()
-                for m in broker.lrange("dead_letter", 0, -1)]
+        return [
+            base64.b64decode(json.loads(m)["body"]).decode()
+            for m in broker.lrange("dead_letter", 0, -1)
+        ]
 
     wait_for(lambda: any(record.id in body for body in copies()), what="dead-letter copy")
     assert not any(CARD in body for body in copies())
@@ -53,5 +53,10 @@ def test_a_dead_sensitive_job_keeps_no_plaintext_anywhere(
     # Replay opens the sealed arguments to republish them
     doc = app.dead_letters.get(token, task=reject_card.name)
     assert app.dead_letters.replay(doc, actor="test").replayed
-    wait_for(lambda: app.ledger.get(reject_card.name, token).state is State.DEAD
-             and app.ledger.find_raw(record.id).get("replays") == 1, what="replayed and dead")
+    wait_for(
+        lambda: (
+            app.ledger.get(reject_card.name, token).state is State.DEAD
+            and app.ledger.find_raw(record.id).get("replays") == 1
+        ),
+        what="replayed and dead",
+    )

@@ -30,9 +30,15 @@ def test_plain_text_passes_through_and_a_missing_key_is_a_configuration_error() 
 
 
 def test_celery_trace_lines_of_sensitive_tasks_are_redacted() -> None:
-    record = logging.LogRecord("celery.app.trace", logging.INFO, __file__, 1,
-                               "Task %(name)s succeeded: %(return_value)s",
-                               None, None)
+    record = logging.LogRecord(
+        "celery.app.trace",
+        logging.INFO,
+        __file__,
+        1,
+        "Task %(name)s succeeded: %(return_value)s",
+        None,
+        None,
+    )
     record.args = {"name": "secret.task", "return_value": "4111", "id": "1"}
     assert RedactSensitive(lambda name: name == "secret.task").filter(record)
     assert record.getMessage() == f"Task secret.task succeeded: {REDACTED}"

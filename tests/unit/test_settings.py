@@ -1,0 +1,123 @@
+"""celery_ledger.settings.Settings: every value is checked when the settings are built."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from celery_ledger import ConfigurationError, Settings, create_app
+
+
+@pytest.fixture(autouse=True)
+def no_ledger_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.upper().startswith("LEDGER_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("broker_url", "not a url"),
+        ("broker_url", "amqp://guest@localhost//"),
+        ("broker_url", "redis://host:port/0"),
+        ("mongo_uri", "http://ledger.example"),
+        ("mongo_uri", "mongodb://"),
+        ("mongo_uri", "mongodb://host/?noSuchOption=1"),
+        ("mongo_uri", "mongodb+srv://"),
+        ("mongo_uri", "mongodb+srv://cluster.example.net:27017/"),
+        ("mongo_db", ""),
+        ("mongo_db", "$ledger"),
+        ("mongo_db", "a.b"),
+        ("mongo_db", "with space"),
+        ("mongo_db", "x" * 64),
+        ("ledger_collection", ""),
+        ("ledger_collection", "a$b"),
+        ("ledger_collection", "a\x00b"),
+        ("ledger_collection", "system.ledger"),
+        ("ledger_collection", ".ledger"),
+        ("ledger_collection", "ledger."),
+        ("ledger_collection", "a..b"),
+        ("lease_seconds", float("inf")),
+        ("lease_seconds", "nan"),
+        ("throttle_latency_ms", "inf"),
+        ("busy_recheck_seconds", "1e309"),
+        ("rate_limits", {"a": {"rate_per_second": float("inf"), "burst": 1}}),
+        ("breakers", {"payments": {"failure_threshold": 0}}),
+        ("breakers", {"payments": {"failure_threshold": 2.5}}),
+        ("breakers", {"payments": {"cooldown_seconds": "soon"}}),
+        ("breakers", {"payments": {"cooldown_seconds": "inf"}}),
+        ("breakers", {"payments": {"failure_ratio": 2}}),
+        ("breakers", {"payments": {"threshold": 3}}),
+        ("retry_policies", {"bulk": {"max_retries": "many"}}),
+        ("retry_policies", {"bulk": {"max_retries": -1}}),
+        ("retry_policies", {"bulk": {"jitter": "sideways"}}),
+        ("retry_policies", {"bulk": {"base_seconds": "inf"}}),
+        ("retry_policies", {"critical": {"base_seconds": 60}}),  # over the tier's 30s cap
+        ("retry_policies", {"bulk": {"retries": 3}}),
+        ("retry_policies", {"nowhere": {"max_retries": 3}}),
+        ("sentry_dsn", "{}"),
+        ("sentry_dsn", "https://sentry.example/1"),  # no public key
+    ],
+)
+def test_an_invalid_value_is_refused_naming_the_field(field: str, value: Any) -> None:
+    with pytest.raises(ValidationError) as refused:
+        Settings(**{field: value})
+    assert field in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("broker_url", "redis://:secret@127.0.0.1:6379/0"),
+        ("broker_url", "rediss://cache.example:6380/1"),
+        ("broker_url", "unix:///run/redis.sock"),
+        ("mongo_uri", "mongodb://u:p@mongo:27017/?replicaSet=rs0&authSource=admin"),
+        ("mongo_uri", "mongodb://a:1,b:2/?directConnection=false"),
+        ("mongo_uri", "mongodb+srv://u:p@cluster0.example.net/db?retryWrites=true"),
+        ("mongo_db", "billing_2024-prod"),
+        ("ledger_collection", "ledger.v2"),
+        ("sentry_dsn", "https://public@sentry.example/1"),
+        ("sentry_dsn", ""),
+        ("breakers", {"payments": {"failure_threshold": 3, "failure_ratio": 0.5}}),
+    ],
+)
+def test_a_valid_value_is_kept_as_given(field: str, value: Any) -> None:
+    assert getattr(Settings(**{field: value}), field) == value
+
+
+def test_retry_policy_options_are_converted_to_their_types() -> None:
+    settings = Settings(retry_policies={"bulk": {"max_retries": "10", "base_seconds": 2}})
+
+    assert settings.retry_policies == {"bulk": {"max_retries": 10, "base_seconds": 2.0}}
+
+
+def test_breaker_options_are_converted_to_their_types() -> None:
+    settings = Settings(breakers={"payments": {"failure_threshold": "3", "cooldown_seconds": 3}})
+
+    assert settings.breakers == {"payments": {"failure_threshold": 3, "cooldown_seconds": 3.0}}
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("LEDGER_MONGO_URI", "http://ledger.example"),
+        ("LEDGER_BROKER_URL", "not a url"),
+        ("LEDGER_LEASE_SECONDS", "inf"),
+        ("LEDGER_BREAKERS", '{"payments": {"failure_threshold": 0}}'),
+        ("LEDGER_RETRY_POLICIES", '{"bulk": {"max_retries": "many"}}'),
+        ("LEDGER_RETRY_POLICIES", '{"bulk": {"cap_seconds": Infinity}}'),
+        ("LEDGER_SENTRY_DSN", "{}"),
+    ],
+)
+def test_create_app_refuses_an_invalid_variable_naming_it(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+
+    with pytest.raises(ConfigurationError) as refused:
+        create_app("unit", set_as_current=False)
+    assert variable.removeprefix("LEDGER_").lower() in str(refused.value)
