@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import random
 import time
@@ -21,7 +20,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
-from celery.utils.time import maybe_iso8601
 
 from . import headers
 from .crypto import REDACTED
@@ -34,13 +32,21 @@ from .errors import (
     PayloadError,
     PermanentError,
 )
-from .keys import validate_key
 from .ledger.record import ErrorEntry
 from .ledger.store import ClaimOutcome, utcnow
 from .policies.backoff import backoff_seconds
 from .policies.breaker import Admission, CircuitBreaker
 from .policies.retry import classify, decide
 from .progress import Execution, Heartbeat, Interrupted
+from .untrusted import (
+    expiry_of,
+    float_or_none,
+    request_header,
+    retries_done,
+    storable,
+    storable_value,
+    valid_key_or_none,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -48,9 +54,6 @@ if TYPE_CHECKING:
     from .task import LedgerTask
 
 logger = logging.getLogger("celery_ledger.guard")
-
-INT64 = range(-(2**63), 2**63)  # what BSON stores as an integer
-MAX_RETRIES_HEADER = 2**31  # a ``retries`` header at or past this is not a count
 
 
 def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -85,7 +88,7 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
             max_attempts=task.max_attempts,
         )
     except LedgerUnavailable as exc:
-        deferrals = int(_float_or_none(request_header(request, headers.DEFERRALS)) or 0)
+        deferrals = int(float_or_none(request_header(request, headers.DEFERRALS)) or 0)
         settings = task.app.settings
         delay = backoff_seconds(
             deferrals,
@@ -153,7 +156,7 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
     lease_seconds = task.lease_seconds or ledger.lease_seconds
     context["fence"] = fence
     age_limit = task.max_age_seconds
-    sent_at = _float_or_none(request_header(request, headers.ENQUEUED_AT))
+    sent_at = float_or_none(request_header(request, headers.ENQUEUED_AT))
     if age_limit is not None and sent_at is not None and time.time() - sent_at > age_limit:
         retire_job(
             task,
@@ -352,7 +355,7 @@ def _run_claimed(
             exc,
             policy=task.resolved_retry_policy(tier),
             retries_done=request.retries,
-            previous_delay=_float_or_none(request_header(request, headers.PREVIOUS_DELAY)),
+            previous_delay=float_or_none(request_header(request, headers.PREVIOUS_DELAY)),
             retry_on=tuple(task.retry_on or ()),
             fail_on=tuple(task.fail_on or ()),
         )
@@ -583,15 +586,6 @@ def announce_dead(task: LedgerTask, record: dict[str, Any], args: Any, kwargs: A
         logger.warning("could not announce dead letter %s", record.get("_id"), exc_info=True)
 
 
-def _float_or_none(value: Any) -> float | None:
-    """A finite number from a header, or None (raw messages may carry anything)."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return number if math.isfinite(number) and abs(number) < 1e12 else None
-
-
 def defer(
     task: LedgerTask,
     args: tuple[Any, ...],
@@ -613,7 +607,7 @@ def defer(
         {
             headers.KEY: key,
             headers.TIER: tier,
-            headers.DEFERRALS: int(_float_or_none(request_header(request, headers.DEFERRALS)) or 0)
+            headers.DEFERRALS: int(float_or_none(request_header(request, headers.DEFERRALS)) or 0)
             + 1,
         }
     )
@@ -676,69 +670,6 @@ def retry_time(when: Any) -> datetime:
     if isinstance(when, int | float):
         return utcnow() + timedelta(seconds=when)
     return utcnow()
-
-
-def request_header(request: Any, name: str) -> Any:
-    """A custom header of the current message (Celery exposes them as request attributes)."""
-    value = getattr(request, name, None)
-    if value is None and isinstance(request.headers, dict):
-        value = request.headers.get(name)
-    return value
-
-
-def storable(text: str) -> str:
-    """Text any BSON encoder accepts: lone surrogates (from odd input) become escapes."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def storable_value(value: Any) -> Any:
-    """Decoded JSON (headers of raw messages) as any BSON encoder stores it.
-
-    Integers past 64 bits become their text, and so does anything not JSON; strings lose lone
-    surrogates; keys lose NUL and a leading ``$`` (escaped as ``\\x00`` and ``\\$``).
-    """
-    if value is None or isinstance(value, bool | float):
-        return value
-    if isinstance(value, int):
-        return value if value in INT64 else str(value)
-    if isinstance(value, list | tuple):
-        return [storable_value(item) for item in value]
-    if isinstance(value, dict):
-        return {storable_key(name): storable_value(item) for name, item in value.items()}
-    return storable(value if isinstance(value, str) else str(value))
-
-
-def storable_key(name: Any) -> str:
-    """A document key BSON and MongoDB accept, from any header name."""
-    key = storable(str(name)).replace("\x00", "\\x00")
-    return "\\" + key if key.startswith("$") else key
-
-
-def retries_done(value: Any) -> int:
-    """The retries a message has behind it, from its ``retries`` header (0 if not a count)."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_RETRIES_HEADER:
-        return value
-    return 0
-
-
-def expiry_of(value: Any) -> datetime | None:
-    """When a message expires, from its ``expires`` header (ISO 8601; naive is UTC), or None."""
-    try:
-        expires = maybe_iso8601(value)
-    except (AttributeError, TypeError, ValueError, OverflowError):
-        return None
-    if not isinstance(expires, datetime):
-        return None
-    return expires if expires.tzinfo else expires.replace(tzinfo=UTC)
-
-
-def valid_key_or_none(value: Any, task_name: str) -> str | None:
-    """A message's ledger key if it is a valid key (raw messages may carry anything)."""
-    try:
-        return validate_key(value, task_name=task_name) if value else None
-    except PayloadError:
-        logger.warning("ignoring an invalid ledger_key header on a %s message", task_name)
-        return None
 
 
 def sealed_if_sensitive(task: LedgerTask, message: dict[str, Any]) -> dict[str, Any]:

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_ledger import Settings, create_app
-from celery_ledger.guard import expiry_of, retries_done, storable_key, storable_value
 from celery_ledger.task import LedgerRequest, LedgerTask
+from celery_ledger.untrusted import expiry_of, retries_done, storable_key, storable_value
 
 json_values = st.recursive(
     st.none()
