@@ -1,12 +1,12 @@
 """Scale: claim and completion latency as the ledger grows, disk per record, memory per worker.
 
-    python -m ops.bench.scale [--sizes 10000,100000] [--samples 300] [--repeats 3]
+    python -m ops.bench.scale [--sizes 10000,100000,1000000] [--samples 300] [--repeats 3]
                               [--memory-tasks 1000]
 
 Latency: the ledger is filled with succeeded records (shaped as ``Ledger.complete`` leaves
 them) up to each size, then ``Ledger.claim`` of a new key, ``Ledger.complete`` of that claim
 and ``Ledger.claim`` of the now succeeded key (a suppressed duplicate) are timed, one call at a
-time. 1M records (``--sizes 10000,100000,1000000``) takes several more minutes to insert.
+time. Filling to 1M records takes about ten minutes; ``--sizes 10000,100000`` for a quick run.
 
 Disk: the size of SecantusDB's storage directory over the record count, the growth between
 sizes over the records added, and ``collStats`` (documents + indexes).
@@ -169,7 +169,7 @@ def measure_memory(servers: Servers, tasks: int) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="10000,100000", help="ledger sizes (records)")
+    parser.add_argument("--sizes", default="10000,100000,1000000", help="ledger sizes (records)")
     parser.add_argument("--samples", type=int, default=300, help="calls per operation per run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory-tasks", type=int, default=1000)

@@ -155,32 +155,9 @@ def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any])
     request.ledger_settled = True
     lease_seconds = task.lease_seconds or ledger.lease_seconds
     context["fence"] = fence
-    age_limit = task.max_age_seconds
-    sent_at = float_or_none(request_header(request, headers.ENQUEUED_AT))
-    if age_limit is not None and sent_at is not None and time.time() - sent_at > age_limit:
-        retire_job(
-            task,
-            request.id,
-            fence,
-            args,
-            kwargs,
-            key=key,
-            tier=tier,
-            reason=f"expired: enqueued {time.time() - sent_at:.0f}s ago (max age {age_limit:.0f}s)",
-        )
-        raise Ignore("expired")
-    expires = expiry_of(request.expires)  # Celery's own expiry, enforced here (LedgerRequest)
-    if expires is not None and expires <= datetime.now(UTC):
-        retire_job(
-            task,
-            request.id,
-            fence,
-            args,
-            kwargs,
-            key=key,
-            tier=tier,
-            reason=f"expired: the message expired at {expires.isoformat()} before it ran",
-        )
+    expired = expiry_reason(task, request)
+    if expired is not None:
+        retire_job(task, request.id, fence, args, kwargs, key=key, tier=tier, reason=expired)
         raise Ignore("expired")
     interval = lease_seconds / 3 if task.heartbeat_seconds is None else task.heartbeat_seconds
     heartbeat = Heartbeat(
@@ -481,6 +458,19 @@ def report_to_breaker(
             breaker.record_success(probe=admission.probe)
     except redis.RedisError as error:
         logger.warning("could not report to breaker %s: %s", breaker.name, error)
+
+
+def expiry_reason(task: LedgerTask, request: Any) -> str | None:
+    """Why the job must not run any more (its ``max_age_seconds``, or Celery's ``expires``
+    enforced here: see ``LedgerRequest``), or None."""
+    age_limit = task.max_age_seconds
+    sent_at = float_or_none(request_header(request, headers.ENQUEUED_AT))
+    if age_limit is not None and sent_at is not None and time.time() - sent_at > age_limit:
+        return f"expired: enqueued {time.time() - sent_at:.0f}s ago (max age {age_limit:.0f}s)"
+    expires = expiry_of(request.expires)
+    if expires is not None and expires <= datetime.now(UTC):
+        return f"expired: the message expired at {expires.isoformat()} before it ran"
+    return None
 
 
 def retire_job(
