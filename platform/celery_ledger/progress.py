@@ -17,6 +17,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -47,7 +48,11 @@ def shutdown_flag(parent_pid: int) -> Path:
 
 
 class Heartbeat:
-    """A daemon thread extending one lease while the body runs."""
+    """Extends one lease while the body runs, from the process's heartbeat thread.
+
+    One daemon thread per process serves every running body (:class:`_Ticker`): starting a
+    thread per task would cost more than a millisecond of every task's time.
+    """
 
     def __init__(
         self,
@@ -62,21 +67,23 @@ class Heartbeat:
         self._record_id = record_id
         self._fence = fence
         self._lease_seconds = lease_seconds
-        self._interval = interval_seconds
-        self._stop = threading.Event()
+        self.interval = interval_seconds
+        self.due = 0.0
         self._flag = shutdown_flag(os.getppid())
+        self._lock = threading.Lock()  # a tick in progress finishes before stop() returns
+        self._stopped = False
         self.lost = False
         self.shutdown_requested = False
-        self._thread = threading.Thread(target=self._run, name="ledger-heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
-        self._thread.start()
+        self.due = time.monotonic() + self.interval
+        _TICKER.add(self)
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5.0)
+        _TICKER.remove(self)
+        with self._lock:
+            self._stopped = True
 
     def beat(self) -> None:
         try:
@@ -85,25 +92,69 @@ class Heartbeat:
             self.lost = True
             raise
 
-    def _run(self) -> None:
-        waited = 0.0
-        tick = min(1.0, self._interval)
-        while not self._stop.wait(tick):
-            waited += tick
+    def tick(self, now: float) -> None:
+        """Called by the ticker at least every second: watch for shutdown, beat when due."""
+        with self._lock:
+            if self._stopped:
+                return
             if not self.shutdown_requested and self._flag.exists():
                 self.shutdown_requested = True
                 logger.warning(
                     "worker shutting down: %s should checkpoint and stop", self._record_id
                 )
-            if waited < self._interval or self.lost:
-                continue
-            waited = 0.0
+            if now < self.due:
+                return
+            self.due = now + self.interval
+            if self.lost:
+                return
             try:
                 self.beat()
             except LeaseLost:
                 logger.warning("lease on %s lost: a newer claim took over", self._record_id)
             except LedgerError as exc:  # ledger down: try again next beat, the lease may hold
                 logger.warning("heartbeat of %s failed: %s", self._record_id, exc)
+
+
+class _Ticker:
+    """The process's heartbeat thread: ticks every started :class:`Heartbeat` when due, and
+    each at least once a second (the shutdown flag). Started on first use in each process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._beats: set[Heartbeat] = set()
+        self._wake = threading.Event()
+        self._pid = -1
+
+    def add(self, heartbeat: Heartbeat) -> None:
+        with self._lock:
+            if self._pid != os.getpid():  # none yet, or a forked child: its own thread
+                self._pid = os.getpid()
+                self._beats = set()
+                self._wake = threading.Event()
+                thread = threading.Thread(target=self._run, name="ledger-heartbeat", daemon=True)
+                thread.start()
+            self._beats.add(heartbeat)
+        self._wake.set()  # a short interval may be due before the current wait ends
+
+    def remove(self, heartbeat: Heartbeat) -> None:
+        with self._lock:
+            self._beats.discard(heartbeat)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                beats = list(self._beats)
+            now = time.monotonic()
+            wait = min([1.0, *(b.due - now for b in beats)])
+            if wait > 0 and self._wake.wait(wait):
+                self._wake.clear()
+                continue
+            now = time.monotonic()
+            for heartbeat in beats:
+                heartbeat.tick(now)
+
+
+_TICKER = _Ticker()
 
 
 class Execution:
