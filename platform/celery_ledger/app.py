@@ -253,6 +253,7 @@ def create_app(name: str, settings: Settings | None = None, **celery_options: An
         dead_retention_seconds=settings.dead_retention_seconds,
         error_history_limit=settings.error_history_limit,
         max_deliveries=settings.max_deliveries,
+        ttl_index=settings.ttl_index,
         event_listeners=ledger_listeners(settings),  # metrics: ledger latency
     )
     app.conf.update(

@@ -52,6 +52,12 @@ class Settings(BaseSettings):
     dead_retention_seconds: int = Field(
         30 * 24 * 3600, ge=60, description="How long dead records are kept."
     )
+    ttl_index: bool = Field(
+        True,
+        description="Expire old records with a MongoDB TTL index; `false`: a plain index and a"
+        " delete every minute by each worker (for servers whose TTL sweep blocks writes, as"
+        " SecantusDB's does; the embedded stack sets it).",
+    )
     error_history_limit: int = Field(
         20, ge=1, le=500, description="Errors kept per record (oldest dropped first)."
     )

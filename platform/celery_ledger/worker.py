@@ -21,6 +21,7 @@ from .errors import LedgerError
 from .progress import shutdown_flag
 
 logger = logging.getLogger("celery_ledger.worker")
+EXPIRE_EVERY_SECONDS = 60.0  # as MongoDB's TTL monitor (when ``ttl_index`` is off)
 
 
 class Housekeeping:
@@ -143,6 +144,8 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             lambda name, args, kwargs, options: app.send_task(name, args, kwargs, **options),
         )
         jobs: list[Callable[[], object]] = [publisher.publish_due, app.dead_letters.drain_poison]
+        if not app.settings.ttl_index:
+            jobs.append(Every(EXPIRE_EVERY_SECONDS, app.ledger.expire))
         if "bulk" in app.amqp.queues.consume_from:
             throttle = BulkThrottle(app, worker.hostname)
             jobs.append(Every(app.settings.throttle_check_seconds, throttle.tick))

@@ -105,3 +105,30 @@ def test_enqueue_tells_new_jobs_from_known_ones_in_one_call(ledger: Ledger) -> N
     assert ledger.enqueue(record_id, task="t", key="k", tier="bulk") is False
     assert ledger.get_by_id(record_id).state is State.QUEUED  # type: ignore[union-attr]
     assert claim(ledger, record_id).outcome is ClaimOutcome.CLAIMED
+
+
+def test_without_a_ttl_index_expire_deletes_only_records_past_their_expiry(stack: Any) -> None:
+    database = f"expiry_{uuid.uuid4().hex[:8]}"
+    ttl = Ledger(uri=stack.ledger.url, database=database)
+    ttl.ensure_indexes()
+    # Switching off the TTL index replaces it by a plain one (MongoDB refuses both at once)
+    swept = Ledger(uri=stack.ledger.url, database=database, ttl_index=False)
+    swept.ensure_indexes()
+    indexes = swept.collection.index_information()
+    assert "retention" not in indexes
+    assert "expireAfterSeconds" not in indexes["retention_sweep"]
+
+    a, b = uuid.uuid4().hex, uuid.uuid4().hex
+    for record_id in (a, b):
+        claim(swept, record_id)
+        swept.complete(record_id, swept.find_raw(record_id)["fence"], "1")
+    swept.collection.update_one({"_id": a}, {"$set": {"expires_at": utcnow()}})
+    time.sleep(0.01)
+
+    assert swept.expire() == 1
+    assert swept.find_raw(a) is None
+    assert swept.get_by_id(b) is not None
+    # And back: the TTL index returns
+    ttl.ensure_indexes()
+    assert ttl.collection.index_information()["retention"]["expireAfterSeconds"] == 0
+    ttl.client.drop_database(database)

@@ -80,6 +80,7 @@ class EmbeddedStack:
         return {
             "LEDGER_BROKER_URL": self.broker.url,
             "LEDGER_MONGO_URI": self.ledger.url,
+            "LEDGER_TTL_INDEX": "false",  # SecantusDB's TTL sweep blocks writes (Ledger.expire)
             **self.extra_env,
         }
 
@@ -248,7 +249,10 @@ def running_stack(
 ) -> Iterator[EmbeddedStack]:
     """Start the stack, set ``LEDGER_*`` in this process's environment, stop it all on exit."""
     stack = EmbeddedStack(app_module, data_dir, auth=auth)
-    saved = {name: os.environ.get(name) for name in ("LEDGER_BROKER_URL", "LEDGER_MONGO_URI")}
+    saved = {
+        name: os.environ.get(name)
+        for name in ("LEDGER_BROKER_URL", "LEDGER_MONGO_URI", "LEDGER_TTL_INDEX")
+    }
     try:
         stack.start_servers(broker_port=broker_port, ledger_port=ledger_port)
         os.environ.update(stack.env)

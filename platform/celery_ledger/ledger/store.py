@@ -141,6 +141,7 @@ class Ledger:
         dead_retention_seconds: int = 30 * 24 * 3600,
         error_history_limit: int = 20,
         max_deliveries: int = 5,
+        ttl_index: bool = True,
         event_listeners: Sequence[CommandListener] = (),
     ) -> None:
         self.uri = uri
@@ -151,6 +152,7 @@ class Ledger:
         self.dead_retention = timedelta(seconds=dead_retention_seconds)
         self.error_history_limit = error_history_limit
         self.max_deliveries = max_deliveries
+        self.ttl_index = ttl_index
         self._write_concern = WriteConcern(
             w=int(write_concern) if write_concern.isdigit() else write_concern, j=True
         )
@@ -212,12 +214,33 @@ class Ledger:
             self.client.admin.command("ping")
 
     def ensure_indexes(self) -> None:
-        """Create the TTL index (retention) and the index the sweepers query."""
+        """Create the retention index (TTL, or plain for :meth:`expire`) and the sweepers' index.
+
+        Switching ``ttl_index`` drops the other kind first: MongoDB refuses two indexes on
+        ``expires_at`` with different options.
+        """
+        wanted, other = ("retention", "retention_sweep")
+        if not self.ttl_index:
+            wanted, other = other, wanted
         with translate_errors("index creation"):
-            self.collection.create_index("expires_at", expireAfterSeconds=0, name="retention")
+            if other in self.collection.index_information():
+                self.collection.drop_index(other)
+            if self.ttl_index:
+                self.collection.create_index("expires_at", expireAfterSeconds=0, name=wanted)
+            else:
+                self.collection.create_index("expires_at", name=wanted)
             self.collection.create_index(
                 [("state", ASCENDING), ("claimable_at", ASCENDING)], name="state_claimable"
             )
+
+    def expire(self) -> int:
+        """Delete records past their ``expires_at`` (what the TTL index does when it is on).
+
+        One indexed range delete. SecantusDB's TTL sweeper instead reads the whole collection
+        under its global lock, stalling every write for seconds per 100k records.
+        """
+        with translate_errors("expiry"):
+            return self.collection.delete_many({"expires_at": {"$lt": utcnow()}}).deleted_count
 
     # -- reads ------------------------------------------------------------------------------
 
