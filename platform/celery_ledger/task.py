@@ -273,10 +273,25 @@ class LedgerTask(Task):  # type: ignore[misc]
         dedupe = "retries" not in options and (
             settings.dedupe_on_publish if self.dedupe_on_publish is None else self.dedupe_on_publish
         )
-        if dedupe and not self.app.ledger.enqueue(
-            task_id, task=self.name, key=key, tier=tier, message=self._message_of(args, kwargs)
-        ):
-            return self.AsyncResult(task_id)
+        if dedupe:
+            try:
+                new = self.app.ledger.enqueue(
+                    task_id,
+                    task=self.name,
+                    key=key,
+                    tier=tier,
+                    message=self._message_of(args, kwargs),
+                )
+            except LedgerUnavailable as exc:
+                # Publishing never needs the ledger: the claim still runs the job once; only the
+                # reconciler's republish of a lost message is missing for this one.
+                logger.warning(
+                    "ledger unreachable; %s published without its queued record: %s", task_id, exc
+                )
+                dedupe = False
+            else:
+                if not new:
+                    return self.AsyncResult(task_id)
         try:
             return publish_now()
         except Exception:

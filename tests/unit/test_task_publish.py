@@ -20,6 +20,7 @@ from celery_ledger import (
     ConfigurationError,
     LedgerCelery,
     LedgerTask,
+    LedgerUnavailable,
     PayloadError,
     Settings,
     create_app,
@@ -57,10 +58,13 @@ class FakeDelayed:
 @dataclass
 class FakeLedger:
     new: bool = True
+    down: bool = False
     enqueued: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     forgotten: list[str] = field(default_factory=list)
 
     def enqueue(self, record_id: str, **fields: Any) -> bool:
+        if self.down:
+            raise LedgerUnavailable("ledger unreachable during enqueue: timed out")
         self.enqueued.append((record_id, fields))
         return self.new
 
@@ -472,6 +476,17 @@ def test_dedupe_forgets_the_queued_record_when_publishing_fails(
     with pytest.raises(ConnectionError):
         add.apply_async((1, 2))
     assert ledger.forgotten == [ledger.enqueued[0][0]]
+
+
+def test_dedupe_with_the_ledger_down_still_publishes(
+    app: LedgerCelery, add: LedgerTask, published: list[Published]
+) -> None:
+    app.ledger = FakeLedger(down=True)  # type: ignore[assignment]
+    add.dedupe_on_publish = True
+
+    add.apply_async((1, 2))
+
+    assert len(published) == 1
 
 
 def test_no_dedupe_by_default(
