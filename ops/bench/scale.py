@@ -153,6 +153,16 @@ def settle(ledger: Ledger, timeout: float = 600.0) -> float:
     return time.perf_counter() - began
 
 
+def storage_stats(ledger: Ledger) -> tuple[int, dict[str, Any]]:
+    """Record count and ``collStats``, without a timeout (SecantusDB counts by reading all)."""
+    client: MongoClient[dict[str, Any]]
+    with MongoClient(ledger.uri, socketTimeoutMS=None) as client:
+        database = client[ledger.database_name]
+        count = database[ledger.collection_name].estimated_document_count()
+        client.admin.command("fsync")
+        return count, database.command("collStats", ledger.collection_name)
+
+
 def disk_usage(path: Path) -> dict[str, int]:
     """Bytes under SecantusDB's storage directory, by part."""
     parts = {"documents": 0, "oplog": 0, "journal": 0, "other": 0}
@@ -191,9 +201,8 @@ def measure_sizes(
             settled = settle(ledger)
             print(f"  server settled {settled:.0f}s after the fill", flush=True)
             per_repeat = [time_operations(ledger, samples) for _ in range(repeats)]
-            count = ledger.collection.estimated_document_count()
-            ledger.client.admin.command("fsync")
-            stats = ledger.collection.database.command("collStats", ledger.collection_name)
+            print(f"  timed {repeats} x {samples} calls at {size:,} records", flush=True)
+            count, stats = storage_stats(ledger)
             row: dict[str, Any] = {
                 "records": count,
                 "fill_docs_per_second": rate,
