@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import headers
 from .ledger.record import State
@@ -49,6 +49,7 @@ class ReconcileReport:
     republished: int = 0
     stale_queued: int = 0
     stale_retrying: int = 0
+    still_waiting: int = 0  # stale, but their message is still queued or delayed: left alone
     skipped: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -91,10 +92,16 @@ def reconcile(
             ledger.touch(doc["_id"], doc.get("updated_at"))
         else:
             report.skipped.append(doc["_id"])
+    waiting: set[str] | None = None  # ids whose message is still in the broker, read once
     for state, attribute in ((State.QUEUED, "stale_queued"), (State.RETRYING, "stale_retrying")):
         for doc in ledger.stale(state, older_than_seconds=stale_after, limit=limit):
             setattr(report, attribute, getattr(report, attribute) + 1)
             if dry_run:
+                continue
+            if waiting is None:
+                waiting = _waiting_task_ids(app) | set(unacked)
+            if doc["_id"] in waiting:  # only slow (a backlog): a copy would cost a claim
+                report.still_waiting += 1
                 continue
             if ledger.touch(doc["_id"], doc.get("updated_at")) and _republish(app, doc):
                 report.republished += 1
@@ -120,6 +127,24 @@ def _unacked_by_task_id(app: LedgerCelery) -> dict[str, tuple[str, str, bytes]]:
             queue,
             json.dumps(message).encode(),
         )
+    return found
+
+
+def _waiting_task_ids(app: LedgerCelery) -> set[str]:
+    """Task ids of the messages waiting in the tiers' queues and in the delayed set."""
+    found: set[str] = set()
+    for queue in app.tiers.names:
+        for raw in app.redis.lrange(queue, 0, -1):
+            try:
+                found.add(str(json.loads(raw)["headers"]["id"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    members = cast("list[bytes]", app.redis.zrange(app.delayed.key, 0, -1))
+    for member in members:
+        try:
+            found.add(str(json.loads(member)["options"]["task_id"]))
+        except (ValueError, KeyError, TypeError):
+            continue
     return found
 
 

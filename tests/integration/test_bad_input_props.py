@@ -594,3 +594,40 @@ def test_reconciler_republishes_a_queued_job_whose_message_was_lost(stack: Embed
             "probe.job", token
         )
     probe.close()
+
+
+def test_reconciler_leaves_a_stale_queued_job_whose_message_still_waits(
+    stack: EmbeddedStack,
+) -> None:
+    from celery_ledger.reconciler import reconcile
+
+    assert stack.broker is not None and stack.ledger is not None
+    broker_url = stack.broker.url.rsplit("/", 1)[0] + "/8"  # a database no worker reads
+    probe = create_app(
+        "reconcile_backlog_probe",
+        settings=Settings(
+            broker_url=broker_url,
+            mongo_uri=stack.ledger.url,
+            mongo_db="reconcile_backlog_probe",
+            dedupe_on_publish=True,
+        ),
+        set_as_current=False,
+    )
+
+    @probe.task(shared=False, name="probe.slow", idempotency_key="{token}")
+    def slow(token: str) -> str:
+        return token
+
+    token = f"waiting-{uuid.uuid4().hex[:8]}"
+    with redis.Redis.from_url(broker_url) as broker:
+        broker.flushdb()
+        # Given a queued job whose message waits behind a backlog
+        slow.delay(token)
+        time.sleep(0.05)
+        # When the reconciler finds it stale
+        report = reconcile(probe, stale_after_seconds=0.01, lease_grace_seconds=3600)
+        # Then it is left alone: no second copy to claim
+        assert report.still_waiting == 1, report.as_dict()
+        assert report.republished == 0
+        assert broker.llen("default") == 1
+    probe.close()
