@@ -557,17 +557,16 @@ def test_create_app_refuses_an_invalid_setting(name: str, value: str) -> None:
     assert name.removeprefix("LEDGER_").lower() in str(refused.value)
 
 
-def test_reconciler_republishes_a_queued_job_whose_message_was_lost(stack: EmbeddedStack) -> None:
-    from celery_ledger.reconciler import reconcile
-
+def dedupe_probe(stack: EmbeddedStack, name: str, database: int) -> tuple[Any, Any, str]:
+    """An app publishing ``probe.job`` with dedupe on, on a broker database no worker reads."""
     assert stack.broker is not None and stack.ledger is not None
-    broker_url = stack.broker.url.rsplit("/", 1)[0] + "/7"  # a database no worker reads
+    broker_url = stack.broker.url.rsplit("/", 1)[0] + f"/{database}"
     probe = create_app(
-        "reconcile_probe",
+        name,
         settings=Settings(
             broker_url=broker_url,
             mongo_uri=stack.ledger.url,
-            mongo_db="reconcile_probe",
+            mongo_db=name,
             dedupe_on_publish=True,
         ),
         set_as_current=False,
@@ -577,6 +576,13 @@ def test_reconciler_republishes_a_queued_job_whose_message_was_lost(stack: Embed
     def job(token: str) -> str:
         return token
 
+    return probe, job, broker_url
+
+
+def test_reconciler_republishes_a_queued_job_whose_message_was_lost(stack: EmbeddedStack) -> None:
+    from celery_ledger.reconciler import reconcile
+
+    probe, job, broker_url = dedupe_probe(stack, "reconcile_probe", 7)
     token = f"lost-{uuid.uuid4().hex[:8]}"
     with redis.Redis.from_url(broker_url) as broker:
         broker.flushdb()
@@ -601,23 +607,7 @@ def test_reconciler_leaves_a_stale_queued_job_whose_message_still_waits(
 ) -> None:
     from celery_ledger.reconciler import reconcile
 
-    assert stack.broker is not None and stack.ledger is not None
-    broker_url = stack.broker.url.rsplit("/", 1)[0] + "/8"  # a database no worker reads
-    probe = create_app(
-        "reconcile_backlog_probe",
-        settings=Settings(
-            broker_url=broker_url,
-            mongo_uri=stack.ledger.url,
-            mongo_db="reconcile_backlog_probe",
-            dedupe_on_publish=True,
-        ),
-        set_as_current=False,
-    )
-
-    @probe.task(shared=False, name="probe.slow", idempotency_key="{token}")
-    def slow(token: str) -> str:
-        return token
-
+    probe, slow, broker_url = dedupe_probe(stack, "reconcile_backlog_probe", 8)
     token = f"waiting-{uuid.uuid4().hex[:8]}"
     with redis.Redis.from_url(broker_url) as broker:
         broker.flushdb()
