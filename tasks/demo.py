@@ -35,7 +35,9 @@ def main() -> int:
     os.environ.setdefault("LEDGER_BUSY_RECHECK_SECONDS", "1")
     console.print("[bold]Starting the embedded stack[/] (valkey-server, SecantusDB, 3 workers)...")
     started = time.monotonic()
-    with running_stack("tasks", args.data_dir) as stack:
+    # The reference app's tier queues are named after it ("reference.critical", ...)
+    namespace = os.environ.get("LEDGER_QUEUE_NAMESPACE", "reference")
+    with running_stack("tasks", args.data_dir, queue_namespace=namespace) as stack:
         console.print(stack.describe(), highlight=False, soft_wrap=True)
         console.print(f"up in {time.monotonic() - started:.1f}s\n")
         report = run_workload(args.orders, args.emails, args.reports)

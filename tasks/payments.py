@@ -24,12 +24,13 @@ class FakeGateway:
     def __init__(self, failure_rate: float = 0.2) -> None:
         self.failure_rate = failure_rate
 
-    def charge(self, order_id: int, amount_cents: int) -> str:
+    def charge(self, order_id: int, amount_cents: int, *, idempotency_key: str) -> str:
+        """A real gateway takes an idempotency key: a repeat of the same key charges once."""
         if amount_cents <= 0:
             raise InvalidAmount(f"order {order_id}: cannot charge {amount_cents} cents")
         if random.random() < self.failure_rate:
             raise GatewayTimeout(f"gateway timed out charging order {order_id}")
-        record_effect("charge", f"order-{order_id}", amount_cents=amount_cents)
+        record_effect("charge", idempotency_key, amount_cents=amount_cents)
         return f"ch_{order_id}_{amount_cents}"
 
 
@@ -47,5 +48,6 @@ gateway = FakeGateway()
 )
 def charge(self, order_id: int, amount_cents: int) -> dict[str, object]:
     """Charge an order exactly once, however often the message is delivered."""
-    charge_id = gateway.charge(order_id, amount_cents)
+    # The job's key travels to the receiver of the effect (see the README's limits)
+    charge_id = gateway.charge(order_id, amount_cents, idempotency_key=self.job_key)
     return {"order_id": order_id, "charge_id": charge_id, "amount_cents": amount_cents}

@@ -1,36 +1,41 @@
-"""create_app: a Celery app whose tasks are LedgerTasks and whose result backend is the ledger."""
+"""create_app: the one place that wires the platform to Celery.
+
+It builds the settings, the tiers, the ledger store and the :class:`~celery_ledger.runtime.
+Runtime`, and gives the engines (guard, dead letters, reconciler, observability) the services
+they use; the app is a :class:`celery.Celery` whose tasks are LedgerTasks, whose result backend
+is the ledger, whose transport and consumer quarantine bad messages, and whose workers run the
+platform's housekeeping.
+"""
 
 from __future__ import annotations
 
 import difflib
 import logging
 import os
-from dataclasses import replace
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
-import redis
 from celery import Celery, Task
 from kombu.entity import Queue
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
+from pymongo.monitoring import CommandListener
 
-from .crypto import RedactSensitive, Sealer
-from .deadletter import DeadLetters
-from .delayed import DelayedDeliveries
+from .broker import RedisBroker, SweepLock
+from .crypto import REDACTED, RedactSensitive, Sealer
+from .deadletter import DeadLetters, poison_key
 from .errors import ConfigurationError
-from .hooks import Hooks
+from .events import Observers
+from .guard import Guard
 from .ledger.store import Ledger
 from .observability import install as install_observability
 from .observability import ledger_listeners
-from .policies.backpressure import Backpressure, QueueDepths
-from .policies.breaker import BreakerConfig, Breakers
-from .policies.rate_limit import RateLimits
-from .policies.retry import TIER_RETRY_DEFAULTS, RetryPolicy
-from .pressure import Pressure, Throttle, ThrottleRule
-from .reconciler import reconcile
-from .routing import DEAD_LETTER_QUEUE, DEFAULT_TIER_LIMITS, Tiers
-from .settings import TIERS, Settings
+from .policies.breaker import Breakers
+from .reconciler import Reconciler
+from .routing import DEAD_LETTER, TIERS, Tiers
+from .runtime import Runtime
+from .settings import Settings
 from .task import LedgerTask
 from .worker import LedgerWorkerStep
 
@@ -55,115 +60,71 @@ _DECORATOR_OPTIONS = frozenset(
         "pydantic_dump_kwargs",
     }
 )
+# kombu sweeps unacknowledged messages back under a lock; a worker killed while sweeping holds
+# it until it expires (300 s by default), stalling every other worker's sweep that long.
+_UNACKED_MUTEX_EXPIRE_SECONDS = 60
 
 
 class LedgerCelery(Celery):  # type: ignore[misc]
     """A :class:`celery.Celery` with the ledger attached (``app.ledger``)."""
 
     settings: Settings
-    ledger: Ledger
     tiers: Tiers
+    runtime: Runtime
 
-    @cached_property
+    @property
+    def ledger(self) -> Ledger:
+        """The ledger store: ``app.ledger.get(task_name, key)`` reads a job's record."""
+        return self.runtime.ledger
+
+    @property
     def sealer(self) -> Sealer:
         """Encryption at rest for sensitive tasks (``LEDGER_ENCRYPTION_KEYS``)."""
-        return Sealer(self.settings.encryption_keys)
+        return self.runtime.sealer
+
+    @property
+    def breakers(self) -> Breakers:
+        """Circuit breakers shared through Redis by every worker: ``app.breakers["payments"]``."""
+        return self.runtime.breakers
+
+    @property
+    def observers(self) -> Observers:
+        """The platform's observers: ``app.observers.add(MyObserver())``."""
+        return self.runtime.observers
+
+    @cached_property
+    def dead_letters(self) -> DeadLetters:
+        return DeadLetters(self.runtime, self._publish_raw)
+
+    @cached_property
+    def guard(self) -> Guard:
+        return Guard(self.runtime, self.dead_letters)
+
+    @cached_property
+    def reconciler(self) -> Reconciler:
+        runtime = self.runtime
+        keys = unacked_keys(self.tiers.namespace)
+        broker = RedisBroker(
+            runtime.redis,
+            queues=self.tiers.queues,
+            delayed_key=runtime.delayed.key,
+            unacked_key=keys.get("unacked_key", "unacked"),
+            unacked_index_key=keys.get("unacked_index_key", "unacked_index"),
+        )
+        ttl = runtime.settings.reconcile_every_seconds * 2.5
+        lock = SweepLock(runtime.redis, f"{runtime.name}:ledger:reconciler", ttl_seconds=ttl)
+        return Reconciler(runtime, broker, lock)
 
     def is_sensitive(self, task_name: Any) -> bool:
         task = self.tasks.get(task_name) if isinstance(task_name, str) else None
         return bool(getattr(task, "sensitive", False))
 
-    @cached_property
-    def hooks(self) -> Hooks:
-        """Platform events (see :mod:`celery_ledger.hooks`)."""
-        return Hooks()
-
-    @cached_property
-    def breakers(self) -> Breakers:
-        """Circuit breakers shared through Redis by every worker: ``app.breakers["payments"]``."""
-        try:
-            configs = {
-                name: BreakerConfig(**values)  # type: ignore[arg-type]
-                for name, values in self.settings.breakers.items()
-            }
-        except TypeError as exc:
-            raise ConfigurationError(f"LEDGER_BREAKERS: {exc}") from exc
-        return Breakers(
-            self.settings.broker_url,
-            configs=configs,
-            on_transition=lambda name, old, new: self.hooks.emit(
-                "breaker", name=name, old=old, new=new
-            ),
-        )
-
-    @cached_property
-    def redis(self) -> redis.Redis:
-        """A client of the broker's Redis, for the platform's shared state."""
-        return redis.Redis.from_url(
-            self.settings.broker_url, socket_timeout=5, socket_connect_timeout=5
-        )
-
-    @cached_property
-    def queue_depths(self) -> QueueDepths:
-        return QueueDepths(self.redis, (*self.tiers.names, DEAD_LETTER_QUEUE), ttl_seconds=1.0)
-
-    @cached_property
-    def backpressure(self) -> Backpressure:
-        limits = dict(DEFAULT_TIER_LIMITS)
-        for tier, values in self.settings.tier_limits.items():
-            self.tiers.check(tier, where="LEDGER_TIER_LIMITS")
-            try:
-                limits[tier] = replace(limits[tier], **values)  # type: ignore[arg-type]
-            except TypeError as exc:
-                raise ConfigurationError(f"LEDGER_TIER_LIMITS[{tier!r}]: {exc}") from exc
-        return Backpressure(
-            self.queue_depths, limits, on_shed=lambda tier: self.hooks.emit("shed", tier=tier)
-        )
-
-    @cached_property
-    def rate_limits(self) -> RateLimits:
-        try:
-            limits = {
-                name: (float(v["rate_per_second"]), int(v["burst"]))
-                for name, v in self.settings.rate_limits.items()
-            }
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigurationError(
-                f"LEDGER_RATE_LIMITS needs rate_per_second and burst: {exc}"
-            ) from exc
-        return RateLimits(self.redis, limits)
-
-    @cached_property
-    def throttle(self) -> Throttle:
-        settings = self.settings
-        rule = ThrottleRule(
-            latency_threshold_ms=settings.throttle_latency_ms,
-            critical_backlog=settings.throttle_critical_backlog,
-            resume_ratio=settings.throttle_resume_ratio,
-        )
-        pressure = Pressure(self.redis, window_seconds=settings.pressure_window_seconds)
-        return Throttle(
-            pressure, self.queue_depths, rule, interval_seconds=settings.throttle_check_seconds
-        )
-
-    @cached_property
-    def dead_letters(self) -> DeadLetters:
-        return DeadLetters(self, self.ledger, self.settings.broker_url)
-
-    def retry_policy_for(self, tier: str) -> RetryPolicy:
-        """The tier's retry default: built-in, updated by ``LEDGER_RETRY_POLICIES``."""
-        base = TIER_RETRY_DEFAULTS.get(tier, RetryPolicy())
-        override = self.settings.retry_policies.get(tier)
-        if not override:
-            return base
-        try:
-            return base.updated(**override)
-        except TypeError as exc:
-            raise ConfigurationError(f"LEDGER_RETRY_POLICIES[{tier!r}]: {exc}") from exc
-
-    @cached_property
-    def delayed(self) -> DelayedDeliveries:
-        return DelayedDeliveries(self.settings.broker_url, key=f"{self.main}:ledger:delayed")
+    def tier_of(self, task_name: str) -> str | None:
+        """The tier a task is routed to, or None if no such task is registered here."""
+        task = self.tasks.get(task_name)
+        if task is None:
+            return None
+        return self.tiers.of_task(task_name, getattr(task, "tier", None))
 
     def task(self, *args: Any, **options: Any) -> Any:
         """Declare a task (a :class:`LedgerTask` unless ``base=`` says otherwise).
@@ -197,6 +158,62 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             )
         return super().task(*args, **options)
 
+    # -- the ports the engines publish through ---------------------------------------------------
+
+    def _publish(
+        self,
+        task: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        *,
+        task_id: str,
+        tier: str,
+        headers: dict[str, Any],
+        retries: int = 0,
+        expires: str | None = None,
+        redacted: bool = False,
+    ) -> None:
+        """A task message to a tier's queue, bypassing the publish-side checks (a republish)."""
+        options: dict[str, Any] = {}
+        if redacted:
+            options["argsrepr"] = options["kwargsrepr"] = REDACTED
+        self.send_task(
+            task,
+            args,
+            kwargs,
+            task_id=task_id,
+            queue=self.tiers.queue(tier),
+            headers=headers,
+            retries=retries,
+            expires=expires,
+            **options,
+        )
+
+    def _publish_raw(self, queue: str, payload: dict[str, Any], headers: dict[str, Any]) -> None:
+        """A plain JSON message (a dead letter's copy) to ``queue``."""
+        with self.producer_or_acquire() as producer:
+            producer.publish(
+                payload,
+                exchange="",
+                routing_key=queue,
+                serializer="json",
+                declare=[Queue(queue)],
+                retry=True,
+                headers=headers,
+            )
+
+
+def unacked_keys(namespace: str) -> dict[str, str]:
+    """kombu's keys for delivered, unacknowledged messages, in the app's namespace (so one
+    app's reconciler and restore sweep only ever see its own messages)."""
+    if not namespace:
+        return {}
+    return {
+        "unacked_key": f"{namespace}.unacked",
+        "unacked_index_key": f"{namespace}.unacked_index",
+        "unacked_mutex_key": f"{namespace}.unacked_mutex",
+    }
+
 
 def settings_from_environment() -> Settings:
     """``Settings()`` from ``LEDGER_*``; a bad value or an unknown ``LEDGER_*`` name is refused.
@@ -223,26 +240,38 @@ def settings_from_environment() -> Settings:
         raise ConfigurationError(f"invalid LEDGER_* settings: {exc}") from exc
 
 
-def create_app(name: str, settings: Settings | None = None, **celery_options: Any) -> LedgerCelery:
+def create_app(
+    name: str,
+    settings: Settings | None = None,
+    *,
+    command_listeners: Sequence[CommandListener] = (),
+    **celery_options: Any,
+) -> LedgerCelery:
     """Build a Celery app wired to the ledger; settings from ``LEDGER_*`` unless given.
+
+    ``command_listeners`` are pymongo command listeners for the ledger's client (to count or
+    time its round trips); ``celery_options`` go to :class:`celery.Celery`.
 
     Raises:
         ConfigurationError: the settings are invalid (the message names the setting).
     """
     if settings is None:
         settings = settings_from_environment()
-    tiers = Tiers(TIERS, default=settings.default_tier, rules=settings.routing_rules)
+    namespace = name if settings.queue_namespace is None else settings.queue_namespace
+    tiers = Tiers(
+        TIERS, default=settings.default_tier, rules=settings.routing_rules, namespace=namespace
+    )
     app = LedgerCelery(
         name,
         broker=settings.broker_url,
-        backend="celery_ledger.ledger.backend:LedgerBackend",
+        backend="celery_ledger.backend:LedgerBackend",
         task_cls=LedgerTask,
         set_as_current=celery_options.pop("set_as_current", True),
         **celery_options,
     )
     app.settings = settings
     app.tiers = tiers
-    app.ledger = Ledger(
+    ledger = Ledger(
         uri=settings.mongo_uri,
         database=settings.mongo_db,
         collection=settings.ledger_collection,
@@ -254,7 +283,15 @@ def create_app(name: str, settings: Settings | None = None, **celery_options: An
         error_history_limit=settings.error_history_limit,
         max_deliveries=settings.max_deliveries,
         ttl_index=settings.ttl_index,
-        event_listeners=ledger_listeners(settings),  # metrics: ledger latency
+        event_listeners=[*ledger_listeners(settings), *command_listeners],
+    )
+    app.runtime = Runtime(
+        settings,
+        name=name,
+        tiers=tiers,
+        ledger=ledger,
+        publish=app._publish,
+        tier_of=app.tier_of,
     )
     app.conf.update(
         # JSON only: pickle is refused on both sides.
@@ -269,31 +306,36 @@ def create_app(name: str, settings: Settings | None = None, **celery_options: An
         worker_cancel_long_running_tasks_on_connection_loss=False,
         broker_transport="celery_ledger.transport:Transport",
         worker_consumer="celery_ledger.worker:LedgerConsumer",
-        broker_transport_options={"visibility_timeout": settings.visibility_timeout_seconds},
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout_seconds,
+            "unacked_mutex_expire": _UNACKED_MUTEX_EXPIRE_SECONDS,
+            **unacked_keys(namespace),
+            "ledger_poison_key": poison_key(name),
+        },
         broker_connection_retry_on_startup=True,
         result_backend_always_retry=True,
         result_backend_max_retries=10,
-        task_default_queue=settings.default_tier,
-        task_queues=[Queue(tier) for tier in tiers.names] + [Queue(DEAD_LETTER_QUEUE)],
+        task_default_queue=tiers.queue(settings.default_tier),
+        task_queues=[Queue(queue) for queue in (*tiers.queues, tiers.queue(DEAD_LETTER))],
         task_create_missing_queues=True,
         enable_utc=True,
         timezone="UTC",
     )
-    app.ledger.open_text = lambda text: app.sealer.open(text)
     app.steps["worker"].add(LedgerWorkerStep)
     logging.getLogger("celery.app.trace").addFilter(RedactSensitive(app.is_sensitive))
-    install_observability(app)  # metrics, Sentry, JSON logs: as the settings say
+    install_observability(app, app.runtime)  # metrics, Sentry, JSON logs: as the settings say
 
     @app.task(name="celery_ledger.reconcile", base=Task, shared=False)  # type: ignore[untyped-decorator]
     def reconcile_task() -> dict[str, Any]:
-        """The reconciler, for celery beat (see :mod:`celery_ledger.reconciler`)."""
-        return reconcile(app).as_dict()
+        """The reconciler, for celery beat (one sweeper at a time with the workers' own)."""
+        report = app.reconciler.sweep_if_leader()
+        return {"swept": False} if report is None else report.as_dict()
 
     app.conf.beat_schedule = {
         "celery-ledger-reconcile": {
             "task": "celery_ledger.reconcile",
             "schedule": settings.reconcile_every_seconds,
-            "options": {"queue": settings.default_tier},
+            "options": {"queue": tiers.queue(settings.default_tier)},
         },
         **(app.conf.beat_schedule or {}),
     }

@@ -1,4 +1,4 @@
-"""The audit trail: who replayed, purged or forced a breaker, and when (a MongoDB collection)."""
+"""The audit trail: who replayed, purged or forced a breaker, and when (kept by the ledger)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import socket
 from typing import Any
 
-from .ledger.store import Ledger, translate_errors, utcnow
+from .ledger.store import Ledger
 
 logger = logging.getLogger("celery_ledger.audit")
 
@@ -18,15 +18,10 @@ def current_actor() -> str:
 
 
 def record(ledger: Ledger, action: str, target: str, *, actor: str, **details: Any) -> None:
-    """Append one audit entry (``<ledger collection>_audit``) and log it."""
-    entry = {"action": action, "target": target, "actor": actor, "at": utcnow(), **details}
+    """Append one audit entry and log it."""
     logger.warning("audit: %s %s by %s %s", action, target, actor, details or "")
-    audit = ledger.collection.database.get_collection(f"{ledger.collection_name}_audit")
-    with translate_errors("audit"):
-        audit.insert_one(entry)
+    ledger.audit(action, target, actor=actor, **details)
 
 
 def entries(ledger: Ledger, *, limit: int = 100) -> list[dict[str, Any]]:
-    audit = ledger.collection.database.get_collection(f"{ledger.collection_name}_audit")
-    with translate_errors("audit read"):
-        return list(audit.find({}, {"_id": 0}).sort("at", -1).limit(limit))
+    return ledger.audit_entries(limit=limit)

@@ -28,6 +28,10 @@ class Sealer:
         except ValueError as exc:
             raise ConfigurationError(f"LEDGER_ENCRYPTION_KEYS: not a Fernet key: {exc}") from exc
 
+    @staticmethod
+    def is_sealed(text: str) -> bool:
+        return text.startswith(PREFIX)
+
     @property
     def enabled(self) -> bool:
         return self._fernet is not None

@@ -1,14 +1,17 @@
-"""The dead-letter flow: quarantine what cannot succeed, then triage and replay it.
+"""The dead-letter flow: quarantine what cannot succeed, announce it, triage and replay it.
 
 The ledger is the source of truth: a dead job is its record in state ``dead`` with the reason,
-an error fingerprint, the full error history and the original message (arguments and headers).
-A copy of each dead letter is also published to the ``dead_letter`` queue, for consumers that
-want a stream of them.
+an error fingerprint, the error history and its kept message. Each new dead letter is announced
+once: a log line, a copy on the dead letters' queue (for consumers that want a stream), and the
+observers' ``dead`` event (metrics, Sentry).
 
-Poison messages that never reached a task body (undecodable bytes, unknown task, invalid
-headers, refused content type) are caught in the worker's consumer, which only pushes them to a
-Redis list (no ledger I/O in the event loop); the worker's background thread moves them into
-the ledger as dead records (:meth:`DeadLetters.drain_poison`).
+Poison messages that never reached a task body (undecodable bytes, a malformed envelope, an
+invalid task message, a refused content type) are caught in the worker's transport and consumer,
+which only push them to a Redis list (no ledger I/O in the event loop); each worker's
+housekeeping thread moves them into the ledger (:meth:`DeadLetters.drain_poison`). A poison
+message of a known job is recorded under that job's identity, so a late copy of it never runs
+and its replay runs the job at most once; storing an entry is idempotent, so two workers
+draining the same entry make one record and one announcement.
 """
 
 from __future__ import annotations
@@ -18,45 +21,32 @@ import hashlib
 import json
 import logging
 import time
-import traceback
-import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-import redis
-from bson.errors import InvalidDocument
-from kombu.entity import Queue
-
 from . import headers
-from .errors import LedgerUnavailable, StoreError
+from .errors import LedgerError, LedgerUnavailable, StoreError
+from .events import Job
+from .keys import identity_of
+from .ledger.dead import DeadJob, DeadLetter, Death
+from .ledger.message import KeptMessage, UnreplayableMessage
 from .ledger.record import State
-from .ledger.store import EPOCH, FOREVER, Ledger, translate_errors, utcnow
-from .routing import DEAD_LETTER_QUEUE
+from .ledger.store import Unclaimed
+from .untrusted import storable, storable_value
 
 if TYPE_CHECKING:
-    from celery import Celery
+    from .runtime import Runtime
 
 logger = logging.getLogger("celery_ledger.deadletter")
 
-POISON_KEY = "celery_ledger:poison"
-
-DeadLetterHook = Callable[[dict[str, Any]], None]
+PublishRaw = Callable[[str, dict[str, Any], dict[str, Any]], None]
 
 
-def fingerprint(exc: BaseException) -> tuple[str, str]:
-    """(digest, text) of the exception type and the frame that raised it, to group failures."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f"{frames[-1].filename}:{frames[-1].name}" if frames else "?"
-    text = f"{type(exc).__module__}.{type(exc).__qualname__} at {where}"
-    return hashlib.sha256(text.encode()).hexdigest()[:12], text
-
-
-def reason_fingerprint(reason: str, task: str) -> tuple[str, str]:
-    """A fingerprint for dead letters without an exception (poison messages)."""
-    text = _storable(f"{reason.split(':', 1)[0]} ({task})")
-    return hashlib.sha256(text.encode()).hexdigest()[:12], text
+def poison_key(app_name: str) -> str:
+    """The Redis list of poison messages waiting to be recorded (per app)."""
+    return f"{app_name}:ledger:poison"
 
 
 @dataclass(frozen=True)
@@ -67,50 +57,72 @@ class ReplayOutcome:
 
 
 class DeadLetters:
-    """Quarantine, triage and replay of an app's dead jobs."""
+    """Quarantine, announcement, triage and replay of an app's dead jobs."""
 
-    def __init__(self, app: Celery, ledger: Ledger, redis_url: str) -> None:
-        self._app = app
-        self._ledger = ledger
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
-        self.hooks: list[DeadLetterHook] = []  # observability hangs Sentry and metrics here
+    def __init__(self, runtime: Runtime, publish_raw: PublishRaw) -> None:
+        self._runtime = runtime
+        self._ledger = runtime.ledger
+        self._publish_raw = publish_raw
+        self.poison_key = poison_key(runtime.name)
 
-    # -- quarantine ---------------------------------------------------------------------------
+    # -- announcing ------------------------------------------------------------------------------
 
-    def announce(self, entry: dict[str, Any]) -> None:
-        """Log a new dead letter, publish its copy to the queue, call the hooks (never raises)."""
+    def announce_record(self, record_id: str, *, job: Job | None = None) -> None:
+        """Announce the dead record ``record_id`` (never raises: observing never fails a job)."""
+        try:
+            record = self._ledger.find_raw(record_id)
+        except LedgerError as exc:
+            logger.warning("could not read dead letter %s to announce it: %s", record_id, exc)
+            return
+        if record is not None:
+            self.announce(DeadLetter.of_record(record), job=job)
+
+    def announce(self, letter: DeadLetter, *, job: Job | None = None) -> None:
+        """Log a new dead letter, copy it to the dead letters' queue, tell the observers."""
         logger.error(
             "dead-lettered %s [%s] key=%s: %s (fingerprint %s: %s)",
-            entry.get("task"),
-            entry.get("record_id"),
-            entry.get("key"),
-            entry.get("reason"),
-            entry.get("fingerprint"),
-            entry.get("fingerprint_text"),
+            letter.task,
+            letter.record_id,
+            letter.key,
+            letter.reason,
+            letter.fingerprint,
+            letter.fingerprint_text,
         )
+        if not self._copy(letter):
+            try:  # the workers' housekeeping publishes it later (copy_pending)
+                self._ledger.mark_copy_pending(letter.record_id, True)
+            except LedgerError as exc:
+                logger.warning("could not note the missing copy of %s: %s", letter.record_id, exc)
+        job = job or Job(str(letter.task), letter.tier, letter.record_id, letter.key)
+        self._runtime.observers.dead(job, letter)
+
+    def _copy(self, letter: DeadLetter) -> bool:
+        """Publish the dead letter's copy to the dead letters' queue; False if it failed."""
+        queue = self._runtime.tiers.dead_letter_queue
         try:
-            with self._app.producer_or_acquire() as producer:
-                producer.publish(
-                    entry,
-                    exchange="",
-                    routing_key=DEAD_LETTER_QUEUE,
-                    serializer="json",
-                    declare=[Queue(DEAD_LETTER_QUEUE)],
-                    retry=True,
-                    headers={"ledger_dead_reason": entry.get("reason", "")},
-                )
+            self._publish_raw(queue, letter.as_json(), {"ledger_dead_reason": letter.reason or ""})
         except Exception:
             logger.warning(
-                "could not copy dead letter %s to the %s queue (the ledger has it)",
-                entry.get("record_id"),
-                DEAD_LETTER_QUEUE,
+                "could not copy dead letter %s to the %s queue yet (the ledger has it)",
+                letter.record_id,
+                queue,
                 exc_info=True,
             )
-        for hook in self.hooks:
-            try:
-                hook(entry)
-            except Exception:
-                logger.warning("dead-letter hook %r failed", hook, exc_info=True)
+            return False
+        return True
+
+    def copy_pending(self, limit: int = 100) -> int:
+        """Publish the queue copies that could not be published when their job died (run by
+        each worker's housekeeping); returns how many were published."""
+        published = 0
+        for doc in self._ledger.copies_pending(limit=limit):
+            if not self._copy(DeadLetter.of_record(doc)):
+                break  # the broker is still away: the next tick tries again
+            self._ledger.mark_copy_pending(doc["_id"], False)
+            published += 1
+        return published
+
+    # -- quarantine --------------------------------------------------------------------------------
 
     def push_poison(
         self,
@@ -118,8 +130,8 @@ class DeadLetters:
         queue: str,
         reason: str,
         raw: bytes,
+        kind: str = "body",
         message_headers: Any = None,
-        properties: Any = None,
     ) -> None:
         """Keep a poison message in Redis (cheap, from the consumer's event loop)."""
         entry = {
@@ -127,115 +139,96 @@ class DeadLetters:
             "reason": reason,
             "at": time.time(),
             "raw_base64": base64.b64encode(raw).decode(),
+            "raw_kind": kind,
             "headers": _jsonable(message_headers),
-            "properties": _jsonable(properties),
         }
-        self._redis.lpush(POISON_KEY, json.dumps(entry))
+        self._runtime.redis.lpush(self.poison_key, json.dumps(entry))
 
     def drain_poison(self, limit: int = 100) -> int:
-        """Move poison messages from Redis into the ledger as dead records; returns how many."""
+        """Move poison messages from Redis into the ledger as dead records; returns how many.
+
+        The oldest entry is read, stored (idempotently) and only then removed, so a worker that
+        dies in between leaves it for the next drain; only a ledger outage leaves it waiting.
+        """
         moved = 0
+        redis = self._runtime.redis
         for _ in range(limit):
-            raw_entry = self._redis.lindex(POISON_KEY, -1)  # oldest; removed only once stored
+            raw_entry = redis.lindex(self.poison_key, -1)
             if raw_entry is None:
                 break
-            record = self._store_poison(raw_entry)
-            self._redis.lrem(POISON_KEY, -1, raw_entry)  # type: ignore[arg-type]
-            self.announce(_entry_of(record))
+            record_id, inserted = self._store_poison(raw_entry)
+            redis.lrem(self.poison_key, -1, raw_entry)  # type: ignore[arg-type]
+            if inserted:
+                self.announce_record(record_id)
             moved += 1
         return moved
 
-    def _store_poison(self, raw_entry: bytes | str) -> dict[str, Any]:
-        """Store the dead record of a poison entry, and return it.
+    def _store_poison(self, raw_entry: bytes | str) -> tuple[str, bool]:
+        """Record one poison entry dead; returns (record id, whether this call recorded it).
 
-        An entry the ledger cannot hold as it is (BSON refuses a NUL in a key and integers past
-        64 bits; or the entry is not one of ours) is stored sanitized instead, so that it never
-        blocks the entries behind it. Only a transient ledger outage leaves it in the list.
+        An entry the ledger cannot hold as it is, or that is not one of ours, is stored
+        sanitized instead, so that it never blocks the entries behind it.
         """
         try:
-            record = self._poison_record(json.loads(raw_entry))
-            self._insert_dead(record)
+            entry = json.loads(raw_entry)
+            if not isinstance(entry, dict):
+                raise ValueError("not a JSON object")
+            return self._bury_poison(entry)
         except LedgerUnavailable:
             raise
-        except (ValueError, TypeError, KeyError, OverflowError, InvalidDocument, StoreError) as exc:
+        except (ValueError, TypeError, KeyError, OverflowError, StoreError) as exc:
             logger.warning("poison entry stored sanitized: %s: %s", type(exc).__name__, exc)
-            record = self._sanitized_poison_record(raw_entry, exc)
-            self._insert_dead(record)
-        return record
+            data = raw_entry.encode() if isinstance(raw_entry, str) else raw_entry
+            sanitized = {
+                "queue": "",
+                "reason": f"unreadable poison entry (kept sanitized, {type(exc).__name__})",
+                "raw_base64": base64.b64encode(data).decode(),
+                "raw_kind": "entry",
+            }
+            return self._bury_poison(sanitized)
 
-    def _insert_dead(self, record: dict[str, Any]) -> None:
-        with translate_errors("dead-letter insert"):
-            self._ledger.collection.replace_one(
-                {"_id": record["_id"], "state": State.DEAD.value}, record, upsert=True
-            )
-
-    def _sanitized_poison_record(self, raw_entry: bytes | str, exc: Exception) -> dict[str, Any]:
-        """A poison record with only the entry's reason, queue, raw message and identity, and
-        the whole entry (headers and properties included) as base64."""
-        try:
-            entry = json.loads(raw_entry)
-        except ValueError:
-            entry = None
-        entry = entry if isinstance(entry, dict) else {}
+    def _bury_poison(self, entry: dict[str, Any]) -> tuple[str, bool]:
         found = entry.get("headers")
         found = found if isinstance(found, dict) else {}
-        identity = {
-            name: found[name]
-            for name in ("id", "task", headers.KEY)
-            if isinstance(found.get(name), str) and "\x00" not in found[name]
-        }
-        reason = str(entry.get("reason") or "unreadable poison entry")
-        raw = entry.get("raw_base64")
-        record = self._poison_record(
-            {
-                "queue": str(entry.get("queue") or ""),
-                "reason": f"{reason} (kept sanitized, {type(exc).__name__}: {exc})",
-                "raw_base64": raw if isinstance(raw, str) else "",
-                "headers": identity,
-            }
+        task, ident = found.get("task"), found.get("id")
+        reason = storable(str(entry.get("reason") or "poison message"))
+        queue = _str(entry.get("queue"))
+        raw_b64 = _str(entry.get("raw_base64"))
+        raw = base64.b64decode(raw_b64)
+        kind = entry.get("raw_kind")
+        message = KeptMessage.of_raw(
+            raw,
+            kind=kind if kind in ("envelope", "entry") else "body",
+            queue=queue,
+            message_headers=found,
         )
-        data = raw_entry.encode() if isinstance(raw_entry, str) else raw_entry
-        record["message"]["entry_base64"] = base64.b64encode(data).decode()
-        return record
+        tiers = self._runtime.tiers
+        alias = None
+        if (
+            isinstance(task, str)
+            and task
+            and isinstance(ident, str)
+            and ident
+            and _utf8(task + ident)
+        ):
+            identity = identity_of(task, ident, key_header=found.get(headers.KEY))
+            record_id, key, alias = identity.record_id, identity.key, identity.alias
+            tier = self._runtime.tier_of(task) or tiers.tier_of_queue(queue) or tiers.default
+        else:  # no usable identity: one record per distinct entry
+            task = storable(str(task)) if isinstance(task, str) and task else "(unknown)"
+            digest = hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()
+            record_id = key = f"poison-{digest[:32]}"
+            tier = tiers.tier_of_queue(queue) or tiers.default
+        death: Death = "unknown-task" if reason.startswith("unknown task") else "poison"
+        dead = DeadJob.of_reason(death, reason, task=task, message=message)
+        if alias is not None:  # the message's own id finds the job (AsyncResult, dlq show)
+            self._ledger.alias(alias, record_id=record_id, task=task, key=key)
+        inserted = self._ledger.bury(
+            record_id, dead, match=Unclaimed(), task=task, key=key, tier=tier
+        )
+        return record_id, inserted
 
-    def _poison_record(self, entry: dict[str, Any]) -> dict[str, Any]:
-        message_headers = entry.get("headers") or {}
-        message_headers = _jsonable(message_headers) or {}
-        task = str(message_headers.get("task") or "(unknown)")
-        message_id = str(message_headers.get("id") or "")
-        now = utcnow()
-        # A poison message gets its own record: it never shares an id with a live job.
-        record_id = f"poison-{message_id or uuid.uuid4()}"
-        digest, text = reason_fingerprint(entry["reason"], task)
-        return {
-            "_id": record_id,
-            "v": 1,
-            "task": task,
-            "key": str(message_headers.get(headers.KEY) or record_id),
-            "tier": _storable(entry.get("queue", "")),
-            "state": State.DEAD.value,
-            "attempts": 0,
-            "fence": 0,
-            "claimable_at": FOREVER,
-            "created_at": now,
-            "updated_at": now,
-            "finished_at": now,
-            "expires_at": now + self._ledger.dead_retention,
-            "dead_reason": _storable(entry["reason"]),
-            "fingerprint": digest,
-            "fingerprint_text": text,
-            "poison": True,
-            "message": {
-                "queue": entry.get("queue"),
-                "headers": message_headers,
-                "properties": _jsonable(entry.get("properties")),
-                "raw_base64": entry["raw_base64"],
-                "original_id": message_id,
-            },
-            "errors": [],
-        }
-
-    # -- triage ---------------------------------------------------------------------------------
+    # -- triage ----------------------------------------------------------------------------------
 
     def find(
         self,
@@ -245,14 +238,8 @@ class DeadLetters:
         since: datetime | None = None,
         limit: int = 1000,
     ) -> list[dict[str, Any]]:
-        """Dead records, newest first, filtered by task, reason (substring) and time."""
-        query: dict[str, Any] = {"state": State.DEAD.value}
-        if task:
-            query["task"] = task
-        if since:
-            query["finished_at"] = {"$gte": since}
-        with translate_errors("dead-letter query"):
-            docs = list(self._ledger.collection.find(query).sort("finished_at", -1).limit(limit))
+        """Dead records (not purged), newest first, filtered by task, reason (substring), time."""
+        docs = self._ledger.find_dead(task=task, since=since, limit=limit)
         if reason:
             docs = [d for d in docs if reason.lower() in str(d.get("dead_reason", "")).lower()]
         return docs
@@ -289,157 +276,80 @@ class DeadLetters:
         return result
 
     def get(self, ident: str, *, task: str | None = None) -> dict[str, Any] | None:
-        """A record by id, or by idempotency key (optionally of one task)."""
-        doc = self._ledger.find_raw(ident)
+        """A record by id (or a message id that is an alias of one), or a dead record by key."""
+        doc = self._ledger.resolve(ident)
         if doc is not None:
             return doc
-        query: dict[str, Any] = {"state": State.DEAD.value, "key": ident}
-        if task:
-            query["task"] = task
-        with translate_errors("dead-letter lookup"):
-            return self._ledger.collection.find_one(query)
+        return self._ledger.find_dead_by_key(ident, task=task)
 
-    # -- replay and purge ---------------------------------------------------------------------
+    # -- replay and purge ------------------------------------------------------------------------
 
     def replay(
         self, doc: dict[str, Any], *, dry_run: bool = False, actor: str = ""
     ) -> ReplayOutcome:
-        """Republish a dead job to its tier with attempts reset and the same key (runs once)."""
+        """Publish a dead job again under its own identity, attempts reset: it runs once."""
         record_id = doc["_id"]
         if doc.get("state") != State.DEAD.value:
             return ReplayOutcome(
                 record_id, False, f"not dead (state {doc.get('state')}): nothing to do"
             )
-        message = doc.get("message") or {}
-        if "args_json" not in message and not message.get("raw_base64"):
+        if doc.get("purged_at"):
+            return ReplayOutcome(record_id, False, "purged: its message is no longer kept")
+        message = KeptMessage.from_document(doc.get("message"))
+        if message is None or not message.replayable:
             return ReplayOutcome(record_id, False, "no original message kept: cannot replay")
-        if doc.get("poison") and doc.get("task") not in self._app.tasks:
-            return ReplayOutcome(record_id, False, f"task {doc.get('task')} is not registered here")
+        task = str(doc.get("task"))
+        task_tier = self._runtime.tier_of(task)
+        if task_tier is None:
+            return ReplayOutcome(record_id, False, f"task {task} is not registered here")
+        # A poison message's queue is what the message said of itself: route by the task.
+        tier = task_tier if doc.get("death") in ("poison", "unknown-task") else doc.get("tier")
+        tier = tier if tier in self._runtime.tiers.names else task_tier
+        try:
+            message.arguments(self._runtime.sealer)
+        except (UnreplayableMessage, StoreError, ValueError) as exc:
+            return ReplayOutcome(record_id, False, f"cannot rebuild the arguments: {exc}")
         if dry_run:
-            return ReplayOutcome(record_id, True, "would replay (dry run)")
-        now = utcnow()
-        with translate_errors("replay"):
-            reset = self._ledger.collection.update_one(
-                {"_id": record_id, "state": State.DEAD.value},
-                {
-                    "$set": {
-                        "state": State.QUEUED.value,
-                        "attempts": 0,
-                        "inflight": 0,
-                        "claimable_at": EPOCH,
-                        "updated_at": now,
-                        "replayed_at": now,
-                    },
-                    "$unset": {"expires_at": "", "finished_at": ""},
-                    "$inc": {"replays": 1},
-                    "$push": {"audit": {"action": "replay", "by": actor, "at": now}},
-                },
-            )
-        if reset.matched_count == 0:
+            return ReplayOutcome(record_id, True, f"would replay to {tier} (dry run)")
+        reopened = self._ledger.reopen(record_id, actor=actor)
+        if reopened is None:
             return ReplayOutcome(record_id, False, "no longer dead: nothing to do")
         try:
-            self._publish_original(doc)
-        except Exception as exc:
-            with translate_errors("replay rollback"):
-                self._ledger.collection.update_one(
-                    {"_id": record_id, "state": State.QUEUED.value},
-                    {
-                        "$set": {
-                            "state": State.DEAD.value,
-                            "claimable_at": FOREVER,
-                            "finished_at": now,
-                            "expires_at": now + self._ledger.dead_retention,
-                        }
-                    },
-                )
-            return ReplayOutcome(record_id, False, f"publish failed, left dead: {exc}")
-        return ReplayOutcome(record_id, True, f"replayed to {doc.get('tier')}")
-
-    def _publish_original(self, doc: dict[str, Any]) -> None:
-        message = doc["message"]
-        if "args_json" in message:
-            opened = self._app.sealer.open
-            args = json.loads(opened(message["args_json"]))
-            kwargs = json.loads(opened(message["kwargs_json"]))
-            message_headers = {headers.KEY: doc["key"], headers.TIER: doc.get("tier")}
-            self._app.send_task(
-                doc["task"],
-                args,
-                kwargs,
-                task_id=doc["_id"],
-                queue=doc.get("tier") or None,
-                headers=message_headers,
+            message.republish(
+                self._runtime.publish,
+                self._runtime.sealer,
+                task=task,
+                record_id=record_id,
+                key=str(doc.get("key")),
+                tier=tier,
             )
-            return
-        body = json.loads(base64.b64decode(message["raw_base64"]))  # poison of a known task
-        args, kwargs = body[0], body[1]
-        self._app.send_task(
-            doc["task"],
-            args,
-            kwargs,
-            task_id=doc["_id"],
-            queue=message.get("queue") or None,
-            headers={headers.KEY: doc["key"]},
-        )
+        except Exception as exc:
+            self._ledger.undo_reopen(record_id, reopened)
+            return ReplayOutcome(record_id, False, f"publish failed, left dead: {exc}")
+        return ReplayOutcome(record_id, True, f"replayed to {tier}")
 
     def purge(self, docs: Iterable[dict[str, Any]], *, actor: str = "") -> int:
-        """Delete dead records (they stop blocking nothing: a dead key never runs again anyway)."""
+        """Drop dead records from triage. Each stays as a tombstone until its retention ends,
+        so a late copy of the job still cannot run; its message and errors are deleted."""
         ids = [d["_id"] for d in docs if d.get("state") == State.DEAD.value]
         if not ids:
             return 0
-        with translate_errors("purge"):
-            result = self._ledger.collection.delete_many({"_id": {"$in": ids}, "state": "dead"})
-        logger.warning("purged %d dead records (by %s)", result.deleted_count, actor or "?")
-        return int(result.deleted_count)
-
-
-def dead_letter_fields(
-    *, reason: str, digest: str, text: str, args: Any, kwargs: Any, message_headers: dict[str, Any]
-) -> dict[str, Any]:
-    """The fields a record gets when it dies (written with the failure, in one round trip)."""
-    return {
-        "dead_reason": reason,
-        "fingerprint": digest,
-        "fingerprint_text": text,
-        "message": {
-            "args_json": json.dumps(args),
-            "kwargs_json": json.dumps(kwargs),
-            "headers": _jsonable(message_headers),
-        },
-    }
-
-
-def _entry_of(record: dict[str, Any]) -> dict[str, Any]:
-    """The announcement of a dead record (what the queue copy and the hooks get)."""
-    return {
-        "record_id": record["_id"],
-        "task": record.get("task"),
-        "key": record.get("key"),
-        "tier": record.get("tier"),
-        "reason": record.get("dead_reason"),
-        "fingerprint": record.get("fingerprint"),
-        "fingerprint_text": record.get("fingerprint_text"),
-        "message": _jsonable(record.get("message")),
-        "errors": _jsonable(record.get("errors", [])),
-        "at": datetime.now(UTC).isoformat(),
-    }
-
-
-def entry_of(record: dict[str, Any]) -> dict[str, Any]:
-    return _entry_of(record)
+        purged = self._ledger.purge(ids, actor=actor)
+        logger.warning("purged %d dead records (by %s)", purged, actor or "?")
+        return purged
 
 
 def _jsonable(value: Any) -> Any:
-    """``value`` as plain JSON types whose strings any BSON encoder accepts (raw messages can
-    carry lone surrogates, which would make the ledger write fail)."""
-    return None if value is None else _storable(json.loads(json.dumps(value, default=str)))
+    return None if value is None else storable_value(json.loads(json.dumps(value, default=str)))
 
 
-def _storable(value: Any) -> Any:
-    if isinstance(value, str):
-        return value.encode("utf-8", "backslashreplace").decode("utf-8")
-    if isinstance(value, list):
-        return [_storable(item) for item in value]
-    if isinstance(value, dict):
-        return {_storable(key): _storable(item) for key, item in value.items()}
-    return value
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in text

@@ -2,10 +2,9 @@
 
 Why not Celery's ETA/countdown messages: with the Redis transport a worker holds an ETA message
 unacknowledged in memory until it is due. Past the visibility timeout the broker delivers it
-again (celery/kombu#337, celery/celery#5935), it can be lost on restart (celery/kombu#533), and
-it occupies the worker's prefetch. Here a delayed message is a member of one sorted set, scored
-by its due time, so a delay of hours costs no worker memory and survives any restart (with the
-broker's AOF).
+again, it can be lost when the worker restarts, and it occupies the worker's prefetch. Here a
+delayed message is a member of one sorted set, scored by its due time, so a delay of hours costs
+no worker memory and survives any restart (with the broker's AOF).
 
 Each worker's housekeeping thread runs :class:`DelayedPublisher`. A Lua script hands out
 due entries atomically, pushing their score forward by a hand-out lease, so one publisher at a
@@ -70,6 +69,19 @@ class DelayedDeliveries:
         except redis.RedisError as exc:
             raise PublishError(f"cannot delay {task_name}: broker unavailable: {exc}") from exc
 
+    def schedule_raw(self, queue: str, envelope: dict[str, Any], due_at: float) -> None:
+        """Hold a message exactly as the transport stores it, to go back on ``queue`` at
+        ``due_at`` (a message no worker here can run yet: it comes back as it was sent)."""
+        member = dumps({"id": uuid.uuid4().hex, "queue": queue, "raw": envelope})
+        try:
+            self._redis.zadd(self.key, {member: due_at})
+        except redis.RedisError as exc:
+            raise PublishError(f"cannot delay a message for {queue}: {exc}") from exc
+
+    def push_raw(self, queue: str, envelope: dict[str, Any]) -> None:
+        """Put a held raw message back on its queue (kombu's Redis transport: LPUSH)."""
+        self._redis.lpush(queue, dumps(envelope))
+
     def take_due(
         self, *, limit: int = 100, now: float | None = None
     ) -> list[tuple[bytes, dict[str, Any]]]:
@@ -104,9 +116,12 @@ class DelayedPublisher:
         while True:
             batch = self._deliveries.take_due()
             for member, envelope in batch:
-                self._publish(
-                    envelope["task"], envelope["args"], envelope["kwargs"], envelope["options"]
-                )
+                if "raw" in envelope:
+                    self._deliveries.push_raw(envelope["queue"], envelope["raw"])
+                else:
+                    self._publish(
+                        envelope["task"], envelope["args"], envelope["kwargs"], envelope["options"]
+                    )
                 self._deliveries.done(member)
                 published += 1
             if len(batch) < 100:

@@ -1,18 +1,20 @@
 """The exceptions celery-ledger raises, all rooted at :class:`LedgerError`.
 
-    LedgerError
-    ├── ConfigurationError          settings or task options are invalid
-    ├── PublishError                a message could not be published as asked
-    │   ├── PayloadError            arguments are not JSON-serialisable or exceed the size limit
-    │   └── Backpressure            the tier's queue is above its high-water mark
-    ├── StoreError                  the ledger store failed
-    │   └── LedgerUnavailable       the ledger cannot be reached right now (transient)
-    └── TaskError                   raised by (or on behalf of) a task body
-        └── PermanentError          retrying cannot help: dead-letter at once
-
-Control flow stays apart from errors: :class:`LeaseLost` tells the caller that a newer claim
-owns the record, and is not a failure of the platform; :class:`CircuitOpen` tells the caller that
-a circuit breaker refused the call for now (``retry_at`` says when to come back).
+LedgerError
+├── ConfigurationError          settings or task options are invalid
+├── PublishError                a message could not be published as asked
+│   ├── PayloadError            arguments are not JSON-serialisable or exceed the size limit
+│   ├── IdentityError           a task id that is not the id of the job's key
+│   ├── Backpressure            the tier's queue is above its high-water mark
+│   └── RetryNotPublished       a retry's message could not be published
+├── StoreError                  the ledger store failed (not worth retrying as is)
+│   └── LedgerUnavailable       unreachable, or the outcome of a write is unknown (transient)
+├── TaskError                   raised by (or on behalf of) a task body
+│   └── PermanentError          retrying cannot help: dead-letter at once
+└── ControlFlow                 not failures: the platform acts on them, Sentry never reports
+    ├── LeaseLost               a newer claim owns the record; this holder must stop writing
+    ├── CircuitOpen             a circuit breaker refused the call for now (``retry_at``)
+    └── Interrupted             the worker is shutting down; the job resumes elsewhere
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class PayloadError(PublishError, TypeError):
     """Task arguments are not JSON-serialisable or exceed the size limit."""
 
 
+class IdentityError(PublishError, ValueError):
+    """A task id was given that is not the id of the job ``(task name, idempotency key)``."""
+
+
 class Backpressure(PublishError):
     """The tier's queue is above its high-water mark: the publish was refused (or timed out)."""
 
@@ -49,12 +55,17 @@ class Backpressure(PublishError):
         return type(self), (self.tier, self.depth, self.high_water)
 
 
+class RetryNotPublished(PublishError):
+    """The message of a retry could not be published (broker down, backpressure)."""
+
+
 class StoreError(LedgerError):
     """The ledger store failed."""
 
 
 class LedgerUnavailable(StoreError):
-    """The ledger cannot be reached right now; the operation may succeed later."""
+    """The ledger cannot be reached right now, or a write's outcome is unknown (its reply was
+    lost, or its write concern was not confirmed); the operation may succeed later."""
 
 
 class TaskError(LedgerError):
@@ -65,7 +76,11 @@ class PermanentError(TaskError):
     """A failure that retrying cannot fix; the task is dead-lettered without retries."""
 
 
-class LeaseLost(LedgerError):
+class ControlFlow(LedgerError):
+    """Tells the caller what to do next; never a failure of the platform or of the task."""
+
+
+class LeaseLost(ControlFlow):
     """A newer claim (higher fencing token) owns the record; this holder's write was refused."""
 
     def __init__(self, record_id: str, fence: int) -> None:
@@ -73,8 +88,11 @@ class LeaseLost(LedgerError):
         self.record_id = record_id
         self.fence = fence
 
+    def __reduce__(self) -> tuple[type[LeaseLost], tuple[str, int]]:
+        return type(self), (self.record_id, self.fence)
 
-class CircuitOpen(LedgerError):
+
+class CircuitOpen(ControlFlow):
     """A circuit breaker is open (or its half-open probes are taken): the call was not made."""
 
     def __init__(self, name: str, retry_at: float | None) -> None:
@@ -88,3 +106,7 @@ class CircuitOpen(LedgerError):
 
     def __reduce__(self) -> tuple[type[CircuitOpen], tuple[str, float | None]]:
         return type(self), (self.name, self.retry_at)
+
+
+class Interrupted(ControlFlow):
+    """The worker is shutting down: the job hands its message back and resumes elsewhere."""

@@ -1,718 +1,888 @@
 """The execution guard: claim the ledger record, run the body once, record the outcome.
 
-Called by :meth:`LedgerTask.__call__` in the worker. Every outcome ends in exactly one of:
-the body ran and its outcome is recorded under our fencing token; the delivery is a duplicate
-and is acknowledged without running; or the message is deferred (republished for later through
-the delayed deliveries) or requeued, so nothing is ever dropped.
+A small state machine over one :class:`Delivery` (which job, which message, what it carries).
+Before the claim: the task's breaker and rate bucket may put the delivery off (no attempt used).
+The claim then decides:
+
+    duplicate   the job already succeeded          acknowledge (or return its result to
+                                                   a chain or callbacks)
+    dead        the job is dead-lettered           acknowledge; replay is the way back
+    busy        another delivery holds the lease   put off until the lease ends
+    unavailable the ledger cannot be reached       put off with backoff
+    claimed     this delivery holds the lease      run the body under an :class:`Attempt`
+
+An attempt ends in exactly one outcome, each one method of :class:`Attempt`, each written under
+the attempt's fencing token: ``succeeded``, ``retry``, ``failed`` (dead), ``retired`` (out of
+budget), ``interrupted`` (warm shutdown), ``circuit_open``, ``lease_lost``,
+``ledger_unavailable``, ``ignored``, ``rejected``, ``replaced``. The guard returns a
+:class:`Verdict` that the Celery adapter (:mod:`celery_ledger.task`) turns into Celery's control
+flow: return a value, acknowledge, requeue, or raise. Nothing is dropped: a delivery that is not
+run is acknowledged only once another message or the ledger's record will bring the job back.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import random
 import time
-import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, Literal, Protocol
 
 import redis
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
+from kombu.utils import json as kombu_json
 
 from . import headers
-from .crypto import REDACTED
-from .deadletter import dead_letter_fields, entry_of, fingerprint
+from .deadletter import DeadLetters
 from .errors import (
     CircuitOpen,
+    Interrupted,
     LeaseLost,
     LedgerError,
     LedgerUnavailable,
-    PayloadError,
     PermanentError,
+    RetryNotPublished,
+    StoreError,
 )
-from .ledger.record import ErrorEntry
-from .ledger.store import ClaimOutcome, utcnow
+from .events import Job
+from .keys import Identity
+from .ledger.dead import DeadJob, DeadLetter, error_entry, format_traceback
+from .ledger.message import KeptMessage
+from .ledger.store import ClaimOutcome, Fenced, HeldBy, Unclaimed, new_op
 from .policies.backoff import backoff_seconds
 from .policies.breaker import Admission, CircuitBreaker
-from .policies.retry import classify, decide
-from .progress import Execution, Heartbeat, Interrupted
-from .untrusted import (
-    expiry_of,
-    float_or_none,
-    request_header,
-    retries_done,
-    storable,
-    storable_value,
-    valid_key_or_none,
-)
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from .task import LedgerTask
+from .policies.retry import RetryPolicy, classify, decide
+from .policies.unrunnable import unrunnable_delay
+from .progress import Execution, Heartbeat
+from .runtime import Runtime
+from .untrusted import storable
 
 logger = logging.getLogger("celery_ledger.guard")
 
 
-def run_guarded(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    request = task.request
-    ledger = task.app.ledger
-    # Raw messages may carry anything: what the guard and Celery's retry read must be sound.
-    request.retries = retries_done(request.retries)
-    key = valid_key_or_none(request_header(request, headers.KEY), task.name) or f"id:{request.id}"
-    header_tier = request_header(request, headers.TIER)  # raw messages may carry anything
-    if not (isinstance(header_tier, str) and header_tier in task.app.tiers.names):
-        header_tier = None
-    tier: str = header_tier or task.tier or task.app.tiers.default
-    request.ledger_run_tier = tier  # a retry republishes to it (LedgerTask.retry)
-    request.ledger_key = key  # LedgerTask.job_key
-    owner = f"{request.hostname or 'local'}:{os.getpid()}"
-    context = {"task_id": request.id, "key": key, "tier": tier}
-    breaker = task.app.breakers[task.breaker] if task.breaker else None
-    admission = admit_or_defer(task, breaker, args, kwargs, key=key, tier=tier)
-    wait_for_rate(task, args, kwargs, key=key, tier=tier)
+class Replaced(Ignore):  # type: ignore[misc]
+    """Raised by a task replaced by another (``Task.replace``): ``task_id`` runs instead."""
 
-    try:
-        claim = ledger.claim(
-            request.id,
-            task=task.name,
-            key=key,
-            tier=tier,
-            owner=owner,
-            lease_seconds=task.lease_seconds,
-            message=sealed_if_sensitive(
-                task, {"args_json": json.dumps(list(args)), "kwargs_json": json.dumps(kwargs)}
-            ),
-            max_attempts=task.max_attempts,
+    def __init__(self, task_id: str) -> None:
+        super().__init__(f"replaced by {task_id}")
+        self.task_id = task_id
+
+
+@dataclass(frozen=True)
+class TaskPolicy:
+    """What the guard needs to know of the task (its options, resolved)."""
+
+    name: str
+    retry_policy: RetryPolicy
+    lease_seconds: float
+    heartbeat_seconds: float | None = None  # None: a third of the lease; 0: off
+    sensitive: bool = False
+    breaker: str | None = None
+    rate_bucket: str | None = None
+    max_age_seconds: float | None = None
+    max_attempts: int | None = None
+    retry_on: tuple[type[BaseException], ...] = ()
+    fail_on: tuple[type[BaseException], ...] = ()
+    soft_time_limit: float | None = None
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One delivery of a message: the job it names and what the message carries."""
+
+    identity: Identity
+    tier: str
+    owner: str  # "<worker hostname>:<pid>": who holds the lease while the body runs
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    headers: Mapping[str, Any] = field(default_factory=dict)  # the message's (untrusted)
+    retries: int = 0
+    deferrals: int = 0
+    previous_delay: float | None = None
+    enqueued_at: float | None = None
+    expires: datetime | None = None
+    wants_result: bool = False  # a chain or callbacks follow: a duplicate returns the result
+
+    @property
+    def record_id(self) -> str:
+        return self.identity.record_id
+
+    @property
+    def job(self) -> Job:
+        return Job(self.identity.task, self.tier, self.identity.record_id, self.identity.key)
+
+    def republish_headers(self, **changes: Any) -> dict[str, Any]:
+        """The message's headers for a copy of it, with the validated key and tier."""
+        updated = dict(self.headers)
+        updated.update({headers.KEY: self.identity.key, headers.TIER: self.tier, **changes})
+        return updated
+
+    def kept(self, sealer: Any) -> KeptMessage:
+        """The message as the ledger keeps it (sealed with ``sealer`` when given)."""
+        carried = self.republish_headers(retries=self.retries)
+        if self.expires is not None:
+            carried["expires"] = self.expires.isoformat()
+        return KeptMessage.of_call(self.args, self.kwargs, message_headers=carried, sealer=sealer)
+
+
+class Body(Protocol):
+    """What the Celery adapter does for the guard."""
+
+    def start(self, execution: Execution) -> None:
+        """The attempt begins: the body's API (checkpoints, steps) reaches ``execution``."""
+
+    def run(self) -> Any:
+        """Run the task's body with the delivery's arguments."""
+
+    def defer(self, delay_seconds: float, message_headers: dict[str, Any]) -> None:
+        """Publish the message again to arrive after ``delay_seconds`` (raises on failure)."""
+
+    def retry(
+        self, exc: BaseException, delay_seconds: float, message_headers: dict[str, Any]
+    ) -> BaseException:
+        """Celery's retry (publishes the retry; returns its ``Retry`` to raise).
+
+        Raises:
+            RetryNotPublished: the retry's message could not be published.
+        """
+
+    def on_retire(self, reason: str, artefacts: list[str]) -> None:
+        """The task's cleanup hook for a retired job."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How the delivery ends, for the Celery adapter."""
+
+    kind: Literal["return", "ack", "requeue", "raise"]
+    value: Any = None
+    reason: str = ""
+
+    @classmethod
+    def ack(cls, reason: str) -> Verdict:
+        return cls("ack", reason=reason)
+
+    @classmethod
+    def requeue(cls, reason: str) -> Verdict:
+        return cls("requeue", reason=reason)
+
+    @classmethod
+    def returns(cls, value: Any) -> Verdict:
+        return cls("return", value=value)
+
+    @classmethod
+    def raises(cls, exc: BaseException) -> Verdict:
+        return cls("raise", value=exc)
+
+
+class _Settled(Exception):
+    """Carries a verdict out of a persistence failure (lease lost, ledger gone too long)."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict.reason)
+        self.verdict = verdict
+
+
+class Guard:
+    """Runs deliveries of ledger tasks (see the module docstring)."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        dead_letters: DeadLetters,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.runtime = runtime
+        self.ledger = runtime.ledger
+        self.dead_letters = dead_letters
+        self.settings = runtime.settings
+        self.observers = runtime.observers
+        self.sleep = sleep
+        self.monotonic = monotonic
+
+    def run(
+        self, delivery: Delivery, policy: TaskPolicy, body: Body, *, unbound: str | None = None
+    ) -> Verdict:
+        """Run one delivery; ``unbound`` says why its arguments do not bind the body's
+        signature (then it waits for a worker with a matching version: :meth:`unrunnable`)."""
+        if unbound is not None and self.oversized(delivery) is None:
+            return self.unrunnable(delivery, policy, body, unbound)
+        context = {"task_id": delivery.identity.message_id, "key": delivery.identity.key}
+        breaker = self.runtime.breakers[policy.breaker] if policy.breaker else None
+        admission = self._admit(breaker)
+        if admission is not None and not admission.allowed:
+            return self._circuit_open_before_claim(delivery, policy, body, breaker, admission)
+        wait = self._rate_wait(policy)
+        if wait > 0:
+            reason = f"rate limited ({policy.rate_bucket})"
+            return self._defer(delivery, body, wait + random.uniform(0.0, wait * 0.2), reason)
+        try:
+            claim = self.ledger.claim(
+                delivery.record_id,
+                task=delivery.identity.task,
+                key=delivery.identity.key,
+                tier=delivery.tier,
+                owner=delivery.owner,
+                lease_seconds=policy.lease_seconds,
+                message=delivery.kept(self.runtime.sealer if policy.sensitive else None),
+                max_attempts=policy.max_attempts,
+                alias=delivery.identity.alias,
+            )
+        except LedgerUnavailable as exc:
+            return self._ledger_unavailable_at_claim(delivery, body, exc)
+        if claim.outcome is ClaimOutcome.DUPLICATE:
+            return self._duplicate(delivery)
+        if claim.outcome is ClaimOutcome.DEAD:
+            if claim.killed:
+                self.dead_letters.announce_record(delivery.record_id, job=delivery.job)
+            logger.warning(
+                "delivery of dead job %s dropped; replay it to run again",
+                delivery.record_id,
+                extra=context,
+            )
+            return Verdict.ack("delivery of a dead job")
+        if claim.outcome is ClaimOutcome.BUSY:
+            assert claim.retry_at is not None
+            # Back when the lease ends, or sooner to see whether the holder finished (then this
+            # delivery is a suppressed duplicate); a holder that died is taken over at lease end.
+            wait = max((claim.retry_at - self.ledger.now()).total_seconds(), 0.0)
+            wait = min(wait, self.settings.busy_recheck_seconds)
+            delay = wait + random.uniform(0.05, 0.25 + wait * 0.1)
+            return self._defer(delivery, body, delay, "leased by another delivery")
+        if claim.outcome is ClaimOutcome.CONFLICT:
+            return self._conflict(delivery, policy)
+        attempt = Attempt(self, delivery, policy, body, claim.fence, breaker, admission)
+        return attempt.run()
+
+    def oversized(self, delivery: Delivery) -> str | None:
+        """Why the message's arguments are over the limit (published around our API), or None."""
+        limit = self.settings.max_payload_bytes
+        size = len(kombu_json.dumps([list(delivery.args), delivery.kwargs]))
+        if size > limit:
+            return f"oversized message: arguments are {size} bytes, the limit is {limit}"
+        return None
+
+    def retire_held(
+        self,
+        identity: Identity,
+        *,
+        owner: str,
+        reason: str,
+        on_retire: Callable[[str, list[str]], None],
+    ) -> bool:
+        """Retire a job whose body the worker killed (hard time limit), if the killed process
+        (``owner``) still holds its lease: a newer holder's job is never touched."""
+        try:
+            artefacts = list(self.ledger.load_progress(identity.record_id).get("artefacts", []))
+        except LedgerError:
+            artefacts = []
+        dead = DeadJob.of_reason("retired", reason, task=identity.task)
+        buried = self.ledger.bury(
+            identity.record_id,
+            dead,
+            match=HeldBy(owner),
+            task=identity.task,
+            key=identity.key,
+            tier="",
         )
-    except LedgerUnavailable as exc:
-        deferrals = int(float_or_none(request_header(request, headers.DEFERRALS)) or 0)
-        settings = task.app.settings
+        if not buried:
+            logger.warning(
+                "%s: not retired, its lease is no longer %s's", identity.record_id, owner
+            )
+            return False
+        logger.error("%s retired: %s", identity.record_id, reason)
+        try:
+            on_retire(reason, artefacts)
+        except Exception:
+            logger.warning("cleanup of retired %s failed", identity.record_id, exc_info=True)
+        self.dead_letters.announce_record(identity.record_id)
+        return True
+
+    def unrunnable(
+        self, delivery: Delivery, policy: TaskPolicy, body: Body, problem: str
+    ) -> Verdict:
+        """The message's arguments do not bind the task's signature (another version of the
+        task published it): put it off for a worker that can run it, within the window, then
+        dead-letter it (replayable once the code and the message agree)."""
+        later = unrunnable_delay(
+            dict(delivery.headers),
+            window_seconds=self.settings.unrunnable_window_seconds,
+            now=time.time(),
+        )
+        if later is not None:
+            delay, held = later
+            held.update({headers.KEY: delivery.identity.key, headers.TIER: delivery.tier})
+            return self._defer_with(
+                delivery, body, delay, f"arguments do not bind: {problem}", held
+            )
+        sealer = self.runtime.sealer if policy.sensitive else None
+        reason = f"arguments do not match the task's signature: {problem}"
+        dead = DeadJob.of_reason(
+            "bad-arguments", reason, task=policy.name, message=delivery.kept(sealer)
+        )
+        identity = delivery.identity
+        try:
+            buried = self.ledger.bury(
+                identity.record_id,
+                dead,
+                match=Unclaimed(kill_waiting=True),
+                task=identity.task,
+                key=identity.key,
+                tier=delivery.tier,
+            )
+        except LedgerError as exc:
+            return Verdict.requeue(f"ledger unavailable recording a dead job: {exc}")
+        if buried:
+            self.dead_letters.announce_record(identity.record_id, job=delivery.job)
+        return Verdict.ack(reason)
+
+    # -- before a claim ------------------------------------------------------------------------
+
+    def _admit(self, breaker: CircuitBreaker | None) -> Admission | None:
+        if breaker is None:
+            return None
+        try:
+            return breaker.admit()
+        except redis.RedisError as exc:  # the breaker's store is down: fail open
+            logger.warning("breaker %s unavailable (%s); calling through", breaker.name, exc)
+            return None
+
+    def _circuit_open_before_claim(
+        self,
+        delivery: Delivery,
+        policy: TaskPolicy,
+        body: Body,
+        breaker: CircuitBreaker | None,
+        admission: Admission,
+    ) -> Verdict:
+        """While the task's breaker is open, put the delivery off without claiming."""
+        assert breaker is not None
+        retry_at = admission.retry_at or time.time() + self.settings.busy_recheck_seconds
+        try:
+            self.ledger.record_deferral(
+                delivery.record_id,
+                task=delivery.identity.task,
+                key=delivery.identity.key,
+                tier=delivery.tier,
+                reason=f"circuit {breaker.name!r} open",
+                until=datetime.fromtimestamp(retry_at, UTC),
+            )
+        except LedgerError as exc:
+            logger.warning("could not record the deferral of %s: %s", delivery.record_id, exc)
+        delay = max(retry_at - time.time(), 0.0) + random.uniform(0.05, 0.5)
+        return self._defer(delivery, body, delay, "circuit open")
+
+    def _rate_wait(self, policy: TaskPolicy) -> float:
+        """0 once a token is taken from the task's shared bucket, else the wait for one."""
+        if not policy.rate_bucket:
+            return 0.0
+        try:
+            return self.runtime.rate_limits[policy.rate_bucket].try_acquire()
+        except redis.RedisError as exc:  # the bucket's store is down: fail open
+            logger.warning("rate bucket %s unavailable (%s); running", policy.rate_bucket, exc)
+            return 0.0
+
+    def _ledger_unavailable_at_claim(
+        self, delivery: Delivery, body: Body, exc: LedgerUnavailable
+    ) -> Verdict:
+        self.observers.ledger_unavailable(delivery.job, "claim")
+        logger.warning("ledger unavailable at the claim of %s: %s", delivery.record_id, exc)
+        return self._defer(delivery, body, self.unavailable_delay(delivery), "ledger unavailable")
+
+    def unavailable_delay(self, delivery: Delivery) -> float:
+        settings = self.settings
         delay = backoff_seconds(
-            deferrals,
+            delivery.deferrals,
             base_seconds=settings.unavailable_backoff_base_seconds,
             cap_seconds=settings.unavailable_backoff_cap_seconds,
         )
-        logger.warning(
-            "ledger unavailable; deferring %s by %.1fs: %s", request.id, delay, exc, extra=context
-        )
-        defer(
-            task,
-            args,
-            kwargs,
-            delay_seconds=max(delay, 0.2),
-            key=key,
-            tier=tier,
-            reason="ledger unavailable",
-        )
+        return max(delay, 0.2)
 
-    hooks = task.app.hooks
-    if claim.outcome is ClaimOutcome.DUPLICATE:
-        hooks.emit("duplicate", task=task.name, tier=tier, record_id=request.id)
-        logger.info("duplicate suppressed: %s already succeeded", request.id, extra=context)
-        request.ledger_settled = True
-        if request.callbacks or request.chain:
-            # The original run may have died before dispatching its callbacks: return the
-            # stored result so Celery dispatches them (their own ledger records dedupe them).
-            record = ledger.get_by_id(request.id)
-            return None if record is None else record.result
-        raise Ignore("duplicate delivery of a succeeded job")
-    if claim.outcome is ClaimOutcome.DEAD:
-        if claim.killed_reason:
-            killed = ledger.find_raw(request.id)
-            if killed is not None:
-                announce_dead(task, killed, args, kwargs)
-        logger.warning(
-            "delivery of dead job %s dropped; replay it to run again", request.id, extra=context
-        )
-        raise Ignore("delivery of a dead job")
-    if claim.outcome is ClaimOutcome.BUSY:
-        assert claim.retry_at is not None
-        # Back when the lease ends, or sooner to see whether the holder finished (then this
-        # delivery is a suppressed duplicate); a holder that died is taken over at lease end.
-        wait = max((claim.retry_at - utcnow()).total_seconds(), 0.0)
-        wait = min(wait, task.app.settings.busy_recheck_seconds)
-        delay = wait + random.uniform(0.05, 0.25 + wait * 0.1)
-        logger.info(
-            "%s is leased by another delivery; back in %.1fs", request.id, delay, extra=context
-        )
-        defer(
-            task,
-            args,
-            kwargs,
-            delay_seconds=delay,
-            key=key,
-            tier=tier,
-            reason="leased by another delivery",
-        )
+    def _duplicate(self, delivery: Delivery) -> Verdict:
+        self.observers.duplicate(delivery.job)
+        logger.info("duplicate suppressed: %s already succeeded", delivery.record_id)
+        if delivery.wants_result:
+            # The original run may have died before dispatching its chain or callbacks: return
+            # the stored result so Celery dispatches them (their own records dedupe them).
+            try:
+                record = self.ledger.get_by_id(delivery.record_id)
+            except LedgerUnavailable:
+                return Verdict.requeue("ledger unavailable reading a duplicate's result")
+            return Verdict.returns(None if record is None else record.result)
+        return Verdict.ack("duplicate delivery of a succeeded job")
 
-    fence = claim.fence
-    hooks.emit("claimed", task=task.name, tier=tier, record_id=request.id, fence=fence)
-    started = time.monotonic()
-    request.ledger_fence = fence
-    request.ledger_settled = True
-    lease_seconds = task.lease_seconds or ledger.lease_seconds
-    context["fence"] = fence
-    expired = expiry_reason(task, request)
-    if expired is not None:
-        retire_job(task, request.id, fence, args, kwargs, key=key, tier=tier, reason=expired)
-        raise Ignore("expired")
-    interval = lease_seconds / 3 if task.heartbeat_seconds is None else task.heartbeat_seconds
-    heartbeat = Heartbeat(
-        ledger,
-        request.id,
-        fence,
-        lease_seconds=lease_seconds,
-        interval_seconds=interval or lease_seconds,
-    )
-    if interval:
-        heartbeat.start()
-    request.ledger_execution = Execution(ledger, request.id, fence, heartbeat, lease_seconds)
-    try:
-        return _run_claimed(
-            task,
-            args,
-            kwargs,
-            key=key,
-            tier=tier,
-            owner=owner,
-            fence=fence,
-            admission=admission,
-            breaker=breaker,
-            started=started,
-            context=context,
-            lease_seconds=lease_seconds,
+    def _conflict(self, delivery: Delivery, policy: TaskPolicy) -> Verdict:
+        """The record id names another job (a record written by an older version)."""
+        identity = delivery.identity
+        reason = (
+            f"identity conflict: record {identity.record_id} belongs to another job than"
+            f" ({identity.task}, {identity.key})"
         )
-    finally:
-        heartbeat.stop()
+        logger.error("%s; the message is kept as a dead letter", reason)
+        sealer = self.runtime.sealer if policy.sensitive else None
+        dead = DeadJob.of_reason(
+            "poison", reason, task=identity.task, message=delivery.kept(sealer), group="conflict"
+        )
+        conflict_id = f"conflict-{identity.message_id}"
+        try:
+            self.ledger.bury(
+                conflict_id,
+                dead,
+                match=Unclaimed(),
+                task=identity.task,
+                key=identity.key,
+                tier=delivery.tier,
+            )
+        except LedgerError:
+            return Verdict.requeue("ledger unavailable recording an identity conflict")
+        self.dead_letters.announce_record(conflict_id, job=delivery.job)
+        return Verdict.ack(reason)
+
+    def _defer(self, delivery: Delivery, body: Body, delay: float, reason: str) -> Verdict:
+        """Publish the message again for ``delay`` seconds from now, then acknowledge this
+        delivery. A deferral is not an attempt. If it cannot be published, requeue instead."""
+        message_headers = delivery.republish_headers(**{headers.DEFERRALS: delivery.deferrals + 1})
+        return self._defer_with(delivery, body, delay, reason, message_headers)
+
+    def _defer_with(
+        self,
+        delivery: Delivery,
+        body: Body,
+        delay: float,
+        reason: str,
+        message_headers: dict[str, Any],
+    ) -> Verdict:
+        try:
+            body.defer(delay, message_headers)
+        except Exception as exc:
+            logger.error("could not defer %s (%s); requeueing it", delivery.record_id, exc)
+            return Verdict.requeue(f"could not defer: {exc}")
+        logger.info("%s deferred by %.1fs: %s", delivery.record_id, delay, reason)
+        self.observers.deferred(delivery.job, reason, delay)
+        return Verdict.ack(f"deferred by {delay:.1f}s: {reason}")
 
 
-def _run_claimed(
-    task: LedgerTask,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    key: str,
-    tier: str,
-    owner: str,
-    fence: int,
-    admission: Admission | None,
-    breaker: CircuitBreaker | None,
-    started: float,
-    context: dict[str, Any],
-    lease_seconds: float,
-) -> Any:
-    """Run the body under the claim ``fence`` and record its outcome."""
-    request = task.request
-    ledger = task.app.ledger
-    hooks = task.app.hooks
+class Attempt:
+    """A claimed attempt: the body runs under ``fence``, and every outcome is written with it."""
 
-    def persist(write: Callable[[], None], what: str) -> None:
-        persist_until(
-            write,
-            deadline=time.monotonic() + lease_seconds * 0.8,
-            what=what,
-            record_id=request.id,
-            on_lease_lost=lambda lost: hooks.emit(
-                "lease_lost", task=task.name, tier=tier, record_id=request.id, fence=lost.fence
-            ),
-        )
-
-    def dead_letter(
-        exc: BaseException, *, reason: str, digest: str, text: str, traceback_text: str = ""
+    def __init__(
+        self,
+        guard: Guard,
+        delivery: Delivery,
+        policy: TaskPolicy,
+        body: Body,
+        fence: int,
+        breaker: CircuitBreaker | None,
+        admission: Admission | None,
     ) -> None:
-        """Record the job dead with its reason and original message, then announce it."""
-        error = error_entry(
-            task.sensitive,
-            exc,
-            owner=owner,
-            attempt=request.retries + 1,
-            fence=fence,
-            action="dead",
-        )
-        fields = dead_letter_fields(
-            reason=storable(redacted_reason(task, reason)),
-            digest=digest,
-            text=storable(text),
-            args=list(args),
-            kwargs=kwargs,
-            message_headers=storable_value(message_headers_of(request, key, tier)),
-        )
-        fields["message"] = sealed_if_sensitive(task, fields["message"])
-        persist(
-            lambda: ledger.record_failure(
-                request.id,
-                fence,
-                error,
-                retry_at=None,
-                traceback=traceback_text,
-                reason=fields["dead_reason"],
-                dead_fields=fields,
-            ),
-            "failure record",
-        )
-        announce_dead(
-            task,
-            {
-                "_id": request.id,
-                "task": task.name,
-                "key": key,
-                "tier": tier,
-                "errors": [error.model_dump()],
-                **fields,
-            },
-            args,
-            kwargs,
-        )
+        self.guard = guard
+        self.ledger = guard.ledger
+        self.delivery = delivery
+        self.policy = policy
+        self.body = body
+        self.fence = fence
+        self.breaker = breaker
+        self.admission = admission
+        self.started = guard.monotonic()
+        self.context = {"task_id": delivery.identity.message_id, "fence": fence}
 
-    try:
-        check_payload_size(task, args, kwargs)
-        retval = task.run(*args, **kwargs)
-    except Interrupted:  # warm shutdown: progress is checkpointed, the message goes back
-        persist(lambda: ledger.release(request.id, fence), "release")
-        logger.warning(
-            "%s interrupted by shutdown; requeued to resume from its checkpoint",
-            request.id,
-            extra=context,
+    @property
+    def record_id(self) -> str:
+        return self.delivery.record_id
+
+    def run(self) -> Verdict:
+        self.guard.observers.claimed(self.delivery.job, self.fence)
+        expired = self._expiry_reason()
+        if expired is not None:
+            return self._settle(lambda: self.retired(expired, Verdict.ack("expired")))
+        lease = self.policy.lease_seconds
+        interval = (
+            lease / 3 if self.policy.heartbeat_seconds is None else self.policy.heartbeat_seconds
         )
-        raise Reject("worker shutting down", requeue=True) from None
-    except SoftTimeLimitExceeded:
-        limit = task.soft_time_limit or (request.timelimit and request.timelimit[1])
-        retire_job(
-            task,
-            request.id,
-            fence,
-            args,
-            kwargs,
-            key=key,
-            tier=tier,
-            reason=f"time limit exceeded (soft, {limit}s)",
+        heartbeat = Heartbeat(
+            self.ledger,
+            self.record_id,
+            self.fence,
+            lease_seconds=lease,
+            interval_seconds=interval or lease,
         )
-        raise
-    except CircuitOpen as exc:  # a breaker used inside the body is open: come back later
-        persist(lambda: ledger.release(request.id, fence), "release")
-        delay = max((exc.retry_at or time.time()) - time.time(), 0.0) + random.uniform(0.05, 0.5)
-        logger.info("%s: %s; deferred by %.1fs", request.id, exc, delay, extra=context)
-        defer(
-            task,
-            args,
-            kwargs,
-            delay_seconds=delay,
-            key=key,
-            tier=tier,
-            reason="circuit open (inside the body)",
+        if interval:
+            heartbeat.start()
+        execution = Execution(self.ledger, self.record_id, self.fence, heartbeat, lease)
+        try:
+            self.body.start(execution)
+            return self._settle(self._run_body)
+        finally:
+            heartbeat.stop()
+
+    def _settle(self, outcome: Callable[[], Verdict]) -> Verdict:
+        try:
+            return outcome()
+        except _Settled as settled:
+            return settled.verdict
+
+    def _run_body(self) -> Verdict:
+        try:
+            self._check_payload_size()
+            retval = self.body.run()
+        except Interrupted:
+            return self.interrupted()
+        except SoftTimeLimitExceeded as exc:
+            limit = self.policy.soft_time_limit
+            return self.retired(f"time limit exceeded (soft, {limit}s)", Verdict.raises(exc))
+        except CircuitOpen as exc:
+            return self.circuit_open(exc)
+        except RetryNotPublished as exc:
+            return self.retry_not_published(exc)
+        except Retry as exc:
+            return self.retry(exc)
+        except Replaced as exc:
+            return self.replaced(exc)
+        except Ignore as exc:
+            return self.ignored(exc)
+        except Reject as exc:
+            return self.rejected(exc)
+        except LeaseLost as exc:
+            return self.lease_lost(exc)
+        except LedgerUnavailable as exc:
+            return self.ledger_unavailable(exc)
+        except Exception as exc:
+            return self.failed(exc)
+        return self.succeeded(retval)
+
+    # -- outcomes -----------------------------------------------------------------------------
+
+    def succeeded(self, retval: Any) -> Verdict:
+        try:
+            result_json = json.dumps(retval, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            return self.dead(
+                PermanentError(f"{self.policy.name} returned a value JSON cannot hold: {exc}"),
+                reason=f"result not JSON: {exc}",
+                verdict=Verdict.raises(PermanentError(f"result not JSON: {exc}")),
+            )
+        limit = self.guard.settings.max_result_bytes
+        if len(result_json) > limit:
+            reason = (
+                f"result too large: {len(result_json)} bytes of JSON, the limit is {limit}"
+                " (LEDGER_MAX_RESULT_BYTES)"
+            )
+            return self.dead(PermanentError(reason), reason=reason, verdict=None)
+        self._report_to_breaker(None)
+        stored = (
+            self.guard.runtime.sealer.seal(result_json) if self.policy.sensitive else result_json
         )
-    except Retry as exc:  # the body (or Celery's autoretry) asked for a retry
-        report_to_breaker(task, breaker, admission, exc.exc)
-        retry_at = retry_time(exc.when)
-        error = error_entry(
-            task.sensitive,
-            exc.exc or exc,
-            owner=owner,
-            attempt=request.retries + 1,
-            fence=fence,
-            action="retry",
+        op = new_op()
+        self._persist(
+            lambda: self.ledger.complete(self.record_id, self.fence, stored, op=op), "completion"
         )
-        text = "" if task.sensitive else storable(format_tb(exc.exc))
-        persist(
-            lambda: ledger.record_failure(
-                request.id, fence, error, retry_at=retry_at, traceback=text
-            ),
-            "retry record",
-        )
-        raise
-    except (Ignore, Reject):
-        persist(lambda: ledger.release(request.id, fence), "release")
-        raise
-    except Exception as exc:
-        report_to_breaker(task, breaker, admission, exc)
+        self.guard.observers.succeeded(self.delivery.job, self.guard.monotonic() - self.started)
+        return Verdict.returns(retval)
+
+    def retry(self, retry: Retry) -> Verdict:
+        """The body (or Celery's autoretry) asked for a retry, already published by Celery."""
+        self._report_to_breaker(retry.exc)
+        delay = _seconds_until(retry.when, self.ledger.now())
+        self._record_retry(retry.exc or retry, delay)
+        return Verdict.raises(retry)
+
+    def failed(self, exc: Exception) -> Verdict:
+        """The body raised: retry with backoff if the error is retryable and budget is left."""
+        self._report_to_breaker(exc)
+        policy = self.policy
         decision = decide(
             exc,
-            policy=task.resolved_retry_policy(tier),
-            retries_done=request.retries,
-            previous_delay=float_or_none(request_header(request, headers.PREVIOUS_DELAY)),
-            retry_on=tuple(task.retry_on or ()),
-            fail_on=tuple(task.fail_on or ()),
+            policy=policy.retry_policy,
+            retries_done=self.delivery.retries,
+            previous_delay=self.delivery.previous_delay,
+            retry_on=policy.retry_on,
+            fail_on=policy.fail_on,
         )
-        text = "" if task.sensitive else storable(format_tb(exc))
-        if decision.retry:
-            schedule_retry(
-                task,
-                exc,
-                decision.delay_seconds,
-                key=key,
-                tier=tier,
-                fence=fence,
-                owner=owner,
-                traceback_text=text,
-                persist=persist,
-            )
-        digest, fingerprint_text = fingerprint(exc)
-        dead_letter(
-            exc, reason=decision.reason, digest=digest, text=fingerprint_text, traceback_text=text
+        if not decision.retry:
+            return self.dead(exc, reason=decision.reason, verdict=Verdict.raises(exc))
+        message_headers = self.delivery.republish_headers(
+            **{headers.PREVIOUS_DELAY: decision.delay_seconds}
         )
-        raise
+        try:
+            retry = self.body.retry(exc, decision.delay_seconds, message_headers)
+        except RetryNotPublished as not_published:
+            return self.retry_not_published(not_published)
+        self._record_retry(exc, decision.delay_seconds)
+        return Verdict.raises(retry)
 
-    try:
-        result_json = json.dumps(retval, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        payload_error = PayloadError(f"{task.name} returned a value JSON cannot hold: {exc}")
-        dead_letter(
-            payload_error,
-            reason=f"result not JSON: {exc}",
-            digest="result-not-json",
-            text=f"PayloadError: result of {task.name} is not JSON",
-        )
-        raise payload_error from exc
-    report_to_breaker(task, breaker, admission, None)
-    stored = task.app.sealer.seal(result_json) if task.sensitive else result_json
-    persist(lambda: ledger.complete(request.id, fence, stored), "completion")
-    hooks.emit(
-        "succeeded",
-        task=task.name,
-        tier=tier,
-        record_id=request.id,
-        seconds=time.monotonic() - started,
-    )
-    return retval
-
-
-def admit_or_defer(
-    task: LedgerTask,
-    breaker: CircuitBreaker | None,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    key: str,
-    tier: str,
-) -> Admission | None:
-    """Ask the task's breaker; while it is open, defer without claiming (no attempt used)."""
-    if breaker is None:
-        return None
-    try:
-        admission = breaker.admit()
-    except redis.RedisError as exc:  # the breaker's store is down: fail open, the job matters more
-        logger.warning("breaker %s unavailable (%s); calling through", breaker.name, exc)
-        return None
-    if admission.allowed:
-        return admission
-    retry_at = admission.retry_at or time.time() + task.app.settings.busy_recheck_seconds
-    until = datetime.fromtimestamp(retry_at, UTC)
-    try:
-        task.app.ledger.record_deferral(
-            task.request.id,
-            task=task.name,
-            key=key,
-            tier=tier,
-            reason=f"circuit {breaker.name!r} open",
-            until=until,
-        )
-    except LedgerError as exc:
-        logger.warning("could not record the deferral of %s: %s", task.request.id, exc)
-    delay = max(retry_at - time.time(), 0.0) + random.uniform(0.05, 0.5)
-    logger.info("%s: circuit %r is open; deferred by %.1fs", task.request.id, breaker.name, delay)
-    defer(task, args, kwargs, delay_seconds=delay, key=key, tier=tier, reason="circuit open")
-
-
-def wait_for_rate(
-    task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any], *, key: str, tier: str
-) -> None:
-    """Take a token from the task's shared bucket, or defer until one is due (no claim made)."""
-    if not task.rate_bucket:
-        return
-    try:
-        wait = task.app.rate_limits[task.rate_bucket].try_acquire()
-    except redis.RedisError as exc:  # the bucket's store is down: fail open
-        logger.warning("rate bucket %s unavailable (%s); running", task.rate_bucket, exc)
-        return
-    if wait > 0:
-        defer(
-            task,
-            args,
-            kwargs,
-            delay_seconds=wait + random.uniform(0.0, wait * 0.2),
-            key=key,
-            tier=tier,
-            reason=f"rate limited ({task.rate_bucket})",
-        )
-
-
-def report_to_breaker(
-    task: LedgerTask,
-    breaker: CircuitBreaker | None,
-    admission: Admission | None,
-    exc: BaseException | None,
-) -> None:
-    """Count the call's outcome: retryable errors are the dependency's failures."""
-    if breaker is None or admission is None:
-        return
-    failed = exc is not None and classify(
-        exc, retry_on=tuple(task.retry_on or ()), fail_on=tuple(task.fail_on or ())
-    )
-    try:
-        if failed:
-            breaker.record_failure(probe=admission.probe)
-        else:
-            breaker.record_success(probe=admission.probe)
-    except redis.RedisError as error:
-        logger.warning("could not report to breaker %s: %s", breaker.name, error)
-
-
-def expiry_reason(task: LedgerTask, request: Any) -> str | None:
-    """Why the job must not run any more (its ``max_age_seconds``, or Celery's ``expires``
-    enforced here: see ``LedgerRequest``), or None."""
-    age_limit = task.max_age_seconds
-    sent_at = float_or_none(request_header(request, headers.ENQUEUED_AT))
-    if age_limit is not None and sent_at is not None and time.time() - sent_at > age_limit:
-        return f"expired: enqueued {time.time() - sent_at:.0f}s ago (max age {age_limit:.0f}s)"
-    expires = expiry_of(request.expires)
-    if expires is not None and expires <= datetime.now(UTC):
-        return f"expired: the message expired at {expires.isoformat()} before it ran"
-    return None
-
-
-def retire_job(
-    task: LedgerTask,
-    record_id: str,
-    fence: int | None,
-    args: Any,
-    kwargs: Any,
-    *,
-    key: str,
-    tier: str,
-    reason: str,
-) -> None:
-    """Dead-letter a job that ran out of budget, then run its cleanup hook."""
-    ledger = task.app.ledger
-    artefacts = list(ledger.load_progress(record_id).get("artefacts", []))
-    if not ledger.retire(record_id, fence, reason):
-        return
-    logger.error("%s retired: %s", record_id, reason)
-    try:
-        task.on_retire(reason, artefacts)
-    except Exception:
-        logger.warning("cleanup of retired %s failed", record_id, exc_info=True)
-    record = ledger.find_raw(record_id)
-    if record is not None:
-        announce_dead(task, record, args, kwargs)
-
-
-def schedule_retry(
-    task: LedgerTask,
-    exc: Exception,
-    delay: float,
-    *,
-    key: str,
-    tier: str,
-    fence: int,
-    owner: str,
-    traceback_text: str,
-    persist: Callable[[Callable[[], None], str], None],
-) -> NoReturn:
-    """Publish the retry (held in the delayed set), record it, and tell Celery (``Retry``)."""
-    request = task.request
-    message_headers = message_headers_of(request, key, tier)
-    message_headers[headers.PREVIOUS_DELAY] = delay
-    error = error_entry(
-        task.sensitive,
-        exc,
-        owner=owner,
-        attempt=request.retries + 1,
-        fence=fence,
-        action="retry",
-        planned_delay_seconds=delay,
-    )
-    try:
-        # Celery's own retry machinery: republishes (through LedgerTask.apply_async, so the
-        # delay waits in Redis), fires task_retry signals and events, raises Retry.
-        task.retry(
-            exc=exc, countdown=delay, max_retries=request.retries + 1, headers=message_headers
-        )
-    except Retry as retry:
-        ledger = task.app.ledger
-        retry_at = utcnow() + timedelta(seconds=delay)
-        persist(
-            lambda: ledger.record_failure(
-                request.id, fence, error, retry_at=retry_at, traceback=traceback_text
+    def _record_retry(self, exc: BaseException, delay: float) -> None:
+        error = self._error(exc, "retry", planned_delay_seconds=delay)
+        traceback = "" if self.policy.sensitive else storable(format_traceback(exc))
+        op = new_op()
+        self._persist(
+            lambda: self.ledger.record_retry(
+                self.record_id,
+                self.fence,
+                error,
+                retry_at=self.ledger.now() + timedelta(seconds=delay),
+                op=op,
+                traceback=traceback,
+                retries=self.delivery.retries + 1,
+                previous_delay=delay,
             ),
             "retry record",
         )
-        task.app.hooks.emit(
-            "retried", task=task.name, tier=tier, record_id=request.id, delay=delay, error=exc
+        self.guard.observers.retried(self.delivery.job, delay, exc)
+
+    def retry_not_published(self, exc: RetryNotPublished) -> Verdict:
+        """The retry's message could not be published: give the claim back and requeue this
+        delivery, which then runs as the retry."""
+        logger.error("retry of %s not published (%s); requeueing it", self.record_id, exc)
+        return self._release(f"retry not published: {exc}")
+
+    def dead(self, exc: BaseException, *, reason: str, verdict: Verdict | None) -> Verdict:
+        """Record the job dead with its reason and its kept message, then announce it."""
+        sealer = self.guard.runtime.sealer if self.policy.sensitive else None
+        job = DeadJob.of_exception(
+            exc,
+            reason=reason,
+            error=self._error(exc, "dead"),
+            message=self.delivery.kept(sealer),
+            sensitive=self.policy.sensitive,
         )
-        raise retry from exc
-    raise AssertionError("Task.retry returned without raising")  # pragma: no cover
+        self._bury(job)
+        return verdict or Verdict.raises(exc)
 
-
-def check_payload_size(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Refuse a message whose arguments exceed the limit (published around our API)."""
-    limit = task.app.settings.max_payload_bytes
-    size = len(json.dumps([list(args), kwargs], default=str))
-    if size > limit:
-        raise PermanentError(f"oversized message: arguments are {size} bytes, the limit is {limit}")
-
-
-def message_headers_of(request: Any, key: str, tier: str) -> dict[str, Any]:
-    message_headers = dict(request.headers or {})
-    message_headers.update({headers.KEY: key, headers.TIER: tier})
-    return message_headers
-
-
-def announce_dead(task: LedgerTask, record: dict[str, Any], args: Any, kwargs: Any) -> None:
-    try:
-        entry = entry_of(record)
-        task.app.dead_letters.announce(entry)
-        task.app.hooks.emit(
-            "dead",
-            task=task.name,
-            tier=entry.get("tier"),
-            record_id=entry["record_id"],
-            reason=entry.get("reason"),
-            entry=entry,
-        )
-    except Exception:  # observability must never fail the task
-        logger.warning("could not announce dead letter %s", record.get("_id"), exc_info=True)
-
-
-def defer(
-    task: LedgerTask,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    delay_seconds: float,
-    key: str,
-    tier: str,
-    reason: str = "",
-) -> NoReturn:
-    """Republish this message to come back after ``delay_seconds``, then ack this delivery.
-
-    A deferral does not count as a retry. If it cannot be republished, the delivery is
-    requeued instead, so nothing is lost.
-    """
-    request = task.request
-    message_headers = dict(request.headers or {})
-    message_headers.update(
-        {
-            headers.KEY: key,
-            headers.TIER: tier,
-            headers.DEFERRALS: int(float_or_none(request_header(request, headers.DEFERRALS)) or 0)
-            + 1,
-        }
-    )
-    signature = task.signature_from_request(
-        request, args, kwargs, countdown=delay_seconds, headers=message_headers
-    )
-    try:
-        signature.apply_async()
-    except Exception as exc:
-        logger.error("could not defer %s (%s); requeueing it", request.id, exc)
-        raise Reject(exc, requeue=True) from exc
-    task.app.hooks.emit(
-        "deferred",
-        task=task.name,
-        tier=tier,
-        record_id=request.id,
-        delay=delay_seconds,
-        reason=reason,
-    )
-    raise Ignore(f"deferred by {delay_seconds:.1f}s")
-
-
-def persist_until(
-    write: Callable[[], None],
-    *,
-    deadline: float,
-    what: str,
-    record_id: str,
-    on_lease_lost: Callable[[LeaseLost], None] | None = None,
-) -> None:
-    """Run a fenced ledger write, retrying while the ledger is unreachable until ``deadline``.
-
-    Past the deadline our lease may be taken over anyway: the message is requeued, and the
-    ledger decides again on redelivery.
-    """
-    attempt = 0
-    while True:
+    def retired(self, reason: str, verdict: Verdict) -> Verdict:
+        """The job ran out of budget (time, age): dead, then its cleanup hook runs."""
         try:
-            write()
-            return
-        except LeaseLost as lost:
-            logger.warning(
-                "%s of %s refused: the lease was taken over by a newer claim", what, record_id
+            artefacts = list(self.ledger.load_progress(self.record_id).get("artefacts", []))
+        except LedgerError:
+            artefacts = []
+        sealer = self.guard.runtime.sealer if self.policy.sensitive else None
+        job = DeadJob.of_reason(
+            "retired", reason, task=self.policy.name, message=self.delivery.kept(sealer)
+        )
+        self._bury(job)
+        logger.error("%s retired: %s", self.record_id, reason)
+        try:
+            self.body.on_retire(reason, artefacts)
+        except Exception:
+            logger.warning("cleanup of retired %s failed", self.record_id, exc_info=True)
+        return verdict
+
+    def _bury(self, job: DeadJob) -> None:
+        op = new_op()
+        self._persist(
+            lambda: self.ledger.bury(
+                self.record_id,
+                job,
+                match=Fenced(self.fence, op),
+                task=self.delivery.identity.task,
+                key=self.delivery.identity.key,
+                tier=self.delivery.tier,
+            ),
+            "dead record",
+        )
+        identity = self.delivery.identity
+        letter = DeadLetter.of_job(
+            self.record_id, job, task=identity.task, key=identity.key, tier=self.delivery.tier
+        )
+        self.guard.dead_letters.announce(letter, job=self.delivery.job)
+
+    def interrupted(self) -> Verdict:
+        """Warm shutdown: progress is checkpointed; the message goes back to the queue."""
+        logger.warning(
+            "%s interrupted by shutdown; requeued to resume from its checkpoint", self.record_id
+        )
+        return self._release("worker shutting down")
+
+    def circuit_open(self, exc: CircuitOpen) -> Verdict:
+        """A breaker used inside the body is open: give the claim back and come back later."""
+        self._release_quietly()
+        delay = max((exc.retry_at or time.time()) - time.time(), 0.0) + random.uniform(0.05, 0.5)
+        return self.guard._defer(self.delivery, self.body, delay, "circuit open (inside the body)")
+
+    def lease_lost(self, exc: LeaseLost) -> Verdict:
+        """A newer claim took over while the body ran: this delivery stops here."""
+        logger.warning("%s: a newer claim took over; this holder stops", self.record_id)
+        self.guard.observers.lease_lost(self.delivery.job, self.fence)
+        return Verdict.ack("lease lost")
+
+    def ledger_unavailable(self, exc: LedgerUnavailable) -> Verdict:
+        """A ledger call of the body's (checkpoint, step, heartbeat) failed for now: never a
+        failure of the job. Give the claim back if the ledger lets us, and come back later."""
+        logger.warning(
+            "%s: ledger unavailable inside the body (%s); deferring", self.record_id, exc
+        )
+        self.guard.observers.ledger_unavailable(self.delivery.job, "body")
+        self._release_quietly()
+        delay = self.guard.unavailable_delay(self.delivery)
+        return self.guard._defer(
+            self.delivery, self.body, delay, "ledger unavailable (in the body)"
+        )
+
+    def ignored(self, exc: Ignore) -> Verdict:
+        """The body raised ``Ignore``: the job ends here, terminal, with its reason."""
+        op = new_op()
+        self._persist(
+            lambda: self.ledger.finish_without_result(
+                self.record_id, self.fence, outcome="ignored", note=storable(str(exc)), op=op
+            ),
+            "finish",
+        )
+        return Verdict.ack(f"ignored by the task: {exc}")
+
+    def replaced(self, exc: Replaced) -> Verdict:
+        """The body replaced itself (``Task.replace``): the job ends, naming its replacement."""
+        op = new_op()
+        self._persist(
+            lambda: self.ledger.finish_without_result(
+                self.record_id,
+                self.fence,
+                outcome="replaced",
+                note=f"replaced by {exc.task_id}",
+                replaced_by=exc.task_id,
+                op=op,
+            ),
+            "finish",
+        )
+        return Verdict.ack(f"replaced by {exc.task_id}")
+
+    def rejected(self, exc: Reject) -> Verdict:
+        """``Reject(requeue=True)`` hands the message back; ``Reject(requeue=False)`` ends the
+        job dead (replayable) with the task's reason."""
+        if exc.requeue:
+            return self._release(f"rejected by the task (requeue): {exc.reason}")
+        reason = f"rejected by the task: {exc.reason}"
+        sealer = self.guard.runtime.sealer if self.policy.sensitive else None
+        self._bury(
+            DeadJob.of_reason(
+                "rejected", reason, task=self.policy.name, message=self.delivery.kept(sealer)
             )
-            if on_lease_lost is not None:
-                on_lease_lost(lost)
-            raise Ignore("lease lost") from None
-        except LedgerUnavailable as exc:
-            if time.monotonic() >= deadline:
-                logger.error("%s of %s failed, ledger unreachable; requeueing", what, record_id)
-                raise Reject(exc, requeue=True) from exc
-            time.sleep(backoff_seconds(attempt, base_seconds=0.2, cap_seconds=5.0) + 0.05)
-            attempt += 1
+        )
+        return Verdict.ack(reason)
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def _release(self, reason: str) -> Verdict:
+        op = new_op()
+        self._persist(lambda: self.ledger.release(self.record_id, self.fence, op=op), "release")
+        return Verdict.requeue(reason)
+
+    def _release_quietly(self) -> None:
+        """Give the claim back now if the ledger answers; else its lease ends by itself."""
+        try:
+            self.ledger.release(self.record_id, self.fence, op=new_op())
+        except LedgerError as exc:
+            logger.info("could not release %s now (%s); its lease will end", self.record_id, exc)
+
+    def _persist(self, write: Callable[[], Any], what: str) -> None:
+        """Run a fenced write, retrying while the ledger is unreachable (until most of the
+        lease is spent: past that, another delivery may take over anyway).
+
+        Raises:
+            _Settled: the lease was lost (acknowledge), or the write could not be made
+                (requeue: the ledger decides again on redelivery).
+        """
+        deadline = self.guard.monotonic() + self.policy.lease_seconds * 0.8
+        attempt = 0
+        while True:
+            try:
+                write()
+                return
+            except LeaseLost as lost:
+                logger.warning("%s of %s refused: a newer claim took over", what, self.record_id)
+                raise _Settled(self.lease_lost(lost)) from None
+            except LedgerUnavailable as exc:
+                if self.guard.monotonic() >= deadline:
+                    logger.error(
+                        "%s of %s failed, ledger unreachable; requeueing", what, self.record_id
+                    )
+                    raise _Settled(Verdict.requeue(f"{what} failed: {exc}")) from exc
+                self.guard.sleep(backoff_seconds(attempt, base_seconds=0.2, cap_seconds=5.0) + 0.05)
+                attempt += 1
+            except StoreError as exc:
+                raise _Settled(self._unstorable(what, exc)) from exc
+
+    def _unstorable(self, what: str, exc: StoreError) -> Verdict:
+        """The ledger refused an outcome write for good (too large, invalid): record the job
+        dead with that reason in a minimal write, so the body never runs again for it."""
+        reason = storable(f"the ledger refused the {what}: {exc}")[:2000]
+        logger.error("%s: %s", self.record_id, reason)
+        dead = DeadJob.of_reason("failed", reason, task=self.policy.name, group="unstorable")
+        op = new_op()
+        try:
+            self.ledger.bury(
+                self.record_id,
+                dead,
+                match=Fenced(self.fence, op),
+                task=self.delivery.identity.task,
+                key=self.delivery.identity.key,
+                tier=self.delivery.tier,
+            )
+        except LeaseLost as lost:
+            return self.lease_lost(lost)
+        except LedgerError as again:
+            logger.error("could not record %s dead either (%s); requeueing", self.record_id, again)
+            return Verdict.requeue(reason)
+        self.guard.dead_letters.announce_record(self.record_id, job=self.delivery.job)
+        return Verdict.raises(PermanentError(reason))
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _error(self, exc: BaseException, action: str, **extra: Any) -> Any:
+        return error_entry(
+            exc,
+            owner=self.delivery.owner,
+            attempt=self.delivery.retries + 1,
+            fence=self.fence,
+            action=action,
+            at=self.ledger.now(),
+            redact=self.policy.sensitive,
+            **extra,
+        )
+
+    def _check_payload_size(self) -> None:
+        """Refuse a message whose arguments exceed the limit (published around our API)."""
+        problem = self.guard.oversized(self.delivery)
+        if problem is not None:
+            raise PermanentError(problem)
+
+    def _expiry_reason(self) -> str | None:
+        """Why the job must not run any more (its ``max_age_seconds``, or Celery's ``expires``
+        enforced here: see ``LedgerRequest``), or None."""
+        age_limit = self.policy.max_age_seconds
+        sent_at = self.delivery.enqueued_at
+        now = time.time()
+        if age_limit is not None and sent_at is not None and now - sent_at > age_limit:
+            return f"expired: enqueued {now - sent_at:.0f}s ago (max age {age_limit:.0f}s)"
+        expires = self.delivery.expires
+        if expires is not None and expires <= datetime.now(UTC):
+            return f"expired: the message expired at {expires.isoformat()} before it ran"
+        return None
+
+    def _report_to_breaker(self, exc: BaseException | None) -> None:
+        """Count the call's outcome: retryable errors are the dependency's failures."""
+        if self.breaker is None or self.admission is None:
+            return
+        failed = exc is not None and classify(
+            exc, retry_on=self.policy.retry_on, fail_on=self.policy.fail_on
+        )
+        try:
+            if failed:
+                self.breaker.record_failure(probe=self.admission.probe)
+            else:
+                self.breaker.record_success(probe=self.admission.probe)
+        except redis.RedisError as error:
+            logger.warning("could not report to breaker %s: %s", self.breaker.name, error)
 
 
-def retry_time(when: Any) -> datetime:
-    """When a retry is due, from ``Retry.when`` (an eta datetime or a countdown)."""
+def _seconds_until(when: Any, now: datetime) -> float:
+    """Seconds until a retry is due, from ``Retry.when`` (an eta datetime or a countdown)."""
     if isinstance(when, datetime):
-        return when
-    if isinstance(when, int | float):
-        return utcnow() + timedelta(seconds=when)
-    return utcnow()
-
-
-def sealed_if_sensitive(task: LedgerTask, message: dict[str, Any]) -> dict[str, Any]:
-    """A message's arguments, sealed when the task is sensitive (plain otherwise)."""
-    if not task.sensitive:
-        return message
-    sealer = task.app.sealer
-    return {
-        **message,
-        **{
-            name: sealer.seal(message[name])
-            for name in ("args_json", "kwargs_json")
-            if name in message
-        },
-    }
-
-
-def redacted_reason(task: LedgerTask, reason: str) -> str:
-    """A dead reason without the exception's text for sensitive tasks ("kind: Type")."""
-    return ": ".join(reason.split(": ")[:2]) if task.sensitive else reason
-
-
-def error_entry(
-    redact: bool,
-    exc: BaseException,
-    *,
-    owner: str,
-    attempt: int,
-    fence: int,
-    action: str = "",
-    planned_delay_seconds: float | None = None,
-) -> ErrorEntry:
-    return ErrorEntry(
-        action=action,
-        planned_delay_seconds=planned_delay_seconds,
-        type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-        message=REDACTED if redact else storable(str(exc)[:2000]),
-        traceback_digest=traceback_digest(exc),
-        at=utcnow(),
-        worker=owner,
-        attempt=attempt,
-        fence=fence,
-    )
-
-
-def traceback_digest(exc: BaseException) -> str:
-    """A short digest of where the exception was raised (frames, not line text or values)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = "|".join(f"{f.filename}:{f.name}:{f.lineno}" for f in frames)
-    return hashlib.sha256(f"{type(exc).__qualname__}|{where}".encode()).hexdigest()[:16]
-
-
-def format_tb(exc: BaseException | None) -> str:
-    if exc is None:
-        return ""
-    return "".join(traceback.format_exception(exc))
+        aware = when if when.tzinfo else when.replace(tzinfo=UTC)
+        return max((aware - now).total_seconds(), 0.0)
+    if isinstance(when, int | float) and not isinstance(when, bool):
+        return max(float(when), 0.0)
+    return 0.0

@@ -1,7 +1,19 @@
-"""Names of the message headers celery-ledger adds (they travel with every message)."""
+"""Names of the message headers celery-ledger adds (they travel with every message).
 
-KEY = "ledger_key"
-TIER = "ledger_tier"
-DEFERRALS = "ledger_deferrals"
-PREVIOUS_DELAY = "ledger_previous_delay"
+A republished message (a retry, a deferral, the reconciler's or a replay's copy) carries the
+ledger's headers of the original, so the job keeps its key, tier, age and retry state.
+"""
+
+KEY = "ledger_key"  # the idempotency key: with the task name, the job's identity
+TIER = "ledger_tier"  # the tier the message was routed to
+DEFERRALS = "ledger_deferrals"  # how often the job was put off (no attempt used)
+PREVIOUS_DELAY = "ledger_previous_delay"  # seconds of the last retry's backoff (decorrelated)
 ENQUEUED_AT = "ledger_enqueued_at"  # unix time of the job's first publish (max age)
+SENT_AT = "ledger_sent_at"  # unix time of this publish (queue wait metrics)
+# A message no worker could run yet (unknown task, arguments that do not bind): when a worker
+# first put it off, and how often since (its backoff). Dead-lettered once the window ends.
+UNRUNNABLE_SINCE = "ledger_unrunnable_since"
+UNRUNNABLE_DEFERRALS = "ledger_unrunnable_deferrals"
+
+# Headers a republish copies from the original message (see KeptMessage).
+CARRIED = (KEY, TIER, ENQUEUED_AT, PREVIOUS_DELAY, DEFERRALS)

@@ -1,4 +1,11 @@
-"""Idempotency keys and the task ids derived from them (pure functions)."""
+"""Idempotency keys and the task ids derived from them (pure functions).
+
+A job's identity is ``(task name, idempotency key)``; its ledger record's ``_id`` is the task id
+derived from that pair (:func:`derive_task_id`), whatever path the job takes: publishing, a
+retry, a deferral, the reconciler's republish, a replay, a poison message. A message whose own
+id is not that id (a canvas member frozen with a random id, a message from another producer) is
+an *alias* of the job: the ledger records which job it names, so its result can be read by its id.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import inspect
 import json
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigurationError, PayloadError
@@ -107,3 +115,49 @@ def validate_key(key: Any, *, task_name: str) -> str:
             f"idempotency key of {task_name} is not valid UTF-8 text: {exc}"
         ) from exc
     return key
+
+
+# The key of a message that names none and whose arguments cannot be keyed: its own id.
+MESSAGE_ID_KEY_PREFIX = "id:"
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Which job a message is: ``(task, key)``, its record id, and the message's own id."""
+
+    task: str
+    key: str
+    record_id: str
+    message_id: str
+
+    @property
+    def alias(self) -> str | None:
+        """The message's id when it is not the record's (the ledger keeps it as an alias)."""
+        return None if self.message_id == self.record_id else self.message_id
+
+
+def identity_of(
+    task_name: str,
+    message_id: str,
+    *,
+    key_header: Any,
+    key_of_arguments: Callable[[], str] | None = None,
+) -> Identity:
+    """The identity of a message: its key header if valid, else the key its arguments give
+    (the task's ``idempotency_key`` over them, as a publish through the task would compute),
+    else its own id (``id:<message id>``).
+    """
+    key: str | None = None
+    if key_header:
+        try:
+            key = validate_key(key_header, task_name=task_name)
+        except PayloadError:
+            key = None
+    if key is None and key_of_arguments is not None:
+        try:
+            key = key_of_arguments()
+        except (PayloadError, ConfigurationError):
+            key = None
+    if key is None:
+        key = MESSAGE_ID_KEY_PREFIX + message_id
+    return Identity(task_name, key, derive_task_id(task_name, key), message_id)

@@ -25,8 +25,9 @@ from typing import Any, TypeVar
 
 from pymongo.client_session import ClientSession
 
-from .errors import ConfigurationError, LeaseLost, LedgerError
+from .errors import ConfigurationError, Interrupted, LeaseLost, LedgerError
 from .ledger.store import Ledger
+from .locks import ForkSafeLock
 
 logger = logging.getLogger("celery_ledger.progress")
 
@@ -36,10 +37,6 @@ _STEP_NAME = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
 class _StepNotRecorded(Exception):
     """Aborts an atomic step's transaction whose step record did not match."""
-
-
-class Interrupted(LedgerError):
-    """The worker is shutting down: the job hands its message back and resumes elsewhere."""
 
 
 def shutdown_flag(parent_pid: int) -> Path:
@@ -70,7 +67,7 @@ class Heartbeat:
         self.interval = interval_seconds
         self.due = 0.0
         self._flag = shutdown_flag(os.getppid())
-        self._lock = threading.Lock()  # a tick in progress finishes before stop() returns
+        self._lock = ForkSafeLock()  # a tick in progress finishes before stop() returns
         self._stopped = False
         self.lost = False
         self.shutdown_requested = False
@@ -120,7 +117,7 @@ class _Ticker:
     each at least once a second (the shutdown flag). Started on first use in each process."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._beats: set[Heartbeat] = set()
         self._wake = threading.Event()
         self._pid = -1
@@ -142,16 +139,23 @@ class _Ticker:
 
     def _run(self) -> None:
         while True:
-            with self._lock:
-                beats = list(self._beats)
-            now = time.monotonic()
-            wait = min([1.0, *(b.due - now for b in beats)])
-            if wait > 0 and self._wake.wait(wait):
-                self._wake.clear()
-                continue
-            now = time.monotonic()
-            for heartbeat in beats:
-                heartbeat.tick(now)
+            try:
+                self._tick_due()
+            except Exception:  # one bad tick must never stop every heartbeat of the process
+                logger.exception("heartbeat thread: a tick failed; going on")
+                time.sleep(1.0)
+
+    def _tick_due(self) -> None:
+        with self._lock:
+            beats = list(self._beats)
+        now = time.monotonic()
+        wait = min([1.0, *(b.due - now for b in beats)])
+        if wait > 0 and self._wake.wait(wait):
+            self._wake.clear()
+            return
+        now = time.monotonic()
+        for heartbeat in beats:
+            heartbeat.tick(now)
 
 
 _TICKER = _Ticker()

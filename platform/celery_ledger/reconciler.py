@@ -1,45 +1,36 @@
-"""The reconciler: brings back jobs whose message is gone or stuck.
+"""The reconciler: brings back jobs whose message is gone or stuck, without anyone watching.
 
 It finds (1) running records whose lease ended a grace period ago (their worker died, and Redis
 would only redeliver the message after its visibility timeout, an hour by default), and
-(2) queued or retrying records untouched for a long time (a publish that failed after the
-record was written, a lost retry). For (1) it first looks for the message among the broker's
-unacknowledged messages and puts it back on its queue, so it comes back exactly as sent; else,
-and for (2), it republishes from the arguments kept on the record, with the same task id and
-key. Fencing keeps this safe against a slow original holder: the new delivery claims with a
-higher token, and the old holder's late writes are refused.
+(2) queued or retrying records untouched for a long time (a lost retry, a message lost before
+its first claim), and queued records whose first publish failed, at once. For each, a job whose
+message still waits in its tier's queue or the delayed set is only slow and is left alone (under
+a deep backlog, copies would cost a claim each). Else it puts the job's unacknowledged message
+back on its queue, so it comes back exactly as sent, or republishes it from the message kept on
+the record, under the job's own identity and with its headers (age, retry state). Fencing keeps
+this safe against a slow original holder: the new delivery claims with a higher token, and the
+old holder's late writes are refused.
 
-Runs as ``celery -A APP ledger reconcile`` and as the periodic task ``celery_ledger.reconcile``.
+Every worker's housekeeping runs it (:meth:`Reconciler.sweep_if_leader`), one sweeper at a
+time across the fleet; ``celery -A APP ledger reconcile`` and the periodic task
+``celery_ledger.reconcile`` (for celery beat) run it too. A record that cannot be handled (say,
+sealed with a key that was rotated out) is counted and skipped, never stopping the sweep.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-from . import headers
+from .broker import BrokerView, SweepLock
+from .ledger.message import KeptMessage
 from .ledger.record import State
 
 if TYPE_CHECKING:
-    from .app import LedgerCelery
+    from .runtime import Runtime
 
 logger = logging.getLogger("celery_ledger.reconciler")
-
-# kombu's Redis transport keeps delivered, unacknowledged messages here (tag -> payload).
-UNACKED_HASH = "unacked"
-UNACKED_INDEX = "unacked_index"
-
-# Move one unacked message back to the front of its queue, atomically.
-_RESTORE = """
-local payload = redis.call('HGET', KEYS[1], ARGV[1])
-if not payload then return 0 end
-redis.call('RPUSH', ARGV[2], ARGV[3])
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-return 1
-"""
 
 
 @dataclass
@@ -49,120 +40,117 @@ class ReconcileReport:
     republished: int = 0
     stale_queued: int = 0
     stale_retrying: int = 0
-    still_waiting: int = 0  # stale, but their message is still queued or delayed: left alone
-    skipped: list[str] = field(default_factory=list)
+    still_waiting: int = 0  # their message is still queued or delayed: left alone
+    failed: int = 0  # a record that raised: counted and skipped
+    skipped: list[str] = field(default_factory=list)  # nothing to republish it from (or no task)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
-
-def reconcile(
-    app: LedgerCelery,
-    *,
-    lease_grace_seconds: float | None = None,
-    stale_after_seconds: float | None = None,
-    limit: int = 500,
-    dry_run: bool = False,
-) -> ReconcileReport:
-    """One sweep; returns what it found and did."""
-    settings = app.settings
-    grace = (
-        settings.reconcile_lease_grace_seconds
-        if lease_grace_seconds is None
-        else lease_grace_seconds
-    )
-    stale_after = (
-        settings.reconcile_stale_after_seconds
-        if stale_after_seconds is None
-        else stale_after_seconds
-    )
-    ledger = app.ledger
-    report = ReconcileReport()
-    unacked = _unacked_by_task_id(app) if not dry_run else {}
-
-    for doc in ledger.expired_leases(grace_seconds=grace, limit=limit):
-        report.expired_leases += 1
-        if dry_run:
-            continue
-        if doc["_id"] in unacked and _restore(app, *unacked[doc["_id"]]):
-            report.restored_from_broker += 1
-            ledger.touch(doc["_id"], doc.get("updated_at"))
-        elif _republish(app, doc):
-            report.republished += 1
-            ledger.touch(doc["_id"], doc.get("updated_at"))
-        else:
-            report.skipped.append(doc["_id"])
-    waiting: set[str] | None = None  # ids whose message is still in the broker, read once
-    for state, attribute in ((State.QUEUED, "stale_queued"), (State.RETRYING, "stale_retrying")):
-        for doc in ledger.stale(state, older_than_seconds=stale_after, limit=limit):
-            setattr(report, attribute, getattr(report, attribute) + 1)
-            if dry_run:
-                continue
-            if waiting is None:
-                waiting = _waiting_task_ids(app) | set(unacked)
-            if doc["_id"] in waiting:  # only slow (a backlog): a copy would cost a claim
-                report.still_waiting += 1
-                continue
-            if ledger.touch(doc["_id"], doc.get("updated_at")) and _republish(app, doc):
-                report.republished += 1
-            else:
-                report.skipped.append(doc["_id"])
-    if report.expired_leases or report.stale_queued or report.stale_retrying:
-        logger.warning("reconcile: %s", report.as_dict())
-    return report
+    @property
+    def found_any(self) -> bool:
+        return bool(self.expired_leases or self.stale_queued or self.stale_retrying)
 
 
-def _unacked_by_task_id(app: LedgerCelery) -> dict[str, tuple[str, str, bytes]]:
-    """Unacknowledged messages by task id: (delivery tag, queue, message)."""
-    found: dict[str, tuple[str, str, bytes]] = {}
-    for tag, payload in app.redis.hscan_iter(UNACKED_HASH, count=500):
-        try:
-            message, _exchange, routing_key = json.loads(payload)
-            task_id = message["headers"]["id"]
-        except (ValueError, KeyError, TypeError):
-            continue
-        queue = routing_key  # kombu names each tier's list after its routing key
-        found[task_id] = (
-            tag.decode() if isinstance(tag, bytes) else tag,
-            queue,
-            json.dumps(message).encode(),
+class Reconciler:
+    """One app's reconciler (see the module docstring)."""
+
+    def __init__(self, runtime: Runtime, broker: BrokerView, lock: SweepLock | None = None) -> None:
+        self._runtime = runtime
+        self._ledger = runtime.ledger
+        self._broker = broker
+        self._lock = lock
+
+    def sweep_if_leader(self) -> ReconcileReport | None:
+        """Sweep if this process holds (or takes) the fleet's sweep lock; else None."""
+        if self._lock is None or self._lock.acquire() is None:
+            return None
+        return self.sweep()
+
+    def sweep(
+        self,
+        *,
+        lease_grace_seconds: float | None = None,
+        stale_after_seconds: float | None = None,
+        limit: int = 500,
+        dry_run: bool = False,
+    ) -> ReconcileReport:
+        """One sweep; returns what it found and did."""
+        settings = self._runtime.settings
+        grace = (
+            settings.reconcile_lease_grace_seconds
+            if lease_grace_seconds is None
+            else lease_grace_seconds
         )
-    return found
-
-
-def _waiting_task_ids(app: LedgerCelery) -> set[str]:
-    """Task ids of the messages waiting in the tiers' queues and in the delayed set."""
-    found: set[str] = set()
-    for queue in app.tiers.names:
-        for raw in app.redis.lrange(queue, 0, -1):
+        stale_after = (
+            settings.reconcile_stale_after_seconds
+            if stale_after_seconds is None
+            else stale_after_seconds
+        )
+        report = ReconcileReport()
+        candidates: list[tuple[str, dict[str, Any]]] = [
+            ("expired_leases", doc)
+            for doc in self._ledger.expired_leases(grace_seconds=grace, limit=limit)
+        ]
+        for state, counter in ((State.QUEUED, "stale_queued"), (State.RETRYING, "stale_retrying")):
+            candidates += [
+                (counter, doc)
+                for doc in self._ledger.stale(state, older_than_seconds=stale_after, limit=limit)
+            ]
+        for counter, _ in candidates:
+            setattr(report, counter, getattr(report, counter) + 1)
+        if dry_run or not candidates:
+            return report
+        unacked = self._broker.unacked()
+        waiting = self._broker.waiting()
+        for _, doc in candidates:
             try:
-                found.add(str(json.loads(raw)["headers"]["id"]))
-            except (ValueError, KeyError, TypeError):
-                continue
-    members = cast("list[bytes]", app.redis.zrange(app.delayed.key, 0, -1))
-    for member in members:
-        try:
-            found.add(str(json.loads(member)["options"]["task_id"]))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return found
+                self._bring_back(doc, unacked, waiting, report)
+            except Exception as exc:  # one bad record never stops the sweep
+                report.failed += 1
+                logger.warning("reconcile: %s failed: %s", doc.get("_id"), exc)
+        if report.found_any:
+            logger.warning("reconcile: %s", report.as_dict())
+        return report
 
-
-def _restore(app: LedgerCelery, tag: str, queue: str, message: bytes) -> bool:
-    restore = app.redis.register_script(_RESTORE)
-    return bool(restore(keys=[UNACKED_HASH, UNACKED_INDEX], args=[tag, queue, message]))
-
-
-def _republish(app: LedgerCelery, doc: dict[str, Any]) -> bool:
-    message = doc.get("message") or {}
-    if "args_json" not in message or doc.get("task") not in app.tasks:
-        return False
-    app.send_task(
-        doc["task"],
-        json.loads(app.sealer.open(message["args_json"])),
-        json.loads(app.sealer.open(message["kwargs_json"])),
-        task_id=doc["_id"],
-        queue=doc.get("tier") or None,
-        headers={headers.KEY: doc.get("key"), headers.TIER: doc.get("tier")},
-    )
-    return True
+    def _bring_back(
+        self,
+        doc: dict[str, Any],
+        unacked: dict[str, Any],
+        waiting: set[str],
+        report: ReconcileReport,
+    ) -> None:
+        record_id = doc["_id"]
+        if record_id in waiting:  # only slow (a backlog): a copy would cost a claim
+            report.still_waiting += 1
+            return
+        runtime = self._runtime
+        task = str(doc.get("task"))
+        message = KeptMessage.from_document(doc.get("message"))
+        republishable = (
+            message is not None and message.replayable and runtime.tier_of(task) is not None
+        )
+        if record_id not in unacked and not republishable:
+            report.skipped.append(record_id)
+            return
+        if not self._ledger.mark_reconciled(doc):
+            return  # changed since it was read (claimed, finished, or another sweep)
+        if record_id in unacked and self._broker.restore(unacked[record_id]):
+            report.restored_from_broker += 1
+            return
+        if not republishable:
+            report.skipped.append(record_id)
+            return
+        assert message is not None
+        tier = doc.get("tier")
+        if tier not in runtime.tiers.names:
+            tier = runtime.tier_of(task)
+        message.republish(
+            runtime.publish,
+            runtime.sealer,
+            task=task,
+            record_id=record_id,
+            key=str(doc.get("key")),
+            tier=str(tier),
+        )
+        report.republished += 1

@@ -1,4 +1,14 @@
-"""Tiers and how a task's tier is chosen (call option > settings rule > task option > default)."""
+"""Tiers, their queues, and how a task's tier is chosen.
+
+A tier (``critical``, ``default``, ``bulk``) is a name the app's code uses; each has a queue of
+its own in the broker, named by :class:`Tiers` (``queue(tier)``): ``<namespace>.<tier>``, the
+namespace being the app's name unless ``LEDGER_QUEUE_NAMESPACE`` says otherwise, so that two
+apps on one broker never take each other's messages. An empty namespace gives the bare tier
+names (what celery-ledger used before namespaces: share them only on purpose).
+
+A task's tier comes from, in order: the call's ``tier=`` option, the first matching routing
+rule, the task's ``tier`` option, the default tier.
+"""
 
 from __future__ import annotations
 
@@ -6,33 +16,43 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
 from .errors import ConfigurationError
-from .policies.backpressure import TierLimit
 
 if TYPE_CHECKING:
     from celery import Task
 
-DEAD_LETTER_QUEUE = "dead_letter"
+TIERS: tuple[str, ...] = ("critical", "default", "bulk")
+DEAD_LETTER = "dead_letter"  # the logical name of the dead letters' queue
 
-# Producers wait (up to 5 s) rather than grow a tier's backlog without bound; shed is opt-in.
-DEFAULT_TIER_LIMITS = {
-    "critical": TierLimit(high_water=10_000, policy="block", block_timeout_seconds=5.0),
-    "default": TierLimit(high_water=50_000, policy="block", block_timeout_seconds=5.0),
-    "bulk": TierLimit(high_water=100_000, policy="block", block_timeout_seconds=5.0),
-}
+
+def queue_name(namespace: str, name: str) -> str:
+    """The broker queue of tier (or ``dead_letter``) ``name`` in ``namespace``."""
+    return f"{namespace}.{name}" if namespace else name
 
 
 class Tiers:
-    """The tiers of an app (each its own queue) and the glob rules that route tasks to them."""
+    """The tiers of an app, their queue names, and the glob rules that route tasks to them.
+
+    Each tier (and ``dead_letter``) has the queue ``<namespace>.<name>`` (bare names without a
+    namespace).
+    """
 
     def __init__(
-        self, names: tuple[str, ...], *, default: str, rules: dict[str, str] | None = None
+        self,
+        names: tuple[str, ...] = TIERS,
+        *,
+        default: str,
+        rules: dict[str, str] | None = None,
+        namespace: str = "",
     ) -> None:
+        self.namespace = namespace
         self.names = names
         self.default = self.check(default, where="default tier")
         self.rules = {
             pattern: self.check(tier, where=f"routing rule {pattern!r}")
             for pattern, tier in (rules or {}).items()
         }
+        self._queues = {name: queue_name(namespace, name) for name in (*names, DEAD_LETTER)}
+        self._tiers_of_queue = {queue: tier for tier, queue in self._queues.items()}
 
     def check(self, tier: str, *, where: str) -> str:
         if tier not in self.names:
@@ -41,16 +61,36 @@ class Tiers:
             )
         return tier
 
+    def queue(self, tier: str) -> str:
+        """The broker queue of ``tier`` (or of ``dead_letter``)."""
+        return self._queues[tier]
+
+    @property
+    def queues(self) -> tuple[str, ...]:
+        """The tiers' queues, in tier order."""
+        return tuple(self._queues[tier] for tier in self.names)
+
+    @property
+    def dead_letter_queue(self) -> str:
+        return self._queues[DEAD_LETTER]
+
+    def tier_of_queue(self, queue: str) -> str | None:
+        """The tier whose queue this is (``dead_letter`` for the dead letters'), or None."""
+        return self._tiers_of_queue.get(queue)
+
     def resolve(self, task: Task, call_tier: str | None = None) -> str:
         """The tier a publish of ``task`` goes to."""
         if call_tier:
             return self.check(call_tier, where=f"the call of {task.name}")
+        return self.of_task(task.name, getattr(task, "tier", None))
+
+    def of_task(self, task_name: str, task_tier: str | None) -> str:
+        """The tier of a task by its name and ``tier`` option (routing rules first)."""
         for pattern, tier in self.rules.items():
-            if fnmatchcase(task.name, pattern):
+            if fnmatchcase(task_name, pattern):
                 return tier
-        task_tier = getattr(task, "tier", None)
         if task_tier:
-            return self.check(str(task_tier), where=f"task {task.name}")
+            return self.check(str(task_tier), where=f"task {task_name}")
         return self.default
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, fields
 from typing import Any, Literal, TypeVar
 
@@ -12,10 +13,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from pymongo import uri_parser
 from pymongo.errors import PyMongoError
 
+from .policies.backpressure import DEFAULT_TIER_LIMITS, TierLimit
 from .policies.breaker import BreakerConfig
+from .policies.rate_limit import RateLimit
 from .policies.retry import TIER_RETRY_DEFAULTS, RetryPolicy
-
-TIERS: tuple[str, ...] = ("critical", "default", "bulk")
+from .routing import TIERS
 
 
 class Settings(BaseSettings):
@@ -65,23 +67,23 @@ class Settings(BaseSettings):
     max_deliveries: int = Field(
         5, ge=1, description="Deliveries without an outcome (lost workers) before a job is poison."
     )
-    retry_policies: dict[str, dict[str, float | int | str]] = Field(
+    retry_policies: dict[str, RetryPolicy] = Field(
         default_factory=dict,
         description="Per-tier retry defaults over the built-in ones (JSON), e.g."
         ' {"bulk": {"max_retries": 10}}; options: max_retries, base_seconds, cap_seconds,'
         " jitter (full, decorrelated, none).",
     )
-    breakers: dict[str, dict[str, float | int | None]] = Field(
+    breakers: dict[str, BreakerConfig] = Field(
         default_factory=dict,
         description='Circuit breaker thresholds by name (JSON), e.g. {"payments":'
         ' {"failure_threshold": 5, "cooldown_seconds": 30}}.',
     )
-    tier_limits: dict[str, dict[str, float | int | str | None]] = Field(
+    tier_limits: dict[str, TierLimit] = Field(
         default_factory=dict,
         description="Backpressure per tier over the defaults (JSON), e.g."
         ' {"bulk": {"high_water": 20000, "policy": "shed"}}; policies: block, reject, shed.',
     )
-    rate_limits: dict[str, dict[str, float]] = Field(
+    rate_limits: dict[str, RateLimit] = Field(
         default_factory=dict,
         description="Token buckets shared by all workers (JSON), e.g."
         ' {"reports": {"rate_per_second": 5, "burst": 10}}; tasks name one with rate_bucket=.',
@@ -102,13 +104,18 @@ class Settings(BaseSettings):
         30.0, gt=0, description="Window of reported foreground latencies (report_latency)."
     )
     reconcile_lease_grace_seconds: float = Field(
-        30.0, ge=0, description="The reconciler republishes jobs whose lease ended this long ago."
+        10.0, ge=0, description="The reconciler republishes jobs whose lease ended this long ago."
     )
     reconcile_stale_after_seconds: float = Field(
         900.0, gt=0, description="...and queued or retrying jobs untouched for this long."
     )
     reconcile_every_seconds: float = Field(
-        60.0, gt=0, description="How often celery beat runs the reconciler."
+        30.0, gt=0, description="How often the workers (one at a time) run the reconciler."
+    )
+    reconcile_in_workers: bool = Field(
+        True,
+        description="Every worker's housekeeping runs the reconciler, one sweeper at a time"
+        " across the fleet (a lease lock in Redis): no celery beat needed.",
     )
     encryption_keys: list[str] = Field(
         default_factory=list,
@@ -120,7 +127,21 @@ class Settings(BaseSettings):
     max_payload_bytes: int = Field(
         1_000_000, ge=1024, description="Largest serialised arguments a publish accepts."
     )
+    max_result_bytes: int = Field(
+        4_000_000,
+        ge=1024,
+        le=15_000_000,
+        description="Largest serialised result the ledger stores; a larger one ends the job dead"
+        " with that reason (a MongoDB document holds at most 16 MiB).",
+    )
 
+    unrunnable_window_seconds: float = Field(
+        900.0,
+        ge=0,
+        description="A message of a task this worker does not know (or whose arguments no"
+        " longer bind) is put off with backoff this long, for a rolling deploy to finish,"
+        " before it is dead-lettered.",
+    )
     busy_recheck_seconds: float = Field(
         5.0, gt=0, description="A delivery that finds a live lease checks again after at most this."
     )
@@ -141,6 +162,12 @@ class Settings(BaseSettings):
         3600, ge=10, description="Redis transport: unacked messages are redelivered after this."
     )
     default_tier: str = Field("default", description="Tier of tasks that do not name one.")
+    queue_namespace: str | None = Field(
+        None,
+        description="Prefix of the tier queues' names (`<namespace>.critical`, ...). Unset: the"
+        " app's name, so apps sharing a broker never take each other's messages; empty: the bare"
+        " tier names (the names before namespaces; share them only on purpose).",
+    )
     routing_rules: dict[str, str] = Field(
         default_factory=dict,
         description='Glob patterns on task names to tiers, e.g. {"reports.*": "bulk"} (JSON).',
@@ -168,6 +195,16 @@ class Settings(BaseSettings):
     @classmethod
     def _known_tier(cls, value: str) -> str:
         _check_tier(value)
+        return value
+
+    @field_validator("queue_namespace")
+    @classmethod
+    def _queue_namespace(cls, value: str | None) -> str | None:
+        if value and not _QUEUE_NAME.fullmatch(value):
+            raise ValueError(
+                "a queue namespace is letters, digits and . _ - : (it names Redis keys and"
+                " worker -Q lists)"
+            )
         return value
 
     @field_validator("broker_url")
@@ -219,25 +256,44 @@ class Settings(BaseSettings):
             )
         return value
 
-    @field_validator("retry_policies")
+    @field_validator("retry_policies", mode="before")
     @classmethod
-    def _retry_policies(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        checked: dict[str, dict[str, Any]] = {}
-        for tier, options in value.items():
+    def _retry_policies(cls, value: Any) -> dict[str, RetryPolicy]:
+        checked: dict[str, RetryPolicy] = {}
+        for tier, options in _mapping(value, "retry policies").items():
             _check_tier(tier)
             base = TIER_RETRY_DEFAULTS.get(tier, RetryPolicy())
-            checked[tier] = _checked_options(RetryPolicy, base, options, what=f"tier {tier!r}")
+            checked[tier] = _built(RetryPolicy, base, options, what=f"tier {tier!r}")
         return checked
 
-    @field_validator("breakers")
+    @field_validator("breakers", mode="before")
     @classmethod
-    def _breakers(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    def _breakers(cls, value: Any) -> dict[str, BreakerConfig]:
         return {
-            name: _checked_options(
-                BreakerConfig, BreakerConfig(), options, what=f"breaker {name!r}"
-            )
-            for name, options in value.items()
+            name: _built(BreakerConfig, BreakerConfig(), options, what=f"breaker {name!r}")
+            for name, options in _mapping(value, "breakers").items()
         }
+
+    @field_validator("tier_limits", mode="before")
+    @classmethod
+    def _tier_limits(cls, value: Any) -> dict[str, TierLimit]:
+        limits = dict(DEFAULT_TIER_LIMITS)
+        for tier, options in _mapping(value, "tier limits").items():
+            _check_tier(tier)
+            limits[tier] = _built(TierLimit, limits[tier], options, what=f"tier {tier!r}")
+        return limits
+
+    @field_validator("rate_limits", mode="before")
+    @classmethod
+    def _rate_limits(cls, value: Any) -> dict[str, RateLimit]:
+        default = RateLimit(rate_per_second=1.0, burst=1)
+        checked: dict[str, RateLimit] = {}
+        for name, options in _mapping(value, "rate limits").items():
+            missing = {"rate_per_second", "burst"} - set(_mapping(options, f"bucket {name!r}"))
+            if missing:
+                raise ValueError(f"bucket {name!r}: needs {', '.join(sorted(missing))}")
+            checked[name] = _built(RateLimit, default, options, what=f"bucket {name!r}")
+        return checked
 
     @field_validator("sentry_dsn")
     @classmethod
@@ -256,8 +312,9 @@ class Settings(BaseSettings):
 
 
 _SRV = "mongodb+srv://"
+_QUEUE_NAME = re.compile(r"[A-Za-z0-9._:-]{1,100}")
 _BAD_DATABASE_CHARS = frozenset(' ./\\"$\x00')
-Options = TypeVar("Options", BreakerConfig, RetryPolicy)
+Options = TypeVar("Options", BreakerConfig, RetryPolicy, TierLimit, RateLimit)
 
 
 def _check_tier(tier: str) -> None:
@@ -265,13 +322,22 @@ def _check_tier(tier: str) -> None:
         raise ValueError(f"unknown tier {tier!r}; known tiers: {', '.join(TIERS)}")
 
 
-def _checked_options(
-    kind: type[Options], base: Options, options: dict[str, Any], *, what: str
-) -> dict[str, Any]:
-    """``options`` over ``base``, checked as ``kind`` builds them (types, ranges, finite).
+def _mapping(value: Any, what: str) -> dict[str, Any]:
+    if isinstance(value, RetryPolicy | BreakerConfig | TierLimit | RateLimit):
+        return dict(asdict(value))
+    if not isinstance(value, dict):
+        raise ValueError(f"{what}: expected a JSON object, not {type(value).__name__}")
+    return value
 
-    Returns the options converted to their field types (``"5"`` becomes ``5``).
+
+def _built(kind: type[Options], base: Options, options: Any, *, what: str) -> Options:
+    """``options`` over ``base``, built as ``kind`` (types, ranges and finite numbers checked).
+
+    An object of ``kind`` passes as it is.
     """
+    if isinstance(options, kind):
+        return options
+    options = _mapping(options, what)
     known = [field.name for field in fields(kind)]
     unknown = sorted(set(options) - set(known))
     if unknown:
@@ -286,8 +352,11 @@ def _checked_options(
             for error in exc.errors()
         )
         raise ValueError(f"{what}: {problems}") from None
-    checked = {name: getattr(built, name) for name in options}
-    infinite = [n for n, v in checked.items() if isinstance(v, float) and not math.isfinite(v)]
+    infinite = [
+        name
+        for name in options
+        if isinstance(getattr(built, name), float) and not math.isfinite(getattr(built, name))
+    ]
     if infinite:
         raise ValueError(f"{what}: {', '.join(infinite)} must be finite")
-    return checked
+    return built

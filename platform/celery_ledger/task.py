@@ -1,30 +1,58 @@
-"""LedgerTask: the base task class of every celery-ledger app."""
+"""LedgerTask: the base task class of every celery-ledger app (the Celery adapter of the guard).
+
+In the worker, ``__call__`` turns Celery's request into a :class:`~celery_ledger.guard.Delivery`,
+lets the guard run it, and turns the guard's verdict into Celery's control flow. On the publish
+side, ``apply_async`` gives every job its identity (task name and idempotency key, and the task
+id derived from them), its tier and its ledger headers, and applies backpressure and
+dedupe-on-publish. :class:`LedgerRequest` is the message in the worker's main process: it leaves
+expiry to the guard and retires a job whose body the worker killed at its hard time limit.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import logging
 import os
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import redis
 from celery import Task
+from celery.canvas import Signature
+from celery.exceptions import Ignore, Reject
 from celery.result import AsyncResult
 from celery.worker.request import Request
 
 from . import headers
 from .crypto import REDACTED
-from .errors import LedgerUnavailable, PayloadError
-from .guard import run_guarded, sealed_if_sensitive
-from .keys import KeySpec, canonical_json, compute_key, derive_task_id, validate_key
+from .errors import (
+    ConfigurationError,
+    IdentityError,
+    LedgerError,
+    LedgerUnavailable,
+    PayloadError,
+    RetryNotPublished,
+)
+from .guard import Delivery, Replaced, TaskPolicy, Verdict
+from .keys import (
+    Identity,
+    KeySpec,
+    canonical_json,
+    compute_key,
+    derive_task_id,
+    identity_of,
+    validate_key,
+)
+from .ledger.dead import DeadJob
+from .ledger.message import KeptMessage
+from .ledger.store import EnqueueOutcome, Unclaimed
 from .policies.backoff import Jitter
 from .policies.retry import RetryPolicy
 from .progress import Execution, Step, batches
+from .untrusted import expiry_of, float_or_none, request_header, retries_done
 
 if TYPE_CHECKING:
     from .app import LedgerCelery
@@ -33,18 +61,55 @@ logger = logging.getLogger("celery_ledger.task")
 
 # Options a call may not pass through to the broker: the ledger owns them.
 _LEDGER_OWNED_OPTIONS = ("ignore_result",)
+# Options that only Celery sets when it publishes a message it froze itself (chains, groups,
+# chords, callbacks, replace, retries and deferrals from a request): its task id was chosen by
+# Celery, not by the caller, and the message's key header says which job it is.
+_FROZEN_BY_CELERY = (
+    "parent_id",
+    "root_id",
+    "group_id",
+    "chord",
+    "chain",
+    "replaced_task_nesting",
+    "retries",
+)
+_MAX_DEFERRALS = 1_000_000
 
 
 class LedgerRequest(Request):  # type: ignore[misc]
-    """A LedgerTask message in the worker: its expiry is the guard's to enforce.
+    """A LedgerTask message in the worker's main process.
 
-    Celery discards an expired message unrecorded and adds its id to the worker's revoked ids,
-    which (ids derive from keys) would discard every later delivery of the job, a replay too.
-    The guard claims it instead and retires it: dead, with reason ``expired``.
+    Expiry is the guard's to enforce: Celery discards an expired message unrecorded and adds
+    its id to the worker's revoked ids, which would discard every later delivery of the job, a
+    replay too. The guard claims it instead and retires it: dead, with reason ``expired``.
+
+    At a hard time limit the worker kills the pool process running the body; the job is then
+    retired here, but only while the lease is still held by that process (a takeover by a newer
+    claim is never undone by the old holder's limit).
     """
 
     def maybe_expire(self) -> bool:
         return False
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        if not soft:
+            self._retire_killed_body(timeout)
+        super().on_timeout(soft, timeout)
+
+    def _retire_killed_body(self, timeout: float) -> None:
+        task = self.task
+        if not isinstance(task, LedgerTask) or self.worker_pid is None:
+            return
+        try:
+            identity = task.identity_of_message(self.id, self._request_dict, self.args, self.kwargs)
+            task.app.guard.retire_held(
+                identity,
+                owner=f"{self.hostname}:{self.worker_pid}",
+                reason=f"time limit exceeded (hard, {timeout}s)",
+                on_retire=task.on_retire,
+            )
+        except Exception:  # the worker's event loop must go on
+            logger.exception("could not retire %s after its hard time limit", self.id)
 
 
 class LedgerTask(Task):  # type: ignore[misc]
@@ -141,7 +206,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         return batches(self.execution, collection, **options)
 
     def should_stop(self) -> bool:
-        """True once the worker is shutting down: checkpoint and raise :class:`Interrupted`."""
+        """True once the worker is shutting down: checkpoint and raise ``Interrupted``."""
         return self.execution.should_stop()
 
     def register_artefact(self, path: str) -> None:
@@ -154,6 +219,8 @@ class LedgerTask(Task):  # type: ignore[misc]
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
 
+    # -- options ------------------------------------------------------------------------------
+
     @classmethod
     def on_bound(cls, app: Any) -> None:
         """Check the task's tier against the app's tiers, however the tier was set."""
@@ -163,28 +230,170 @@ class LedgerTask(Task):  # type: ignore[misc]
 
     def resolved_retry_policy(self, tier: str | None = None) -> RetryPolicy:
         """Task options over the tier's default (settings may override tier defaults)."""
-        tier = tier or self.tier or self.app.tiers.default
-        return self.app.retry_policy_for(tier).updated(
+        tier = tier or self.app.tiers.of_task(self.name, self.tier)
+        return self.app.runtime.retry_policy_for(tier).updated(
             max_retries=self.max_retries,
             base_seconds=self.retry_base_seconds,
             cap_seconds=self.retry_cap_seconds,
             jitter=self.retry_jitter,
         )
 
-    def retry(self, *args: Any, max_retries: int | None = None, **options: Any) -> Any:
-        """Celery's retry, bounded by the resolved policy when no limit is given."""
-        if max_retries is None:
-            max_retries = self.resolved_retry_policy().max_retries
-        run_tier = getattr(self.request, "ledger_run_tier", None)
-        if run_tier is not None:  # the tier the guard validated, not the message's header
-            options.setdefault("tier", run_tier)
-        return super().retry(*args, max_retries=max_retries, **options)
+    def policy(self, tier: str) -> TaskPolicy:
+        """The options the guard runs this task's deliveries with."""
+        request = self.request
+        soft = self.soft_time_limit
+        if soft is None and isinstance(request.timelimit, list | tuple):
+            soft = request.timelimit[1]
+        return TaskPolicy(
+            name=self.name,
+            retry_policy=self.resolved_retry_policy(tier),
+            lease_seconds=self.lease_seconds or self.app.settings.lease_seconds,
+            heartbeat_seconds=self.heartbeat_seconds,
+            sensitive=self.sensitive,
+            breaker=self.breaker,
+            rate_bucket=self.rate_bucket,
+            max_age_seconds=self.max_age_seconds,
+            max_attempts=self.max_attempts,
+            retry_on=tuple(self.retry_on or ()),
+            fail_on=tuple(self.fail_on or ()),
+            soft_time_limit=soft,
+        )
+
+    @classmethod
+    def key_spec(cls) -> KeySpec:
+        """The ``idempotency_key`` option as given (a function stored on the class unbound)."""
+        spec = inspect.getattr_static(cls, "idempotency_key")
+        return spec.__func__ if isinstance(spec, staticmethod) else spec
+
+    def key_of(self, args: Any, kwargs: Any) -> str:
+        """The idempotency key of a call with these arguments."""
+        return compute_key(
+            self.key_spec(), task_name=self.name, run=self.run, args=args, kwargs=kwargs
+        )
+
+    def identity_of_message(
+        self, message_id: str, message_headers: Any, args: Any, kwargs: Any
+    ) -> Identity:
+        """The job a message of this task names (see :func:`celery_ledger.keys.identity_of`)."""
+        found = message_headers if isinstance(message_headers, dict) else {}
+        return identity_of(
+            self.name,
+            message_id,
+            key_header=found.get(headers.KEY),
+            key_of_arguments=lambda: self.key_of(tuple(args or ()), dict(kwargs or {})),
+        )
+
+    # -- in the worker ------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
         if request.called_directly or request.is_eager:
             return self.run(*args, **kwargs)
-        return run_guarded(self, args, kwargs)
+        delivery = self._delivery(args, kwargs)
+        request.ledger_key = delivery.identity.key  # LedgerTask.job_key
+        request.ledger_run_tier = delivery.tier  # a retry republishes to it (LedgerTask.retry)
+        policy, body = self.policy(delivery.tier), _Body(self, delivery)
+        unbound = self._binding_problem(args, kwargs)
+        return _follow(self.app.guard.run(delivery, policy, body, unbound=unbound))
+
+    def _binding_problem(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """Why the arguments do not bind the body's signature, or None."""
+        signature = self.__dict__.get("_ledger_signature")
+        if signature is None:
+            try:
+                signature = inspect.signature(self.run)
+            except (TypeError, ValueError):  # no signature to check against
+                return None
+            self.__dict__["_ledger_signature"] = signature
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            return str(exc)
+        return None
+
+    def _delivery(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Delivery:
+        request = self.request
+        # Raw messages may carry anything: what the guard and Celery's retry read must be sound.
+        request.retries = retries_done(request.retries)
+        custom = request.headers if isinstance(request.headers, dict) else {}
+        identity = identity_of(
+            self.name,
+            str(request.id),
+            key_header=request_header(request, headers.KEY),
+            key_of_arguments=lambda: self.key_of(args, kwargs),
+        )
+        header_tier = request_header(request, headers.TIER)
+        if not (isinstance(header_tier, str) and header_tier in self.app.tiers.names):
+            header_tier = None
+        tier = header_tier or self.app.tiers.of_task(self.name, self.tier)
+        deferrals = float_or_none(request_header(request, headers.DEFERRALS)) or 0
+        return Delivery(
+            identity=identity,
+            tier=tier,
+            owner=f"{request.hostname or 'local'}:{os.getpid()}",
+            args=args,
+            kwargs=kwargs,
+            headers=dict(custom),
+            retries=request.retries,
+            deferrals=int(min(max(deferrals, 0), _MAX_DEFERRALS)),
+            previous_delay=float_or_none(request_header(request, headers.PREVIOUS_DELAY)),
+            enqueued_at=float_or_none(request_header(request, headers.ENQUEUED_AT)),
+            expires=expiry_of(request.expires),
+            wants_result=bool(request.callbacks or request.chain),
+        )
+
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's retry, bounded by the resolved policy when no limit is given.
+
+        Raises:
+            RetryNotPublished: the retry's message could not be published (Celery would drop
+                the message; the guard hands it back to the queue instead).
+        """
+        if max_retries is None:
+            max_retries = self.resolved_retry_policy().max_retries
+        run_tier = getattr(self.request, "ledger_run_tier", None)
+        if run_tier is not None:  # the tier the guard validated, not the message's header
+            options.setdefault("tier", run_tier)
+        try:
+            return super().retry(
+                args, kwargs, exc, throw, eta, countdown, max_retries=max_retries, **options
+            )
+        except Reject as reject:
+            # Celery turns a failed publish of the retry into Reject(requeue=False): dropped.
+            if not reject.requeue and isinstance(reject.reason, Exception):
+                raise RetryNotPublished(f"retry not published: {reject.reason}") from reject
+            raise
+
+    def on_replace(self, sig: Signature) -> Any:
+        """Publish the replacement under its own identity; this job ends ``replaced``."""
+        if self.request.is_eager:
+            return super().on_replace(sig)
+        # Celery froze the replacement with this task's id; a ledger job has its own.
+        _unfreeze(sig, self.request.id)
+        replacement = sig.freeze()
+        sig.delay()
+        raise Replaced(replacement.id)
+
+    def map(self, it: Any) -> NoReturn:
+        raise _no_direct_runs(self.name, "map")
+
+    def starmap(self, it: Any) -> NoReturn:
+        raise _no_direct_runs(self.name, "starmap")
+
+    def chunks(self, it: Any, n: int) -> NoReturn:
+        raise _no_direct_runs(self.name, "chunks")
+
+    # -- publishing ---------------------------------------------------------------------------
 
     def apply_async(
         self,
@@ -200,10 +409,14 @@ class LedgerTask(Task):  # type: ignore[misc]
         """Publish the task; see :meth:`celery.app.task.Task.apply_async`.
 
         Extra options: ``idempotency_key`` (this call's key) and ``tier`` (this call's tier).
-        The task id is derived from ``(task name, key)`` unless given.
+        The task id is derived from ``(task name, key)``; a ``task_id`` that is not that id is
+        accepted only from Celery's canvas (a chain, group, callback or retry froze it).
 
         Raises:
             PayloadError: the arguments are not JSON-serialisable or exceed the size limit.
+            IdentityError: ``task_id`` is not the id of the job's key.
+            Backpressure: the tier is above its high-water mark (policy reject, or block
+                timed out).
         """
         args = tuple(args) if args else ()
         kwargs = dict(kwargs) if kwargs else {}
@@ -225,15 +438,20 @@ class LedgerTask(Task):  # type: ignore[misc]
         elif message_headers.get(headers.KEY):
             key = validate_key(message_headers[headers.KEY], task_name=self.name)
         else:
-            key = compute_key(
-                self.key_spec(), task_name=self.name, run=self.run, args=args, kwargs=kwargs
-            )
+            key = self.key_of(args, kwargs)
         tier = self.app.tiers.resolve(self, call_tier or message_headers.get(headers.TIER))
-        task_id = task_id or derive_task_id(self.name, key)
+        record_id = derive_task_id(self.name, key)
+        if task_id is not None and task_id != record_id and not _from_canvas(options):
+            raise IdentityError(
+                f"task_id {task_id!r} is not the id of job ({self.name}, key {key!r}),"
+                f" which is {record_id!r}: a ledger task's id comes from its idempotency key"
+                " (pass idempotency_key=..., or leave task_id out)"
+            )
+        task_id = task_id or record_id
         message_headers[headers.KEY] = key
         message_headers[headers.TIER] = tier
         message_headers.setdefault(headers.ENQUEUED_AT, time.time())
-        options.setdefault("queue", tier)
+        options.setdefault("queue", self.app.tiers.queue(tier))
         if self.sensitive:  # what monitoring (events, Flower) shows of the arguments
             options["argsrepr"] = options["kwargsrepr"] = REDACTED
 
@@ -266,21 +484,22 @@ class LedgerTask(Task):  # type: ignore[misc]
                 headers=message_headers,
                 **options,
             )
-
-        if self._over_high_water(tier, task_id, key, args, kwargs, message_headers):
+        # A retry republishes a job already admitted and known to the ledger: no backpressure
+        # (a shed retry would be lost) and no dedupe.
+        is_retry = "retries" in options
+        if not is_retry and self._shed(tier, record_id, key, args, kwargs, message_headers):
             return self.AsyncResult(task_id)
-        # A retry republishes a job the ledger knows: never deduplicated.
-        dedupe = "retries" not in options and (
+        dedupe = not is_retry and (
             settings.dedupe_on_publish if self.dedupe_on_publish is None else self.dedupe_on_publish
         )
         if dedupe:
             try:
-                new = self.app.ledger.enqueue(
-                    task_id,
+                outcome = self.app.ledger.enqueue(
+                    record_id,
                     task=self.name,
                     key=key,
                     tier=tier,
-                    message=self._message_of(args, kwargs),
+                    message=self._kept(args, kwargs, message_headers),
                 )
             except LedgerUnavailable as exc:
                 # Publishing never needs the ledger: the claim still runs the job once; only the
@@ -290,22 +509,22 @@ class LedgerTask(Task):  # type: ignore[misc]
                 )
                 dedupe = False
             else:
-                if not new:
+                if outcome is EnqueueOutcome.KNOWN:
                     return self.AsyncResult(task_id)
         try:
             return publish_now()
         except Exception:
             if dedupe:
-                # If the ledger is down too, the queued record stays and blocks a republish
-                # until the reconciler finds it (a queued record whose message never went out).
-                with contextlib.suppress(LedgerUnavailable):
-                    self.app.ledger.forget_queued(task_id)
+                # Keep the record: another producer may have skipped its publish because of it.
+                # The reconciler publishes it on its next sweep.
+                with contextlib.suppress(LedgerError):
+                    self.app.ledger.mark_unpublished(record_id)
             raise
 
-    def _over_high_water(
+    def _shed(
         self,
         tier: str,
-        task_id: str,
+        record_id: str,
         key: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
@@ -317,38 +536,27 @@ class LedgerTask(Task):  # type: ignore[misc]
             Backpressure: the tier is above its mark and its policy is reject, or block timed out.
         """
         try:
-            decision = self.app.backpressure.check(tier)
+            decision = self.app.runtime.gate.check(tier)
         except redis.RedisError as exc:  # the publish itself will say if the broker is down
             logger.warning("backpressure check on %s skipped: %s", tier, exc)
             return False
         if decision == "publish":
             return False
-        depth = self.app.queue_depths.depth(tier)
-        reason = f"shed: tier {tier} above its high-water mark (depth {depth})"
-        self.app.ledger.record_shed(
-            task_id,
+        depth = self.app.runtime.queue_depths.depth(tier)
+        dead = DeadJob.of_reason(
+            "shed",
+            f"shed: tier {tier} above its high-water mark (depth {depth})",
             task=self.name,
-            key=key,
-            tier=tier,
-            reason=reason,
-            args=list(args),
-            kwargs=kwargs,
-            headers=message_headers,
+            message=self._kept(args, kwargs, message_headers),
+            group="shed",
         )
+        self.app.ledger.bury(record_id, dead, match=Unclaimed(), task=self.name, key=key, tier=tier)
         return True
 
-    def _message_of(self, args: Any, kwargs: Any) -> dict[str, Any]:
-        """The arguments as the ledger keeps them for a republish (sealed if sensitive)."""
-        return sealed_if_sensitive(
-            self,
-            {"args_json": json.dumps(list(args or ())), "kwargs_json": json.dumps(kwargs or {})},
-        )
-
-    @classmethod
-    def key_spec(cls) -> KeySpec:
-        """The ``idempotency_key`` option as given (a function stored on the class unbound)."""
-        spec = inspect.getattr_static(cls, "idempotency_key")
-        return spec.__func__ if isinstance(spec, staticmethod) else spec
+    def _kept(self, args: Any, kwargs: Any, message_headers: dict[str, Any]) -> KeptMessage:
+        """The message as the ledger keeps it to republish it (sealed if sensitive)."""
+        sealer = self.app.runtime.sealer if self.sensitive else None
+        return KeptMessage.of_call(args, kwargs, message_headers=message_headers, sealer=sealer)
 
     def _publish_later(
         self,
@@ -360,10 +568,91 @@ class LedgerTask(Task):  # type: ignore[misc]
     ) -> AsyncResult:
         options = {name: value for name, value in options.items() if value is not None}
         options.pop("producer", None)
-        self.app.delayed.schedule(
+        self.app.runtime.delayed.schedule(
             self.name, list(args), kwargs, {"task_id": task_id, **options}, due_at
         )
         return self.AsyncResult(task_id)
+
+
+class _Body:
+    """The guard's view of a Celery task run (:class:`celery_ledger.guard.Body`)."""
+
+    def __init__(self, task: LedgerTask, delivery: Delivery) -> None:
+        self._task = task
+        self._delivery = delivery
+
+    def start(self, execution: Execution) -> None:
+        request = self._task.request
+        request.ledger_execution = execution
+        request.ledger_fence = execution.fence
+
+    def run(self) -> Any:
+        return self._task.run(*self._delivery.args, **self._delivery.kwargs)
+
+    def defer(self, delay_seconds: float, message_headers: dict[str, Any]) -> None:
+        task = self._task
+        signature = task.signature_from_request(
+            task.request,
+            self._delivery.args,
+            self._delivery.kwargs,
+            countdown=delay_seconds,
+            headers=message_headers,
+            tier=self._delivery.tier,
+        )
+        signature.apply_async()
+
+    def retry(
+        self, exc: BaseException, delay_seconds: float, message_headers: dict[str, Any]
+    ) -> BaseException:
+        retry: BaseException = self._task.retry(
+            exc=exc,
+            countdown=delay_seconds,
+            max_retries=self._task.request.retries + 1,
+            headers=message_headers,
+            throw=False,
+        )
+        return retry
+
+    def on_retire(self, reason: str, artefacts: list[str]) -> None:
+        self._task.on_retire(reason, artefacts)
+
+
+def _follow(verdict: Verdict) -> Any:
+    """Celery's control flow for the guard's verdict."""
+    if verdict.kind == "return":
+        return verdict.value
+    if verdict.kind == "ack":
+        raise Ignore(verdict.reason)
+    if verdict.kind == "requeue":
+        raise Reject(verdict.reason, requeue=True)
+    raise verdict.value
+
+
+def _from_canvas(options: dict[str, Any]) -> bool:
+    return any(options.get(name) is not None for name in _FROZEN_BY_CELERY)
+
+
+def _unfreeze(sig: Any, task_id: str) -> None:
+    """Drop the ids Celery froze a replacement with (``task_id``), so each member is
+    published under its own identity."""
+    options = getattr(sig, "options", None)
+    if isinstance(options, dict):
+        for name in ("task_id", "group_id"):
+            if options.get(name) == task_id:
+                options.pop(name)
+    for member in list(getattr(sig, "tasks", None) or ()):
+        _unfreeze(member, task_id)
+    body = getattr(sig, "body", None)
+    if body is not None and body is not sig:
+        _unfreeze(body, task_id)
+
+
+def _no_direct_runs(task: str, how: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"{task}.{how}() would run the bodies inside one task without their ledger claims;"
+        f" publish one job per item instead: group({task.rsplit('.', 1)[-1]}.s(item) for item"
+        " in items)"
+    )
 
 
 def _due_time(countdown: float | None, eta: datetime | str | None) -> float | None:
@@ -375,3 +664,6 @@ def _due_time(countdown: float | None, eta: datetime | str | None) -> float | No
         # A naive eta is UTC, as Celery reads it (the app's timezone is UTC).
         return (eta if eta.tzinfo else eta.replace(tzinfo=UTC)).timestamp()
     return None
+
+
+__all__ = ["LedgerRequest", "LedgerTask"]

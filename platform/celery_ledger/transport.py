@@ -6,8 +6,8 @@ non-JSON item, or an envelope whose fields have the wrong types (see
 :func:`celery_ledger.envelope.envelope_problem`), raises out of the loop and the worker exits
 ("Unrecoverable error"), having already popped (and so lost) the item. kombu offers no
 decode-error hook for this transport, so ``_brpop_read`` and ``_get`` are restated here with
-the decode guarded: such an item is kept, with its queue and the reason, in a poison list
-(``POISON_KEY``) and the worker goes on.
+the decode guarded: such an item is kept, with its queue and the reason, in the app's poison
+list (the transport option ``ledger_poison_key``, set by ``create_app``) and the worker goes on.
 Everything else is kombu's (selected through Celery's ``broker_transport`` setting).
 """
 
@@ -24,13 +24,18 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
-from .deadletter import POISON_KEY
 from .envelope import envelope_problem
 
 logger = logging.getLogger("celery_ledger.transport")
 
 
 class Channel(kombu_redis.Channel):
+    ledger_poison_key = "celery_ledger:poison"
+    from_transport_options = (  # type: ignore[assignment]
+        *kombu_redis.Channel.from_transport_options,
+        "ledger_poison_key",
+    )
+
     def _brpop_read(self, **options: Any) -> bool | None:
         try:
             try:
@@ -70,10 +75,14 @@ class Channel(kombu_redis.Channel):
         """The envelope of ``item``, or None once it is kept as poison with its reason."""
         try:
             message = loads(bytes_to_str(item))
-        except (ValueError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+        except Exception as exc:  # kombu's decoder builds objects from "__type__" markers in
+            # the item and can raise anything (InvalidOperation, AttributeError, OverflowError)
             self._keep_poison(item, queue, f"undecodable message: {type(exc).__name__}: {exc}")
             return None
-        problem = envelope_problem(message, self.codecs)
+        try:
+            problem = envelope_problem(message, self.codecs)
+        except Exception as exc:  # a value no check foresaw: refuse it rather than crash
+            problem = f"unreadable envelope: {type(exc).__name__}: {exc}"
         if problem is None:
             return message
         headers = message.get("headers") if isinstance(message, dict) else None
@@ -81,17 +90,18 @@ class Channel(kombu_redis.Channel):
         return None
 
     def _keep_poison(self, item: bytes, queue: str, reason: str, headers: Any = None) -> None:
-        logger.error("queue %s: %s; kept in %s", queue, reason, POISON_KEY)
+        logger.error("queue %s: %s; kept in %s", queue, reason, self.ledger_poison_key)
         entry = {
             "queue": queue,
             "reason": reason,
             "at": time.time(),
             "raw_base64": base64.b64encode(item).decode(),
+            "raw_kind": "envelope",
         }
         if isinstance(headers, dict):
             entry["headers"] = headers  # the dead record's task and id, where usable
         with self.conn_or_acquire() as client:
-            client.lpush(POISON_KEY, json.dumps(entry))
+            client.lpush(self.ledger_poison_key, json.dumps(entry, default=str))
 
 
 class Transport(kombu_redis.Transport):

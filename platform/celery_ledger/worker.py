@@ -1,12 +1,15 @@
-"""What every celery-ledger worker runs beside its pool: a housekeeping thread, a consumer
-that quarantines poison messages."""
+"""What every celery-ledger worker runs beside its pool (the Celery adapter of the engines):
+a housekeeping thread (due deliveries, poison drain, retention, the bulk throttle, the
+reconciler) and a consumer that quarantines poison messages."""
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -18,10 +21,13 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from .delayed import DelayedPublisher
 from .envelope import body_problem
 from .errors import LedgerError
+from .policies.unrunnable import unrunnable_delay
 from .progress import shutdown_flag
 
 logger = logging.getLogger("celery_ledger.worker")
 EXPIRE_EVERY_SECONDS = 60.0  # as MongoDB's TTL monitor (when ``ttl_index`` is off)
+COPY_PENDING_EVERY_SECONDS = 10.0  # dead letters whose queue copy failed (broker away)
+REAP_EVERY_SECONDS = 30.0  # transactions a dead worker left (Ledger.reap_abandoned_transactions)
 
 
 class Housekeeping:
@@ -68,22 +74,22 @@ class Housekeeping:
                         logger.info("housekeeping %s recovered", getattr(job, "__qualname__", job))
 
 
-class BulkThrottle:
-    """Pauses this worker's bulk consumption while the foreground is under strain.
+class ThrottleSwitch:
+    """Pauses this worker's bulk consumption while the throttle says the foreground suffers.
 
     It asks the worker itself, through Celery's remote control (``cancel_consumer`` /
     ``add_consumer``), so the change runs in the worker's event loop: messages not yet taken
     stay in the queue, messages already reserved still run; nothing is lost or run twice.
     """
 
-    def __init__(self, app: Any, hostname: str, queue: str = "bulk") -> None:
+    def __init__(self, app: Any, hostname: str, queue: str) -> None:
         self._app = app
         self._hostname = hostname
         self._queue = queue
         self.engaged = False
 
     def tick(self) -> None:
-        throttle = self._app.throttle
+        throttle = self._app.runtime.throttle
         should = throttle.should_throttle()
         if should == self.engaged:
             return
@@ -99,9 +105,7 @@ class BulkThrottle:
             control.add_consumer(self._queue, destination=[self._hostname], reply=True, timeout=2.0)
             logger.warning("resuming %s on %s", self._queue, self._hostname)
         self.engaged = should
-        self._app.hooks.emit(
-            "throttle", queue=self._queue, engaged=should, reason=throttle.reason()
-        )
+        self._app.runtime.observers.throttle(self._queue, should, throttle.reason())
 
 
 class Every:
@@ -130,36 +134,54 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def create(self, worker: Any) -> Housekeeping:
         app = worker.app
+        runtime = app.runtime
+        settings = runtime.settings
         flag = shutdown_flag(os.getpid())
         flag.unlink(missing_ok=True)
         # On warm shutdown, tell running bodies (in the pool processes) to checkpoint and yield.
         signals.worker_shutting_down.connect(lambda **_: flag.touch(), weak=False)
         signals.worker_shutdown.connect(lambda **_: flag.unlink(missing_ok=True), weak=False)
         try:
-            app.ledger.ensure_indexes()
+            runtime.ledger.ensure_indexes()
         except LedgerError as exc:  # the ledger may come up later; claims defer until then
             logger.warning("could not ensure ledger indexes at start-up: %s", exc)
         publisher = DelayedPublisher(
-            app.delayed,
+            runtime.delayed,
             lambda name, args, kwargs, options: app.send_task(name, args, kwargs, **options),
         )
-        jobs: list[Callable[[], object]] = [publisher.publish_due, app.dead_letters.drain_poison]
-        if not app.settings.ttl_index:
-            jobs.append(Every(EXPIRE_EVERY_SECONDS, app.ledger.expire))
-        if "bulk" in app.amqp.queues.consume_from:
-            throttle = BulkThrottle(app, worker.hostname)
-            jobs.append(Every(app.settings.throttle_check_seconds, throttle.tick))
-        return Housekeeping(jobs, interval=app.settings.defer_poll_seconds)
+        jobs: list[Callable[[], object]] = [
+            publisher.publish_due,
+            app.dead_letters.drain_poison,
+            Every(COPY_PENDING_EVERY_SECONDS, app.dead_letters.copy_pending),
+        ]
+        if not settings.ttl_index:
+            jobs.append(Every(EXPIRE_EVERY_SECONDS, runtime.ledger.expire))
+        jobs.append(Every(REAP_EVERY_SECONDS, runtime.ledger.reap_abandoned_transactions))
+        bulk_queue = runtime.tiers.queue("bulk")
+        if bulk_queue in app.amqp.queues.consume_from:
+            switch = ThrottleSwitch(app, worker.hostname, bulk_queue)
+            jobs.append(Every(settings.throttle_check_seconds, switch.tick))
+        if settings.reconcile_in_workers:
+            jobs.append(Every(settings.reconcile_every_seconds, app.reconciler.sweep_if_leader))
+        return Housekeeping(jobs, interval=settings.defer_poll_seconds)
 
 
 class LedgerConsumer(Consumer):  # type: ignore[misc]
-    """Celery's consumer, quarantining poison messages instead of only logging them.
+    """Celery's consumer, keeping every message it cannot run instead of dropping it.
 
     Celery logs and drops (acks or rejects) undecodable bodies, refused content types, unknown
-    tasks and invalid task messages; here each is first kept in the dead-letter flow with its
-    reason. A task body that is not ``[args, kwargs, embed]`` is refused here as an invalid task
-    message, before Celery's strategy and pool unpack it (where it would stop the worker or be
-    dropped); the transport has already refused malformed envelopes and headers.
+    tasks and invalid task messages. Here:
+
+    - a message of a task this worker does not know is put off with backoff, as it was sent,
+      for ``LEDGER_UNRUNNABLE_WINDOW_SECONDS`` (a rolling deploy adds tasks before every
+      worker has them; another app's worker may share the queue by mistake), and only then
+      dead-lettered with reason ``unknown task``;
+    - everything else that cannot run is kept in the dead-letter flow with its reason.
+
+    A message is acknowledged only once it is kept (put off, or quarantined); if that fails it
+    goes back to the queue. A task body that is not ``[args, kwargs, embed]`` is refused here as
+    an invalid task message, before Celery's strategy and pool unpack it (where it would stop
+    the worker or be dropped); the transport has already refused malformed envelopes and headers.
     """
 
     def create_task_handler(self, *args: Any, **kwargs: Any) -> Callable[[Any], Any]:
@@ -186,32 +208,97 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
         return body_problem(body)
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
-        self._quarantine(message, f"undecodable or refused content ({message.content_type}): {exc}")
-        super().on_decode_error(message, exc)
+        reason = f"undecodable or refused content ({message.content_type}): {exc}"
+        logger.error("%s; headers %r", reason, message.headers)
+        self._keep_or_requeue(message, reason)
 
     def on_unknown_message(self, body: Any, message: Any) -> None:
-        self._quarantine(message, "unknown message format (no task header)")
-        super().on_unknown_message(body, message)
-
-    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
-        name = (message.headers or {}).get("task", "?")
-        self._quarantine(message, f"unknown task {name!r}")
-        super().on_unknown_task(body, message, exc)
+        self._keep_or_requeue(message, "unknown message format (no task header)")
+        signals.task_rejected.send(sender=self, message=message, exc=None)
 
     def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
-        self._quarantine(message, f"invalid task message: {exc}")
-        super().on_invalid_task(body, message, exc)
+        logger.error("invalid task message: %s", exc)
+        self._keep_or_requeue(message, f"invalid task message: {exc}")
+        signals.task_rejected.send(sender=self, message=message, exc=exc)
 
-    def _quarantine(self, message: Any, reason: str) -> None:
-        raw = message.body if isinstance(message.body, bytes) else str(message.body).encode()
-        queue = (message.delivery_info or {}).get("routing_key", "")
+    def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+        headers = message.headers if isinstance(message.headers, dict) else {}
+        name = headers.get("task", "?")
+        if not isinstance(name, str) or not name.strip():  # no deploy will ever know it
+            self._keep_or_requeue(message, f"unknown task {name!r}: not a task name")
+            return
+        runtime = self.app.runtime
+        later = unrunnable_delay(
+            headers, window_seconds=runtime.settings.unrunnable_window_seconds, now=time.time()
+        )
+        if later is None:
+            window = runtime.settings.unrunnable_window_seconds
+            self._keep_or_requeue(
+                message, f"unknown task {name!r}: no worker ran it within {window:.0f}s"
+            )
+            return
+        delay, held_headers = later
+        queue = str((message.delivery_info or {}).get("routing_key") or "")
         try:
+            runtime.delayed.schedule_raw(
+                queue, _envelope(message, held_headers), time.time() + delay
+            )
+        except Exception as exc:
+            logger.error(
+                "could not put off %s of unknown task %r (%s); requeued",
+                headers.get("id"),
+                name,
+                exc,
+            )
+            message.reject(requeue=True)
+            return
+        logger.warning(
+            "unknown task %r (%s): not registered here; put off %.1fs for a worker that knows it",
+            name,
+            headers.get("id"),
+            delay,
+        )
+        message.ack()
+
+    def _keep_or_requeue(self, message: Any, reason: str) -> None:
+        """Quarantine the message as poison and acknowledge it; if it cannot be kept, hand it
+        back to the queue instead (it is never dropped)."""
+        try:
+            body = message.body
+            raw = body if isinstance(body, bytes) else str(body).encode("utf-8", "backslashreplace")
+            queue = (message.delivery_info or {}).get("routing_key", "")
             self.app.dead_letters.push_poison(
-                queue=queue,
+                queue=str(queue),
                 reason=reason,
                 raw=raw,
+                kind="body",
                 message_headers=message.headers,
-                properties=message.properties,
             )
         except Exception:
-            logger.exception("could not quarantine a poison message (%s)", reason)
+            logger.exception("could not quarantine a poison message (%s); requeued", reason)
+            message.reject(requeue=True)
+            return
+        message.ack()
+
+
+def _envelope(message: Any, message_headers: dict[str, Any]) -> dict[str, Any]:
+    """The message as kombu's Redis transport stores it in a queue's list."""
+    body = message.body if isinstance(message.body, bytes) else str(message.body).encode()
+    properties = dict(message.properties or {})
+    properties.update(
+        {
+            "body_encoding": "base64",
+            "delivery_tag": str(uuid.uuid4()),
+            "delivery_info": {
+                "exchange": (message.delivery_info or {}).get("exchange", ""),
+                "routing_key": (message.delivery_info or {}).get("routing_key", ""),
+            },
+        }
+    )
+    return {
+        "body": base64.b64encode(body).decode(),
+        "content-encoding": message.content_encoding,
+        "content-type": message.content_type,
+        "headers": message_headers,
+        "properties": properties,
+    }

@@ -1,5 +1,10 @@
 """Real servers for the integration tests: valkey-server and SecantusDB on free loopback ports,
-and real Celery prefork workers as subprocesses. Every process is stopped by PID."""
+and real Celery prefork workers as subprocesses. Every process is stopped by PID.
+
+A worker of these stacks that dies during a test fails that test at once with its last log
+lines (:mod:`.watchdog`); the session's worker is then started again, on purged queues, for
+the tests after it.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from celery_ledger.embedded.stack import EmbeddedStack
+from celery_ledger.settings import TIERS
+
+from .watchdog import WATCH, WatchedStack
 
 TEST_ENV = {
     "LEDGER_MONGO_DB": "ledger_tests",
@@ -21,6 +30,8 @@ TEST_ENV = {
     "LEDGER_UNAVAILABLE_BACKOFF_CAP_SECONDS": "2",
     "LEDGER_MONGO_TIMEOUT_MS": "1500",
     "LEDGER_MAX_DELIVERIES": "3",
+    # Tests sweep with the reconciler themselves (test_self_healing.py turns the workers' on)
+    "LEDGER_RECONCILE_IN_WORKERS": "false",
     "LEDGER_BREAKERS": '{"payments": {"failure_threshold": 3, "cooldown_seconds": 3}}',
     "LEDGER_RATE_LIMITS": '{"limited": {"rate_per_second": 4, "burst": 2}}',
     # Test-only Fernet keys (newest first): sensitive tasks are sealed at rest.
@@ -30,7 +41,18 @@ TEST_ENV = {
     ),
 }
 APP_MODULE = "tests.integration.ledger_app"
-ALL_TIERS = "critical,default,bulk"
+NAMESPACE = "ledger_tests"  # the test app's name: its tier queues are "ledger_tests.<tier>"
+ALL_TIERS = ",".join(f"{NAMESPACE}.{tier}" for tier in TIERS)
+SESSION_WORKER = "main@127.0.0.1"
+# What a dead worker leaves behind that would kill the next one: its queues (and their priority
+# lists), the unacknowledged messages kombu restores, and the delayed deliveries.
+DEAD_WORKER_KEYS = (
+    *(f"{NAMESPACE}.{tier}" for tier in TIERS),
+    f"{NAMESPACE}.unacked",
+    f"{NAMESPACE}.unacked_index",
+    f"{NAMESPACE}:ledger:delayed",
+)
+_session: list[EmbeddedStack] = []  # the session's stack, once started
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -45,19 +67,90 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:
     saved = dict(os.environ)
     os.environ.update(TEST_ENV)
     # Both servers require authentication (random passwords); the URLs carry them.
-    running = EmbeddedStack(APP_MODULE, tmp_path_factory.mktemp("stack"), auth=True)
+    running = WatchedStack(
+        APP_MODULE, tmp_path_factory.mktemp("stack"), auth=True, queue_namespace=NAMESPACE
+    )
     try:
         running.start_servers()
         os.environ.update(running.env)
-        running.start_worker(ALL_TIERS, concurrency=4, name="main@127.0.0.1")
+        running.start_worker(ALL_TIERS, concurrency=4, name=SESSION_WORKER)
+        WATCH.watch(running)
+        _session.append(running)
         yield running
     finally:
         from tasks.effects import close_clients
 
+        _session.clear()
+        WATCH.unwatch(running)
         close_clients()
         running.stop()
         os.environ.clear()
         os.environ.update(saved)
+
+
+def revive_session_worker() -> bool:
+    """If the session's worker is dead, purge what it left behind and start another (first in
+    ``stack.workers``, as before). True if it had to."""
+    if not _session:
+        return False
+    running = _session[0]
+    dead = [w for w in running.workers if w.name == SESSION_WORKER and not w.alive()]
+    if not dead and any(w.name == SESSION_WORKER for w in running.workers):
+        return False
+    assert running.broker is not None
+    with redis.Redis.from_url(running.broker.url) as broker:
+        keys = [*DEAD_WORKER_KEYS]
+        for tier in TIERS:
+            keys += [key.decode() for key in broker.scan_iter(match=f"{tier}\x06\x16*")]
+        broker.delete(*keys)
+    for worker in dead:
+        running.workers.remove(worker)
+    worker = running.start_worker(ALL_TIERS, concurrency=4, name=SESSION_WORKER)
+    running.workers.remove(worker)
+    running.workers.insert(0, worker)
+    return True
+
+
+CALL_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.fixture(autouse=True)
+def fail_fast_on_dead_workers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Report a worker's death that no test was told about (between tests, or noticed by the
+    test before the watchdog), and give the tests that follow a live session worker."""
+    before = WATCH.take_pending()
+    revive_session_worker()
+    if before:
+        pytest.fail(
+            "a worker died before this test started:\n\n"
+            + "\n\n".join(death.describe() for death in before),
+            pytrace=False,
+        )
+    yield
+    after = WATCH.take_pending()
+    revive_session_worker()
+    if not after:
+        return
+    report = "\n\n".join(death.describe() for death in after)
+    if request.node.stash.get(CALL_FAILED, False):  # the test failed already: add the why
+        request.node.add_report_section("teardown", "worker died", report)
+    else:
+        pytest.fail(f"a worker died during this test:\n\n{report}", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """While a test runs, a worker's death interrupts it with WorkerDied (see watchdog.py)."""
+    with WATCH.armed():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_FAILED] = report.failed or hasattr(report, "wasxfail")
+    return report
 
 
 @pytest.fixture(scope="session")
@@ -74,8 +167,9 @@ def token() -> str:
     return f"t-{uuid.uuid4().hex[:12]}"
 
 
-def make_isolated_stack(base: Path) -> EmbeddedStack:
-    """A stack of its own, for tests that kill or stop servers."""
-    running = EmbeddedStack(APP_MODULE, base, auth=True)
+def make_isolated_stack(base: Path) -> WatchedStack:
+    """A stack of its own, for tests that kill or stop servers (its workers are watched)."""
+    running = WatchedStack(APP_MODULE, base, auth=True, queue_namespace=NAMESPACE)
     running.start_servers()
+    WATCH.watch(running)
     return running

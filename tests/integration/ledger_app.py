@@ -228,6 +228,12 @@ def reject_card(token: str, card_number: str) -> None:
 
 
 @app.task
+def explode(*args: Any, **kwargs: Any) -> None:
+    """Takes any arguments, then fails naming them (odd text reaches the error record)."""
+    raise TypeError(f"unexpected arguments {args!r} {sorted(kwargs)!r}")
+
+
+@app.task
 def echo(*args: Any, **kwargs: Any) -> list[Any]:
     """Returns its arguments as given (the bad-input suite's round trip)."""
     return [list(args), kwargs]
@@ -262,3 +268,72 @@ def atomic_effect(self: Any, token: str, mode: str) -> dict[str, Any]:
     if first and mode == "fail-after":
         raise FlakyError(f"failed after the step: {token}")
     return receipt
+
+
+# -- the regression tests of the ledger's correctness paths (test_correctness_paths.py) -------
+
+
+@app.task(bind=True, idempotency_key="{token}", time_limit=6, heartbeat_seconds=0, lease_seconds=2)
+def outlived(self: Any, token: str) -> str:
+    """The first attempt outlives its lease without heartbeats (and is killed at its hard
+    limit); the next one heartbeats by hand through the first one's kill, then finishes."""
+    record_effect("outlived-attempt", token)
+    if effects().count_documents({"kind": "outlived-attempt", "key": token}) == 1:
+        time.sleep(10)
+    for _ in range(10):
+        self.heartbeat()
+        time.sleep(0.5)
+    record_effect("outlived", token)
+    return "second holder"
+
+
+@app.task(bind=True, idempotency_key="{token}")
+def checkpointing(self: Any, token: str, steps: int) -> int:
+    """Checkpoints every 0.2 s (a ledger call inside the body), then records one effect."""
+    start = (self.checkpoint_state or {}).get("i", 0)
+    for i in range(start, steps):
+        self.checkpoint({"i": i + 1})
+        time.sleep(0.2)
+    record_effect("checkpointed", token)
+    return steps
+
+
+@app.task(idempotency_key="{token}")
+def ignores(token: str) -> None:
+    from celery.exceptions import Ignore
+
+    record_effect("ignores", token)
+    raise Ignore("handled by hand")
+
+
+@app.task(idempotency_key="{token}")
+def rejects(token: str) -> None:
+    from celery.exceptions import Reject
+
+    record_effect("rejects", token)
+    raise Reject("bad order", requeue=False)
+
+
+@app.task(bind=True, idempotency_key="{token}", dedupe_on_publish=True)
+def replaced(self: Any, token: str) -> None:
+    record_effect("replaced", token)
+    raise self.replace(record.s(f"{token}-replacement"))
+
+
+@app.task(idempotency_key="{token}")
+def huge(token: str) -> str:
+    record_effect("huge", token)
+    return "x" * 5_000_000
+
+
+@app.task(idempotency_key="{token}", track_started=True)
+def tracked(token: str) -> str:
+    record_effect("tracked", token)
+    return token
+
+
+@app.task
+def describe(*args: Any, **kwargs: Any) -> list[str]:
+    """The types of its arguments (kombu's JSON turns __type__ markers into objects)."""
+    record_effect("describe", str(args[0]) if args else "")
+    return [type(a).__name__ for a in args]

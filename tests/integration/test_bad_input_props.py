@@ -4,12 +4,16 @@ Every case must end in a clear celery_ledger error at the caller, in success, or
 record with a reason; the worker stays up, and good messages interleaved run exactly once.
 
 - Queue items published straight to the broker: arbitrary bytes, and kombu envelopes with
-  arbitrary bodies, headers and content types.
+  arbitrary bodies, content types, headers (every header a worker reads, eta and expires
+  included) and properties.
 - Arbitrary task arguments, keys and tiers through the public API.
 - Broken settings: ``create_app`` with arbitrary ``LEDGER_*`` variables.
 
-The generators leave out the inputs of the library bugs found here; each of those has its own
-``xfail(strict=True)`` test below, run on a stack of its own (several kill the worker).
+Each library bug found here has a regression test of its own below, run on a stack of its own
+(each once killed the worker); the generators leave those inputs out.
+
+A worker that dies fails the test at once (tests/integration/watchdog.py). ``-m props
+--hypothesis-profile=wide`` runs ten times as many examples (see tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -22,28 +26,46 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 import redis
+from celery.app.task import Context
+from celery.utils.time import maybe_iso8601, maybe_make_aware
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kombu.transport.virtual.base import Base64
+from kombu.utils.json import loads
 from pymongo import MongoClient
 from pymongo.collection import Collection
 
 from celery_ledger import ConfigurationError, LedgerError, PayloadError, Settings, create_app
+from celery_ledger import headers as ledger_headers
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
+from celery_ledger.envelope import (
+    CELERY_HEADER_CHECKS,
+    LEDGER_HEADER_CHECKS,
+    PROPERTY_CHECKS,
+    WORKER_SET_HEADERS,
+    envelope_problem,
+)
 from celery_ledger.keys import derive_task_id
-from celery_ledger.settings import TIERS
+from celery_ledger.routing import TIERS
+from tests.conftest import examples
 
-from .conftest import ALL_TIERS, TEST_ENV, make_isolated_stack
+from .conftest import ALL_TIERS, DEAD_WORKER_KEYS, NAMESPACE, TEST_ENV, make_isolated_stack
 from .helpers import effect_count, wait_for
 from .test_bad_messages import raw_message
+
+DEFAULT_QUEUE = f"{NAMESPACE}.default"  # the test app's default tier queue
+POISON_KEY = f"{NAMESPACE}:ledger:poison"
+DELAYED_KEY = f"{NAMESPACE}:ledger:delayed"
 
 BOUNDED = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    max_examples=25,
+    max_examples=examples(25),
 )
 APP = "tests.integration.ledger_app"
 ADD, ECHO, RECORD, FLAKY = f"{APP}.add", f"{APP}.echo", f"{APP}.record", f"{APP}.flaky"
@@ -53,37 +75,79 @@ ADD, ECHO, RECORD, FLAKY = f"{APP}.add", f"{APP}.echo", f"{APP}.record", f"{APP}
 # Keys with NUL and integers past 64 bits (BSON cannot store either as is), lone surrogates.
 text = st.text(max_size=12) | st.sampled_from(["\ud800", "a\udfffb"])
 keys = st.text(max_size=12) | st.sampled_from(["x\x00y", "$where", "a.b"])
-integers = st.integers(-(2**63), 2**63 - 1) | st.sampled_from([2**64, -(2**70), 10**30])
-json_values = st.recursive(
-    st.none() | st.booleans() | integers | st.floats(allow_nan=False, allow_infinity=False) | text,
+integers = st.integers(-(2**63), 2**63 - 1) | st.sampled_from(
+    [2**64, -(2**70), 10**30, 2**31, -1, 256]
+)
+floats = st.floats() | st.sampled_from([1e308, 1e12, -0.0])  # NaN and infinities too
+# Dates as text (for eta and expires): any datetime in any timezone, ISO-like text, and odd ones.
+dates = st.one_of(
+    st.datetimes(timezones=st.none() | st.timezones()).map(datetime.isoformat),
+    st.from_regex(
+        r"\d{4}-\d{2}-\d{2}(T\d{2}(:\d{2}(:\d{2}(\.\d{1,9})?)?)?)?(Z|[+-]\d{2}:?\d{2})?",
+        fullmatch=True,
+    ),
+    st.sampled_from(
+        [
+            "9999-12-31T24:00:00",
+            "9999-12-31T23:59:59-23:59",
+            "0001-01-01T00:00:00+00:01",
+            "2026-11-23T10:00:00+24:00",
+            "2026-W48-1",
+            "now",
+            "",
+        ]
+    ),
+    st.integers(-5, 5).map(lambda s: (datetime.now(UTC) + timedelta(seconds=s)).isoformat()),
+)
+# kombu's JSON decodes {"__type__": ..., "__value__": ...} into dates, UUIDs and bytes.
+# Left out: decimals, and values of the wrong type for bytes, base64 and a UUID's hex; and these
+# objects in headers (transport bugs, see DECODER_KILLERS below).
+kombu_objects = st.one_of(
+    st.builds(
+        lambda kind, value: {"__type__": kind, "__value__": value},
+        st.sampled_from(["datetime", "date", "time", "bytes", "base64", "nope"]),
+        dates | text,
+    ),
+    st.builds(
+        lambda value: {"__type__": "uuid", "__value__": value},
+        st.builds(lambda h: {"hex": h}, st.uuids().map(lambda u: u.hex) | text) | text,
+    ),
+)
+header_values = st.recursive(
+    st.none() | st.booleans() | integers | floats | text | dates,
     lambda children: st.lists(children, max_size=3) | st.dictionaries(keys, children, max_size=3),
     max_leaves=8,
 )
-# Headers with arbitrary values. Left out: eta/countdown (a legitimate delay).
-HEADER_NAMES = (
-    "expires",
-    "retries",
-    "id",
-    "task",
-    "timelimit",
-    "stamps",
-    "stamped_headers",
-    "ledger_key",
-    "ledger_tier",
-    "ledger_deferrals",
-    "ledger_previous_delay",
-    "group",
-    "shadow",
-    "argsrepr",
-    "kwargsrepr",
-    "ignore_result",
-    "lang",
-    "parent_id",
-    "root_id",
-    "origin",
+json_values = st.recursive(
+    st.none() | st.booleans() | integers | floats | text | dates | kombu_objects,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(keys, children, max_size=3),
+    max_leaves=8,
+)
+# Every header a worker reads: Celery's (eta and expires too), the names the worker sets
+# itself, the fields of Celery's task context, the ledger's; and custom ones. Any value: a
+# valid eta far ahead is a legitimate delay, which the test does not wait for (see
+# scheduled_later).
+HEADER_NAMES = sorted(
+    set(CELERY_HEADER_CHECKS)
+    | set(LEDGER_HEADER_CHECKS)
+    | WORKER_SET_HEADERS
+    | {name for name in dir(Context) if not name.startswith("__")}
+    | {"countdown", "ledger_settled", "redelivered"}
 )
 headers = st.dictionaries(
-    st.sampled_from(HEADER_NAMES) | keys.map(lambda name: f"x-{name}"), json_values, max_size=3
+    st.sampled_from(HEADER_NAMES) | keys.map(lambda name: f"x-{name}"), header_values, max_size=3
+)
+# Every property kombu and Celery read, with any value (or left out: MISSING).
+MISSING = "<missing>"
+PROPERTY_NAMES = sorted({*PROPERTY_CHECKS, "delivery_mode"})
+properties = st.dictionaries(
+    st.sampled_from(PROPERTY_NAMES), json_values | st.just(MISSING), max_size=2
+) | st.builds(
+    lambda name, value: {
+        "delivery_info": {"exchange": "", "routing_key": DEFAULT_QUEUE, name: value}
+    },
+    st.sampled_from(["exchange", "routing_key", "redelivered"]),
+    json_values,
 )
 
 
@@ -104,14 +168,27 @@ bodies = (
     | json_values.map(lambda value: json.dumps(value).encode())
     | st.binary(max_size=32).filter(_not_json)
 )
+
+
+def _message(
+    body: bytes, task: str, content_type: str, extra: dict[str, Any], props: dict[str, Any]
+) -> bytes:
+    item = json.loads(raw_message(body, task=task, content_type=content_type, headers=extra))
+    for name, value in props.items():
+        if value == MISSING:
+            item["properties"].pop(name, None)
+        else:
+            item["properties"][name] = value
+    return json.dumps(item).encode()
+
+
 envelopes = st.builds(
-    lambda body, task, content_type, extra: raw_message(
-        body, task=task, content_type=content_type, headers=extra
-    ),
+    _message,
     bodies,
     st.sampled_from([ADD, ECHO, "no.such.task", ""]),
     st.sampled_from(["application/json"] * 4 + ["application/x-python-serialize", "text/plain"]),
     headers,
+    properties,
 )
 garbage = st.binary(max_size=48).filter(lambda b: not b.startswith(b"{"))
 queue_items = st.one_of(envelopes, garbage)
@@ -127,12 +204,27 @@ def message_id(item: bytes) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def verdict(ledger: Collection[dict[str, Any]], item: bytes) -> str | None:
-    """How the ledger settled a queue item: ``done``, ``dead: <reason>``, or None (not yet)."""
+def verdict(
+    ledger: Collection[dict[str, Any]], item: bytes, broker: redis.Redis | None = None
+) -> str | None:
+    """How the ledger settled a queue item: ``done``, ``dead: <reason>``, ``held`` (put off
+    for a worker that can run it: an unknown task, arguments that do not bind), or None (not
+    yet).
+
+    A message with an id is found through it (the id is its job's record id, or an alias of
+    it); one without is kept as received (its raw bytes)."""
     found: list[dict[str, Any]] = []
     ident = message_id(item)
+    if ident and broker is not None:
+        delayed = broker.zrange(DELAYED_KEY, 0, -1)
+        unrunnable = ledger_headers.UNRUNNABLE_SINCE.encode()
+        if any(ident.encode() in member and unrunnable in member for member in delayed):
+            return "held"
     if ident is not None:
-        found += ledger.find({"_id": {"$in": [ident, f"poison-{ident}"]}})
+        for doc in ledger.find({"_id": ident}):
+            target = doc.get("alias_of")
+            found += list(ledger.find({"_id": target})) if target and "state" not in doc else [doc]
+        found += ledger.find({"state": "dead", "message.headers.id": ident})
     found += ledger.find({"message.raw_base64": base64.b64encode(item).decode()})
     for doc in found:
         if doc.get("state") == "dead" and doc.get("dead_reason"):
@@ -140,6 +232,24 @@ def verdict(ledger: Collection[dict[str, Any]], item: bytes) -> str | None:
     if any(doc.get("state") == "succeeded" for doc in found):
         return "done"
     return None
+
+
+# A message whose valid eta is further ahead than this waits in the worker (Celery's timer):
+# a legitimate delay, not an outcome the test waits for.
+WAIT_FOR_ETA_SECONDS = 5.0
+
+
+def scheduled_later(item: bytes) -> bool:
+    """True if the transport accepts ``item`` and its eta (read as Celery reads it) is more than
+    WAIT_FOR_ETA_SECONDS ahead: the worker holds it until then."""
+    try:
+        envelope = loads(item)
+        if envelope_problem(envelope, {"base64": Base64()}) is not None:
+            return False
+        eta = maybe_make_aware(maybe_iso8601(envelope["headers"]["eta"]), "UTC")
+    except Exception:
+        return False
+    return bool(eta > datetime.now(UTC) + timedelta(seconds=WAIT_FOR_ETA_SECONDS))
 
 
 def _utf8(value: str) -> bool:
@@ -158,18 +268,6 @@ def broker_of(stack: EmbeddedStack) -> redis.Redis:
 # -- properties ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def revive_session_worker(stack: EmbeddedStack) -> Iterator[None]:
-    """If an input found here kills the session's worker, purge its queues and start another,
-    so that the tests after this module still have one (the failure is reported here)."""
-    yield
-    if stack.workers and not stack.workers[0].alive():
-        with broker_of(stack) as broker:
-            broker.delete(*TIERS, "unacked", "unacked_index")
-        stack.workers.clear()
-        stack.start_worker(ALL_TIERS, concurrency=4, name="main@127.0.0.1")
-
-
 @BOUNDED
 @given(items=st.lists(queue_items, min_size=1, max_size=4), split=st.integers(0, 4))
 def test_arbitrary_queue_items_are_dead_lettered_or_run_and_the_worker_stays_up(
@@ -181,18 +279,22 @@ def test_arbitrary_queue_items_are_dead_lettered_or_run_and_the_worker_stays_up(
     token = f"t-{uuid.uuid4().hex[:12]}"
     with broker_of(stack) as broker:
         for item in items[:split]:
-            broker.lpush("default", item)
+            broker.lpush(DEFAULT_QUEUE, item)
         good = record.delay(token)
         for item in items[split:]:
-            broker.lpush("default", item)
+            broker.lpush(DEFAULT_QUEUE, item)
 
     # Then the good message runs exactly once
     assert good.get(timeout=30)["token"] == token
     assert effect_count("record", token) == 1
-    # and every item ends dead-lettered with a reason, or run
+    # and every item ends dead-lettered with a reason, or run, or waits (for its eta, or for a
+    # worker that can run it: the test does not wait out LEDGER_UNRUNNABLE_WINDOW_SECONDS)
+    broker = broker_of(stack)
     for item in items:
+        if scheduled_later(item):
+            continue
         wait_for(
-            lambda item=item: verdict(app.ledger.collection, item),
+            lambda item=item: verdict(app.ledger.collection, item, broker),
             timeout=20,
             what=f"an outcome for {item[:300]!r}",
         )
@@ -227,7 +329,7 @@ values = st.recursive(
 )
 
 
-@settings(BOUNDED, max_examples=40)
+@settings(BOUNDED, max_examples=examples(40))
 @given(
     args=st.lists(values, max_size=3),
     kwargs=st.dictionaries(st.text(max_size=6), values, max_size=2),
@@ -322,7 +424,7 @@ def ledger_environment(values: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-@settings(BOUNDED, max_examples=50)
+@settings(BOUNDED, max_examples=examples(50))
 @given(environment=environments)
 def test_broken_settings_give_a_configuration_error_or_a_working_app(
     environment: dict[str, str],
@@ -336,14 +438,14 @@ def test_broken_settings_give_a_configuration_error_or_a_working_app(
         try:
             app.breakers  # noqa: B018
             for tier in app.tiers.names:
-                app.retry_policy_for(tier)
+                app.runtime.retry_policy_for(tier)
         except ConfigurationError:
             pass
         finally:
             app.close()
 
 
-# -- library bugs (strict xfails) -------------------------------------------------------------
+# -- library bugs the suite found (each was a strict xfail until fixed) ------------------------
 
 
 @dataclass
@@ -362,15 +464,15 @@ class Isolated:
         """A live worker; after a crash the queues are purged, or the killer comes back."""
         if self.stack.workers and self.worker.alive():
             return
-        self.broker.delete(*TIERS, "unacked", "unacked_index", "celery_ledger:poison")
+        self.broker.delete(*DEAD_WORKER_KEYS, POISON_KEY)
         name = f"isolated{len(self.stack.workers)}@127.0.0.1"
         self.stack.start_worker(ALL_TIERS, concurrency=2, name=name, env=TEST_ENV)
 
     def push_and_wait_taken(self, item: bytes, grace_seconds: float = 1.5) -> None:
         """Queue ``item``; return once a worker took it (and ``grace_seconds`` more)."""
-        self.broker.lpush("default", item)
+        self.broker.lpush(DEFAULT_QUEUE, item)
         deadline = time.monotonic() + 10
-        while self.broker.llen("default") and time.monotonic() < deadline:
+        while self.broker.llen(DEFAULT_QUEUE) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(grace_seconds)
 
@@ -380,10 +482,10 @@ class Isolated:
         item = raw_message(
             json.dumps([[token], {}, {}]).encode(), task=RECORD, headers={"ledger_key": token}
         )
-        self.broker.lpush("default", item)
+        self.broker.lpush(DEFAULT_QUEUE, item)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.worker.alive():
-            if verdict(self.ledger, item) == "done":
+            if verdict(self.ledger, item, self.broker) == "done":
                 return True
             time.sleep(0.1)
         return False
@@ -391,10 +493,10 @@ class Isolated:
     def settle(self, item: bytes, timeout: float = 4.0) -> str | None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.worker.alive():
-            if (found := verdict(self.ledger, item)) is not None:
+            if (found := verdict(self.ledger, item, self.broker)) is not None:
                 return found
             time.sleep(0.1)
-        return verdict(self.ledger, item)
+        return verdict(self.ledger, item, self.broker)
 
 
 @pytest.fixture(scope="module")
@@ -469,7 +571,7 @@ SILENTLY_DROPPED = {
 @pytest.mark.parametrize("item", SILENTLY_DROPPED.values(), ids=SILENTLY_DROPPED.keys())
 def test_malformed_task_message_is_dead_lettered(isolated: Isolated, item: bytes) -> None:
     isolated.ensure_worker()
-    isolated.broker.lpush("default", item)
+    isolated.broker.lpush(DEFAULT_QUEUE, item)
     assert isolated.good_message_runs()
     assert (isolated.settle(item) or "").startswith("dead: ")
 
@@ -488,11 +590,54 @@ def test_unstorable_poison_does_not_block_the_drain(
     blocker = raw_message(b"[[1], {}, {}]", task="no.such.task", headers=extra)
     later = raw_message(b"[[1], {}, {}]", task="no.such.task.either")
     try:
-        isolated.broker.lpush("default", blocker)
-        isolated.broker.lpush("default", later)
+        isolated.broker.lpush(DEFAULT_QUEUE, blocker)
+        isolated.broker.lpush(DEFAULT_QUEUE, later)
         assert isolated.settle(later, timeout=8) is not None
     finally:
         isolated.broker.delete("celery_ledger:poison")
+
+
+# Found widening the generators, outside the envelope checks (celery_ledger/transport.py):
+# - the transport decodes a queue item with kombu's JSON decoder before any check runs, and
+#   catches only ValueError, TypeError, UnicodeDecodeError and RecursionError. kombu's decoder
+#   builds objects from {"__type__": ..., "__value__": ...}, and raises others: for a decimal,
+#   InvalidOperation (text that is no number) or OverflowError (an exponent past C's ssize_t);
+#   AttributeError for bytes or base64 from a number, or a UUID from a hex that is no string.
+#   Out of Channel._brpop_read they end the worker ("Unrecoverable error"), and the popped item
+#   is lost;
+# - an item the checks refuse is kept with its headers, written with json.dumps: a header that
+#   kombu's decoder turned into a datetime (or date, time, Decimal, UUID, bytes) raises
+#   TypeError there, out of the same loop.
+DECODER_KILLERS = {
+    "decimal exponent past ssize_t": json.dumps(
+        {"__type__": "decimal", "__value__": [0, [1], 10**30]}
+    ).encode(),
+    "decimal from text that is no number": json.dumps(
+        {"__type__": "decimal", "__value__": "x"}
+    ).encode(),
+    "bytes from a number": json.dumps({"__type__": "bytes", "__value__": 5}).encode(),
+    "uuid from a number": json.dumps({"__type__": "uuid", "__value__": {"hex": 5}}).encode(),
+    "the same in a header": raw_message(
+        _record_body(),
+        task=RECORD,
+        headers={"x-d": {"__type__": "decimal", "__value__": [0, [1], 10**30]}},
+    ),
+    "a refused message with a datetime header": raw_message(
+        _record_body(),
+        task=RECORD,
+        headers={"id": "", "x-at": {"__type__": "datetime", "__value__": "2026-11-23T10:00"}},
+    ),
+}
+
+
+@pytest.mark.parametrize("item", DECODER_KILLERS.values(), ids=DECODER_KILLERS.keys())
+def test_an_item_the_json_decoder_cannot_build_is_dead_lettered(
+    isolated: Isolated, item: bytes
+) -> None:
+    isolated.ensure_worker()
+    isolated.push_and_wait_taken(item)
+    assert isolated.good_message_runs(), "the worker died"
+    assert (isolated.settle(item) or "").startswith("dead: ")
 
 
 def _ledger_message(task: str, args: list[Any], **extra: Any) -> bytes:
@@ -528,7 +673,7 @@ def test_a_bad_header_ends_dead_lettered_with_a_reason(
     isolated: Isolated, item: bytes, expected: str | None
 ) -> None:
     isolated.ensure_worker()
-    isolated.broker.lpush("default", item)
+    isolated.broker.lpush(DEFAULT_QUEUE, item)
     assert isolated.good_message_runs()
     outcome = isolated.settle(item, timeout=5)
     assert outcome is not None and (outcome == "done" or outcome.startswith("dead: ")), outcome
@@ -580,7 +725,6 @@ def dedupe_probe(stack: EmbeddedStack, name: str, database: int) -> tuple[Any, A
 
 
 def test_reconciler_republishes_a_queued_job_whose_message_was_lost(stack: EmbeddedStack) -> None:
-    from celery_ledger.reconciler import reconcile
 
     probe, job, broker_url = dedupe_probe(stack, "reconcile_probe", 7)
     token = f"lost-{uuid.uuid4().hex[:8]}"
@@ -588,24 +732,23 @@ def test_reconciler_republishes_a_queued_job_whose_message_was_lost(stack: Embed
         broker.flushdb()
         # Given a job published with dedupe_on_publish (a queued record), whose message is lost
         job.delay(token)
-        broker.delete("default")
+        broker.delete(probe.tiers.queue("default"))
         assert probe.ledger.get("probe.job", token).state == "queued"
         time.sleep(0.05)
         # When the reconciler runs past the stale delay
-        report = reconcile(probe, stale_after_seconds=0.01, lease_grace_seconds=3600)
+        report = probe.reconciler.sweep(stale_after_seconds=0.01, lease_grace_seconds=3600)
         # Then the job is published again, with its id
         assert report.republished == 1, report.as_dict()
-        assert broker.llen("default") == 1
-        assert json.loads(broker.lindex("default", 0))["headers"]["id"] == derive_task_id(
-            "probe.job", token
-        )
+        assert broker.llen(probe.tiers.queue("default")) == 1
+        assert json.loads(broker.lindex(probe.tiers.queue("default"), 0))["headers"][
+            "id"
+        ] == derive_task_id("probe.job", token)
     probe.close()
 
 
 def test_reconciler_leaves_a_stale_queued_job_whose_message_still_waits(
     stack: EmbeddedStack,
 ) -> None:
-    from celery_ledger.reconciler import reconcile
 
     probe, slow, broker_url = dedupe_probe(stack, "reconcile_backlog_probe", 8)
     token = f"waiting-{uuid.uuid4().hex[:8]}"
@@ -615,9 +758,9 @@ def test_reconciler_leaves_a_stale_queued_job_whose_message_still_waits(
         slow.delay(token)
         time.sleep(0.05)
         # When the reconciler finds it stale
-        report = reconcile(probe, stale_after_seconds=0.01, lease_grace_seconds=3600)
+        report = probe.reconciler.sweep(stale_after_seconds=0.01, lease_grace_seconds=3600)
         # Then it is left alone: no second copy to claim
         assert report.still_waiting == 1, report.as_dict()
         assert report.republished == 0
-        assert broker.llen("default") == 1
+        assert broker.llen(probe.tiers.queue("default")) == 1
     probe.close()

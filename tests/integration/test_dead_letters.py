@@ -21,7 +21,7 @@ def dead_letter_copies(stack: Any) -> list[dict[str, Any]]:
     broker = redis.Redis.from_url(stack.broker.url)
     return [
         json.loads(base64.b64decode(json.loads(raw)["body"]))
-        for raw in broker.lrange("dead_letter", 0, -1)
+        for raw in broker.lrange("ledger_tests.dead_letter", 0, -1)
     ]
 
 
@@ -95,7 +95,7 @@ def test_replay_runs_a_dead_job_once_and_replaying_again_does_nothing(app: Any, 
 def test_a_message_whose_worker_keeps_dying_becomes_poison(app: Any, token: str) -> None:
     from tests.integration.ledger_app import kills_its_worker
 
-    # Plain Celery requeues such a message forever (reject_on_worker_lost, celery#9082).
+    # Plain Celery requeues such a message forever (reject_on_worker_lost).
     kills_its_worker.delay(token)
     record = wait_for(
         lambda: (

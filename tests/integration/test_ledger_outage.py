@@ -13,7 +13,7 @@ from pymongo import MongoClient
 from celery_ledger import Settings, State, create_app
 from celery_ledger.embedded.stack import EmbeddedStack
 
-from .conftest import make_isolated_stack
+from .conftest import NAMESPACE, make_isolated_stack
 from .helpers import shared_task
 
 
@@ -21,7 +21,7 @@ from .helpers import shared_task
 def isolated(tmp_path: Path, stack: Any) -> Iterator[EmbeddedStack]:
     running = make_isolated_stack(tmp_path)
     try:
-        running.start_worker("default", concurrency=1, name="outage@127.0.0.1")
+        running.start_worker(running.queues_of("default"), concurrency=1, name="outage@127.0.0.1")
         yield running
     finally:
         running.stop()
@@ -35,6 +35,7 @@ def test_ledger_down_then_up_runs_the_task_exactly_once(isolated: EmbeddedStack)
             broker_url=isolated.broker.url,
             mongo_uri=isolated.ledger.url,
             mongo_db="ledger_tests",
+            queue_namespace=NAMESPACE,
             mongo_timeout_ms=1500,
         ),
         set_as_current=False,
@@ -49,7 +50,7 @@ def test_ledger_down_then_up_runs_the_task_exactly_once(isolated: EmbeddedStack)
     result = record.delay("outage-1")
     time.sleep(6)  # the worker keeps deferring the message with backoff meanwhile
     log = isolated.workers[0].log_path.read_text()
-    assert "ledger unavailable; deferring" in log
+    assert "ledger unavailable at the claim" in log and "deferred by" in log
 
     # Then, once the ledger is back, the task completes exactly once
     isolated.ledger.restart()

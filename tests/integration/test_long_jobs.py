@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from celery_ledger import State
-from celery_ledger.reconciler import reconcile
 from tasks.effects import effects
 
 from .helpers import effect_count, wait_for
@@ -104,7 +103,7 @@ def test_a_slow_holder_without_heartbeats_is_fenced_out_after_reconcile(
     result = slow_without_heartbeat.delay(token, 8.0)
     first = wait_for(lambda: running_record(app, slow_without_heartbeat, token), what="running")
     time.sleep(4.5)  # its 4 s lease has ended while it still runs
-    report = reconcile(app, lease_grace_seconds=0)
+    report = app.reconciler.sweep(lease_grace_seconds=0)
     assert report.expired_leases >= 1 and report.restored_from_broker >= 1
     second = wait_for(
         lambda: running_record(app, slow_without_heartbeat, token, after_fence=first.fence),
@@ -139,7 +138,7 @@ def test_the_reconciler_restores_the_message_of_a_killed_worker(
     wait_for(lambda: running_record(app, long_sleeper, token), what="running")
     victim.kill()  # the whole worker: Redis would redeliver only after its visibility timeout
     time.sleep(4.5)  # lease 4 s, no heartbeat any more
-    report = reconcile(app, lease_grace_seconds=0)
+    report = app.reconciler.sweep(lease_grace_seconds=0)
     assert report.restored_from_broker == 1
     rescuer = stack.start_worker(queue, concurrency=1, name=f"{queue}-2@127.0.0.1")
     victim_workers.append(rescuer)
@@ -182,7 +181,7 @@ def test_max_age_and_time_limits_retire_to_the_dead_letter_flow(
         timeout=30,
         what="hard limit retirement",
     )
-    assert app.ledger.get_by_id(hard.id).dead_reason == "time limit exceeded (hard)"
+    assert app.ledger.get_by_id(hard.id).dead_reason == "time limit exceeded (hard, 2s)"
     assert effect_count("hard", token) == 0
 
 
@@ -199,6 +198,7 @@ def test_sigterm_checkpoints_requeues_and_another_worker_finishes(
     wait_for(lambda: reads(token) >= 1000, timeout=60, what="progress")
     second = stack.start_worker(queue, concurrency=1, name=f"{queue}-b@127.0.0.1")
     victim_workers.append(second)
+    first.expect_exit()
     os.kill(first.pid, signal.SIGTERM)  # warm shutdown
     first.process.wait(30)
     assert "interrupted by shutdown" in first.log_path.read_text()

@@ -15,7 +15,7 @@ import redis
 from celery_ledger import pressure
 from celery_ledger.embedded.servers import ServerProcess, start_valkey
 from celery_ledger.policies.backpressure import QueueDepths
-from celery_ledger.policies.rate_limit import RateLimits, TokenBucket
+from celery_ledger.policies.rate_limit import RateLimit, RateLimits, TokenBucket
 from celery_ledger.pressure import Pressure
 
 
@@ -81,7 +81,9 @@ def test_token_bucket_waits_and_expires_when_idle(client: redis.Redis) -> None:
     with pytest.raises(ValueError):
         bucket.try_acquire(4)
 
-    limits = RateLimits(client, {"a": (1.0, 1), "b": (5.0, 2)}, key_prefix=unique("test"))
+    limits = RateLimits(
+        client, {"a": RateLimit(1.0, 1), "b": RateLimit(5.0, 2)}, key_prefix=unique("test")
+    )
     assert sorted(limits) == ["a", "b"]
     assert (limits["b"].rate_per_second, limits["b"].burst) == (5.0, 2)
 

@@ -43,7 +43,7 @@ def test_a_dead_sensitive_job_keeps_no_plaintext_anywhere(stack: Any, app: Any, 
     def copies() -> list[str]:
         return [
             base64.b64decode(json.loads(m)["body"]).decode()
-            for m in broker.lrange("dead_letter", 0, -1)
+            for m in broker.lrange(app.tiers.dead_letter_queue, 0, -1)
         ]
 
     wait_for(lambda: any(record.id in body for body in copies()), what="dead-letter copy")

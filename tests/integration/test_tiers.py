@@ -19,7 +19,7 @@ from celery_ledger.embedded.stack import EmbeddedStack
 from celery_ledger.pressure import Pressure
 from tasks.effects import effects
 
-from .conftest import make_isolated_stack
+from .conftest import NAMESPACE, make_isolated_stack
 from .helpers import effect_count, shared_task, wait_for
 
 
@@ -63,7 +63,7 @@ def test_routing_precedence_call_then_rule_then_task_then_default(
     daily.delay()  # rule beats the task option
     send.delay()  # task option
     misc.delay()  # default tier
-    assert {q: broker.llen(q) for q in ("critical", "default", "bulk")} == {
+    assert {q: broker.llen(app.tiers.queue(q)) for q in ("critical", "default", "bulk")} == {
         "critical": 1,
         "default": 2,
         "bulk": 1,
@@ -86,16 +86,17 @@ def test_backpressure_engages_above_the_mark_and_releases_below(
             }
         },
     )
-    app.queue_depths.ttl_seconds = 0.0  # sample every publish, to see the exact mark
+    app.runtime.queue_depths.ttl_seconds = 0.0  # sample every publish, to see the exact mark
 
     @app.task(name=f"bp.{policy}", shared=False)
     def job(n: int) -> int:
         return n
 
     broker = redis.Redis.from_url(lonely_broker.url)
+    queue = app.tiers.queue("default")
     for n in range(6):  # up to and over the mark: 6 > 5 engages
         job.delay(n)
-    assert broker.llen("default") == 6
+    assert broker.llen(queue) == 6
 
     # Above the mark
     if policy == "reject":
@@ -107,27 +108,27 @@ def test_backpressure_engages_above_the_mark_and_releases_below(
             job.delay(100)
         assert time.monotonic() - started >= 1.0
         # and a blocked producer goes through as soon as consumers drain below the low mark
-        threading.Timer(0.3, lambda: [broker.rpop("default") for _ in range(4)]).start()
+        threading.Timer(0.3, lambda: [broker.rpop(queue) for _ in range(4)]).start()
         job.delay(101)
-        assert broker.llen("default") == 3
+        assert broker.llen(queue) == 3
         return
     else:
         result = job.delay(100)
         record = app.ledger.get_by_id(result.id)
         assert record is not None and record.state is State.DEAD
         assert record.dead_reason.startswith("shed: tier default above its high-water mark")
-        assert app.backpressure.shed_counts["default"] == 1
-    assert broker.llen("default") == 6
+        assert app.runtime.gate.shed_counts["default"] == 1
+    assert broker.llen(queue) == 6
 
     # Between the marks it stays engaged (hysteresis); below the low mark it releases
-    broker.rpop("default")
-    broker.rpop("default")  # depth 4: above low water 3
+    broker.rpop(queue)
+    broker.rpop(queue)  # depth 4: above low water 3
     if policy == "reject":
         with pytest.raises(Backpressure):
             job.delay(102)
-    broker.rpop("default")  # depth 3: released
+    broker.rpop(queue)  # depth 3: released
     job.delay(103)
-    assert broker.llen("default") == 4
+    assert broker.llen(queue) == 4
 
 
 @pytest.fixture
@@ -135,7 +136,7 @@ def throttled_stack(tmp_path: Path, stack: Any) -> Iterator[EmbeddedStack]:
     running = make_isolated_stack(tmp_path)
     try:
         running.start_worker(
-            "bulk",
+            running.queues_of("bulk"),
             concurrency=2,
             name="bulk-throttle@127.0.0.1",
             env={
@@ -159,6 +160,7 @@ def test_bulk_throttles_under_foreground_latency_and_resumes_without_loss(
             broker_url=throttled_stack.broker.url,
             mongo_uri=throttled_stack.ledger.url,
             mongo_db="ledger_tests",
+            queue_namespace=NAMESPACE,  # a producer of the test app: its queues
         ),
         set_as_current=False,
     )
@@ -185,7 +187,11 @@ def test_bulk_throttles_under_foreground_latency_and_resumes_without_loss(
     reporter = threading.Thread(target=report_slow, daemon=True)
     reporter.start()
     log = throttled_stack.workers[0].log_path
-    wait_for(lambda: "throttling bulk" in log.read_text(), timeout=10, what="throttle engaged")
+    wait_for(
+        lambda: "throttling ledger_tests.bulk" in log.read_text(),
+        timeout=10,
+        what="throttle engaged",
+    )
     time.sleep(1.0)  # let reserved (prefetched) messages finish
     paused_at = done()
     time.sleep(1.5)
@@ -195,7 +201,11 @@ def test_bulk_throttles_under_foreground_latency_and_resumes_without_loss(
     reporter.join()
     for _ in range(20):
         pressure.report_latency(10)
-    wait_for(lambda: "resuming bulk" in log.read_text(), timeout=15, what="throttle released")
+    wait_for(
+        lambda: "resuming ledger_tests.bulk" in log.read_text(),
+        timeout=15,
+        what="throttle released",
+    )
     for result in results:
         result.get(timeout=60)
     # Every bulk message ran exactly once across the cycle

@@ -12,6 +12,7 @@ from typing import Any
 import celery
 import pytest
 from celery import Task
+from pydantic import ValidationError
 
 from celery_ledger import ConfigurationError, LedgerCelery, LedgerTask, Settings, create_app
 from celery_ledger.ledger.store import Ledger
@@ -76,13 +77,38 @@ def test_conf_is_json_only_and_acks_late(app: LedgerCelery) -> None:
     assert conf.task_reject_on_worker_lost is True
     assert conf.worker_prefetch_multiplier == 1
     assert conf.broker_transport == "celery_ledger.transport:Transport"
-    assert conf.broker_transport_options == {"visibility_timeout": 3600}
+    assert conf.broker_transport_options == {
+        "visibility_timeout": 3600,
+        # a worker killed while restoring unacked messages blocks the others for this long
+        "unacked_mutex_expire": 60,
+        # the app's own unacknowledged messages: only its reconciler restores them
+        "unacked_key": "unit.unacked",
+        "unacked_index_key": "unit.unacked_index",
+        "unacked_mutex_key": "unit.unacked_mutex",
+        "ledger_poison_key": "unit:ledger:poison",
+    }
     assert conf.enable_utc is True
 
 
 def test_each_tier_and_the_dead_letter_queue_is_declared(app: LedgerCelery) -> None:
-    assert [q.name for q in app.conf.task_queues] == ["critical", "default", "bulk", "dead_letter"]
-    assert app.conf.task_default_queue == "default"
+    # named after the app, so that two apps on one broker never take each other's messages
+    assert [q.name for q in app.conf.task_queues] == [
+        "unit.critical",
+        "unit.default",
+        "unit.bulk",
+        "unit.dead_letter",
+    ]
+    assert app.conf.task_default_queue == "unit.default"
+
+
+def test_queue_names_can_be_chosen_or_left_bare_for_old_deployments() -> None:
+    chosen = create_app("a", settings=Settings(**UNREACHABLE, queue_namespace="billing-v2"))
+    assert chosen.tiers.queue("bulk") == "billing-v2.bulk"
+    bare = create_app("b", settings=Settings(**UNREACHABLE, queue_namespace=""))
+    assert [q.name for q in bare.conf.task_queues] == ["critical", "default", "bulk", "dead_letter"]
+    assert "unacked_key" not in bare.conf.broker_transport_options  # kombu's own names
+    with pytest.raises(ValidationError, match="queue namespace"):
+        Settings(queue_namespace="a,b")
 
 
 def test_settings_flow_into_the_app() -> None:
@@ -98,9 +124,9 @@ def test_settings_flow_into_the_app() -> None:
     app = create_app("unit", settings=settings, set_as_current=False)
 
     assert app.settings is settings
-    assert app.conf.task_default_queue == "bulk"
+    assert app.conf.task_default_queue == "unit.bulk"
     assert app.conf.worker_prefetch_multiplier == 3
-    assert app.conf.broker_transport_options == {"visibility_timeout": 120}
+    assert app.conf.broker_transport_options["visibility_timeout"] == 120
     assert app.ledger.lease_seconds == 9.5
     assert app.ledger.database_name == "db1"
     assert app.tiers.default == "bulk"

@@ -12,7 +12,8 @@ import pytest
 
 from celery_ledger.errors import Backpressure as BackpressureError
 from celery_ledger.errors import ConfigurationError, PublishError
-from celery_ledger.policies.backpressure import Backpressure, QueueDepths, TierLimit
+from celery_ledger.policies.backpressure import BackpressureGate, QueueDepths, TierLimit
+from celery_ledger.routing import TIERS
 
 
 class FakePipeline:
@@ -61,10 +62,10 @@ class FakeClock:
 
 def make(
     limit: TierLimit, depth: int = 0, ttl: float = 0.0, **kwargs: Any
-) -> tuple[Backpressure, FakeBroker, FakeClock]:
+) -> tuple[BackpressureGate, FakeBroker, FakeClock]:
     broker, clock = FakeBroker(bulk=depth), FakeClock()
-    depths = QueueDepths(broker, ttl_seconds=ttl, clock=clock)  # type: ignore[arg-type]
-    gate = Backpressure(
+    depths = QueueDepths(broker, TIERS, ttl_seconds=ttl, clock=clock)  # type: ignore[arg-type]
+    gate = BackpressureGate(
         depths, {"bulk": limit}, sleep=clock.sleep, clock=clock, poll_seconds=0.1, **kwargs
     )
     return gate, broker, clock
@@ -72,7 +73,7 @@ def make(
 
 def test_depths_are_sampled_at_most_once_per_ttl() -> None:
     broker, clock = FakeBroker(critical=3, default=7), FakeClock()
-    depths = QueueDepths(broker, ttl_seconds=1.0, clock=clock)  # type: ignore[arg-type]
+    depths = QueueDepths(broker, TIERS, ttl_seconds=1.0, clock=clock)  # type: ignore[arg-type]
 
     assert depths.depths() == {"critical": 3, "default": 7, "bulk": 0}
     broker.lengths["critical"] = 50
@@ -92,7 +93,7 @@ def test_depths_are_sampled_at_most_once_per_ttl() -> None:
 
 def test_concurrent_callers_share_one_sample() -> None:
     broker = FakeBroker(latency=0.05, bulk=4)
-    depths = QueueDepths(broker, ttl_seconds=60.0)  # type: ignore[arg-type]
+    depths = QueueDepths(broker, TIERS, ttl_seconds=60.0)  # type: ignore[arg-type]
     seen: list[int] = []
 
     def read() -> None:
@@ -117,7 +118,7 @@ def test_low_water_defaults_to_ninety_percent_and_is_validated() -> None:
     with pytest.raises(ConfigurationError):
         TierLimit(100, "drop")  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError):
-        Backpressure(QueueDepths(FakeBroker(), ["bulk"]), {"critical": TierLimit(1, "shed")})  # type: ignore[arg-type]
+        BackpressureGate(QueueDepths(FakeBroker(), ["bulk"]), {"critical": TierLimit(1, "shed")})  # type: ignore[arg-type]
 
 
 def test_reject_engages_above_high_water_and_releases_at_low_water() -> None:

@@ -229,7 +229,7 @@ def test_worker_runs_its_tier(services: dict[str, Any], tier: str) -> None:
 
 
 def test_every_service_has_healthcheck_and_restart_policy(services: dict[str, Any]) -> None:
-    assert {"redis", "mongo", "beat", "flower", "prometheus", "grafana", *WORKERS} <= set(services)
+    assert {"redis", "mongo", "flower", "prometheus", "grafana", *WORKERS} <= set(services)
     for name, service in services.items():
         check = service.get("healthcheck") or {}
         assert check.get("test") and not check.get("disable"), f"{name}: no healthcheck"

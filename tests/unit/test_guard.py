@@ -1,133 +1,575 @@
-"""The guard's pure helpers: what raw messages' headers become before the ledger stores them."""
+"""The guard's decisions, without servers: every claim outcome, every outcome of an attempt,
+and every way its ledger writes can fail, over an in-memory ledger (``tests/fakes.py``)."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta, timezone
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-import bson
-import celery.app.task
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
-from celery_ledger import Settings, create_app
-from celery_ledger.task import LedgerRequest, LedgerTask
-from celery_ledger.untrusted import expiry_of, retries_done, storable_key, storable_value
+from celery_ledger import Settings
+from celery_ledger.crypto import Sealer
+from celery_ledger.deadletter import DeadLetters
+from celery_ledger.errors import (
+    CircuitOpen,
+    Interrupted,
+    LeaseLost,
+    LedgerUnavailable,
+    PermanentError,
+    RetryNotPublished,
+    StoreError,
+)
+from celery_ledger.events import EVENTS, Job, Observer, Observers
+from celery_ledger.guard import Delivery, Guard, Replaced, TaskPolicy, Verdict
+from celery_ledger.keys import Identity, derive_task_id
+from celery_ledger.ledger.record import State
+from celery_ledger.policies.retry import RetryPolicy
+from celery_ledger.routing import TIERS, Tiers
+from tests.fakes import Clock, MemoryLedger, MemoryRedis, Outbox
 
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.floats()
-    | st.text()
-    | st.sampled_from(["\ud800", "a\udfffb"]),
-    lambda children: (
-        st.lists(children, max_size=3)
-        | st.dictionaries(
-            st.text(max_size=6) | st.sampled_from(["$x", "a\x00b"]), children, max_size=3
+TASK = "shop.charge"
+KEY = "order-7"
+RECORD = derive_task_id(TASK, KEY)
+FERNET_KEYS = ["0qFzQc5xoZQhPWiz7RlXDGRcus0k650e5VRXFgPRCH8="]
+
+
+class Recorder(Observer):
+    """Every event, in order, as (name, args)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in EVENTS:
+            return lambda *args: self.events.append((name, args))
+        return super().__getattribute__(name)
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.events]
+
+
+@dataclass
+class FakeBody:
+    """The Celery adapter's side of an attempt, recording what the guard asks of it."""
+
+    work: Callable[[FakeBody], Any] = lambda body: {"charged": 7}
+    defer_error: BaseException | None = None
+    retry_error: BaseException | None = None
+    runs: int = 0
+    deferred: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+    retries: list[tuple[BaseException, float, dict[str, Any]]] = field(default_factory=list)
+    retired: list[tuple[str, list[str]]] = field(default_factory=list)
+    execution: Any = None
+
+    def start(self, execution: Any) -> None:
+        self.execution = execution
+
+    def run(self) -> Any:
+        self.runs += 1
+        return self.work(self)
+
+    def defer(self, delay_seconds: float, message_headers: dict[str, Any]) -> None:
+        if self.defer_error is not None:
+            raise self.defer_error
+        self.deferred.append((delay_seconds, message_headers))
+
+    def retry(
+        self, exc: BaseException, delay_seconds: float, message_headers: dict[str, Any]
+    ) -> BaseException:
+        if self.retry_error is not None:
+            raise self.retry_error
+        self.retries.append((exc, delay_seconds, message_headers))
+        return Retry(exc=exc, when=delay_seconds)
+
+    def on_retire(self, reason: str, artefacts: list[str]) -> None:
+        self.retired.append((reason, artefacts))
+
+
+class Harness:
+    """A guard over an in-memory ledger, a fake clock and recording ports."""
+
+    def __init__(self, **settings: Any) -> None:
+        self.clock = Clock()
+        self.ledger = MemoryLedger(clock=self.clock, lease_seconds=60, max_deliveries=3)
+        self.recorder = Recorder()
+        self.outbox = Outbox()
+        self.settings = Settings(encryption_keys=FERNET_KEYS, busy_recheck_seconds=5.0, **settings)
+        self.runtime = SimpleNamespace(
+            name="unit",
+            ledger=self.ledger,
+            settings=self.settings,
+            observers=Observers(self.recorder),
+            sealer=Sealer(FERNET_KEYS),
+            tiers=Tiers(TIERS, default="default"),
+            breakers={},
+            rate_limits={},
+            redis=MemoryRedis(),
+            publish=self.outbox.publish,
+            tier_of=lambda name: "default" if name == TASK else None,
         )
-    ),
-    max_leaves=10,
-)
+        self.dead_letters = DeadLetters(self.runtime, self.outbox.publish_raw)  # type: ignore[arg-type]
+        self.guard = Guard(
+            self.runtime,  # type: ignore[arg-type]
+            self.dead_letters,
+            sleep=self.clock.advance,
+            monotonic=lambda: self.clock().timestamp(),
+        )
+
+    def delivery(self, **changes: Any) -> Delivery:
+        fields: dict[str, Any] = {
+            "identity": Identity(TASK, KEY, RECORD, RECORD),
+            "tier": "critical",
+            "owner": "host:1",
+            "args": (7, 100),
+            "kwargs": {},
+            "headers": {"ledger_key": KEY, "ledger_tier": "critical", "ledger_enqueued_at": 1.0},
+        }
+        fields.update(changes)
+        return Delivery(**fields)
+
+    def policy(self, **changes: Any) -> TaskPolicy:
+        fields: dict[str, Any] = {
+            "name": TASK,
+            "retry_policy": RetryPolicy(max_retries=2, base_seconds=1.0, cap_seconds=4.0),
+            "lease_seconds": 60.0,
+            "heartbeat_seconds": 0,  # no heartbeat thread in unit tests
+        }
+        fields.update(changes)
+        return TaskPolicy(**fields)
+
+    def run(self, body: FakeBody | None = None, **changes: Any) -> tuple[Verdict, FakeBody]:
+        body = body or FakeBody()
+        delivery = changes.pop("delivery", None) or self.delivery()
+        return self.guard.run(delivery, self.policy(**changes), body), body
+
+    @property
+    def record(self) -> dict[str, Any]:
+        return self.ledger.docs[RECORD]
 
 
-@given(headers=st.dictionaries(st.text(max_size=8), json_values, max_size=4))
-def test_any_decoded_headers_become_a_storable_document(headers: dict[str, Any]) -> None:
-    # When headers of a raw message are made storable, BSON encodes them
-    bson.encode({"headers": storable_value(headers)})
+@pytest.fixture
+def h() -> Harness:
+    return Harness()
 
 
-def test_storable_value_keeps_what_bson_stores_and_rewrites_the_rest() -> None:
-    headers = {
-        "x-big": 2**70,
-        "x-small": -(2**63),
-        "x-\x00": 1,
-        "$where": "a\ud800",
-        "nested": [{"k": 2**64}, 1.5, None, True],
-        "odd": {1, 2},
+def fails(exc: BaseException) -> FakeBody:
+    def work(body: FakeBody) -> Any:
+        raise exc
+
+    return FakeBody(work=work)
+
+
+# -- claim outcomes --------------------------------------------------------------------------------
+
+
+def test_a_new_job_runs_once_and_its_result_is_recorded(h: Harness) -> None:
+    verdict, body = h.run()
+
+    assert verdict == Verdict.returns({"charged": 7})
+    assert body.runs == 1
+    assert h.record["state"] == State.SUCCEEDED
+    assert json.loads(h.record["result"]) == {"charged": 7}
+    assert h.recorder.names() == ["claimed", "succeeded"]
+    # and the message is kept on the record (for the reconciler), with its ledger headers
+    assert h.record["message"]["headers"]["ledger_enqueued_at"] == 1.0
+
+
+def test_a_duplicate_is_acknowledged_without_running(h: Harness) -> None:
+    h.run()
+    verdict, body = h.run()
+
+    assert verdict.kind == "ack" and body.runs == 0
+    assert h.record["duplicates"] == 1
+    assert h.recorder.names()[-1] == "duplicate"
+
+
+def test_a_duplicate_with_a_chain_returns_the_stored_result(h: Harness) -> None:
+    h.run()
+    verdict, body = h.run(delivery=h.delivery(wants_result=True))
+
+    assert verdict == Verdict.returns({"charged": 7}) and body.runs == 0
+
+
+def test_a_delivery_of_a_dead_job_is_dropped_and_runs_nothing(h: Harness) -> None:
+    h.run(fails(PermanentError("declined")))
+    verdict, body = h.run()
+
+    assert verdict == Verdict.ack("delivery of a dead job") and body.runs == 0
+
+
+def test_a_live_lease_puts_the_delivery_off_until_it_ends(h: Harness) -> None:
+    h.ledger.claim(RECORD, task=TASK, key=KEY, tier="critical", owner="other:9")
+    verdict, body = h.run()
+
+    assert verdict.kind == "ack" and body.runs == 0
+    [(delay, message_headers)] = body.deferred
+    assert 0 < delay <= h.settings.busy_recheck_seconds + 1  # re-check within the recheck time
+    assert message_headers["ledger_deferrals"] == 1
+    assert h.recorder.names() == ["deferred"]
+
+
+def test_the_ledger_unreachable_at_the_claim_defers_with_backoff(h: Harness) -> None:
+    h.ledger.fail("claim", LedgerUnavailable("down"))
+    verdict, body = h.run(delivery=h.delivery(deferrals=3))
+
+    assert verdict.kind == "ack" and body.runs == 0
+    [(delay, message_headers)] = body.deferred
+    assert 0.2 <= delay <= h.settings.unavailable_backoff_cap_seconds
+    assert message_headers["ledger_deferrals"] == 4
+    assert h.recorder.names() == ["ledger_unavailable", "deferred"]
+
+
+def test_a_deferral_that_cannot_be_published_requeues(h: Harness) -> None:
+    h.ledger.fail("claim", LedgerUnavailable("down"))
+    verdict, body = h.run(FakeBody(defer_error=ConnectionError("broker down")))
+
+    assert verdict.kind == "requeue" and body.runs == 0
+
+
+def test_a_claim_whose_reply_was_lost_defers_and_the_lease_bounds_the_wait(h: Harness) -> None:
+    # The claim applied but its reply was lost (or its write concern was not confirmed)
+    h.ledger.fail("claim", LedgerUnavailable("write concern"), applied=True)
+    verdict, body = h.run()
+    assert verdict.kind == "ack" and body.runs == 0 and body.deferred
+    # A redelivery finds the lease live, then takes over once it ends
+    assert h.run()[0].kind == "ack"
+    h.clock.advance(61)
+    verdict, body = h.run()
+    assert verdict.kind == "return" and body.runs == 1
+
+
+def test_a_job_whose_worker_was_lost_every_time_is_poison(h: Harness) -> None:
+    for _ in range(3):  # claimed, then the worker dies (no outcome): the lease runs out
+        h.ledger.claim(RECORD, task=TASK, key=KEY, tier="critical", owner="lost:1")
+        h.clock.advance(61)
+    verdict, body = h.run()
+
+    assert verdict.kind == "ack" and body.runs == 0
+    assert h.record["state"] == State.DEAD and h.record["death"] == "poison"
+    assert "delivered 3 times" in h.record["dead_reason"]
+    # announced once: the queue copy and the observers
+    [(queue, letter, _)] = h.outbox.raw
+    assert queue == "dead_letter" and letter["record_id"] == RECORD
+    assert h.recorder.names() == ["dead"]
+
+
+def test_the_attempts_budget_retires_a_job(h: Harness) -> None:
+    h.run(fails(ConnectionError("timeout")), max_attempts=1)
+    _verdict, body = h.run(max_attempts=1)
+
+    assert body.runs == 0
+    assert h.record["death"] == "retired"
+    assert "attempts budget exhausted" in h.record["dead_reason"]
+
+
+def test_an_identity_conflict_is_kept_as_a_dead_letter_and_the_record_is_untouched(
+    h: Harness,
+) -> None:
+    h.ledger.docs[RECORD] = {"_id": RECORD, "task": "other.task", "key": "x", "state": "queued"}
+    verdict, body = h.run()
+
+    assert verdict.kind == "ack" and body.runs == 0
+    assert h.ledger.docs[RECORD] == {
+        "_id": RECORD,
+        "task": "other.task",
+        "key": "x",
+        "state": "queued",
     }
-
-    assert storable_value(headers) == {
-        "x-big": str(2**70),
-        "x-small": -(2**63),
-        "x-\\x00": 1,
-        "\\$where": "a\\ud800",
-        "nested": [{"k": str(2**64)}, 1.5, None, True],
-        "odd": "{1, 2}",
-    }
+    [conflict] = [d for _id, d in h.ledger.docs.items() if _id.startswith("conflict-")]
+    assert conflict["state"] == State.DEAD and "identity conflict" in conflict["dead_reason"]
 
 
-@pytest.mark.parametrize(
-    ("name", "key"), [("plain", "plain"), ("a\x00b", "a\\x00b"), ("$x", "\\$x"), ("a$", "a$")]
-)
-def test_storable_key(name: str, key: str) -> None:
-    assert storable_key(name) == key
+def test_an_alias_message_runs_its_job_and_finds_it_by_its_own_id(h: Harness) -> None:
+    delivery = h.delivery(identity=Identity(TASK, KEY, RECORD, "frozen-by-a-chain"))
+    verdict, _ = h.run(delivery=delivery)
+
+    assert verdict.kind == "return"
+    assert h.ledger.resolve("frozen-by-a-chain")["_id"] == RECORD  # type: ignore[index]
 
 
-@pytest.mark.parametrize(
-    ("header", "retries"),
-    [
-        (0, 0),
-        (3, 3),
-        (None, 0),
-        ("abc", 0),
-        ("3", 0),
-        (2.0, 0),
-        (True, 0),
-        (-1, 0),
-        (2**70, 0),
-        ([1], 0),
-    ],
-)
-def test_retries_done_is_a_count_or_zero(header: Any, retries: int) -> None:
-    assert retries_done(header) == retries
+# -- outcomes of an attempt ------------------------------------------------------------------------
 
 
-def test_expiry_of_reads_celerys_iso_header_as_an_aware_time() -> None:
-    aware = datetime(2000, 1, 1, tzinfo=UTC)
+def test_a_retryable_error_retries_with_backoff_and_records_the_attempt(h: Harness) -> None:
+    verdict, body = h.run(fails(ConnectionError("gateway timeout")))
 
-    assert expiry_of("2000-01-01T00:00:00+00:00") == aware
-    assert expiry_of("2000-01-01T00:00:00") == aware  # naive is UTC, as the app's clock
-    assert expiry_of("2000-01-01T01:00:00+01:00") == aware
-    later = datetime(2000, 1, 1, 2, tzinfo=timezone(timedelta(hours=2)))
-    assert expiry_of(later) == aware
-
-
-@pytest.mark.parametrize("header", [None, "", "soon", 5, [1], {"a": 1}, "2000-13-45"])
-def test_expiry_of_anything_else_is_none(header: Any) -> None:
-    assert expiry_of(header) is None
-
-
-def test_ledger_tasks_leave_expiry_to_the_guard() -> None:
-    # Celery would revoke an expired message unrecorded; the guard retires it instead
-    assert LedgerTask.Request is LedgerRequest
-    request = SimpleNamespace(expires=datetime(2000, 1, 1, tzinfo=UTC))
-    assert LedgerRequest.maybe_expire(request) is False  # type: ignore[arg-type]
+    [(_exc, delay, message_headers)] = body.retries
+    assert isinstance(verdict.value, Retry)
+    assert 0 <= delay <= 1.0  # full jitter over base 1 s
+    assert message_headers["ledger_previous_delay"] == delay
+    record = h.record
+    assert record["state"] == State.RETRYING
+    assert record["errors"][-1]["action"] == "retry"
+    # the kept message continues the retry budget if the reconciler republishes it
+    assert record["message"]["headers"]["retries"] == 1
+    assert h.recorder.names() == ["claimed", "retried"]
 
 
-def test_a_retry_goes_to_the_tier_the_guard_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    app = create_app(
-        "unit",
-        settings=Settings(broker_url="redis://127.0.0.1:1/0", mongo_uri="mongodb://127.0.0.1:1/"),
-        set_as_current=False,
-    )
+def test_retries_exhausted_dead_letter_with_the_kept_message(h: Harness) -> None:
+    exc = ConnectionError("gateway timeout")
+    verdict, body = h.run(fails(exc), delivery=h.delivery(retries=2))
 
-    @app.task(shared=False, name="unit.job")  # type: ignore[untyped-decorator]
-    def job() -> None:
+    assert verdict == Verdict.raises(exc) and body.retries == []
+    assert h.record["state"] == State.DEAD and h.record["death"] == "failed"
+    assert h.record["dead_reason"] == "retries exhausted after 2 retries"
+    assert h.record["message"]["args_json"] == "[7, 100]"
+    assert h.recorder.names() == ["claimed", "dead"]
+
+
+def test_fail_on_wins_over_retry_on(h: Harness) -> None:
+    class Declined(ValueError):
         pass
 
-    asked: dict[str, Any] = {}
-    monkeypatch.setattr(
-        celery.app.task.Task, "retry", lambda self, *a, **options: asked.update(options)
+    _verdict, body = h.run(fails(Declined("no")), retry_on=(ValueError,), fail_on=(Declined,))
+
+    assert body.retries == [] and h.record["dead_reason"].startswith("permanent error")
+
+
+def test_a_retry_that_cannot_be_published_hands_the_message_back(h: Harness) -> None:
+    body = fails(ConnectionError("timeout"))
+    body.retry_error = RetryNotPublished("broker down")
+    verdict, _ = h.run(body)
+
+    # Not dropped: the claim is released and this delivery is requeued (it runs as the retry)
+    assert verdict.kind == "requeue"
+    assert h.record["state"] == State.QUEUED
+
+
+def test_a_retry_the_body_asked_for_is_recorded(h: Harness) -> None:
+    retry = Retry(exc=ConnectionError("later"), when=3)
+    verdict, _ = h.run(fails(retry))
+
+    assert verdict == Verdict.raises(retry)
+    assert h.record["state"] == State.RETRYING
+    assert h.record["errors"][-1]["planned_delay_seconds"] == 3
+
+
+def test_a_ledger_outage_inside_the_body_defers_and_never_kills(h: Harness) -> None:
+    # A checkpoint during a replica-set election
+    verdict, body = h.run(fails(LedgerUnavailable("election")))
+
+    assert verdict.kind == "ack" and body.deferred  # comes back later
+    assert h.record["state"] == State.QUEUED  # released: the next delivery claims at once
+    assert "ledger_unavailable" in h.recorder.names()
+    assert "dead" not in h.recorder.names()
+
+
+def test_a_lost_lease_inside_the_body_stops_this_holder(h: Harness) -> None:
+    verdict, _ = h.run(fails(LeaseLost(RECORD, 1)))
+
+    assert verdict == Verdict.ack("lease lost")
+    assert h.recorder.names() == ["claimed", "lease_lost"]
+
+
+def test_ignore_from_the_body_ends_the_job_with_its_reason(h: Harness) -> None:
+    verdict, _ = h.run(fails(Ignore("handled elsewhere")))
+
+    assert verdict.kind == "ack"
+    assert h.record["state"] == State.SUCCEEDED and h.record["outcome"] == "ignored"
+    assert h.record["note"] == "handled elsewhere"
+    # terminal: the reconciler never republishes it, a copy is a duplicate
+    assert h.run()[1].runs == 0
+
+
+def test_reject_without_requeue_is_a_replayable_dead_letter(h: Harness) -> None:
+    verdict, _ = h.run(fails(Reject("bad order", requeue=False)))
+
+    assert verdict.kind == "ack"
+    assert h.record["death"] == "rejected" and h.record["message"]["args_json"] == "[7, 100]"
+
+
+def test_reject_with_requeue_hands_the_message_back(h: Harness) -> None:
+    verdict, _ = h.run(fails(Reject("not now", requeue=True)))
+
+    assert verdict.kind == "requeue" and h.record["state"] == State.QUEUED
+
+
+def test_a_replaced_job_ends_naming_its_replacement(h: Harness) -> None:
+    verdict, _ = h.run(fails(Replaced("replacement-id")))
+
+    assert verdict.kind == "ack"
+    assert h.record["outcome"] == "replaced" and h.record["replaced_by"] == "replacement-id"
+
+
+def test_a_warm_shutdown_releases_the_claim_and_requeues(h: Harness) -> None:
+    verdict, _ = h.run(fails(Interrupted("shutting down")))
+
+    assert verdict.kind == "requeue" and h.record["state"] == State.QUEUED
+
+
+def test_an_open_breaker_inside_the_body_releases_and_defers(h: Harness) -> None:
+    verdict, body = h.run(fails(CircuitOpen("crm", retry_at=None)))
+
+    assert verdict.kind == "ack" and body.deferred and h.record["state"] == State.QUEUED
+
+
+def test_the_soft_time_limit_retires_the_job_and_cleans_up(h: Harness) -> None:
+    def work(body: FakeBody) -> Any:
+        body.execution.register_artefact("/tmp/part-1")
+        raise SoftTimeLimitExceeded()
+
+    verdict, body = h.run(FakeBody(work=work), soft_time_limit=1.0)
+
+    assert isinstance(verdict.value, SoftTimeLimitExceeded)
+    assert h.record["death"] == "retired"
+    assert body.retired == [("time limit exceeded (soft, 1.0s)", ["/tmp/part-1"])]
+
+
+def test_a_message_past_its_max_age_is_retired_without_running(h: Harness) -> None:
+    _verdict, body = h.run(max_age_seconds=60, delivery=h.delivery(enqueued_at=1.0))
+
+    assert body.runs == 0 and h.record["death"] == "retired"
+    assert h.record["dead_reason"].startswith("expired: enqueued")
+
+
+def test_a_result_that_is_not_json_kills_the_job_once(h: Harness) -> None:
+    verdict, body = h.run(FakeBody(work=lambda body: {1, 2}))
+
+    assert isinstance(verdict.value, PermanentError) and body.runs == 1
+    assert h.record["dead_reason"].startswith("result not JSON")
+
+
+def test_an_oversized_result_is_refused_before_the_effect_can_repeat() -> None:
+    h = Harness(max_result_bytes=1024)
+    _verdict, body = h.run(FakeBody(work=lambda body: "x" * 2000))
+
+    assert body.runs == 1 and h.record["state"] == State.DEAD
+    assert h.record["dead_reason"].startswith("result too large")
+    assert h.run()[1].runs == 0  # a redelivery does not run it again
+
+
+def test_a_sensitive_job_keeps_no_plaintext_when_it_dies(h: Harness) -> None:
+    _verdict, _ = h.run(
+        fails(PermanentError("card 4242 declined")),
+        sensitive=True,
+        delivery=h.delivery(args=("4242424242424242",)),
     )
-    # Given a running message whose own tier header is unknown, checked by the guard
-    job.push_request(ledger_tier="nowhere", ledger_run_tier="bulk")
-    try:
-        # When the body (or Celery's autoretry) asks for a retry
-        job.retry(countdown=1)
-    finally:
-        job.pop_request()
-    # Then the retry is published to the checked tier (a call option beats the header)
-    assert asked["tier"] == "bulk"
+    text = json.dumps(h.record, default=str)
+    assert "4242" not in text
+    assert h.record["dead_reason"] == "permanent error: PermanentError"
+
+
+# -- persistence failures --------------------------------------------------------------------------
+
+
+def test_a_completion_retried_through_an_outage_succeeds_once(h: Harness) -> None:
+    h.ledger.fail("complete", LedgerUnavailable("blip"), times=2)
+    verdict, body = h.run()
+
+    assert verdict.kind == "return" and body.runs == 1
+    assert h.record["state"] == State.SUCCEEDED
+
+
+def test_a_completion_whose_reply_was_lost_is_recognised_as_its_own(h: Harness) -> None:
+    # The write applied, its reply was lost, and the repeat finds the record no longer running
+    h.ledger.fail("complete", LedgerUnavailable("reply lost"), applied=True)
+    verdict, _ = h.run(FakeBody(work=lambda body: "done"))
+
+    assert verdict == Verdict.returns("done")  # not a lost lease: the chain still fires
+    assert h.recorder.names() == ["claimed", "succeeded"]
+
+
+def test_a_retry_record_whose_reply_was_lost_still_retries(h: Harness) -> None:
+    h.ledger.fail("record_retry", LedgerUnavailable("reply lost"), applied=True)
+    verdict, _ = h.run(fails(ConnectionError("timeout")))
+
+    assert isinstance(verdict.value, Retry)  # not acknowledged as a lost lease
+
+
+def test_a_death_whose_reply_was_lost_is_still_announced(h: Harness) -> None:
+    h.ledger.fail("bury", LedgerUnavailable("reply lost"), applied=True)
+    h.run(fails(PermanentError("declined")))
+
+    assert h.record["state"] == State.DEAD and len(h.outbox.raw) == 1
+
+
+def test_an_outage_past_most_of_the_lease_requeues(h: Harness) -> None:
+    h.ledger.fail("complete", LedgerUnavailable("down"), times=1000)
+    verdict, _ = h.run()
+
+    assert verdict.kind == "requeue"  # the ledger decides again on redelivery
+
+
+def test_an_outcome_the_ledger_refuses_for_good_ends_the_job_dead(h: Harness) -> None:
+    h.ledger.fail("complete", StoreError("document too large"))
+    verdict, _body = h.run()
+
+    assert isinstance(verdict.value, PermanentError)
+    assert h.record["state"] == State.DEAD
+    assert "refused the completion" in h.record["dead_reason"]
+    assert h.run()[1].runs == 0  # never run again for it
+
+
+def test_a_holder_whose_lease_was_taken_over_cannot_overwrite_the_new_holder(h: Harness) -> None:
+    def slow(body: FakeBody) -> Any:
+        # While this body runs past its lease, another delivery takes over
+        h.clock.advance(61)
+        h.ledger.claim(RECORD, task=TASK, key=KEY, tier="critical", owner="other:2")
+        return "stale"
+
+    verdict, _ = h.run(FakeBody(work=slow))
+
+    assert verdict == Verdict.ack("lease lost")
+    assert h.record["state"] == State.RUNNING and h.record["lease_owner"] == "other:2"
+
+
+# -- retiring a killed body (hard time limit) ------------------------------------------------------
+
+
+def test_a_hard_limit_retires_only_the_holder_that_was_killed(h: Harness) -> None:
+    identity = Identity(TASK, KEY, RECORD, RECORD)
+    h.ledger.claim(RECORD, task=TASK, key=KEY, tier="critical", owner="host:1")
+    h.clock.advance(61)  # the lease ran out and a newer claim took over
+    h.ledger.claim(RECORD, task=TASK, key=KEY, tier="critical", owner="host:2")
+    cleaned: list[str] = []
+
+    retired = h.guard.retire_held(
+        identity, owner="host:1", reason="hard", on_retire=lambda r, a: cleaned.append(r)
+    )
+
+    assert retired is False and cleaned == []
+    assert h.record["state"] == State.RUNNING and h.record["lease_owner"] == "host:2"
+    assert h.guard.retire_held(
+        identity, owner="host:2", reason="hard", on_retire=lambda r, a: cleaned.append(r)
+    )
+    assert h.record["death"] == "retired" and cleaned == ["hard"]
+
+
+# -- every documented event is emitted -------------------------------------------------------------
+
+
+def test_every_documented_event_is_emitted_by_the_platform() -> None:
+    seen: set[str] = set()
+    for scenario in (
+        lambda h: h.run(),
+        lambda h: (h.run(), h.run()),
+        lambda h: h.run(fails(ConnectionError("x"))),
+        lambda h: h.run(fails(PermanentError("x"))),
+        lambda h: h.run(fails(LeaseLost(RECORD, 1))),
+        lambda h: h.run(fails(LedgerUnavailable("x"))),
+    ):
+        harness = Harness()
+        scenario(harness)
+        seen |= set(harness.recorder.names())
+    # breakers, backpressure and the throttle report through the same observers
+    observers = Observers(recorder := Recorder())
+    observers.breaker("payments", "closed", "open")
+    observers.shed("bulk")
+    observers.throttle("bulk", True, "backlog")
+    seen |= set(recorder.names())
+    assert seen == set(EVENTS)
+
+
+def test_an_observer_that_fails_never_fails_the_job(h: Harness) -> None:
+    class Broken(Observer):
+        def claimed(self, job: Job, fence: int) -> None:
+            raise RuntimeError("observer bug")
+
+    h.runtime.observers.add(Broken())
+    verdict, _ = h.run()
+    assert verdict.kind == "return" and h.record["state"] == State.SUCCEEDED

@@ -10,12 +10,22 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from celery_ledger import Settings, create_app
-from celery_ledger.observability import SENT_AT_HEADER, ledger_listeners, metrics, stamp_sent_at
+from celery_ledger import Job, Settings, create_app
+from celery_ledger.headers import SENT_AT
+from celery_ledger.ledger.dead import DeadLetter
+from celery_ledger.observability import ledger_listeners, metrics, stamp_sent_at
 from celery_ledger.observability.exporter import MetricsStep, StateCollector
 from celery_ledger.policies.breaker import BreakerState
 
 TASK = "billing.charge"
+
+
+def job(record_id: str, tier: str | None = "critical") -> Job:
+    return Job(TASK, tier, record_id, "k")
+
+
+def letter(record_id: str, death: str, tier: str | None = "default") -> DeadLetter:
+    return DeadLetter(record_id, TASK, "k", tier, "boom", death, "f", "t", None, [], "now")
 
 
 @pytest.fixture
@@ -47,18 +57,19 @@ def test_metrics_are_wired_only_when_a_port_is_set(app: Any) -> None:
 
 def test_task_events_update_counters_and_durations(app: Any, registry: CollectorRegistry) -> None:
     # When a job runs, fails once, runs again and succeeds, and a duplicate is suppressed
-    emit = app.hooks.emit
-    emit("claimed", task=TASK, tier="critical", record_id="r1", fence=1)
-    emit("retried", task=TASK, tier="critical", record_id="r1", delay=1.0, error=ValueError())
-    emit("claimed", task=TASK, tier="critical", record_id="r1", fence=2)
-    emit("succeeded", task=TASK, tier="critical", record_id="r1", seconds=0.2)
-    emit("duplicate", task=TASK, tier="critical", record_id="r1")
-    emit("deferred", task=TASK, tier="critical", record_id="r2", delay=1, reason="circuit open")
-    emit("lease_lost", task=TASK, tier="critical", record_id="r3", fence=3)
-    emit("dead", task=TASK, tier=None, record_id="r4", reason="boom", entry={})
-    emit("breaker", name="payments", old=BreakerState.CLOSED, new=BreakerState.OPEN)
-    emit("throttle", queue="bulk", engaged=True, reason="critical backlog")
-    emit("shed", tier="bulk")
+    events = app.observers
+    events.claimed(job("r1"), 1)
+    events.retried(job("r1"), 1.0, ValueError())
+    events.claimed(job("r1"), 2)
+    events.succeeded(job("r1"), 0.2)
+    events.duplicate(job("r1"))
+    events.deferred(job("r2"), "circuit open", 1.0)
+    events.lease_lost(job("r3"), 3)
+    events.dead(job("r4", tier=None), letter("r4", "failed", tier=None))
+    events.breaker("payments", BreakerState.CLOSED.value, BreakerState.OPEN.value)
+    events.throttle("bulk", True, "critical backlog")
+    events.shed("bulk")
+    events.ledger_unavailable(job("r5"), "claim")
 
     # Then each has its counter, labelled by task and tier
     labels = {"task": TASK, "tier": "critical"}
@@ -74,6 +85,7 @@ def test_task_events_update_counters_and_durations(app: Any, registry: Collector
     assert value(registry, "celery_ledger_breaker_transitions_total", **transition) == 1
     assert value(registry, "celery_ledger_throttle_engaged", queue="bulk") == 1
     assert value(registry, "celery_ledger_publishes_shed_total", tier="bulk") == 1
+    assert value(registry, "celery_ledger_ledger_unavailable_total", where="claim") == 1
     # And durations by outcome: the failed attempt and the successful one
     for outcome, total in (("retried", 1), ("succeeded", 1)):
         count = value(
@@ -85,17 +97,18 @@ def test_task_events_update_counters_and_durations(app: Any, registry: Collector
 
 
 def test_poison_dead_letters_are_counted_by_queue(app: Any, registry: CollectorRegistry) -> None:
-    for hook in app.dead_letters.hooks:
-        hook({"record_id": "poison-abc", "tier": "default"})
-        hook({"record_id": "a-task-id", "tier": "default"})  # counted by the `dead` event
-    assert value(registry, "celery_ledger_poison_messages_total", queue="default") == 1
+    app.observers.dead(job("p"), letter("p", "poison"))
+    app.observers.dead(job("u"), letter("u", "unknown-task"))
+    app.observers.dead(job("f"), letter("f", "failed"))  # reached a body: dead, not poison
+    assert value(registry, "celery_ledger_poison_messages_total", queue="default") == 2
+    assert value(registry, "celery_ledger_tasks_dead_total", task=TASK, tier="critical") == 3
 
 
 def test_queue_wait_is_measured_from_the_published_header(registry: CollectorRegistry) -> None:
     # Given a message stamped at publish 2 seconds ago
     headers: dict[str, Any] = {}
     stamp_sent_at(headers=headers)
-    headers[SENT_AT_HEADER] -= 2.0
+    headers[SENT_AT] -= 2.0
     request = SimpleNamespace(headers=headers, ledger_tier="bulk")
     # When its delivery starts
     metrics.observe_queue_wait(sender=SimpleNamespace(name=TASK, request=request, tier=None))
@@ -122,17 +135,29 @@ def test_a_broken_metric_never_raises(
     assert active is not None
     active.started = None  # type: ignore[assignment]
     # When an event and a signal reach it, twice
+    metrics._last_warning = 0.0
     with caplog.at_level(logging.WARNING, "celery_ledger.metrics"):
         for _ in range(2):
-            app.hooks.emit("claimed", task=TASK, tier="default", record_id="r", fence=1)
+            app.observers.claimed(job("r"), 1)
             metrics.observe_queue_wait(sender=object())
-    # Then nothing raised, and the failure was logged once (rate-limited)
-    assert len([r for r in caplog.records if "metrics:" in r.getMessage()]) <= 1
+    # Then nothing raised, and the failure was logged once (rate-limited to one a minute)
+    assert len([r for r in caplog.records if "metrics:" in r.getMessage()]) == 1
 
 
-def test_nothing_is_recorded_while_disabled(app: Any) -> None:
+def test_nothing_is_recorded_while_disabled(app: Any, registry: CollectorRegistry) -> None:
+    # Given metrics that were enabled, then disabled
     metrics.disable()
-    app.hooks.emit("claimed", task=TASK, tier="default", record_id="r", fence=1)  # no error
+    # When an event happens
+    app.observers.claimed(job("r"), 1)
+    # Then nothing was counted (and nothing raised)
+    labels = {"task": TASK, "tier": "critical"}
+    assert value(registry, "celery_ledger_tasks_started_total", **labels) == 0
+    # while the same event counts once enabled again
+    metrics.enable(registry=CollectorRegistry())
+    app.observers.claimed(job("r"), 1)
+    active = metrics.active()
+    assert active is not None
+    assert active.started.labels(TASK, "critical")._value.get() == 1
 
 
 def test_scrape_time_gauges_and_a_broker_outage() -> None:
@@ -142,7 +167,7 @@ def test_scrape_time_gauges_and_a_broker_outage() -> None:
         queue_depths=SimpleNamespace(depths=lambda: {"critical": 3, "dead_letter": 1}),
         delayed=SimpleNamespace(pending=lambda: 4),
         breakers=SimpleNamespace(statuses=lambda: [status]),
-        ledger=SimpleNamespace(collection=None),  # count_documents fails
+        ledger=SimpleNamespace(count_dead=None),  # calling it fails
     )
     registry = CollectorRegistry()
     registry.register(StateCollector(app, ["critical", "default"]))

@@ -9,7 +9,7 @@ import pytest
 
 from celery_ledger import pressure
 from celery_ledger.errors import ConfigurationError
-from celery_ledger.pressure import Throttle, ThrottleRule
+from celery_ledger.policies.throttle import Throttle, ThrottleRule
 
 
 class FakePressure:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from celery_ledger.ledger.backend import _exception_payload
+from celery_ledger.backend import _exception_payload
 from celery_ledger.ledger.record import SCHEMA_VERSION, ErrorEntry, LedgerRecord, State
 
 T0 = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)

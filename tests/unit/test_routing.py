@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from celery_ledger.errors import ConfigurationError
-from celery_ledger.routing import DEAD_LETTER_QUEUE, TIER_WORKER_DEFAULTS, Tiers
+from celery_ledger.routing import DEAD_LETTER, TIER_WORKER_DEFAULTS, Tiers
 from celery_ledger.settings import TIERS
 
 KNOWN = "known tiers: critical, default, bulk"
@@ -124,7 +124,7 @@ def test_unknown_task_tier_is_refused(tiers: Tiers) -> None:
 
 def test_every_tier_has_worker_defaults() -> None:
     assert set(TIER_WORKER_DEFAULTS) == set(TIERS)
-    assert DEAD_LETTER_QUEUE not in TIERS
+    assert DEAD_LETTER not in TIERS
 
 
 def test_critical_workers_prefetch_one_message() -> None:

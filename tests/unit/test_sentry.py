@@ -12,8 +12,9 @@ from celery.exceptions import Ignore, Retry
 from sentry_sdk.envelope import Envelope
 from sentry_sdk.transport import Transport
 
-from celery_ledger import Settings, create_app
+from celery_ledger import Job, Settings, create_app
 from celery_ledger.errors import CircuitOpen, LeaseLost
+from celery_ledger.ledger.dead import DeadLetter
 from celery_ledger.observability import sentry
 from celery_ledger.policies.breaker import BreakerState
 
@@ -42,8 +43,8 @@ def captured() -> Iterator[Captured]:
 @pytest.fixture
 def app(captured: Captured) -> Any:
     app = create_app("sentry_tests", settings=Settings(), set_as_current=False)
-    app.settings = Settings(sentry_dsn=DSN)
-    assert sentry.install(app, transport=captured)
+    app.runtime.settings = Settings(sentry_dsn=DSN)
+    assert sentry.install(app.runtime, transport=captured)
     options = sentry_sdk.get_client().options
     assert not options["send_default_pii"] and not options["include_local_variables"]
     app.conf.task_always_eager = True
@@ -66,8 +67,8 @@ def flush() -> None:
 
 def test_off_without_a_dsn() -> None:
     app = create_app("sentry_off", settings=Settings(), set_as_current=False)
-    assert sentry.install(app) is False
-    assert app.hooks._handlers.get("dead") is None
+    assert sentry.install(app.runtime) is False
+    assert not any(isinstance(o, sentry.SentryObserver) for o in app.observers)
 
 
 def test_a_dead_letter_is_one_event_grouped_by_its_fingerprint(
@@ -77,13 +78,21 @@ def test_a_dead_letter_is_one_event_grouped_by_its_fingerprint(
     try:
         raise ValueError(f"gateway refused {SECRET}-not-in-args")
     except ValueError as exc:
-        app.hooks.emit(
-            "dead",
-            task="billing.charge",
-            tier="critical",
-            record_id="rec-1",
-            reason="error not retryable",
-            entry={"fingerprint": "95decee9b9d5", "message": {"args_json": f'["{SECRET}"]'}},
+        app.observers.dead(
+            Job("billing.charge", "critical", "rec-1", "k"),
+            DeadLetter(
+                record_id="rec-1",
+                task="billing.charge",
+                key="k",
+                tier="critical",
+                reason="error not retryable",
+                death="failed",
+                fingerprint="95decee9b9d5",
+                fingerprint_text="ValueError at charge",
+                message={"args_json": f'["{SECRET}"]'},
+                errors=[],
+                at="now",
+            ),
         )
         sentry_sdk.capture_exception(exc)  # what the Celery integration does next
     flush()
@@ -100,9 +109,9 @@ def test_a_dead_letter_is_one_event_grouped_by_its_fingerprint(
 def test_breaker_open_and_lost_leases_are_warnings_with_fingerprints(
     app: Any, captured: Captured
 ) -> None:
-    app.hooks.emit("breaker", name="payments", old=BreakerState.CLOSED, new=BreakerState.OPEN)
-    app.hooks.emit("breaker", name="payments", old=BreakerState.OPEN, new=BreakerState.HALF_OPEN)
-    app.hooks.emit("lease_lost", task="billing.charge", tier="critical", record_id="r", fence=3)
+    app.observers.breaker("payments", BreakerState.CLOSED.value, BreakerState.OPEN.value)
+    app.observers.breaker("payments", BreakerState.OPEN.value, BreakerState.HALF_OPEN.value)
+    app.observers.lease_lost(Job("billing.charge", "critical", "r", "k"), 3)
     flush()
     fingerprints = [e["fingerprint"] for e in captured.events]
     assert fingerprints == [

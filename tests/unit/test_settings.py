@@ -9,6 +9,10 @@ import pytest
 from pydantic import ValidationError
 
 from celery_ledger import ConfigurationError, Settings, create_app
+from celery_ledger.policies.backpressure import DEFAULT_TIER_LIMITS, TierLimit
+from celery_ledger.policies.breaker import BreakerConfig
+from celery_ledger.policies.rate_limit import RateLimit
+from celery_ledger.policies.retry import RetryPolicy
 
 
 @pytest.fixture(autouse=True)
@@ -82,23 +86,45 @@ def test_an_invalid_value_is_refused_naming_the_field(field: str, value: Any) ->
         ("ledger_collection", "ledger.v2"),
         ("sentry_dsn", "https://public@sentry.example/1"),
         ("sentry_dsn", ""),
-        ("breakers", {"payments": {"failure_threshold": 3, "failure_ratio": 0.5}}),
     ],
 )
 def test_a_valid_value_is_kept_as_given(field: str, value: Any) -> None:
     assert getattr(Settings(**{field: value}), field) == value
 
 
+def test_json_settings_become_the_policy_objects_the_platform_uses() -> None:
+    # Given JSON options over the defaults (as LEDGER_* variables carry them)
+    settings = Settings(
+        breakers={"payments": {"failure_threshold": 3, "failure_ratio": 0.5}},
+        rate_limits={"reports": {"rate_per_second": 5, "burst": "10"}},
+        tier_limits={"bulk": {"high_water": 20000, "policy": "shed"}},
+    )
+    # Then each is the typed object, built once, with the defaults for what is not given
+    assert settings.breakers == {"payments": BreakerConfig(failure_threshold=3, failure_ratio=0.5)}
+    assert settings.rate_limits == {"reports": RateLimit(rate_per_second=5.0, burst=10)}
+    assert settings.tier_limits["bulk"] == TierLimit(
+        high_water=20000, policy="shed", block_timeout_seconds=5.0
+    )
+    assert settings.tier_limits["critical"] == DEFAULT_TIER_LIMITS["critical"]
+
+
 def test_retry_policy_options_are_converted_to_their_types() -> None:
     settings = Settings(retry_policies={"bulk": {"max_retries": "10", "base_seconds": 2}})
 
-    assert settings.retry_policies == {"bulk": {"max_retries": 10, "base_seconds": 2.0}}
+    # Options over the tier's own default (bulk: decorrelated jitter, an hour's cap)
+    assert settings.retry_policies == {
+        "bulk": RetryPolicy(
+            max_retries=10, base_seconds=2.0, cap_seconds=3600.0, jitter="decorrelated"
+        )
+    }
 
 
 def test_breaker_options_are_converted_to_their_types() -> None:
     settings = Settings(breakers={"payments": {"failure_threshold": "3", "cooldown_seconds": 3}})
 
-    assert settings.breakers == {"payments": {"failure_threshold": 3, "cooldown_seconds": 3.0}}
+    assert settings.breakers == {
+        "payments": BreakerConfig(failure_threshold=3, cooldown_seconds=3.0)
+    }
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ import pytest
 
 from celery_ledger import (
     ConfigurationError,
+    IdentityError,
     LedgerCelery,
     LedgerTask,
     LedgerUnavailable,
@@ -26,6 +27,7 @@ from celery_ledger import (
     create_app,
 )
 from celery_ledger.keys import default_key, derive_task_id
+from celery_ledger.ledger.store import EnqueueOutcome
 
 SENTINEL = object()
 
@@ -57,19 +59,19 @@ class FakeDelayed:
 
 @dataclass
 class FakeLedger:
-    new: bool = True
+    outcome: EnqueueOutcome = EnqueueOutcome.NEW
     down: bool = False
     enqueued: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    forgotten: list[str] = field(default_factory=list)
+    unpublished: list[str] = field(default_factory=list)
 
-    def enqueue(self, record_id: str, **fields: Any) -> bool:
+    def enqueue(self, record_id: str, **fields: Any) -> EnqueueOutcome:
         if self.down:
             raise LedgerUnavailable("ledger unreachable during enqueue: timed out")
         self.enqueued.append((record_id, fields))
-        return self.new
+        return self.outcome
 
-    def forget_queued(self, record_id: str) -> None:
-        self.forgotten.append(record_id)
+    def mark_unpublished(self, record_id: str) -> None:
+        self.unpublished.append(record_id)
 
 
 @pytest.fixture
@@ -109,7 +111,8 @@ def app() -> LedgerCelery:
 @pytest.fixture
 def delayed(app: LedgerCelery) -> FakeDelayed:
     fake = FakeDelayed()
-    app.__dict__["delayed"] = fake  # ``delayed`` is a cached_property: shadow it per instance
+    # ``delayed`` is a cached_property of the runtime: shadow it per instance
+    app.runtime.__dict__["delayed"] = fake
     return fake
 
 
@@ -218,10 +221,33 @@ def test_key_header_of_a_republished_message_is_kept(
     assert call.task_id == derive_task_id("shop.charge", "original")
 
 
-def test_explicit_task_id_is_kept(add: LedgerTask, published: list[Published]) -> None:
-    add.apply_async((1, 2), task_id="my-id")
+def test_a_task_id_that_is_not_the_keys_is_refused(
+    add: LedgerTask, published: list[Published]
+) -> None:
+    # Two jobs with one explicit id would share a record (and dedupe each other)
+    with pytest.raises(IdentityError, match="is not the id of job"):
+        add.apply_async((1, 2), task_id="my-id")
+    assert published == []
 
-    assert only(published).task_id == "my-id"
+
+def test_the_keys_own_task_id_may_be_given(add: LedgerTask, published: list[Published]) -> None:
+    task_id = derive_task_id("math.add", "k-1")
+    add.apply_async((1, 2), task_id=task_id, idempotency_key="k-1")
+    assert only(published).task_id == task_id
+
+
+@pytest.mark.parametrize(
+    "canvas", [{"root_id": "r"}, {"parent_id": "p"}, {"group_id": "g"}, {"retries": 1}]
+)
+def test_a_task_id_frozen_by_celery_is_an_alias_of_the_job(
+    add: LedgerTask, published: list[Published], canvas: dict[str, Any]
+) -> None:
+    # A chain, group, callback or retry publishes with the id Celery froze for it; the key
+    # header says which job it is (the worker records the id as an alias of the job)
+    add.apply_async((1, 2), task_id="frozen-by-celery", **canvas)
+    call = only(published)
+    assert call.task_id == "frozen-by-celery"
+    assert call.headers["ledger_key"] == default_key("math.add", (1, 2), {})
 
 
 def test_template_with_arguments_not_matching_the_signature(
@@ -243,7 +269,7 @@ def test_queue_defaults_to_the_tier(app: LedgerCelery, published: list[Published
     pay.delay()
 
     call = only(published)
-    assert call.options["queue"] == "critical"
+    assert call.options["queue"] == "unit.critical"
     assert call.headers["ledger_tier"] == "critical"
 
 
@@ -254,14 +280,14 @@ def test_settings_rule_routes_the_task(app: LedgerCelery, published: list[Publis
 
     daily.delay()
 
-    assert only(published).options["queue"] == "bulk"
+    assert only(published).options["queue"] == "unit.bulk"
 
 
 def test_call_tier_overrides_the_task_tier(add: LedgerTask, published: list[Published]) -> None:
     add.apply_async((1, 2), tier="bulk")
 
     call = only(published)
-    assert call.options["queue"] == "bulk"
+    assert call.options["queue"] == "unit.bulk"
     assert call.headers["ledger_tier"] == "bulk"
     assert "tier" not in call.options
 
@@ -369,7 +395,7 @@ def test_countdown_schedules_a_delayed_delivery(
         "ledger_key": default_key("math.add", (1, 2), {}),
         "ledger_tier": "default",
     }
-    assert options["queue"] == "default"
+    assert options["queue"] == "unit.default"
     assert options["priority"] == 5
     assert "countdown" not in options
     assert None not in options.values()
@@ -434,8 +460,8 @@ def test_naive_eta_means_utc_like_celery(
 def test_dedupe_skips_publishing_a_known_key(
     app: LedgerCelery, add: LedgerTask, published: list[Published]
 ) -> None:
-    ledger = FakeLedger(new=False)
-    app.ledger = ledger  # type: ignore[assignment]
+    ledger = FakeLedger(outcome=EnqueueOutcome.KNOWN)
+    app.runtime.ledger = ledger  # type: ignore[assignment]
     add.dedupe_on_publish = True
 
     result = add.apply_async((1, 2))
@@ -443,19 +469,31 @@ def test_dedupe_skips_publishing_a_known_key(
     assert published == []
     [(record_id, fields)] = ledger.enqueued
     assert record_id == result.id
-    assert fields == {
-        "task": "math.add",
-        "key": default_key("math.add", (1, 2), {}),
-        "tier": "default",
-        # kept so that the reconciler can republish the job if its message is lost
-        "message": {"args_json": "[1, 2]", "kwargs_json": "{}"},
-    }
+    key = default_key("math.add", (1, 2), {})
+    message = fields.pop("message")
+    assert fields == {"task": "math.add", "key": key, "tier": "default"}
+    # kept so that the reconciler can republish the job if its message is lost
+    assert message.arguments(app.sealer) == ([1, 2], {})
+    assert message.headers["ledger_key"] == key
+    assert message.headers["ledger_tier"] == "default"
+    assert "ledger_enqueued_at" in message.headers
+
+
+def test_dedupe_publishes_a_known_key_whose_first_publish_failed(
+    app: LedgerCelery, add: LedgerTask, published: list[Published]
+) -> None:
+    app.runtime.ledger = FakeLedger(outcome=EnqueueOutcome.UNPUBLISHED)  # type: ignore[assignment]
+    add.dedupe_on_publish = True
+
+    add.apply_async((1, 2))
+
+    assert len(published) == 1
 
 
 def test_dedupe_publishes_a_new_key(
     app: LedgerCelery, add: LedgerTask, published: list[Published]
 ) -> None:
-    app.ledger = ledger = FakeLedger(new=True)  # type: ignore[assignment]
+    app.runtime.ledger = ledger = FakeLedger()  # type: ignore[assignment]
     add.dedupe_on_publish = True
 
     add.apply_async((1, 2))
@@ -463,25 +501,27 @@ def test_dedupe_publishes_a_new_key(
     assert only(published).task_id == ledger.enqueued[0][0]
 
 
-def test_dedupe_forgets_the_queued_record_when_publishing_fails(
+def test_dedupe_keeps_the_queued_record_for_the_reconciler_when_publishing_fails(
     app: LedgerCelery, add: LedgerTask, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(self: Any, *args: Any, **kwargs: Any) -> None:
         raise ConnectionError("broker down")
 
     monkeypatch.setattr(celery.app.task.Task, "apply_async", broken)
-    app.ledger = ledger = FakeLedger(new=True)  # type: ignore[assignment]
+    app.runtime.ledger = ledger = FakeLedger()  # type: ignore[assignment]
     add.dedupe_on_publish = True
 
     with pytest.raises(ConnectionError):
         add.apply_async((1, 2))
-    assert ledger.forgotten == [ledger.enqueued[0][0]]
+    # Another producer may have skipped its own publish because the record exists: the record
+    # stays, marked so that the reconciler publishes it on its next sweep
+    assert ledger.unpublished == [ledger.enqueued[0][0]]
 
 
 def test_dedupe_with_the_ledger_down_still_publishes(
     app: LedgerCelery, add: LedgerTask, published: list[Published]
 ) -> None:
-    app.ledger = FakeLedger(down=True)  # type: ignore[assignment]
+    app.runtime.ledger = FakeLedger(down=True)  # type: ignore[assignment]
     add.dedupe_on_publish = True
 
     add.apply_async((1, 2))
@@ -492,9 +532,21 @@ def test_dedupe_with_the_ledger_down_still_publishes(
 def test_no_dedupe_by_default(
     app: LedgerCelery, add: LedgerTask, published: list[Published]
 ) -> None:
-    app.ledger = ledger = FakeLedger(new=False)  # type: ignore[assignment]
+    app.runtime.ledger = ledger = FakeLedger(outcome=EnqueueOutcome.KNOWN)  # type: ignore[assignment]
 
     add.apply_async((1, 2))
+
+    assert ledger.enqueued == []
+    assert len(published) == 1
+
+
+def test_a_retry_is_never_deduplicated(
+    app: LedgerCelery, add: LedgerTask, published: list[Published]
+) -> None:
+    app.runtime.ledger = ledger = FakeLedger(outcome=EnqueueOutcome.KNOWN)  # type: ignore[assignment]
+    add.dedupe_on_publish = True
+
+    add.apply_async((1, 2), retries=1, root_id="r")
 
     assert ledger.enqueued == []
     assert len(published) == 1

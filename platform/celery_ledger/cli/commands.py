@@ -14,8 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ..routing import TIER_WORKER_DEFAULTS
-from ..settings import TIERS
+from ..routing import TIER_WORKER_DEFAULTS, TIERS
 from .breakers import breakers
 from .dlq import dlq
 from .health import health
@@ -65,7 +64,7 @@ def worker(
         _app_path(ctx),
         "worker",
         "-Q",
-        tier,
+        _app(ctx).tiers.queue(tier),
         "-n",
         f"{tier}@%h",
         "-c",
@@ -118,6 +117,7 @@ def stack(
     with running_stack(
         app_path,
         data_dir,
+        queue_namespace=_app(ctx).tiers.namespace,
         workers=workers,
         broker_port=broker_port,
         ledger_port=ledger_port,
@@ -127,7 +127,14 @@ def stack(
         flower_user=flower_user,
         flower_password=flower_password,
     ) as running:
+        app = _app(ctx)
         console.print("[bold green]celery-ledger embedded stack is up[/]")
+        console.print(
+            f"Its workers run the app [bold]{app_path}[/] ({app.main}): queues"
+            f" {', '.join(app.tiers.queues)}. Publish from a shell with the variables below.",
+            highlight=False,
+            soft_wrap=True,
+        )
         console.print(running.describe(), highlight=False, soft_wrap=True)
         console.print("\nIn another shell:")
         for name, value in running.env.items():
@@ -157,10 +164,8 @@ def reconcile_command(
     ctx: click.Context, dry_run: bool, grace: float | None, stale_after: float | None, as_json: bool
 ) -> None:
     """Republish jobs whose worker died or whose message is gone (fencing keeps it safe)."""
-    from ..reconciler import reconcile
-
-    report = reconcile(
-        _app(ctx), lease_grace_seconds=grace, stale_after_seconds=stale_after, dry_run=dry_run
+    report = _app(ctx).reconciler.sweep(
+        lease_grace_seconds=grace, stale_after_seconds=stale_after, dry_run=dry_run
     )
     if as_json:
         click.echo(json.dumps(report.as_dict(), indent=2))

@@ -41,15 +41,19 @@ def tier_checks(
     active_queues: Mapping[str, Iterable[Mapping[str, Any]]] | None,
     tiers: Iterable[str],
     required: Iterable[str],
+    queue_of: Callable[[str], str] = lambda tier: tier,
 ) -> list[Check]:
-    """One check per tier from ``inspect().active_queues()``; a required tier needs a worker."""
+    """One check per tier from ``inspect().active_queues()``; a required tier needs a worker.
+
+    ``queue_of`` names a tier's queue (the app's ``tiers.queue``)."""
     needed = set(required)
     by_tier: dict[str, list[str]] = {tier: [] for tier in tiers}
+    tier_of_queue = {queue_of(tier): tier for tier in by_tier}
     for worker, queues in sorted((active_queues or {}).items()):
         for queue in queues or ():
-            name = queue.get("name")
-            if name in by_tier:
-                by_tier[name].append(worker)
+            tier = tier_of_queue.get(str(queue.get("name")))
+            if tier is not None:
+                by_tier[tier].append(worker)
     checks = []
     for tier, workers in by_tier.items():
         if workers:
@@ -73,7 +77,7 @@ def run_checks(app: Any, *, required: Iterable[str], timeout: float) -> list[Che
         except Exception as exc:
             checks.append(Check("workers", "down", f"inspect failed: {exc}"))
         else:
-            checks.extend(tier_checks(active, tiers, required))
+            checks.extend(tier_checks(active, tiers, required, app.tiers.queue))
         checks.append(_timed("breakers", lambda: _breakers(app)))
     else:
         required_tiers = set(required)
@@ -117,8 +121,7 @@ def _ledger(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
     )
     try:
         ledger.ping()
-        ledger.collection.find_one({}, {"_id": 1})  # a read: credentials and database work
-        dead = ledger.collection.count_documents({"state": "dead"})
+        dead = ledger.count_dead()  # a read: credentials and database work
     finally:
         ledger.close()
     detail = f"ping and read ok; {dead} dead letter(s)"

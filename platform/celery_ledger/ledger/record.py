@@ -1,4 +1,9 @@
-"""The ledger record: one MongoDB document per (task name, idempotency key)."""
+"""The ledger record: one MongoDB document per (task name, idempotency key).
+
+Schema 2 (schema 1 records read the same): ``message`` keeps the ledger headers with the
+arguments; a terminal record may name its ``outcome`` (``ignored``, ``replaced``); a dead one its
+``death`` (``failed``, ``retired``, ``poison``, ...); an alias document (``alias_of``) maps a
+message id that is not a job's record id to that record."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class State(StrEnum):
@@ -57,6 +62,9 @@ class LedgerRecord(BaseModel):
     errors: list[ErrorEntry] = Field(default_factory=list)
     duplicates: int = 0
     dead_reason: str | None = None
+    death: str | None = None  # dead: failed, retired, shed, poison, revoked, rejected, ...
+    outcome: str | None = None  # succeeded without a result of its own: ignored, replaced
+    replaced_by: str | None = None  # the task id of the replacement (``Task.replace``)
     fingerprint: str | None = None
     fingerprint_text: str | None = None
     created_at: datetime | None = None

@@ -1,38 +1,47 @@
-"""The MongoDB ledger store: claim, complete and fail, each one round trip.
+"""The MongoDB ledger store: the only code that reads or writes the ledger's collections.
 
-Op shapes are chosen for both real MongoDB and SecantusDB (see ``shared/FACTS.md``): every
-write is an ``update`` filtered on ``_id`` (never ``findAndModify``, which scans the whole
-collection on SecantusDB), and a read happens only on the rare paths.
+Op shapes are chosen for both real MongoDB and SecantusDB: every write is an ``update``
+filtered on ``_id`` (never ``findAndModify``, which scans the whole collection on SecantusDB),
+and a read happens only on the rare paths.
 
-A claim is one unordered bulk write of two conditional updates:
+A claim is one unordered bulk write of up to three conditional updates:
 
 1. the claim itself: an upsert on ``_id`` that matches only while the record is claimable
-   (``claimable_at <= now``) and its fencing token is older than ours. It inserts a new
-   record, or takes a queued, retrying or lease-expired one. When the record exists but is
-   not claimable, the upsert collides with it on ``_id`` (duplicate key), which is the signal.
+   (``claimable_at <= now``), names the same job (task and key) and its fencing token is older
+   than ours. It inserts a new record, or takes a queued, retrying or lease-expired one. When the
+   record exists but is not claimable, the upsert collides with it on ``_id`` (duplicate key),
+   which is the signal.
 2. a duplicate marker: ``$inc duplicates`` on the same ``_id`` if it already ``succeeded``.
+3. for a message whose own id is not the record's (an alias), the alias document.
 
 So a claim costs one round trip, and so does a suppressed duplicate. Only a record held by a
 live lease or a dead record needs a second round trip (a read) to say why.
 
 Fencing tokens are nanosecond timestamps: known to the claimer without a read, and the claim
-filter (``fence < token``) guarantees they only grow. A claimer whose clock lags falls back
-to ``stored token + 1``.
+filter (``fence < token``) guarantees they only grow. A claimer whose clock lags falls back to
+``stored token + 1``.
+
+Writes that end a holder's attempt (completion, retry, release, death) carry an operation id,
+kept among the record's last few (``ops``): when a write's reply is lost and the write is
+repeated, the repeat recognises the first one as its own instead of mistaking it for a lost
+lease, even once a newer claim has taken the job over.
+
+A dead job is written by one method, :meth:`Ledger.bury`, for every way a job can die.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any, TypeVar
 
-from pymongo import ASCENDING, MongoClient, UpdateOne, WriteConcern
+from bson.errors import BSONError
+from pymongo import ASCENDING, DESCENDING, MongoClient, UpdateOne, WriteConcern
 from pymongo.client_session import ClientSession
 from pymongo.collection import Collection
 from pymongo.errors import (
@@ -41,24 +50,34 @@ from pymongo.errors import (
     DuplicateKeyError,
     OperationFailure,
     PyMongoError,
+    WriteConcernError,
 )
 from pymongo.monitoring import CommandListener
 from pymongo.read_concern import ReadConcern
 
 from ..errors import LeaseLost, LedgerUnavailable, StoreError
+from ..locks import ForkSafeLock
+from .dead import DeadJob
+from .message import KeptMessage
 from .record import SCHEMA_VERSION, ErrorEntry, LedgerRecord, State
 
 FOREVER = datetime(9999, 12, 31, tzinfo=UTC)
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 DUPLICATE_KEY = 11000
+RECENT_OPS = 4  # operation ids a record keeps (see Ledger._end_attempt)
 T = TypeVar("T")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
 
 
 class ClaimOutcome(StrEnum):
     CLAIMED = "claimed"  # run the body with ``Claim.fence``
     DUPLICATE = "duplicate"  # already succeeded: do not run
-    BUSY = "busy"  # held by a live lease (or a pending retry): come back at ``retry_at``
+    BUSY = "busy"  # held by a live lease: come back at ``retry_at``
     DEAD = "dead"  # dead-lettered: do not run; replay is the way back
+    CONFLICT = "conflict"  # the record id names another job (a record of an older version)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,66 +85,99 @@ class Claim:
     outcome: ClaimOutcome
     fence: int = 0
     retry_at: datetime | None = None
-    killed_reason: str | None = None  # DEAD: this claim found the delivery limit and killed it
+    killed: bool = False  # DEAD: this claim found the job out of budget and buried it
 
 
-def utcnow() -> datetime:
-    return datetime.now(UTC)
+class EnqueueOutcome(StrEnum):
+    NEW = "new"  # the queued record was written: publish
+    KNOWN = "known"  # the job is known: publishing again would only make a duplicate
+    UNPUBLISHED = "unpublished"  # known, but its first publish failed: publish again
 
 
-class _FenceClock:
-    """Strictly increasing nanosecond tokens within this process."""
+# Where a dead write may apply (Ledger.bury).
+@dataclass(frozen=True, slots=True)
+class Fenced:
+    """The holder of ``fence`` ends its own attempt."""
 
-    def __init__(self) -> None:
-        self._last = 0
-        self._lock = threading.Lock()
+    fence: int
+    op: str
 
-    def next(self, at_least: int = 0) -> int:
-        with self._lock:
-            self._last = max(time.time_ns(), self._last + 1, at_least)
-            return self._last
+
+@dataclass(frozen=True, slots=True)
+class HeldBy:
+    """Whoever holds the running record as ``owner`` (the worker that ran it, from outside)."""
+
+    owner: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unchanged:
+    """The record exactly as it was read (``fence`` and ``state``): a claim's verdict."""
+
+    fence: int
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unclaimed:
+    """A job nobody runs: a new record, or a queued or retrying one (``kill_waiting``);
+    any other record is left as it is and only notes the event."""
+
+    kill_waiting: bool = False
+
+
+BuryMatch = Fenced | HeldBy | Unchanged | Unclaimed
 
 
 @contextlib.contextmanager
 def translate_errors(what: str) -> Iterator[None]:
-    """Turn pymongo's errors into the platform's: transient ones into ``LedgerUnavailable``."""
+    """Turn pymongo's errors into the platform's: transient ones (and writes whose outcome is
+    unknown) into ``LedgerUnavailable``, the rest into ``StoreError``."""
     try:
         yield
     except ConnectionFailure as exc:
         raise LedgerUnavailable(f"ledger unreachable during {what}: {exc}") from exc
     except (BulkWriteError, DuplicateKeyError):
         raise  # the callers read these as protocol signals
+    except WriteConcernError as exc:
+        # The write may have applied: the caller treats the outcome as unknown.
+        raise LedgerUnavailable(f"write concern not confirmed during {what}: {exc}") from exc
     except OperationFailure as exc:
         if exc.has_error_label("RetryableWriteError") or exc.has_error_label(
             "TransientTransactionError"
         ):
             raise LedgerUnavailable(f"ledger unavailable during {what}: {exc}") from exc
         raise StoreError(f"ledger {what} failed: {exc}") from exc
-    except PyMongoError as exc:
+    except (PyMongoError, BSONError) as exc:  # DocumentTooLarge is a BSON InvalidDocument
         raise StoreError(f"ledger {what} failed: {exc}") from exc
 
 
-def queued_record(*, task: str, key: str, tier: str, now: datetime) -> dict[str, Any]:
-    """The fields of a new record that waits for its first claim."""
-    return {
-        "v": SCHEMA_VERSION,
-        "task": task,
-        "key": key,
-        "tier": tier,
-        "state": State.QUEUED.value,
-        "attempts": 0,
-        "inflight": 0,
-        "fence": 0,
-        "claimable_at": EPOCH,
-        "created_at": now,
-        "updated_at": now,
-    }
+def new_op() -> str:
+    """An operation id for a write that ends an attempt (see the module docstring)."""
+    return uuid.uuid4().hex[:16]
+
+
+class _FenceClock:
+    """Strictly increasing nanosecond tokens within this process."""
+
+    def __init__(self, clock: Callable[[], datetime]) -> None:
+        self._clock = clock
+        self._last = 0
+        self._lock = ForkSafeLock()
+
+    def next(self, at_least: int = 0) -> int:
+        with self._lock:
+            now_ns = int(self._clock().timestamp() * 1_000_000) * 1000
+            self._last = max(now_ns, self._last + 1, at_least)
+            return self._last
 
 
 class Ledger:
-    """The ledger of one app: a MongoDB collection of :class:`LedgerRecord` documents.
+    """The ledger of one app: a MongoDB collection of :class:`LedgerRecord` documents, plus
+    its groups and audit collections (``<collection>_groups``, ``<collection>_audit``).
 
     Safe to share across threads; a forked process opens its own connection pool.
+    ``clock`` (UTC now) is injectable for tests of the protocol.
     """
 
     def __init__(
@@ -143,6 +195,7 @@ class Ledger:
         max_deliveries: int = 5,
         ttl_index: bool = True,
         event_listeners: Sequence[CommandListener] = (),
+        clock: Callable[[], datetime] = utcnow,
     ) -> None:
         self.uri = uri
         self.database_name = database
@@ -158,10 +211,11 @@ class Ledger:
         )
         self._timeout_ms = timeout_ms
         self._event_listeners = list(event_listeners)
-        self._fences = _FenceClock()
-        # Opens sealed values (sensitive tasks); the app sets it to its Sealer's ``open``.
+        self.now = clock
+        self._fences = _FenceClock(clock)
+        # Opens sealed results (sensitive tasks); the runtime sets it to its Sealer's ``open``.
         self.open_text: Callable[[str], str] = lambda text: text
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._pid = -1
         self._client: MongoClient[dict[str, Any]] | None = None
         self._collection: Collection[dict[str, Any]] | None = None
@@ -176,9 +230,15 @@ class Ledger:
 
     @property
     def collection(self) -> Collection[dict[str, Any]]:
+        """The records collection (for tests and benchmarks; the platform goes through methods)."""
         self._connect()
         assert self._collection is not None
         return self._collection
+
+    def _companion(self, suffix: str) -> Collection[dict[str, Any]]:
+        return self.collection.database.get_collection(
+            f"{self.collection_name}_{suffix}", write_concern=self._write_concern
+        )
 
     def _connect(self) -> None:
         if self._pid == os.getpid() and self._collection is not None:
@@ -240,7 +300,7 @@ class Ledger:
         under its global lock, stalling every write for seconds per 100k records.
         """
         with translate_errors("expiry"):
-            return self.collection.delete_many({"expires_at": {"$lt": utcnow()}}).deleted_count
+            return self.collection.delete_many({"expires_at": {"$lt": self.now()}}).deleted_count
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -251,7 +311,8 @@ class Ledger:
         return self.get_by_id(derive_task_id(task_name, key))
 
     def get_by_id(self, record_id: str) -> LedgerRecord | None:
-        doc = self.find_raw(record_id)
+        """The record with this id, or the one it is an alias of (a message id)."""
+        doc = self.resolve(record_id)
         if doc is None:
             return None
         if isinstance(doc.get("result"), str):
@@ -259,8 +320,24 @@ class Ledger:
         return LedgerRecord.model_validate(doc)
 
     def find_raw(self, record_id: str) -> dict[str, Any] | None:
+        """The stored document with this ``_id`` as it is (an alias document stays one)."""
         with translate_errors("read"):
             return self.collection.find_one({"_id": record_id})
+
+    def resolve(self, ident: str) -> dict[str, Any] | None:
+        """The record named by ``ident``: its own id, or an alias of it (one more read)."""
+        doc = self.find_raw(ident)
+        if doc is not None and isinstance(doc.get("alias_of"), str) and "state" not in doc:
+            return self.find_raw(doc["alias_of"])
+        return doc
+
+    def load_progress(self, record_id: str) -> dict[str, Any]:
+        """The record's checkpoint, completed steps and artefacts (one read)."""
+        with translate_errors("progress read"):
+            doc = self.collection.find_one(
+                {"_id": record_id}, {"checkpoint": 1, "steps": 1, "artefacts": 1}
+            )
+        return doc or {}
 
     # -- the claim protocol -----------------------------------------------------------------
 
@@ -273,71 +350,89 @@ class Ledger:
         tier: str,
         owner: str,
         lease_seconds: float | None = None,
-        message: dict[str, Any] | None = None,
+        message: KeptMessage | None = None,
         max_attempts: int | None = None,
+        alias: str | None = None,
     ) -> Claim:
         """Try to take the exclusive lease on a record (creating it if needed). See module doc.
 
-        ``message`` (arguments as JSON) is kept on the record so that the reconciler can
-        republish a job whose message is gone; ``max_attempts`` is the job's attempts budget.
+        ``message`` is kept on the record so that the reconciler can republish a job whose
+        message is gone; ``max_attempts`` is the job's attempts budget; ``alias`` the message's
+        own id when it is not ``record_id``.
+
+        Raises:
+            LedgerUnavailable: unreachable, or the claim's outcome is unknown (the caller puts
+                the delivery off; a claim that did apply holds its lease until it ends).
         """
         lease = timedelta(seconds=lease_seconds or self.lease_seconds)
         at_least = 0
-        for _ in range(3):
-            now = utcnow()
+        for _ in range(5):
+            now = self.now()
             fence = self._fences.next(at_least)
             outcome = self._try_claim(
-                record_id, fence, now, now + lease, task, key, tier, owner, message, max_attempts
+                record_id,
+                fence,
+                now,
+                now + lease,
+                task=task,
+                key=key,
+                tier=tier,
+                owner=owner,
+                message=message,
+                max_attempts=max_attempts,
+                alias=alias,
             )
             if outcome is not None:
                 return outcome
             doc = self.find_raw(record_id)  # the rare path: why was it not claimable?
             if doc is None:
-                continue  # expired by TTL between the two calls: claim afresh
+                continue  # expired between the two calls: claim afresh
+            if doc.get("task") != task or doc.get("key") != key:
+                return Claim(ClaimOutcome.CONFLICT)
             state = doc.get("state")
             if state == State.SUCCEEDED:
                 continue  # it finished between our two calls: the claim bulk now counts it
             if state == State.DEAD:
                 return Claim(ClaimOutcome.DEAD)
             claimable_at: datetime = doc.get("claimable_at") or EPOCH
-            if claimable_at > utcnow():
+            if claimable_at > self.now():
                 return Claim(ClaimOutcome.BUSY, retry_at=claimable_at)
-            if int(doc.get("inflight", 0)) >= self.max_deliveries:
-                return self._kill(
-                    doc,
-                    f"poison: delivered {doc.get('inflight')} times without"
-                    " an outcome (the worker was lost each time)",
-                )
-            if max_attempts is not None and int(doc.get("attempts", 0)) >= max_attempts:
-                return self._kill(
-                    doc, f"attempts budget exhausted ({doc.get('attempts')} attempts)"
-                )
+            verdict = self._out_of_budget(doc, task=task, max_attempts=max_attempts)
+            if verdict is not None:
+                if self.bury(
+                    record_id,
+                    verdict,
+                    match=Unchanged(int(doc.get("fence", 0)), str(state)),
+                    task=task,
+                    key=key,
+                    tier=tier,
+                ):
+                    return Claim(ClaimOutcome.DEAD, killed=True)
+                continue  # the record moved on under us: decide again
             at_least = int(doc.get("fence", 0)) + 1  # our clock lags the last claimer's
-        raise StoreError(f"could not claim {record_id}: the record keeps changing under us")
+        raise LedgerUnavailable(f"could not claim {record_id}: the record keeps changing under us")
 
-    def _kill(self, doc: dict[str, Any], reason: str) -> Claim:
-        """Dead-letter a record that must not be claimed again (poison, attempts budget)."""
-        now = utcnow()
-        with translate_errors("poison record"):
-            self.collection.update_one(
-                {"_id": doc["_id"], "fence": doc.get("fence", 0), "state": doc.get("state")},
-                {"$set": self._dead(now, reason)},
+    def _out_of_budget(
+        self, doc: Mapping[str, Any], *, task: str, max_attempts: int | None
+    ) -> DeadJob | None:
+        """Why a claimable record must not be claimed again (poison, attempts budget)."""
+        message = KeptMessage.from_document(doc.get("message"))
+        if int(doc.get("inflight", 0)) >= self.max_deliveries:
+            return DeadJob.of_reason(
+                "poison",
+                f"poison: delivered {doc.get('inflight')} times without an outcome"
+                " (the worker was lost each time)",
+                task=task,
+                message=message,
             )
-        return Claim(ClaimOutcome.DEAD, killed_reason=reason)
-
-    def _dead(self, now: datetime, reason: str) -> dict[str, Any]:
-        """The fields that make a record dead (terminal, kept for the dead retention)."""
-        return {
-            "state": State.DEAD.value,
-            "claimable_at": FOREVER,
-            "finished_at": now,
-            "updated_at": now,
-            "expires_at": now + self.dead_retention,
-            "dead_reason": reason,
-            "lease_owner": None,
-            "lease_expires_at": None,
-            "inflight": 0,
-        }
+        if max_attempts is not None and int(doc.get("attempts", 0)) >= max_attempts:
+            return DeadJob.of_reason(
+                "retired",
+                f"attempts budget exhausted ({doc.get('attempts')} attempts)",
+                task=task,
+                message=message,
+            )
+        return None
 
     def _try_claim(
         self,
@@ -345,139 +440,341 @@ class Ledger:
         fence: int,
         now: datetime,
         lease_until: datetime,
+        *,
         task: str,
         key: str,
         tier: str,
         owner: str,
-        message: dict[str, Any] | None = None,
-        max_attempts: int | None = None,
+        message: KeptMessage | None,
+        max_attempts: int | None,
+        alias: str | None,
     ) -> Claim | None:
         claim_filter: dict[str, Any] = {
             "_id": record_id,
+            "task": task,
+            "key": key,
             "claimable_at": {"$lte": now},
             "fence": {"$lt": fence},
             "inflight": {"$lt": self.max_deliveries},
         }
         if max_attempts is not None:
             claim_filter["attempts"] = {"$lt": max_attempts}
-        extra = {} if message is None else {"message": message}
-        claim = UpdateOne(
-            claim_filter,
-            {
-                "$set": {
-                    "v": SCHEMA_VERSION,
-                    "task": task,
-                    "key": key,
-                    "tier": tier,
-                    "state": State.RUNNING.value,
-                    "fence": fence,
-                    "lease_owner": owner,
-                    "lease_expires_at": lease_until,
-                    "claimable_at": lease_until,
-                    "started_at": now,
-                    "updated_at": now,
-                    **extra,
+        fields: dict[str, Any] = {
+            "v": SCHEMA_VERSION,
+            "tier": tier,
+            "state": State.RUNNING.value,
+            "fence": fence,
+            "lease_owner": owner,
+            "lease_expires_at": lease_until,
+            "claimable_at": lease_until,
+            "started_at": now,
+            "updated_at": now,
+        }
+        if message is not None:
+            fields["message"] = message.document()
+        ops = [
+            UpdateOne(
+                claim_filter,
+                {
+                    "$set": fields,
+                    "$inc": {"attempts": 1, "inflight": 1},
+                    "$setOnInsert": {"created_at": now},
+                    "$unset": {"unpublished_at": ""},
                 },
-                "$inc": {"attempts": 1, "inflight": 1},
-                "$setOnInsert": {"created_at": now},
-            },
-            upsert=True,
-        )
-        mark_duplicate = UpdateOne(
-            {"_id": record_id, "state": State.SUCCEEDED.value},
-            {"$inc": {"duplicates": 1}, "$set": {"last_duplicate_at": now}},
-        )
+                upsert=True,
+            ),
+            UpdateOne(
+                {"_id": record_id, "task": task, "key": key, "state": State.SUCCEEDED.value},
+                {"$inc": {"duplicates": 1}, "$set": {"last_duplicate_at": now}},
+            ),
+        ]
+        if alias is not None:
+            ops.append(
+                UpdateOne(
+                    {"_id": alias},
+                    {
+                        "$setOnInsert": {
+                            "alias_of": record_id,
+                            "task": task,
+                            "key": key,
+                            "created_at": now,
+                            "expires_at": now + self.dead_retention,
+                        }
+                    },
+                    upsert=True,
+                )
+            )
         try:
             with translate_errors("claim"):
-                self.collection.bulk_write([claim, mark_duplicate], ordered=False)
+                self.collection.bulk_write(ops, ordered=False)
         except BulkWriteError as exc:
-            errors = exc.details.get("writeErrors", [])
+            details = exc.details
+            if details.get("writeConcernErrors"):
+                raise LedgerUnavailable(
+                    f"claim of {record_id}: write concern not confirmed, outcome unknown:"
+                    f" {details['writeConcernErrors']}"
+                ) from exc
+            errors = details.get("writeErrors", [])
             if any(e.get("index") != 0 or e.get("code") != DUPLICATE_KEY for e in errors):
                 raise StoreError(f"ledger claim of {record_id} failed: {errors}") from exc
-            if exc.details.get("nMatched", 0) >= 1:
+            # Not claimable. The duplicate marker modified the record iff it succeeded.
+            if details.get("nModified", 0) >= 1:
                 return Claim(ClaimOutcome.DUPLICATE)
             return None
         return Claim(ClaimOutcome.CLAIMED, fence=fence)
 
-    def complete(self, record_id: str, fence: int, result_json: str) -> None:
-        """Store the result and mark the record succeeded, if ``fence`` still holds the lease."""
-        now = utcnow()
-        update = {
-            "$set": {
-                "state": State.SUCCEEDED.value,
-                "result": result_json,
-                "claimable_at": FOREVER,
-                "finished_at": now,
-                "updated_at": now,
-                "expires_at": now + self.result_retention,
-                "lease_owner": None,
-                "lease_expires_at": None,
-                "inflight": 0,
-            }
-        }
-        self._fenced_update(record_id, fence, update, "completion")
+    # -- outcomes of an attempt (fenced; each recognises its own applied write) --------------
 
-    def record_failure(
+    def complete(self, record_id: str, fence: int, result_json: str, *, op: str) -> None:
+        """Store the result and mark the record succeeded, if ``fence`` still holds the lease."""
+        now = self.now()
+        self._end_attempt(
+            record_id,
+            fence,
+            op,
+            {
+                "$set": {
+                    "state": State.SUCCEEDED.value,
+                    "result": result_json,
+                    **self._ended(now, FOREVER),
+                    "finished_at": now,
+                    "expires_at": now + self.result_retention,
+                }
+            },
+            "completion",
+        )
+
+    def finish_without_result(
+        self,
+        record_id: str,
+        fence: int,
+        *,
+        outcome: str,
+        note: str,
+        op: str,
+        replaced_by: str | None = None,
+    ) -> None:
+        """Mark the job finished by its body's own say (``ignored``, ``replaced``): terminal
+        like a success, without a result of its own."""
+        now = self.now()
+        fields: dict[str, Any] = {
+            "state": State.SUCCEEDED.value,
+            "outcome": outcome,
+            "note": note[:2000],
+            **self._ended(now, FOREVER),
+            "finished_at": now,
+            "expires_at": now + self.result_retention,
+        }
+        if replaced_by is not None:
+            fields["replaced_by"] = replaced_by
+        self._end_attempt(record_id, fence, op, {"$set": fields}, "finish")
+
+    def record_retry(
         self,
         record_id: str,
         fence: int,
         error: ErrorEntry,
         *,
-        retry_at: datetime | None,
+        retry_at: datetime,
+        op: str,
         traceback: str = "",
-        reason: str = "",
-        dead_fields: dict[str, Any] | None = None,
+        retries: int | None = None,
+        previous_delay: float | None = None,
     ) -> None:
-        """Append ``error`` to the history; ``retrying`` when ``retry_at`` is set, else ``dead``."""
-        now = utcnow()
+        """Append ``error`` to the history and mark the record ``retrying`` (claimable at once:
+        the retry message is the timer, and an early delivery that claims first is as good).
+
+        ``retries`` and ``previous_delay`` update the kept message's headers, so a republish
+        by the reconciler continues the retry budget instead of restarting it.
+        """
+        now = self.now()
         fields: dict[str, Any] = {
-            "updated_at": now,
-            "lease_owner": None,
-            "lease_expires_at": None,
-            "inflight": 0,
+            "state": State.RETRYING.value,
+            **self._ended(now, now),
+            "next_attempt_at": retry_at,
             "traceback": traceback[-8000:],
         }
-        if retry_at is None:
-            fields |= {
-                **self._dead(now, reason or error.type),
-                **(dead_fields or {}),
-            }
-        else:
-            # Claimable at once: the retry message itself is the timer, and an early duplicate
-            # delivery that claims first is as good as the retry.
-            fields |= {
-                "state": State.RETRYING.value,
-                "claimable_at": now,
-                "next_attempt_at": retry_at,
-            }
+        if retries is not None:
+            fields["message.headers.retries"] = retries
+        if previous_delay is not None:
+            fields["message.headers.ledger_previous_delay"] = previous_delay
         update = {
             "$set": fields,
             "$push": {
                 "errors": {"$each": [error.model_dump()], "$slice": -self.error_history_limit}
             },
         }
-        self._fenced_update(record_id, fence, update, "failure record")
+        self._end_attempt(record_id, fence, op, update, "retry record")
 
-    def release(self, record_id: str, fence: int) -> None:
+    def release(self, record_id: str, fence: int, *, op: str) -> None:
         """Give a claim back without an outcome (the message goes back to the queue)."""
-        now = utcnow()
-        update = {
-            "$set": {
-                "state": State.QUEUED.value,
-                "claimable_at": now,
-                "updated_at": now,
-                "lease_owner": None,
-                "lease_expires_at": None,
-                "inflight": 0,
-            }
-        }
-        self._fenced_update(record_id, fence, update, "release")
+        now = self.now()
+        self._end_attempt(
+            record_id,
+            fence,
+            op,
+            {"$set": {"state": State.QUEUED.value, **self._ended(now, now)}},
+            "release",
+        )
 
-    # -- long-lived jobs: heartbeats, progress, retirement -----------------------------------
+    def _ended(self, now: datetime, claimable_at: datetime) -> dict[str, Any]:
+        """The fields that end the current holder's lease."""
+        return {
+            "claimable_at": claimable_at,
+            "updated_at": now,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "inflight": 0,
+        }
+
+    def _end_attempt(
+        self, record_id: str, fence: int, op: str, update: dict[str, Any], what: str
+    ) -> None:
+        # The last few operation ids: a repeat recognises its write even after a newer claim
+        # took the job over (then the repeat has nothing more to do).
+        update.setdefault("$push", {})["ops"] = {"$each": [op], "$slice": -RECENT_OPS}
+        with translate_errors(what):
+            result = self.collection.update_one(
+                {"_id": record_id, "fence": fence, "state": State.RUNNING.value}, update
+            )
+        if result.matched_count == 0 and not self._applied(record_id, fence, op, what):
+            raise LeaseLost(record_id, fence)
+
+    def _applied(self, record_id: str, fence: int, op: str, what: str) -> bool:
+        """Whether write ``op`` already applied (a repeat after a lost reply): the rare path."""
+        with translate_errors(what):
+            return self.collection.find_one({"_id": record_id, "ops": op}) is not None
+
+    # -- the one dead write ---------------------------------------------------------------------
+
+    def bury(
+        self,
+        record_id: str,
+        dead: DeadJob,
+        *,
+        match: BuryMatch,
+        task: str,
+        key: str,
+        tier: str,
+    ) -> bool:
+        """Record the job dead with ``dead``'s reason, fingerprint, kept message and error.
+
+        ``match`` says when the write applies: the holder ending its attempt (:class:`Fenced`),
+        the worker that held it (:class:`HeldBy`), the record as a claim read it
+        (:class:`Unchanged`), or a job nobody runs (:class:`Unclaimed`). True if this call made
+        the record dead; False if it did not apply (the record moved on, belongs to a live job,
+        or was already dead), in which case an :class:`Unclaimed` write notes the event on it.
+
+        Raises:
+            LeaseLost: a :class:`Fenced` write whose lease was taken over.
+        """
+        now = self.now()
+        fields = {
+            "state": State.DEAD.value,
+            **self._ended(now, FOREVER),
+            "finished_at": now,
+            "expires_at": now + self.dead_retention,
+            **dead.fields(),
+        }
+        push = (
+            {"errors": {"$each": [dead.error.model_dump()], "$slice": -self.error_history_limit}}
+            if dead.error is not None
+            else None
+        )
+        if isinstance(match, Fenced):
+            update: dict[str, Any] = {"$set": fields}
+            if push:
+                update["$push"] = push
+            self._end_attempt(record_id, match.fence, match.op, update, "dead record")
+            return True
+        if isinstance(match, HeldBy | Unchanged):
+            flt: dict[str, Any] = {"_id": record_id}
+            if isinstance(match, HeldBy):
+                flt |= {"state": State.RUNNING.value, "lease_owner": match.owner}
+            else:
+                flt |= {"fence": match.fence, "state": match.state}
+            update = {"$set": fields}
+            if push:
+                update["$push"] = push
+            with translate_errors("dead record"):
+                return self.collection.update_one(flt, update).matched_count == 1
+        return self._bury_unclaimed(record_id, fields, push, match, task, key, tier, now, dead)
+
+    def _bury_unclaimed(
+        self,
+        record_id: str,
+        fields: dict[str, Any],
+        push: dict[str, Any] | None,
+        match: Unclaimed,
+        task: str,
+        key: str,
+        tier: str,
+        now: datetime,
+        dead: DeadJob,
+    ) -> bool:
+        with translate_errors("dead record"):
+            if match.kill_waiting:
+                waiting = self.collection.update_one(
+                    {
+                        "_id": record_id,
+                        "task": task,
+                        "key": key,
+                        "state": {"$in": [State.QUEUED.value, State.RETRYING.value]},
+                    },
+                    {"$set": fields, **({"$push": push} if push else {})},
+                )
+                if waiting.matched_count == 1:
+                    return True
+            document = {
+                "v": SCHEMA_VERSION,
+                "task": task,
+                "key": key,
+                "tier": tier,
+                "attempts": 0,
+                "fence": 0,
+                "created_at": now,
+                "errors": [dead.error.model_dump()] if dead.error is not None else [],
+                **fields,
+            }
+            inserted = self.collection.update_one(
+                {"_id": record_id}, {"$setOnInsert": document}, upsert=True
+            )
+            if inserted.upserted_id is not None:
+                return True
+            # The job has a record already (it ran or runs): this copy only notes it there.
+            self.collection.update_one(
+                {"_id": record_id, "state": {"$ne": State.DEAD.value}},
+                {
+                    "$inc": {"quarantined": 1},
+                    "$set": {"last_quarantined": {"reason": dead.reason, "at": now}},
+                },
+            )
+        return False
+
+    def alias(self, alias: str, *, record_id: str, task: str, key: str) -> None:
+        """Record that message id ``alias`` names job ``record_id`` (a claim does this in its
+        own round trip; this is for the paths that never claim, such as a poison message)."""
+        now = self.now()
+        with translate_errors("alias"):
+            self.collection.update_one(
+                {"_id": alias},
+                {
+                    "$setOnInsert": {
+                        "alias_of": record_id,
+                        "task": task,
+                        "key": key,
+                        "created_at": now,
+                        "expires_at": now + self.dead_retention,
+                    }
+                },
+                upsert=True,
+            )
+
+    # -- long-lived jobs: heartbeats, progress -------------------------------------------------
 
     def heartbeat(self, record_id: str, fence: int, lease_seconds: float | None = None) -> datetime:
         """Extend the lease held with ``fence``; returns the new expiry (LeaseLost if taken)."""
-        until = utcnow() + timedelta(seconds=lease_seconds or self.lease_seconds)
+        until = self.now() + timedelta(seconds=lease_seconds or self.lease_seconds)
         self._fenced_update(
             record_id,
             fence,
@@ -490,7 +787,7 @@ class Ledger:
         self, record_id: str, fence: int, state: dict[str, Any], lease_seconds: float | None = None
     ) -> None:
         """Store progress (and extend the lease: a checkpoint is a sign of life)."""
-        now = utcnow()
+        now = self.now()
         until = now + timedelta(seconds=lease_seconds or self.lease_seconds)
         self._fenced_update(
             record_id,
@@ -510,23 +807,55 @@ class Ledger:
         self._fenced_update(
             record_id,
             fence,
-            {"$set": {f"steps.{name}": {"result": result_json, "at": utcnow()}}},
+            {"$set": {f"steps.{name}": {"result": result_json, "at": self.now()}}},
             "step record",
         )
+
+    def add_artefact(self, record_id: str, fence: int, path: str) -> None:
+        self._fenced_update(record_id, fence, {"$addToSet": {"artefacts": path}}, "artefact")
+
+    def _fenced_update(self, record_id: str, fence: int, update: dict[str, Any], what: str) -> None:
+        """A write of the holder of ``fence`` that leaves the record running (repeatable)."""
+        with translate_errors(what):
+            result = self.collection.update_one(
+                {"_id": record_id, "fence": fence, "state": State.RUNNING.value}, update
+            )
+        if result.matched_count == 0:
+            raise LeaseLost(record_id, fence)
 
     def run_transaction(self, callback: Callable[[ClientSession], T]) -> T:
         """Run ``callback(session)`` in one MongoDB transaction on the ledger's deployment.
 
         pymongo's ``with_transaction`` retries the callback on transient errors (write
-        conflicts, elections) and the commit on an unknown result; anything else aborts and
-        propagates as raised (pymongo's errors too: the callback's own writes may raise them).
+        conflicts, elections) and the commit on an unknown result. An unreachable ledger raises
+        ``LedgerUnavailable``; anything else the callback raises propagates as raised.
         """
-        with self.client.start_session() as session:
-            return session.with_transaction(
-                callback,
-                read_concern=ReadConcern("majority"),
-                write_concern=self._write_concern,
-            )
+        try:
+            with self.client.start_session() as session:
+                return session.with_transaction(
+                    callback,
+                    read_concern=ReadConcern("majority"),
+                    write_concern=self._write_concern,
+                )
+        except (ConnectionFailure, WriteConcernError) as exc:
+            raise LedgerUnavailable(f"ledger unavailable during a transaction: {exc}") from exc
+
+    def reap_abandoned_transactions(self) -> None:
+        """Let the server abort transactions whose client died (a worker killed inside an
+        atomic step), so that the job's record is not locked for good.
+
+        MongoDB aborts a transaction idle past ``transactionLifetimeLimitSeconds`` (60 s) in the
+        background. SecantusDB, the embedded ledger, does the same only when its transaction
+        registry is next used: until another transaction runs, every write to the abandoned
+        transaction's documents blocks (measured). An empty transaction that reads nothing and
+        aborts is that use; each worker's housekeeping runs one every half minute.
+        """
+        with translate_errors("transaction reaping"), self.client.start_session() as session:
+            session.start_transaction()
+            try:
+                self.collection.find_one({"_id": "celery-ledger:reap"}, session=session)
+            finally:
+                session.abort_transaction()
 
     def save_step_in(
         self, session: ClientSession, record_id: str, fence: int, name: str, result_json: str
@@ -542,56 +871,166 @@ class Ledger:
                 "state": State.RUNNING.value,
                 f"steps.{name}": {"$exists": False},
             },
-            {"$set": {f"steps.{name}": {"result": result_json, "at": utcnow(), "atomic": True}}},
+            {"$set": {f"steps.{name}": {"result": result_json, "at": self.now(), "atomic": True}}},
             session=session,
         )
         return result.matched_count == 1
 
-    def add_artefact(self, record_id: str, fence: int, path: str) -> None:
-        self._fenced_update(record_id, fence, {"$addToSet": {"artefacts": path}}, "artefact")
+    # -- publish side -----------------------------------------------------------------------
 
-    def load_progress(self, record_id: str) -> dict[str, Any]:
-        """The record's checkpoint, completed steps and artefacts (one read)."""
-        with translate_errors("progress read"):
-            doc = self.collection.find_one(
-                {"_id": record_id}, {"checkpoint": 1, "steps": 1, "artefacts": 1}
+    def enqueue(
+        self, record_id: str, *, task: str, key: str, tier: str, message: KeptMessage
+    ) -> EnqueueOutcome:
+        """Write a ``queued`` record unless the job is known (one round trip).
+
+        ``message`` lets the reconciler republish the job if its message is lost before the
+        first claim. A known job whose first publish failed (:meth:`mark_unpublished`) says so,
+        so that the caller publishes it after all.
+        """
+        now = self.now()
+        fields = _queued(task=task, key=key, tier=tier, now=now)
+        fields["message"] = message.document()
+        ops = [
+            UpdateOne({"_id": record_id}, {"$setOnInsert": fields}, upsert=True),
+            UpdateOne(
+                {"_id": record_id, "state": State.QUEUED.value, "unpublished_at": {"$ne": None}},
+                {"$set": {"publish_retried_at": now}},
+            ),
+        ]
+        with translate_errors("enqueue"):
+            try:
+                result = self.collection.bulk_write(ops, ordered=False)
+            except BulkWriteError as exc:
+                if exc.details.get("writeConcernErrors"):
+                    raise LedgerUnavailable(f"enqueue of {record_id}: outcome unknown") from exc
+                raise StoreError(f"enqueue of {record_id} failed: {exc.details}") from exc
+        if result.upserted_count:
+            return EnqueueOutcome.NEW
+        return EnqueueOutcome.UNPUBLISHED if result.modified_count else EnqueueOutcome.KNOWN
+
+    def mark_unpublished(self, record_id: str) -> None:
+        """The publish after :meth:`enqueue` failed: keep the record (another producer may have
+        skipped its own publish because of it) and make it due for the reconciler now."""
+        now = self.now()
+        with translate_errors("unpublished mark"):
+            self.collection.update_one(
+                {"_id": record_id, "state": State.QUEUED.value, "fence": 0},
+                {"$set": {"unpublished_at": now, "updated_at": EPOCH}},
             )
-        return doc or {}
 
-    def retire(
+    def record_deferral(
+        self, record_id: str, *, task: str, key: str, tier: str, reason: str, until: datetime
+    ) -> None:
+        """Note that a delivery was put off (no attempt used), creating the record if needed."""
+        now = self.now()
+        with translate_errors("deferral record"):
+            self.collection.update_one(
+                {"_id": record_id},
+                {
+                    "$inc": {"deferrals": 1},
+                    "$set": {"last_deferral": {"reason": reason, "until": until, "at": now}},
+                    "$setOnInsert": _queued(task=task, key=key, tier=tier, now=now),
+                },
+                upsert=True,
+            )
+
+    # -- dead letters: triage, replay, purge -------------------------------------------------
+
+    def find_dead(
         self,
-        record_id: str,
-        fence: int | None,
-        reason: str,
-        dead_fields: dict[str, Any] | None = None,
-    ) -> bool:
-        """Dead-letter a running job (time budget, age). With ``fence=None``: only while its
-        lease is live (the worker that held it was stopped by its own parent). True if done."""
-        now = utcnow()
-        flt: dict[str, Any] = {"_id": record_id, "state": State.RUNNING.value}
-        if fence is None:
-            flt["lease_expires_at"] = {"$gt": now}
-        else:
-            flt["fence"] = fence
-        with translate_errors("retirement"):
-            result = self.collection.update_one(
-                flt,
+        *,
+        task: str | None = None,
+        since: datetime | None = None,
+        limit: int = 1000,
+        include_purged: bool = False,
+    ) -> list[dict[str, Any]]:
+        """Dead records, newest first."""
+        query: dict[str, Any] = {"state": State.DEAD.value}
+        if task:
+            query["task"] = task
+        if since:
+            query["finished_at"] = {"$gte": since}
+        with translate_errors("dead-letter query"):
+            docs = list(self.collection.find(query).sort("finished_at", DESCENDING).limit(limit))
+        return docs if include_purged else [d for d in docs if not d.get("purged_at")]
+
+    def find_dead_by_key(self, key: str, *, task: str | None = None) -> dict[str, Any] | None:
+        query: dict[str, Any] = {"state": State.DEAD.value, "key": key}
+        if task:
+            query["task"] = task
+        with translate_errors("dead-letter lookup"):
+            return self.collection.find_one(query)
+
+    def mark_copy_pending(self, record_id: str, pending: bool) -> None:
+        """Whether the dead letter's copy to its queue still has to be published."""
+        with translate_errors("dead-letter copy mark"):
+            if pending:
+                self.collection.update_one({"_id": record_id}, {"$set": {"copy_pending": True}})
+            else:
+                self.collection.update_one({"_id": record_id}, {"$unset": {"copy_pending": ""}})
+
+    def copies_pending(self, *, limit: int = 100) -> list[dict[str, Any]]:
+        """Dead records whose queue copy could not be published yet."""
+        with translate_errors("dead-letter copy query"):
+            return list(
+                self.collection.find({"state": State.DEAD.value, "copy_pending": True}).limit(limit)
+            )
+
+    def count_dead(self) -> int:
+        with translate_errors("dead-letter count"):
+            return self.collection.count_documents({"state": State.DEAD.value})
+
+    def reopen(self, record_id: str, *, actor: str) -> datetime | None:
+        """Make a dead (not purged) record claimable again, attempts reset, for a replay;
+        returns the reopening's time (to undo it), or None if the record is not dead."""
+        now = self.now()
+        with translate_errors("replay"):
+            reset = self.collection.update_one(
+                {"_id": record_id, "state": State.DEAD.value, "purged_at": None},
                 {
                     "$set": {
-                        **self._dead(now, reason),
-                        "fingerprint": reason.split(":", 1)[0].split(" (", 1)[0].replace(" ", "-"),
-                        "fingerprint_text": reason.split(":", 1)[0],
-                        **(dead_fields or {}),
-                    }
+                        "state": State.QUEUED.value,
+                        "attempts": 0,
+                        "inflight": 0,
+                        "claimable_at": EPOCH,
+                        "updated_at": now,
+                        "replayed_at": now,
+                    },
+                    "$inc": {"replays": 1},
+                    "$push": {"audit": {"action": "replay", "by": actor, "at": now}},
                 },
             )
-        return result.matched_count == 1
+        return now if reset.matched_count else None
+
+    def undo_reopen(self, record_id: str, reopened_at: datetime) -> None:
+        """Put a reopened record back to dead (its replay could not be published)."""
+        now = self.now()
+        with translate_errors("replay rollback"):
+            self.collection.update_one(
+                {"_id": record_id, "state": State.QUEUED.value, "replayed_at": reopened_at},
+                {"$set": {"state": State.DEAD.value, "claimable_at": FOREVER, "updated_at": now}},
+            )
+
+    def purge(self, record_ids: Sequence[str], *, actor: str) -> int:
+        """Drop dead records from triage, keeping each as a tombstone until its retention ends:
+        it still stops a late copy of the job from running. Its message, result, errors and
+        traceback are deleted."""
+        now = self.now()
+        with translate_errors("purge"):
+            result = self.collection.update_many(
+                {"_id": {"$in": list(record_ids)}, "state": State.DEAD.value},
+                {
+                    "$set": {"purged_at": now, "purged_by": actor},
+                    "$unset": {"message": "", "result": "", "errors": "", "traceback": ""},
+                },
+            )
+        return int(result.modified_count)
 
     # -- the reconciler's view -----------------------------------------------------------------
 
     def expired_leases(self, *, grace_seconds: float, limit: int = 500) -> list[dict[str, Any]]:
         """Running records whose lease ended more than ``grace_seconds`` ago."""
-        cutoff = utcnow() - timedelta(seconds=grace_seconds)
+        cutoff = self.now() - timedelta(seconds=grace_seconds)
         with translate_errors("reconcile query"):
             return list(
                 self.collection.find(
@@ -602,8 +1041,9 @@ class Ledger:
     def stale(
         self, state: State, *, older_than_seconds: float, limit: int = 500
     ) -> list[dict[str, Any]]:
-        """Queued or retrying records untouched for ``older_than_seconds``."""
-        cutoff = utcnow() - timedelta(seconds=older_than_seconds)
+        """Queued or retrying records untouched for ``older_than_seconds`` (and queued records
+        whose publish failed, at once: see :meth:`mark_unpublished`)."""
+        cutoff = self.now() - timedelta(seconds=older_than_seconds)
         with translate_errors("reconcile query"):
             return list(
                 self.collection.find(
@@ -615,136 +1055,94 @@ class Ledger:
                 ).limit(limit)
             )
 
-    def touch(self, record_id: str, expected_updated_at: Any) -> bool:
-        """Mark a record as reconciled now, if nobody changed it since we read it."""
+    def mark_reconciled(self, doc: Mapping[str, Any]) -> bool:
+        """Note that the reconciler brought the job back now, if nobody changed it since it
+        was read as ``doc`` (so two sweeps never both republish it, and a lease renewed since,
+        which moves ``claimable_at``, is never cut short). The job stays claimable, and out of
+        the reconciler's view until its grace (or stale time) has passed again, so a copy is
+        not republished at every sweep while it waits for a worker."""
+        now = self.now()
         with translate_errors("reconcile mark"):
             result = self.collection.update_one(
-                {"_id": record_id, "updated_at": expected_updated_at},
                 {
-                    "$set": {"updated_at": utcnow(), "reconciled_at": utcnow()},
+                    "_id": doc["_id"],
+                    "updated_at": doc.get("updated_at"),
+                    "claimable_at": doc.get("claimable_at"),
+                },
+                {
+                    "$set": {"updated_at": now, "reconciled_at": now, "claimable_at": now},
                     "$inc": {"reconciled": 1},
                 },
             )
         return result.matched_count == 1
 
-    def _fenced_update(self, record_id: str, fence: int, update: dict[str, Any], what: str) -> None:
-        with translate_errors(what):
-            result = self.collection.update_one(
-                {"_id": record_id, "fence": fence, "state": State.RUNNING.value}, update
-            )
-        if result.matched_count == 0:
-            raise LeaseLost(record_id, fence)
-
-    # -- publish side -----------------------------------------------------------------------
-
-    def enqueue(
-        self,
-        record_id: str,
-        *,
-        task: str,
-        key: str,
-        tier: str,
-        message: dict[str, Any] | None = None,
-    ) -> bool:
-        """Write a ``queued`` record unless the job is known; True if it was new (one trip).
-
-        ``message`` (arguments as JSON) lets the reconciler republish the job if its message
-        is lost before the first claim.
-        """
-        now = utcnow()
-        fields = queued_record(task=task, key=key, tier=tier, now=now)
-        if message is not None:
-            fields["message"] = message
-        with translate_errors("enqueue"):
-            result = self.collection.update_one(
-                {"_id": record_id}, {"$setOnInsert": fields}, upsert=True
-            )
-        return result.upserted_id is not None
-
-    def record_deferral(
-        self, record_id: str, *, task: str, key: str, tier: str, reason: str, until: datetime
-    ) -> None:
-        """Note that a delivery was put off (no attempt used), creating the record if needed."""
-        now = utcnow()
-        with translate_errors("deferral record"):
-            self.collection.update_one(
-                {"_id": record_id},
-                {
-                    "$inc": {"deferrals": 1},
-                    "$set": {"last_deferral": {"reason": reason, "until": until, "at": now}},
-                    "$setOnInsert": queued_record(task=task, key=key, tier=tier, now=now),
-                },
-                upsert=True,
-            )
-
-    def record_shed(
-        self,
-        record_id: str,
-        *,
-        task: str,
-        key: str,
-        tier: str,
-        reason: str,
-        args: Any,
-        kwargs: Any,
-        headers: dict[str, Any],
-    ) -> None:
-        """Record a job shed by backpressure: dead with its message, so it can be replayed."""
-        import json
-
-        now = utcnow()
-        with translate_errors("shed record"):
-            self.collection.update_one(
-                {"_id": record_id},
-                {
-                    "$setOnInsert": {
-                        "v": SCHEMA_VERSION,
-                        "task": task,
-                        "key": key,
-                        "tier": tier,
-                        "state": State.DEAD.value,
-                        "attempts": 0,
-                        "inflight": 0,
-                        "fence": 0,
-                        "claimable_at": FOREVER,
-                        "created_at": now,
-                        "updated_at": now,
-                        "finished_at": now,
-                        "expires_at": now + self.dead_retention,
-                        "dead_reason": reason,
-                        "fingerprint": "shed",
-                        "fingerprint_text": f"shed by backpressure ({tier})",
-                        "shed": True,
-                        "message": {
-                            "args_json": json.dumps(args),
-                            "kwargs_json": json.dumps(kwargs),
-                            "headers": json.loads(json.dumps(headers, default=str)),
-                        },
-                    }
-                },
-                upsert=True,
-            )
-
-    def forget_queued(self, record_id: str) -> None:
-        """Undo :meth:`enqueue` when the publish that followed it failed."""
-        with translate_errors("enqueue rollback"):
-            self.collection.delete_one({"_id": record_id, "state": State.QUEUED.value, "fence": 0})
-
     # -- results of tasks outside the ledger protocol (Celery's own, plain tasks) ------------
 
     def store_plain(self, task_id: str, fields: dict[str, Any]) -> None:
         """Upsert a plain result; never touches a record that the claim protocol owns."""
-        now = utcnow()
+        now = self.now()
         # DuplicateKeyError: a ledger record owns this id; its protocol records the outcome.
         with translate_errors("result store"), contextlib.suppress(DuplicateKeyError):
             self.collection.update_one(
-                {"_id": task_id, "fence": {"$exists": False}},
-                {
-                    "$set": {
-                        **fields,
-                        "updated_at": now,
-                        "expires_at": now + self.result_retention,
-                    }
-                },
+                {"_id": task_id, "fence": {"$exists": False}, "alias_of": {"$exists": False}},
+                {"$set": {**fields, "updated_at": now, "expires_at": now + self.result_retention}},
                 upsert=True,
             )
+
+    def forget_result(self, record_id: str) -> None:
+        """Drop a stored result; the record stays (it is what keeps the job from running twice)."""
+        with translate_errors("forget"):
+            self.collection.update_one({"_id": record_id}, {"$unset": {"result": ""}})
+
+    def save_group(self, group_id: str, member_ids: Sequence[str]) -> None:
+        with translate_errors("group save"):
+            self._companion("groups").replace_one(
+                {"_id": group_id}, {"_id": group_id, "members": list(member_ids)}, upsert=True
+            )
+
+    def group_members(self, group_id: str) -> list[str] | None:
+        with translate_errors("group read"):
+            doc = self._companion("groups").find_one({"_id": group_id})
+        if doc is None:
+            return None
+        members = doc.get("members")
+        if members is None and isinstance(doc.get("results"), str):  # schema 1
+            import json
+
+            members = json.loads(doc["results"])
+        return [str(member) for member in members or []]
+
+    def delete_group(self, group_id: str) -> None:
+        with translate_errors("group delete"):
+            self._companion("groups").delete_one({"_id": group_id})
+
+    # -- the audit trail ----------------------------------------------------------------------
+
+    def audit(self, action: str, target: str, *, actor: str, **details: Any) -> None:
+        """Append one audit entry (who replayed, purged or forced a breaker, and when)."""
+        entry = {"action": action, "target": target, "actor": actor, "at": self.now(), **details}
+        with translate_errors("audit"):
+            self._companion("audit").insert_one(entry)
+
+    def audit_entries(self, *, limit: int = 100) -> list[dict[str, Any]]:
+        with translate_errors("audit read"):
+            return list(
+                self._companion("audit").find({}, {"_id": 0}).sort("at", DESCENDING).limit(limit)
+            )
+
+
+def _queued(*, task: str, key: str, tier: str, now: datetime) -> dict[str, Any]:
+    """The fields of a new record that waits for its first claim."""
+    return {
+        "v": SCHEMA_VERSION,
+        "task": task,
+        "key": key,
+        "tier": tier,
+        "state": State.QUEUED.value,
+        "attempts": 0,
+        "inflight": 0,
+        "fence": 0,
+        "claimable_at": EPOCH,
+        "created_at": now,
+        "updated_at": now,
+    }

@@ -1,6 +1,7 @@
 """Operations: Prometheus metrics, Sentry reports and JSON logs, each off unless configured.
 
-``create_app`` calls :func:`install` (and passes :func:`ledger_listeners` to the ledger):
+``create_app`` calls :func:`install` (and passes :func:`ledger_listeners` to the ledger). Metrics
+and Sentry are observers of the platform's events (:mod:`celery_ledger.events`):
 
 - ``LEDGER_METRICS_PORT``: workers count platform events and ledger round trips
   (:mod:`.metrics`) and serve ``/metrics`` from their main process (:mod:`.exporter`).
@@ -18,21 +19,21 @@ from typing import TYPE_CHECKING, Any
 
 from celery import signals
 
+from .. import headers as ledger_headers
 from ..errors import ConfigurationError
 
 if TYPE_CHECKING:
+    from celery import Celery
     from pymongo.monitoring import CommandListener
 
-    from ..app import LedgerCelery
+    from ..runtime import Runtime
     from ..settings import Settings
-
-SENT_AT_HEADER = "ledger_sent_at"
 
 
 def stamp_sent_at(headers: dict[str, Any] | None = None, **_: Any) -> None:
     """``before_task_publish``: the publish time, overwritten at every (re)publish."""
     if isinstance(headers, dict):
-        headers[SENT_AT_HEADER] = time.time()
+        headers[ledger_headers.SENT_AT] = time.time()
 
 
 def ledger_listeners(settings: Settings) -> list[CommandListener]:
@@ -42,19 +43,21 @@ def ledger_listeners(settings: Settings) -> list[CommandListener]:
     return [_metrics_module().LEDGER_COMMANDS]
 
 
-def install(app: LedgerCelery) -> None:
-    """Wire what the app's settings ask for; does nothing for the defaults but stamp messages."""
-    signals.before_task_publish.connect(stamp_sent_at, weak=False, dispatch_uid=SENT_AT_HEADER)
-    settings = app.settings
+def install(app: Celery, runtime: Runtime) -> None:
+    """Wire what the settings ask for; does nothing for the defaults but stamp messages."""
+    signals.before_task_publish.connect(
+        stamp_sent_at, weak=False, dispatch_uid=ledger_headers.SENT_AT
+    )
+    settings = runtime.settings
     if settings.metrics_port is not None:
         from .exporter import MetricsStep
 
-        _metrics_module().instrument(app)
+        _metrics_module().instrument(runtime.observers)
         app.steps["worker"].add(MetricsStep)
     if settings.sentry_dsn:
         from .sentry import install as install_sentry
 
-        install_sentry(app)
+        install_sentry(runtime)
     if settings.log_format == "json":
         from .logs import install as install_json_logs
 
@@ -73,4 +76,4 @@ def _metrics_module() -> Any:
     return metrics
 
 
-__all__ = ["SENT_AT_HEADER", "install", "ledger_listeners", "stamp_sent_at"]
+__all__ = ["install", "ledger_listeners", "stamp_sent_at"]

@@ -73,8 +73,8 @@ class StateCollector(Collector):
     Every worker exports the same shared state: aggregate with ``max`` across instances.
     """
 
-    def __init__(self, app: Any, consuming: list[str]) -> None:
-        self.app = app
+    def __init__(self, runtime: Any, consuming: list[str]) -> None:
+        self.runtime = runtime
         self.consuming = consuming
 
     def collect(self) -> Iterator[Metric]:
@@ -98,7 +98,7 @@ class StateCollector(Collector):
         up.add_metric(["broker"], 1 if broker_up else 0)
         ledger_up = True
         try:
-            dead = self.app.ledger.collection.count_documents({"state": "dead"})
+            dead = self.runtime.ledger.count_dead()
         except Exception as exc:
             ledger_up = False
             logger.warning("metrics: ledger unreachable on scrape: %s", exc)
@@ -110,7 +110,7 @@ class StateCollector(Collector):
         yield up
 
     def _broker(self) -> Iterator[Metric]:
-        depths = self.app.queue_depths.depths()
+        depths = self.runtime.queue_depths.depths()  # by tier (and dead_letter)
         depth = GaugeMetricFamily(
             "celery_ledger_queue_depth", "Messages waiting in each queue.", labels=["queue"]
         )
@@ -119,14 +119,14 @@ class StateCollector(Collector):
         delayed = GaugeMetricFamily(
             "celery_ledger_delayed_deliveries",
             "Retries and deferrals held in Redis until due.",
-            value=self.app.delayed.pending(),
+            value=self.runtime.delayed.pending(),
         )
         breakers = GaugeMetricFamily(
             "celery_ledger_breaker_state",
             "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
             labels=["breaker"],
         )
-        for status in self.app.breakers.statuses():
+        for status in self.runtime.breakers.statuses():
             breakers.add_metric([status.name], BREAKER_VALUES[status.state])
         yield from (depth, delayed, breakers)
 
@@ -155,7 +155,7 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=str(self.directory))
         consuming = sorted(app.amqp.queues.consume_from or app.amqp.queues)
-        registry.register(StateCollector(app, consuming))
+        registry.register(StateCollector(app.runtime, consuming))
         port, address = app.settings.metrics_port, app.settings.metrics_address
         try:
             self.server, _ = start_http_server(port, addr=address, registry=registry)

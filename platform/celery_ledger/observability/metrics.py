@@ -1,7 +1,8 @@
 """Prometheus metrics of celery-ledger workers (extra ``metrics``: ``prometheus-client``).
 
-Platform hooks, Celery's ``task_prerun`` signal and a pymongo command listener update the
-metrics below in the process where the event happens (mostly the pool processes). Under a
+An observer of the platform's events (:class:`MetricsObserver`), Celery's ``task_prerun`` signal
+and a pymongo command listener update the metrics below in the process where the event happens
+(mostly the pool processes). Under a
 worker they are in prometheus-client's multiprocess mode, merged and served by the worker's
 main process (:mod:`.exporter`); gauges sampled from Redis and the ledger are computed on
 scrape there too. Elsewhere (:func:`enable` in a web app) they live in a registry in memory.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -23,10 +23,13 @@ from celery import signals
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pymongo import monitoring
 
-from . import SENT_AT_HEADER
+from .. import headers
+from ..events import Job, Observer
+from ..locks import ForkSafeLock
+from ..untrusted import float_or_none
 
 if TYPE_CHECKING:
-    from ..app import LedgerCelery
+    from ..ledger.dead import DeadLetter
 
 logger = logging.getLogger("celery_ledger.metrics")
 
@@ -66,6 +69,11 @@ class LedgerMetrics:
         self.shed = counter("celery_ledger_publishes_shed_total", "Publishes shed.", ("tier",))
         self.breaker_transitions = counter(
             "celery_ledger_breaker_transitions_total", "Breaker state changes.", ("breaker", "to")
+        )
+        self.ledger_unavailable = counter(
+            "celery_ledger_ledger_unavailable_total",
+            "Deliveries put off or requeued because the ledger could not be reached.",
+            ("where",),
         )
         self.ledger_failures = counter(
             "celery_ledger_ledger_command_failures_total", "Ledger commands failed.", ("command",)
@@ -153,7 +161,7 @@ class _Starts:
 
     def __init__(self, limit: int = 10_000) -> None:
         self._limit = limit
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._at: OrderedDict[str, float] = OrderedDict()
 
     def start(self, record_id: str) -> None:
@@ -168,72 +176,77 @@ class _Starts:
         return None if started is None else time.monotonic() - started
 
 
-def instrument(app: LedgerCelery) -> None:
-    """Subscribe the metrics to the app's hooks and Celery's signals (recorded once enabled)."""
-    starts = _Starts()
-    hooks = app.hooks
+class MetricsObserver(Observer):
+    """Counts the platform's events (recorded once :func:`enable` ran in the process)."""
+
+    def __init__(self) -> None:
+        self._starts = _Starts()
+
+    def _ended(self, job: Job, outcome: str) -> None:
+        seconds = self._starts.seconds(job.record_id)
+        if seconds is not None:
+            _m().duration.labels(job.task, _tier(job.tier), outcome).observe(seconds)
 
     @_safe
-    def claimed(*, task: str, tier: str, record_id: str, **_: Any) -> None:
-        starts.start(record_id)
-        _m().started.labels(task, _tier(tier)).inc()
+    def claimed(self, job: Job, fence: int) -> None:
+        self._starts.start(job.record_id)
+        _m().started.labels(job.task, _tier(job.tier)).inc()
 
     @_safe
-    def succeeded(*, task: str, tier: str, record_id: str, seconds: float, **_: Any) -> None:
-        starts.seconds(record_id)
-        _m().succeeded.labels(task, _tier(tier)).inc()
-        _m().duration.labels(task, _tier(tier), "succeeded").observe(seconds)
-
-    def ended(outcome: str, counter: Callable[[], Counter] | None) -> Callable[..., None]:
-        @_safe
-        def handler(*, task: str, tier: str, record_id: str, **fields: Any) -> None:
-            if counter is not None:
-                counter().labels(task, _tier(tier)).inc()
-            if outcome == "deferred":
-                reason = str(fields.get("reason") or "unknown")
-                _m().deferred.labels(task, _tier(tier), reason).inc()
-            seconds = starts.seconds(record_id)
-            if seconds is not None:
-                _m().duration.labels(task, _tier(tier), outcome).observe(seconds)
-
-        handler.__name__ = outcome
-        return handler
+    def succeeded(self, job: Job, seconds: float) -> None:
+        self._starts.seconds(job.record_id)
+        _m().succeeded.labels(job.task, _tier(job.tier)).inc()
+        _m().duration.labels(job.task, _tier(job.tier), "succeeded").observe(seconds)
 
     @_safe
-    def duplicate(*, task: str, tier: str, **_: Any) -> None:
-        _m().duplicates.labels(task, _tier(tier)).inc()
+    def retried(self, job: Job, delay_seconds: float, error: BaseException | None) -> None:
+        _m().retried.labels(job.task, _tier(job.tier)).inc()
+        self._ended(job, "retried")
 
     @_safe
-    def breaker(*, name: str, new: Any, **_: Any) -> None:
-        _m().breaker_transitions.labels(name, str(getattr(new, "value", new))).inc()
+    def dead(self, job: Job, letter: DeadLetter) -> None:
+        if letter.poison:  # never reached a body (or its worker was lost every time)
+            _m().poison.labels(_tier(letter.tier)).inc()
+        _m().dead.labels(job.task, _tier(job.tier)).inc()
+        self._ended(job, "dead")
 
     @_safe
-    def shed(*, tier: str, **_: Any) -> None:
+    def lease_lost(self, job: Job, fence: int) -> None:
+        _m().lease_lost.labels(job.task, _tier(job.tier)).inc()
+        self._ended(job, "lease_lost")
+
+    @_safe
+    def deferred(self, job: Job, reason: str, delay_seconds: float) -> None:
+        _m().deferred.labels(job.task, _tier(job.tier), reason or "unknown").inc()
+        self._ended(job, "deferred")
+
+    @_safe
+    def duplicate(self, job: Job) -> None:
+        _m().duplicates.labels(job.task, _tier(job.tier)).inc()
+
+    @_safe
+    def ledger_unavailable(self, job: Job, where: str) -> None:
+        _m().ledger_unavailable.labels(where).inc()
+
+    @_safe
+    def breaker(self, name: str, old: str, new: str) -> None:
+        _m().breaker_transitions.labels(name, new).inc()
+
+    @_safe
+    def shed(self, tier: str) -> None:
         _m().shed.labels(_tier(tier)).inc()
 
     @_safe
-    def throttle(*, queue: str, engaged: bool, **_: Any) -> None:
-        record_throttle(queue, engaged)
+    def throttle(self, queue: str, engaged: bool, reason: str | None) -> None:
+        _m().throttle.labels(queue).set(1 if engaged else 0)
 
-    hooks.on("claimed", claimed)
-    hooks.on("succeeded", succeeded)
-    hooks.on("retried", ended("retried", lambda: _m().retried))
-    hooks.on("dead", ended("dead", lambda: _m().dead))
-    hooks.on("lease_lost", ended("lease_lost", lambda: _m().lease_lost))
-    hooks.on("deferred", ended("deferred", None))
-    hooks.on("duplicate", duplicate)
-    hooks.on("breaker", breaker)
-    hooks.on("shed", shed)
-    hooks.on("throttle", throttle)
-    app.dead_letters.hooks.append(_poison)
+
+def instrument(observers: Any) -> MetricsObserver:
+    """Add the metrics observer and the queue-wait signal handler (recorded once enabled)."""
+    observer = MetricsObserver()
+    observers.add(observer)
     signals.task_prerun.connect(observe_queue_wait, weak=False, dispatch_uid="ledger-metrics")
-
-
-@_safe
-def _poison(entry: dict[str, Any]) -> None:
-    """Dead letters that never reached a body (the guard's own are counted by ``dead``)."""
-    if str(entry.get("record_id", "")).startswith("poison-"):
-        _m().poison.labels(str(entry.get("tier") or "unknown")).inc()
+    return observer
 
 
 @_safe
@@ -242,11 +255,11 @@ def observe_queue_wait(sender: Any = None, **_: Any) -> None:
     request = getattr(sender, "request", None)
     if request is None:
         return
-    sent_at = _header(request, SENT_AT_HEADER)
+    sent_at = float_or_none(_header(request, headers.SENT_AT))
     if sent_at is None:
         return
-    tier = _header(request, "ledger_tier") or getattr(sender, "tier", None)
-    wait = max(time.time() - float(sent_at), 0.0)
+    tier = _header(request, headers.TIER) or getattr(sender, "tier", None)
+    wait = max(time.time() - sent_at, 0.0)
     _m().queue_wait.labels(str(sender.name), _tier(tier)).observe(wait)
 
 
@@ -255,12 +268,6 @@ def _header(request: Any, name: str) -> Any:
     if value is None and isinstance(request.headers, dict):
         value = request.headers.get(name)
     return value
-
-
-@_safe
-def record_throttle(queue: str, engaged: bool) -> None:
-    """Set the throttle gauge of ``queue`` (the throttle code may call this directly)."""
-    _m().throttle.labels(queue).set(1 if engaged else 0)
 
 
 class LedgerCommandListener(monitoring.CommandListener):
@@ -295,6 +302,7 @@ METRIC_NAMES = frozenset(
         "celery_ledger_publishes_shed_total",
         "celery_ledger_breaker_transitions_total",
         "celery_ledger_ledger_command_failures_total",
+        "celery_ledger_ledger_unavailable_total",
         *(
             f"{name}_{suffix}"
             for name in (

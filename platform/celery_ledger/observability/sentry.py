@@ -22,22 +22,24 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from ..errors import CircuitOpen, ConfigurationError, LeaseLost
+from ..errors import ConfigurationError, ControlFlow
+from ..events import Job, Observer
 
 if TYPE_CHECKING:
-    from ..app import LedgerCelery
+    from ..ledger.dead import DeadLetter
+    from ..runtime import Runtime
 
 logger = logging.getLogger("celery_ledger.sentry")
 
-CONTROL_FLOW: tuple[type[BaseException], ...] = (Retry, Ignore, Reject, LeaseLost, CircuitOpen)
+CONTROL_FLOW: tuple[type[BaseException], ...] = (Retry, Ignore, Reject, ControlFlow)
 FILTERED = "[Filtered]"
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/\s@:]*:[^/\s@]*@", re.I)
 _DATA_KEYS = frozenset({"args", "kwargs", "result", "retval", "return_value", "message", "body"})
 
 
-def install(app: LedgerCelery, *, transport: Any = None) -> bool:
-    """``sentry_sdk.init`` with the integration and the scrubbing; subscribe the hooks."""
-    dsn = app.settings.sentry_dsn
+def install(runtime: Runtime, *, transport: Any = None) -> bool:
+    """``sentry_sdk.init`` with the integration and the scrubbing; observe the events."""
+    dsn = runtime.settings.sentry_dsn
     if not dsn:
         return False
     try:
@@ -63,63 +65,59 @@ def install(app: LedgerCelery, *, transport: Any = None) -> bool:
         **options,
     )
     ignore_logger("celery_ledger.deadletter")  # its error line is the `dead` event below
-    app.hooks.on("dead", report_dead)
-    app.hooks.on("breaker", report_breaker)
-    app.hooks.on("lease_lost", report_lease_lost)
+    runtime.observers.add(SentryObserver())
     return True
 
 
-def report_dead(
-    *, task: str, tier: str | None, record_id: str, reason: Any = None, entry: Any = None, **_: Any
-) -> None:
-    """Called inside the guard's ``except`` when a body's exception killed the job."""
-    import sentry_sdk
+class SentryObserver(Observer):
+    """Dead letters, breakers opening and lost leases as Sentry events."""
 
-    entry = entry if isinstance(entry, dict) else {}
-    group = str(entry.get("fingerprint") or task)
-    with sentry_sdk.new_scope() as scope:
-        scope.fingerprint = ["celery-ledger", "dead", group]
-        _tag(scope, "dead", task=task, tier=tier)
-        scope.set_context(
-            "dead letter",
-            {
-                "record_id": record_id,
-                "reason": str(reason or "")[:500],
-                "fingerprint": group,
-                "fingerprint_text": entry.get("fingerprint_text"),
-            },
-        )
-        exc = sys.exc_info()[1]
-        if exc is not None and not isinstance(exc, CONTROL_FLOW):
-            sentry_sdk.capture_exception(exc)
-        else:
-            sentry_sdk.capture_message(f"dead-lettered {task}: {reason}", level="error")
+    def dead(self, job: Job, letter: DeadLetter) -> None:
+        """Called inside the guard's ``except`` when a body's exception killed the job."""
+        import sentry_sdk
 
+        group = str(letter.fingerprint or job.task)
+        with sentry_sdk.new_scope() as scope:
+            scope.fingerprint = ["celery-ledger", "dead", group]
+            _tag(scope, "dead", task=job.task, tier=job.tier)
+            scope.set_context(
+                "dead letter",
+                {
+                    "record_id": job.record_id,
+                    "reason": str(letter.reason or "")[:500],
+                    "fingerprint": group,
+                    "fingerprint_text": letter.fingerprint_text,
+                },
+            )
+            exc = sys.exc_info()[1]
+            if exc is not None and not isinstance(exc, CONTROL_FLOW):
+                sentry_sdk.capture_exception(exc)
+            else:
+                sentry_sdk.capture_message(
+                    f"dead-lettered {job.task}: {letter.reason}", level="error"
+                )
 
-def report_breaker(*, name: str, new: Any, **_: Any) -> None:
-    import sentry_sdk
+    def breaker(self, name: str, old: str, new: str) -> None:
+        import sentry_sdk
 
-    if str(getattr(new, "value", new)) != "open":
-        return
-    with sentry_sdk.new_scope() as scope:
-        scope.fingerprint = ["celery-ledger", "breaker-open", name]
-        _tag(scope, "breaker", breaker=name)
-        sentry_sdk.capture_message(f"circuit breaker {name!r} opened", level="warning")
+        if new != "open":
+            return
+        with sentry_sdk.new_scope() as scope:
+            scope.fingerprint = ["celery-ledger", "breaker-open", name]
+            _tag(scope, "breaker", breaker=name)
+            sentry_sdk.capture_message(f"circuit breaker {name!r} opened", level="warning")
 
+    def lease_lost(self, job: Job, fence: int) -> None:
+        import sentry_sdk
 
-def report_lease_lost(
-    *, task: str, tier: str | None, record_id: str, fence: Any = None, **_: Any
-) -> None:
-    import sentry_sdk
-
-    with sentry_sdk.new_scope() as scope:
-        scope.fingerprint = ["celery-ledger", "lease-lost", task]
-        _tag(scope, "lease_lost", task=task, tier=tier)
-        scope.set_context("lease", {"record_id": record_id, "fence": fence})
-        sentry_sdk.capture_message(
-            f"lease lost by {task}: a newer claim took over (raise lease_seconds?)",
-            level="warning",
-        )
+        with sentry_sdk.new_scope() as scope:
+            scope.fingerprint = ["celery-ledger", "lease-lost", job.task]
+            _tag(scope, "lease_lost", task=job.task, tier=job.tier)
+            scope.set_context("lease", {"record_id": job.record_id, "fence": fence})
+            sentry_sdk.capture_message(
+                f"lease lost by {job.task}: a newer claim took over (raise lease_seconds?)",
+                level="warning",
+            )
 
 
 def _tag(scope: Any, event: str, **tags: Any) -> None:

@@ -1,6 +1,6 @@
 """Publish-side backpressure: per-tier high-water marks on queue depth, with hysteresis.
 
-With the Redis transport each tier's queue is a Redis list named after the tier, so its depth
+With the Redis transport each tier's queue is a Redis list named after the queue, so its depth
 is one ``LLEN`` (kombu's priority sub-queues, ``<queue>\\x06\\x16<n>``, are not counted: we do
 not use priorities). :class:`QueueDepths` samples every tier in one pipelined round trip and
 serves the sample for ``ttl_seconds``, so a producer publishing thousands of messages a second
@@ -9,7 +9,6 @@ costs the broker at most one round trip per ttl.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -17,32 +16,39 @@ from typing import Literal
 
 import redis
 
-from ..errors import Backpressure as BackpressureError
+from .. import errors
 from ..errors import ConfigurationError
-from ..settings import TIERS
+from ..locks import ForkSafeLock
 
 Policy = Literal["block", "reject", "shed"]
 Decision = Literal["publish", "shed"]
 
 
 class QueueDepths:
-    """Cached ``LLEN`` of each queue; redis errors propagate (nothing stale is served)."""
+    """Cached ``LLEN`` of each queue; redis errors propagate (nothing stale is served).
+
+    ``queues`` names the queues to sample: a mapping from the name callers use (a tier) to the
+    broker's queue name, or the queue names themselves.
+    """
 
     def __init__(
         self,
         client: redis.Redis,
-        queues: Iterable[str] = TIERS,
+        queues: Mapping[str, str] | Iterable[str],
         *,
         ttl_seconds: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.queues = (queues,) if isinstance(queues, str) else tuple(queues)
+        if isinstance(queues, str):
+            queues = (queues,)
+        self._names = dict(queues) if isinstance(queues, Mapping) else {q: q for q in queues}
+        self.queues = tuple(self._names)
         if not self.queues:
             raise ConfigurationError("QueueDepths needs at least one queue")
         self.ttl_seconds = ttl_seconds
         self._client = client
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._depths: dict[str, int] = {}
         self._sampled_at: float | None = None
 
@@ -69,7 +75,7 @@ class QueueDepths:
         # Holding the lock across the round trip makes concurrent callers share one sample.
         pipe = self._client.pipeline(transaction=False)
         for queue in self.queues:
-            pipe.llen(queue)
+            pipe.llen(self._names[queue])
         self._depths = {queue: int(n) for queue, n in zip(self.queues, pipe.execute(), strict=True)}
         self._sampled_at = self._clock()
         return dict(self._depths)
@@ -108,7 +114,7 @@ class TierLimit:
         return self.low_water if self.low_water is not None else int(self.high_water * 0.9)
 
 
-class Backpressure:
+class BackpressureGate:
     """Decides, per publish, whether a tier may take another message."""
 
     def __init__(
@@ -132,7 +138,7 @@ class Backpressure:
         self._clock = clock
         self._poll_seconds = poll_seconds
         self._engaged: dict[str, bool] = dict.fromkeys(self.limits, False)
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     def engaged(self, tier: str) -> bool:
         return self._engaged.get(tier, False)
@@ -146,7 +152,7 @@ class Backpressure:
         if not self._update(tier, limit, depth):
             return "publish"
         if limit.policy == "reject":
-            raise BackpressureError(tier, depth, limit.high_water)
+            raise errors.Backpressure(tier, depth, limit.high_water)
         if limit.policy == "shed":
             with self._lock:
                 self.shed_counts[tier] += 1
@@ -171,7 +177,15 @@ class Backpressure:
         while True:
             remaining = deadline - self._clock()
             if remaining <= 0:
-                raise BackpressureError(tier, self.depths.depth(tier), limit.high_water)
+                raise errors.Backpressure(tier, self.depths.depth(tier), limit.high_water)
             self._sleep(min(self._poll_seconds, remaining))
             if not self._update(tier, limit, self.depths.depth(tier)):
                 return "publish"
+
+
+# Producers wait (up to 5 s) rather than grow a tier's backlog without bound; shed is opt-in.
+DEFAULT_TIER_LIMITS = {
+    "critical": TierLimit(high_water=10_000, policy="block", block_timeout_seconds=5.0),
+    "default": TierLimit(high_water=50_000, policy="block", block_timeout_seconds=5.0),
+    "bulk": TierLimit(high_water=100_000, policy="block", block_timeout_seconds=5.0),
+}

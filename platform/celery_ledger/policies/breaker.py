@@ -29,6 +29,7 @@ from typing import Any, ParamSpec, TypeVar
 import redis
 
 from ..errors import CircuitOpen, ConfigurationError
+from ..locks import ForkSafeLock
 
 logger = logging.getLogger("celery_ledger.breaker")
 
@@ -460,7 +461,7 @@ class Breakers:
         self.on_transition = on_transition
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
         self._breakers: dict[str, CircuitBreaker] = {}
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     def __getitem__(self, name: str) -> CircuitBreaker:
         with self._lock:

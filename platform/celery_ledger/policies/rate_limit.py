@@ -10,8 +10,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import redis
+
+from ..errors import ConfigurationError
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """A shared bucket's refill rate and burst (``LEDGER_RATE_LIMITS``)."""
+
+    rate_per_second: float
+    burst: int
+
+    def __post_init__(self) -> None:
+        if not self.rate_per_second > 0 or self.burst < 1:
+            raise ConfigurationError("rate_per_second must be positive and burst at least 1")
+
 
 # KEYS[1] = the bucket hash; ARGV = rate per second, burst, tokens wanted.
 # Returns the seconds to wait as a string (0 when the tokens were taken).
@@ -89,20 +105,24 @@ class TokenBucket:
 
 
 class RateLimits(Mapping[str, TokenBucket]):
-    """Named buckets from ``{name: (rate_per_second, burst)}``; ``limits["api"].acquire()``."""
+    """Named buckets from ``{name: RateLimit}``; ``limits["api"].acquire()``."""
 
     def __init__(
         self,
         client: redis.Redis,
-        limits: Mapping[str, tuple[float, int]],
+        limits: Mapping[str, RateLimit],
         *,
         key_prefix: str = "celery_ledger:rate",
     ) -> None:
         self._buckets = {
             name: TokenBucket(
-                client, name, rate_per_second=rate, burst=burst, key_prefix=key_prefix
+                client,
+                name,
+                rate_per_second=limit.rate_per_second,
+                burst=limit.burst,
+                key_prefix=key_prefix,
             )
-            for name, (rate, burst) in limits.items()
+            for name, limit in limits.items()
         }
 
     def __getitem__(self, name: str) -> TokenBucket:

@@ -1,0 +1,215 @@
+"""The ledger as Celery's result backend: ``AsyncResult.get()``, ``.state``, ``.result``.
+
+Records written by the claim protocol are read from here; the guard writes their outcomes
+itself (fenced), so every write Celery's worker asks of a backend for a ledger task is skipped:
+``STARTED`` (``task_track_started``) is what the claim records, and success, retry and failure
+are the guard's. A revoked ledger job is recorded dead (reason ``revoked``) if nobody runs it.
+Tasks outside the protocol (Celery's own, or a ``base=celery.Task`` task) get plain records.
+
+A message id that is not a job's record id (a canvas member's) is read through its alias, and a
+replaced job's result is its replacement's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from celery import states
+from celery.backends.base import BaseBackend
+from celery.result import GroupResult
+from pymongo.errors import ConnectionFailure
+
+from .errors import LedgerUnavailable
+from .ledger.dead import DeadJob
+from .ledger.message import KeptMessage
+from .ledger.record import State
+from .ledger.store import Ledger, Unclaimed
+from .task import LedgerTask
+
+logger = logging.getLogger("celery_ledger.backend")
+
+CELERY_STATE = {
+    State.QUEUED: states.PENDING,
+    State.RUNNING: states.STARTED,
+    State.RETRYING: states.RETRY,
+    State.SUCCEEDED: states.SUCCESS,
+    State.DEAD: states.FAILURE,
+}
+LEDGER_STATE = {
+    states.PENDING: State.QUEUED,
+    states.RECEIVED: State.QUEUED,
+    states.STARTED: State.RUNNING,
+    states.RETRY: State.RETRYING,
+    states.SUCCESS: State.SUCCEEDED,
+    states.FAILURE: State.DEAD,
+}
+_MAX_REPLACEMENTS = 10  # replaced_by pointers followed when reading a result
+
+
+class LedgerBackend(BaseBackend):  # type: ignore[misc]
+    """Celery result backend over the app's :class:`~celery_ledger.ledger.Ledger`."""
+
+    persistent = True
+    supports_native_join = False
+
+    @property
+    def ledger(self) -> Ledger:
+        ledger: Ledger = self.app.ledger
+        return ledger
+
+    def exception_safe_to_retry(self, exc: Exception) -> bool:
+        return isinstance(exc, ConnectionFailure | LedgerUnavailable)
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def _store_result(
+        self,
+        task_id: str,
+        result: Any,
+        state: str,
+        traceback: str | None = None,
+        request: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        if request is None and state == states.REVOKED:
+            # A worker's revoke command, before any message of the job arrived: the task is
+            # unknown here. Kill a ledger job that waits; the message, when it arrives, is
+            # recorded with its task by the worker that drops it (as Celery did before 5.7).
+            self._revoked_by_id(task_id)
+            return result
+        task = self.app.tasks.get(getattr(request, "task", None) or "")
+        if isinstance(task, LedgerTask):
+            if state == states.REVOKED:
+                self._revoked(task, task_id, request)
+            return result  # the guard records every outcome of a ledger job, fenced
+        fields: dict[str, Any] = {
+            "state": LEDGER_STATE.get(state, State.QUEUED).value,
+            "celery_state": state,
+            "result": json.dumps(result, default=str),
+            "traceback": (traceback or "")[-8000:],
+        }
+        if request is not None and getattr(request, "task", None):
+            fields["task"] = request.task
+        self.ledger.store_plain(task_id, fields)
+        return result
+
+    def _revoked_by_id(self, task_id: str) -> None:
+        doc = self.ledger.resolve(task_id)
+        task = self.app.tasks.get(str((doc or {}).get("task")))
+        if doc is None or not isinstance(task, LedgerTask) or "key" not in doc:
+            return
+        dead = DeadJob.of_reason(
+            "revoked",
+            "revoked",
+            task=task.name,
+            message=KeptMessage.from_document(doc.get("message")),
+        )
+        if self.ledger.bury(
+            doc["_id"],
+            dead,
+            match=Unclaimed(kill_waiting=True),
+            task=task.name,
+            key=str(doc["key"]),
+            tier=str(doc.get("tier") or self.app.tiers.default),
+        ):
+            self.app.dead_letters.announce_record(doc["_id"])
+
+    def _revoked(self, task: LedgerTask, task_id: str, request: Any) -> None:
+        """A revoked ledger job nobody runs yet is dead (replayable), so nothing waits on it."""
+        identity = task.identity_of_message(
+            task_id,
+            getattr(request, "headers", None) or {},
+            getattr(request, "args", None),
+            getattr(request, "kwargs", None),
+        )
+        tier = self.app.tiers.of_task(task.name, task.tier)
+        sealer = self.app.sealer if task.sensitive else None
+        message = KeptMessage.of_call(
+            getattr(request, "args", None) or (),
+            getattr(request, "kwargs", None) or {},
+            message_headers=getattr(request, "headers", None) or {},
+            sealer=sealer,
+        )
+        dead = DeadJob.of_reason("revoked", "revoked", task=task.name, message=message)
+        if self.ledger.bury(
+            identity.record_id,
+            dead,
+            match=Unclaimed(kill_waiting=True),
+            task=identity.task,
+            key=identity.key,
+            tier=tier,
+        ):
+            self.app.dead_letters.announce_record(identity.record_id)
+
+    def _forget(self, task_id: str) -> None:
+        # The record is what keeps the job from running twice: drop only the stored result.
+        self.ledger.forget_result(task_id)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def _get_task_meta_for(self, task_id: str) -> dict[str, Any]:
+        doc = self.ledger.resolve(task_id)
+        for _ in range(_MAX_REPLACEMENTS):  # a replaced job's result is its replacement's
+            if doc is None or doc.get("outcome") != "replaced":
+                break
+            doc = self.ledger.resolve(str(doc.get("replaced_by")))
+        if doc is None:
+            return {"status": states.PENDING, "result": None, "task_id": task_id}
+        status = doc.get("celery_state") or CELERY_STATE[State(doc["state"])]
+        result: Any = None
+        if doc.get("result") is not None:
+            result = json.loads(self.app.runtime.sealer.open(doc["result"]))
+        if status in (states.FAILURE, states.RETRY) and "celery_state" not in doc:
+            result = _exception_payload(doc)
+        meta: dict[str, Any] = self.meta_from_decoded(
+            {
+                "task_id": task_id,
+                "status": status,
+                "result": result,
+                "date_done": doc.get("finished_at"),
+                "traceback": doc.get("traceback"),
+                "children": [],
+            }
+        )
+        return meta
+
+    def task_result_exists(self, task_id: str) -> bool:
+        return self.ledger.resolve(task_id) is not None
+
+    # -- groups (so that group().get() works) -------------------------------------------------
+
+    def _save_group(self, group_id: str, result: Any) -> Any:
+        self.ledger.save_group(group_id, [r.id for r in result.results])
+        return result
+
+    def _restore_group(self, group_id: str) -> dict[str, Any] | None:
+        members = self.ledger.group_members(group_id)
+        if members is None:
+            return None
+        return {
+            "task_id": group_id,
+            "result": GroupResult(
+                group_id, [self.app.AsyncResult(i) for i in members], app=self.app
+            ),
+        }
+
+    def _delete_group(self, group_id: str) -> None:
+        self.ledger.delete_group(group_id)
+
+
+def _exception_payload(doc: dict[str, Any]) -> dict[str, Any]:
+    """The last recorded error in the shape Celery's ``exception_to_python`` reads."""
+    errors = doc.get("errors") or []
+    last = (
+        errors[-1]
+        if errors
+        else {"type": "celery_ledger.errors.TaskError", "message": doc.get("dead_reason", "failed")}
+    )
+    module, _, name = str(last["type"]).rpartition(".")
+    return {
+        "exc_type": name,
+        "exc_message": [last.get("message", "")],
+        "exc_module": module or "builtins",
+    }

@@ -1,0 +1,190 @@
+"""What the reconciler reads and does in the broker (Redis): which jobs still have a message
+waiting, which messages a worker took and never acknowledged, and putting one of those back.
+
+kombu's Redis transport keeps each queue as a list, and every delivered but unacknowledged
+message in a hash (delivery tag -> message) with an index sorted by delivery time; delayed
+deliveries wait in the ledger's sorted set (:mod:`celery_ledger.delayed`). Messages are read as
+jobs: a message's record id is derived from its task and ``ledger_key`` headers, the way the
+guard derives it, so an alias message (a canvas member) is recognised as its job's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import redis
+
+from . import headers
+from .keys import identity_of
+
+logger = logging.getLogger("celery_ledger.broker")
+
+# Move one unacked message back to the front of its queue, atomically.
+_RESTORE = """
+local payload = redis.call('HGET', KEYS[1], ARGV[1])
+if not payload then return 0 end
+redis.call('RPUSH', ARGV[2], ARGV[3])
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+"""
+
+# Take or renew the sweep lock. KEYS = lock, token counter; ARGV = owner, ttl ms.
+# Returns the holder's fencing token, or false when another owner holds it.
+_ACQUIRE = """
+local holder = redis.call('GET', KEYS[1])
+if holder then
+  local sep = string.find(holder, '|', 1, true)
+  if string.sub(holder, 1, sep - 1) == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return tonumber(string.sub(holder, sep + 1))
+  end
+  return false
+end
+local token = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1] .. '|' .. token, 'PX', ARGV[2])
+return token
+"""
+
+
+@dataclass(frozen=True)
+class Unacked:
+    """A message a worker took and has not acknowledged."""
+
+    tag: str
+    queue: str
+    payload: bytes
+
+
+class BrokerView(Protocol):
+    """The reconciler's view of the broker (a fake one in unit tests)."""
+
+    def unacked(self) -> dict[str, Unacked]:
+        """Unacknowledged messages by the record id of their job."""
+
+    def waiting(self) -> set[str]:
+        """Record ids of the jobs whose message waits in a tier's queue or the delayed set."""
+
+    def restore(self, message: Unacked) -> bool:
+        """Put an unacknowledged message back on its queue; False if it was gone already."""
+
+
+class RedisBroker:
+    """:class:`BrokerView` over kombu's Redis transport and the delayed set."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        queues: Iterable[str],
+        delayed_key: str,
+        unacked_key: str = "unacked",
+        unacked_index_key: str = "unacked_index",
+    ) -> None:
+        self._client = client
+        self._queues = tuple(queues)
+        self._delayed_key = delayed_key
+        self._unacked_key = unacked_key
+        self._unacked_index_key = unacked_index_key
+        self._restore = client.register_script(_RESTORE)
+
+    def unacked(self) -> dict[str, Unacked]:
+        found: dict[str, Unacked] = {}
+        for tag, payload in self._client.hscan_iter(self._unacked_key, count=500):
+            try:
+                message, _exchange, routing_key = json.loads(payload)
+                record_id = record_id_of(message["headers"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            if record_id is None:
+                continue
+            found[record_id] = Unacked(
+                tag.decode() if isinstance(tag, bytes) else str(tag),
+                str(routing_key),  # kombu names each queue's list after its routing key
+                json.dumps(message).encode(),
+            )
+        return found
+
+    def waiting(self) -> set[str]:
+        found: set[str] = set()
+        for queue in self._queues:
+            for raw in self._client.lrange(queue, 0, -1):
+                try:
+                    record_id = record_id_of(json.loads(raw)["headers"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if record_id is not None:
+                    found.add(record_id)
+        members = cast("list[bytes]", self._client.zrange(self._delayed_key, 0, -1))
+        for member in members:
+            try:
+                entry = json.loads(member)
+                options = entry["options"]
+                record_id = record_id_of(
+                    {
+                        **(options.get("headers") or {}),
+                        "task": entry["task"],
+                        "id": options["task_id"],
+                    }
+                )
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+            if record_id is not None:
+                found.add(record_id)
+        return found
+
+    def restore(self, message: Unacked) -> bool:
+        return bool(
+            self._restore(
+                keys=[self._unacked_key, self._unacked_index_key],
+                args=[message.tag, message.queue, message.payload],
+            )
+        )
+
+
+def record_id_of(message_headers: Any) -> str | None:
+    """The record id of the job a message's headers name (as the guard derives it), or None.
+
+    A message without a ``ledger_key`` header is identified by its own id here; the guard may
+    key it by its arguments instead, in which case the reconciler only sees it as not waiting.
+    """
+    if not isinstance(message_headers, dict):
+        return None
+    task, ident = message_headers.get("task"), message_headers.get("id")
+    if not isinstance(task, str) or not isinstance(ident, str):
+        return None
+    return identity_of(task, ident, key_header=message_headers.get(headers.KEY)).record_id
+
+
+class SweepLock:
+    """One sweeper at a time across the fleet: a lease in Redis with a fencing token.
+
+    Its holder renews it at every sweep; a holder that dies stops renewing, and the lease ends
+    after ``ttl_seconds``, when another worker takes it with a higher token.
+    """
+
+    def __init__(self, client: redis.Redis, key: str, *, ttl_seconds: float) -> None:
+        self._key = key
+        self._ttl_ms = max(int(ttl_seconds * 1000), 1000)
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        self._acquire = client.register_script(_ACQUIRE)
+        self._client = client
+
+    def acquire(self) -> int | None:
+        """This process's fencing token if it holds (or now took) the lock, else None."""
+        token = self._acquire(
+            keys=[self._key, f"{self._key}:token"], args=[self.owner, self._ttl_ms]
+        )
+        return None if token is None else int(token)
+
+    def holds(self, token: int) -> bool:
+        """Whether this process still holds the lock with ``token``."""
+        value = self._client.get(self._key)
+        text = value.decode() if isinstance(value, bytes) else value
+        return text == f"{self.owner}|{token}"

@@ -1,0 +1,136 @@
+"""The platform's one extension point for observers: metrics, Sentry, logs (tracing later).
+
+Subclass :class:`Observer` and override the events you need; every method does nothing by
+default. The app's :class:`Observers` calls each observer in order and logs and swallows an
+observer's exception: observing can never fail a task. Events:
+
+    claimed(job, fence)                   a delivery took the lease and runs the body
+    duplicate(job)                        a delivery of a finished job, not run
+    deferred(job, reason, delay_seconds)  put off without an attempt (lease held, breaker open,
+                                          ledger down, rate limited, unknown task)
+    retried(job, delay_seconds, error)    a failed attempt will be retried
+    succeeded(job, seconds)               the outcome is recorded
+    dead(job, letter)                     the job is dead-lettered (a DeadLetter)
+    lease_lost(job, fence)                a newer claim took over; this holder stopped
+    ledger_unavailable(job, where)        a ledger call failed for now; the job is kept
+    breaker(name, old, new)               a circuit breaker changed state
+    shed(tier)                            a publish was shed by backpressure
+    throttle(queue, engaged, reason)      bulk consumption paused or resumed
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .ledger.dead import DeadLetter
+
+logger = logging.getLogger("celery_ledger.events")
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """Which job an event is about."""
+
+    task: str
+    tier: str | None
+    record_id: str
+    key: str | None = None
+
+
+class Observer:
+    """Base class of observers: every event method does nothing unless overridden."""
+
+    def claimed(self, job: Job, fence: int) -> None:
+        """A delivery took the lease (fencing token ``fence``) and runs the body."""
+
+    def duplicate(self, job: Job) -> None:
+        """A delivery of a job that already finished was acknowledged without running."""
+
+    def deferred(self, job: Job, reason: str, delay_seconds: float) -> None:
+        """A delivery was put off for ``delay_seconds`` without using an attempt."""
+
+    def retried(self, job: Job, delay_seconds: float, error: BaseException | None) -> None:
+        """A failed attempt is retried after ``delay_seconds``."""
+
+    def succeeded(self, job: Job, seconds: float) -> None:
+        """The body's outcome is recorded, ``seconds`` after the claim."""
+
+    def dead(self, job: Job, letter: DeadLetter) -> None:
+        """The job is dead-lettered."""
+
+    def lease_lost(self, job: Job, fence: int) -> None:
+        """A newer claim took over while this holder (``fence``) ran."""
+
+    def ledger_unavailable(self, job: Job, where: str) -> None:
+        """A ledger call (``where``) failed for now; the job is deferred or requeued."""
+
+    def breaker(self, name: str, old: str, new: str) -> None:
+        """Circuit breaker ``name`` went from ``old`` to ``new``."""
+
+    def shed(self, tier: str) -> None:
+        """A publish to ``tier`` was shed by backpressure (kept as a replayable dead letter)."""
+
+    def throttle(self, queue: str, engaged: bool, reason: str | None) -> None:
+        """This worker paused (``engaged``) or resumed consuming ``queue``."""
+
+
+EVENTS: tuple[str, ...] = tuple(
+    name for name, value in vars(Observer).items() if callable(value) and not name.startswith("_")
+)
+
+
+class Observers(Observer):
+    """Calls every registered observer in order; an observer's failure is logged and dropped."""
+
+    def __init__(self, *observers: Observer) -> None:
+        self._observers: list[Observer] = list(observers)
+
+    def add(self, observer: Observer) -> Observer:
+        self._observers.append(observer)
+        return observer
+
+    def __iter__(self) -> Any:
+        return iter(self._observers)
+
+    def _dispatch(self, event: str, *args: Any) -> None:
+        for observer in self._observers:
+            try:
+                getattr(observer, event)(*args)
+            except Exception:
+                logger.warning("observer %r failed on %s", observer, event, exc_info=True)
+
+    def claimed(self, job: Job, fence: int) -> None:
+        self._dispatch("claimed", job, fence)
+
+    def duplicate(self, job: Job) -> None:
+        self._dispatch("duplicate", job)
+
+    def deferred(self, job: Job, reason: str, delay_seconds: float) -> None:
+        self._dispatch("deferred", job, reason, delay_seconds)
+
+    def retried(self, job: Job, delay_seconds: float, error: BaseException | None) -> None:
+        self._dispatch("retried", job, delay_seconds, error)
+
+    def succeeded(self, job: Job, seconds: float) -> None:
+        self._dispatch("succeeded", job, seconds)
+
+    def dead(self, job: Job, letter: DeadLetter) -> None:
+        self._dispatch("dead", job, letter)
+
+    def lease_lost(self, job: Job, fence: int) -> None:
+        self._dispatch("lease_lost", job, fence)
+
+    def ledger_unavailable(self, job: Job, where: str) -> None:
+        self._dispatch("ledger_unavailable", job, where)
+
+    def breaker(self, name: str, old: str, new: str) -> None:
+        self._dispatch("breaker", name, old, new)
+
+    def shed(self, tier: str) -> None:
+        self._dispatch("shed", tier)
+
+    def throttle(self, queue: str, engaged: bool, reason: str | None) -> None:
+        self._dispatch("throttle", queue, engaged, reason)

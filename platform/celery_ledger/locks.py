@@ -1,0 +1,45 @@
+"""A lock that survives ``fork``: the prefork pool forks worker processes from a main process
+whose own threads (housekeeping, the reconciler, metrics) use the same objects.
+
+A ``threading.Lock`` held by one of those threads at the moment of the fork stays held for
+ever in the child, whose first use of it then hangs (a pool process that never runs another
+task). :class:`ForkSafeLock` notices that it is in a new process and starts with a fresh lock
+there. A child begins with one thread, so the first use after the fork is not contended.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from types import TracebackType
+
+
+class ForkSafeLock:
+    """A non-reentrant lock, fresh in every forked child (a context manager)."""
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+
+    def _current(self) -> threading.Lock:
+        if self._pid != os.getpid():
+            self._lock = threading.Lock()
+            self._pid = os.getpid()
+        return self._lock
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._current().acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()

@@ -1,0 +1,124 @@
+"""The runtime: one app's platform services, built once by ``create_app`` and handed to the
+engines (guard, dead letters, reconciler, observability), which never see the Celery app.
+
+It holds the settings, the ledger store, the tiers, the sealer, the observers and a ``publish``
+function (the app's ``send_task``), and builds on first use, per process, what needs a
+connection: the broker's Redis client, breakers, rate limits, queue depths, the backpressure gate,
+the throttle and the delayed deliveries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import redis
+
+from .crypto import Sealer
+from .delayed import DelayedDeliveries
+from .events import Observers
+from .ledger.message import Publish
+from .ledger.store import Ledger
+from .policies.backpressure import BackpressureGate, QueueDepths
+from .policies.breaker import Breakers, BreakerState
+from .policies.rate_limit import RateLimits
+from .policies.retry import TIER_RETRY_DEFAULTS, RetryPolicy
+from .policies.throttle import Throttle, ThrottleRule
+from .pressure import Pressure
+from .routing import DEAD_LETTER, Tiers
+
+if TYPE_CHECKING:
+    from .settings import Settings
+
+
+class Runtime:
+    """The services of one app (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        name: str,
+        tiers: Tiers,
+        ledger: Ledger,
+        publish: Publish,
+        tier_of: Callable[[str], str | None],
+        observers: Observers | None = None,
+    ) -> None:
+        self.settings = settings
+        self.name = name  # the app's name: it namespaces the platform's keys in Redis
+        self.tiers = tiers
+        self.ledger = ledger
+        self.publish = publish
+        # The tier a task (by name) is routed to, or None if no such task is registered here.
+        self.tier_of = tier_of
+        self.observers = observers or Observers()
+        ledger.open_text = self.sealer.open
+
+    @cached_property
+    def sealer(self) -> Sealer:
+        """Encryption at rest for sensitive tasks (``LEDGER_ENCRYPTION_KEYS``)."""
+        return Sealer(self.settings.encryption_keys)
+
+    @cached_property
+    def redis(self) -> redis.Redis:
+        """A client of the broker's Redis, for the platform's shared state."""
+        return redis.Redis.from_url(
+            self.settings.broker_url, socket_timeout=5, socket_connect_timeout=5
+        )
+
+    @cached_property
+    def breakers(self) -> Breakers:
+        """Circuit breakers shared through Redis by every worker: ``breakers["payments"]``."""
+        return Breakers(
+            self.settings.broker_url,
+            configs=self.settings.breakers,
+            on_transition=self._breaker_changed,
+        )
+
+    def _breaker_changed(self, name: str, old: BreakerState, new: BreakerState) -> None:
+        self.observers.breaker(name, str(old.value), str(new.value))
+
+    @cached_property
+    def rate_limits(self) -> RateLimits:
+        return RateLimits(self.redis, self.settings.rate_limits)
+
+    @cached_property
+    def queue_depths(self) -> QueueDepths:
+        """Depths of the tiers' queues and the dead letters' queue, by tier name."""
+        names = (*self.tiers.names, DEAD_LETTER)
+        return QueueDepths(self.redis, {name: self.tiers.queue(name) for name in names})
+
+    @cached_property
+    def gate(self) -> BackpressureGate:
+        """Publish-side backpressure per tier (``LEDGER_TIER_LIMITS``)."""
+        return BackpressureGate(
+            self.queue_depths,
+            {tier: self.settings.tier_limits[tier] for tier in self.tiers.names},
+            on_shed=self.observers.shed,
+        )
+
+    @cached_property
+    def throttle(self) -> Throttle:
+        settings = self.settings
+        rule = ThrottleRule(
+            latency_threshold_ms=settings.throttle_latency_ms,
+            critical_backlog=settings.throttle_critical_backlog,
+            resume_ratio=settings.throttle_resume_ratio,
+        )
+        pressure = Pressure(self.redis, window_seconds=settings.pressure_window_seconds)
+        return Throttle(
+            pressure, self.queue_depths, rule, interval_seconds=settings.throttle_check_seconds
+        )
+
+    @cached_property
+    def delayed(self) -> DelayedDeliveries:
+        """Retries and deferrals held in Redis until due (never in a worker's memory)."""
+        return DelayedDeliveries(self.settings.broker_url, key=f"{self.name}:ledger:delayed")
+
+    def retry_policy_for(self, tier: str) -> RetryPolicy:
+        """The tier's retry default: built-in, replaced by ``LEDGER_RETRY_POLICIES``."""
+        return self.settings.retry_policies.get(tier) or TIER_RETRY_DEFAULTS.get(
+            tier, RetryPolicy()
+        )

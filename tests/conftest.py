@@ -1,0 +1,95 @@
+"""Hypothesis profiles for the whole suite, and the ``props`` marker on every property test.
+
+- ``ci`` (the default): derandomized (each test draws the same examples on every run), and it
+  first replays the examples stored in ``tests/hypothesis-examples/`` (read-only): every failure
+  a wide search once found stays a regression example.
+- ``wide`` (``--hypothesis-profile=wide``): random, ``WIDE_FACTOR`` times as many examples,
+  and new failures are written into that directory, to be committed.
+
+Select the property tests with ``-m props``; the README's "Testing" paragraph has the commands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, is_hypothesis_test, settings
+from hypothesis.database import (
+    DirectoryBasedExampleDatabase,
+    ExampleDatabase,
+    ReadOnlyDatabase,
+)
+
+EXAMPLES_DIR = Path(__file__).parent / "hypothesis-examples"
+CI_MAX_EXAMPLES = 100  # hypothesis' own default; tests ask for a share of it with examples()
+WIDE_FACTOR = 10
+
+
+class KeepFailures(ExampleDatabase):
+    """A database that never forgets a failure: replaying a stored failure that now passes
+    does not delete it (it stays a regression example). Shrinking still tidies up after itself:
+    the larger failures it moves aside (hypothesis' ``.secondary`` keys) may be deleted."""
+
+    def __init__(self, db: ExampleDatabase) -> None:
+        super().__init__()
+        self._wrapped = db
+
+    def fetch(self, key: bytes) -> Iterable[bytes]:
+        yield from self._wrapped.fetch(key)
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self._wrapped.save(key, value)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        if key.endswith(b".secondary"):
+            self._wrapped.delete(key, value)
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self.save(dest, value)
+        self.delete(src, value)
+
+    def _start_listening(self) -> None:
+        pass
+
+    def _stop_listening(self) -> None:
+        pass
+
+
+# derandomize=True and a database cannot be given together: settings() refuses it ("derandomize
+# implies database=None"), and the built-in ci profile has no database. The database is given on
+# a child of a derandomized parent instead, which hypothesis accepts and uses: the engine replays
+# the stored examples, then draws the derandomized ones (tests/unit/test_profiles.py proves it).
+_derandomized = settings(
+    max_examples=CI_MAX_EXAMPLES,
+    derandomize=True,
+    deadline=None,  # a shared 2-core machine: timing is noise
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "ci", _derandomized, database=ReadOnlyDatabase(DirectoryBasedExampleDatabase(EXAMPLES_DIR))
+)
+settings.register_profile(
+    "wide",
+    _derandomized,
+    derandomize=False,
+    max_examples=CI_MAX_EXAMPLES * WIDE_FACTOR,
+    database=KeepFailures(DirectoryBasedExampleDatabase(EXAMPLES_DIR)),
+)
+settings.load_profile("ci")  # --hypothesis-profile=NAME, read later by hypothesis, overrides
+
+
+def examples(ci_count: int) -> int:
+    """``ci_count`` examples under the ci profile, proportionally more under the wide one."""
+    return max(1, ci_count * settings().max_examples // CI_MAX_EXAMPLES)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wide = settings.get_current_profile_name() == "wide"
+    for item in items:
+        if is_hypothesis_test(getattr(item, "obj", None)):
+            item.add_marker(pytest.mark.props)
+            if wide:  # the per-test timeout grows with the number of examples
+                item.add_marker(pytest.mark.timeout(float(config.getini("timeout")) * WIDE_FACTOR))

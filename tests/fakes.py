@@ -1,0 +1,711 @@
+"""In-memory stand-ins for unit tests of the engines (guard, dead letters, reconciler).
+
+:class:`MemoryLedger` keeps the store's protocol (claims with leases and fencing tokens, fenced
+outcome writes that recognise their own repeat, the one dead write, the reconciler's views) over
+a dict of documents, with a clock the test moves and faults the test injects. The contract suite
+(``tests/integration/test_store_contract.py``) runs the same scenarios on it and on the real
+store against SecantusDB, so the fake cannot drift from what it stands in for.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from celery_ledger.errors import LeaseLost
+from celery_ledger.keys import derive_task_id
+from celery_ledger.ledger.dead import DeadJob
+from celery_ledger.ledger.message import KeptMessage
+from celery_ledger.ledger.record import LedgerRecord, State
+from celery_ledger.ledger.store import (
+    EPOCH,
+    FOREVER,
+    BuryMatch,
+    Claim,
+    ClaimOutcome,
+    EnqueueOutcome,
+    Fenced,
+    HeldBy,
+    Unchanged,
+    Unclaimed,
+)
+
+
+class Clock:
+    """A UTC clock that only the test moves."""
+
+    def __init__(self, start: datetime | None = None) -> None:
+        self.at = start or datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.at
+
+    def advance(self, seconds: float) -> None:
+        self.at += timedelta(seconds=seconds)
+
+
+@dataclass
+class Fault:
+    """Make the next call of ``method`` raise ``exc``; ``applied``: after the write applied."""
+
+    method: str
+    exc: BaseException
+    applied: bool = False
+    times: int = 1
+
+
+class MemoryLedger:
+    """The store's protocol in memory (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], datetime] | None = None,
+        lease_seconds: float = 60.0,
+        max_deliveries: int = 5,
+        error_history_limit: int = 20,
+        dead_retention_seconds: float = 30 * 24 * 3600,
+        result_retention_seconds: float = 7 * 24 * 3600,
+    ) -> None:
+        self.now = clock or Clock()
+        self.lease_seconds = lease_seconds
+        self.max_deliveries = max_deliveries
+        self.error_history_limit = error_history_limit
+        self.dead_retention = timedelta(seconds=dead_retention_seconds)
+        self.result_retention = timedelta(seconds=result_retention_seconds)
+        self.docs: dict[str, dict[str, Any]] = {}
+        self.faults: list[Fault] = []
+        self.calls: list[str] = []
+        self.open_text: Callable[[str], str] = lambda text: text
+        self._last_fence = 0
+
+    # -- fault injection -----------------------------------------------------------------------
+
+    def fail(
+        self, method: str, exc: BaseException, *, applied: bool = False, times: int = 1
+    ) -> None:
+        self.faults.append(Fault(method, exc, applied, times))
+
+    def _enter(self, method: str) -> Fault | None:
+        """Record the call; raise a fault that strikes before the write, or return one that
+        strikes after it."""
+        self.calls.append(method)
+        for fault in self.faults:
+            if fault.method == method and fault.times > 0:
+                fault.times -= 1
+                if not fault.applied:
+                    raise fault.exc
+                return fault
+        return None
+
+    @staticmethod
+    def _leave(fault: Fault | None) -> None:
+        if fault is not None:
+            raise fault.exc
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def find_raw(self, record_id: str) -> dict[str, Any] | None:
+        self._enter("find_raw")
+        doc = self.docs.get(record_id)
+        return copy.deepcopy(doc) if doc is not None else None
+
+    def resolve(self, ident: str) -> dict[str, Any] | None:
+        doc = self.find_raw(ident)
+        if doc is not None and isinstance(doc.get("alias_of"), str) and "state" not in doc:
+            return self.find_raw(doc["alias_of"])
+        return doc
+
+    def get(self, task_name: str, key: str) -> LedgerRecord | None:
+        return self.get_by_id(derive_task_id(task_name, key))
+
+    def get_by_id(self, record_id: str) -> LedgerRecord | None:
+        doc = self.resolve(record_id)
+        if doc is None:
+            return None
+        if isinstance(doc.get("result"), str):
+            doc["result"] = self.open_text(doc["result"])
+        return LedgerRecord.model_validate(doc)
+
+    def load_progress(self, record_id: str) -> dict[str, Any]:
+        self._enter("load_progress")
+        doc = self.docs.get(record_id) or {}
+        return copy.deepcopy(
+            {k: doc[k] for k in ("_id", "checkpoint", "steps", "artefacts") if k in doc}
+        )
+
+    # -- the claim -----------------------------------------------------------------------------
+
+    def _fence(self, at_least: int = 0) -> int:
+        now_ns = int(self.now().timestamp() * 1_000_000) * 1000
+        self._last_fence = max(now_ns, self._last_fence + 1, at_least)
+        return self._last_fence
+
+    def claim(
+        self,
+        record_id: str,
+        *,
+        task: str,
+        key: str,
+        tier: str,
+        owner: str,
+        lease_seconds: float | None = None,
+        message: KeptMessage | None = None,
+        max_attempts: int | None = None,
+        alias: str | None = None,
+    ) -> Claim:
+        fault = self._enter("claim")
+        now = self.now()
+        lease = timedelta(seconds=lease_seconds or self.lease_seconds)
+        doc = self.docs.get(record_id)
+        if alias is not None and alias not in self.docs:
+            self.docs[alias] = {
+                "_id": alias,
+                "alias_of": record_id,
+                "task": task,
+                "key": key,
+                "created_at": now,
+            }
+        if doc is not None and (doc.get("task") != task or doc.get("key") != key):
+            self._leave(fault)
+            return Claim(ClaimOutcome.CONFLICT)
+        if doc is None:
+            doc = self.docs[record_id] = {
+                "_id": record_id,
+                "v": 2,
+                "task": task,
+                "key": key,
+                "attempts": 0,
+                "inflight": 0,
+                "fence": 0,
+                "claimable_at": EPOCH,
+                "created_at": now,
+            }
+        state = doc.get("state")
+        if state == State.SUCCEEDED:
+            doc["duplicates"] = doc.get("duplicates", 0) + 1
+            self._leave(fault)
+            return Claim(ClaimOutcome.DUPLICATE)
+        if state == State.DEAD:
+            self._leave(fault)
+            return Claim(ClaimOutcome.DEAD)
+        if doc["claimable_at"] > now:
+            self._leave(fault)
+            return Claim(ClaimOutcome.BUSY, retry_at=doc["claimable_at"])
+        reason = None
+        if doc.get("inflight", 0) >= self.max_deliveries:
+            reason = (
+                "poison",
+                f"poison: delivered {doc['inflight']} times without an outcome"
+                " (the worker was lost each time)",
+            )
+        elif max_attempts is not None and doc.get("attempts", 0) >= max_attempts:
+            reason = ("retired", f"attempts budget exhausted ({doc['attempts']} attempts)")
+        if reason is not None:
+            dead = DeadJob.of_reason(
+                reason[0],  # type: ignore[arg-type]
+                reason[1],
+                task=task,
+                message=KeptMessage.from_document(doc.get("message")),
+            )
+            self._bury_fields(doc, dead)
+            self._leave(fault)
+            return Claim(ClaimOutcome.DEAD, killed=True)
+        fence = self._fence(doc.get("fence", 0) + 1)
+        doc.update(
+            {
+                "tier": tier,
+                "state": State.RUNNING.value,
+                "fence": fence,
+                "lease_owner": owner,
+                "lease_expires_at": now + lease,
+                "claimable_at": now + lease,
+                "started_at": now,
+                "updated_at": now,
+                "attempts": doc.get("attempts", 0) + 1,
+                "inflight": doc.get("inflight", 0) + 1,
+            }
+        )
+        doc.pop("unpublished_at", None)
+        if message is not None:
+            doc["message"] = message.document()
+        self._leave(fault)
+        return Claim(ClaimOutcome.CLAIMED, fence=fence)
+
+    # -- outcomes of an attempt ------------------------------------------------------------------
+
+    def _ended(self, now: datetime, claimable_at: datetime) -> dict[str, Any]:
+        return {
+            "claimable_at": claimable_at,
+            "updated_at": now,
+            "lease_owner": None,
+            "lease_expires_at": None,
+            "inflight": 0,
+        }
+
+    def _end_attempt(
+        self,
+        method: str,
+        record_id: str,
+        fence: int,
+        op: str,
+        fields: dict[str, Any],
+        push: dict[str, Any] | None = None,
+    ) -> None:
+        fault = self._enter(method)
+        doc = self.docs.get(record_id)
+        if doc is not None and doc.get("fence") == fence and doc.get("state") == State.RUNNING:
+            doc.update(copy.deepcopy(fields))
+            doc["ops"] = [*doc.get("ops", []), op][-4:]
+            if push is not None:
+                errors = doc.setdefault("errors", [])
+                errors.append(push)
+                del errors[: -self.error_history_limit]
+            self._leave(fault)
+            return
+        if doc is not None and op in doc.get("ops", []):
+            self._leave(fault)
+            return  # a repeat of a write that applied
+        self._leave(fault)
+        raise LeaseLost(record_id, fence)
+
+    def complete(self, record_id: str, fence: int, result_json: str, *, op: str) -> None:
+        now = self.now()
+        self._end_attempt(
+            "complete",
+            record_id,
+            fence,
+            op,
+            {
+                "state": State.SUCCEEDED.value,
+                "result": result_json,
+                **self._ended(now, FOREVER),
+                "finished_at": now,
+                "expires_at": now + self.result_retention,
+            },
+        )
+
+    def finish_without_result(
+        self,
+        record_id: str,
+        fence: int,
+        *,
+        outcome: str,
+        note: str,
+        op: str,
+        replaced_by: str | None = None,
+    ) -> None:
+        now = self.now()
+        fields = {
+            "state": State.SUCCEEDED.value,
+            "outcome": outcome,
+            "note": note,
+            **self._ended(now, FOREVER),
+            "finished_at": now,
+        }
+        if replaced_by is not None:
+            fields["replaced_by"] = replaced_by
+        self._end_attempt("finish_without_result", record_id, fence, op, fields)
+
+    def record_retry(
+        self,
+        record_id: str,
+        fence: int,
+        error: Any,
+        *,
+        retry_at: datetime,
+        op: str,
+        traceback: str = "",
+        retries: int | None = None,
+        previous_delay: float | None = None,
+    ) -> None:
+        now = self.now()
+        doc = self.docs.get(record_id) or {}
+        message = copy.deepcopy(doc.get("message") or {})
+        headers = message.setdefault("headers", {})
+        if retries is not None:
+            headers["retries"] = retries
+        if previous_delay is not None:
+            headers["ledger_previous_delay"] = previous_delay
+        self._end_attempt(
+            "record_retry",
+            record_id,
+            fence,
+            op,
+            {
+                "state": State.RETRYING.value,
+                **self._ended(now, now),
+                "next_attempt_at": retry_at,
+                "traceback": traceback,
+                "message": message,
+            },
+            push=error.model_dump(),
+        )
+
+    def release(self, record_id: str, fence: int, *, op: str) -> None:
+        now = self.now()
+        self._end_attempt(
+            "release", record_id, fence, op, {"state": State.QUEUED.value, **self._ended(now, now)}
+        )
+
+    def _bury_fields(self, doc: dict[str, Any], dead: DeadJob) -> None:
+        now = self.now()
+        doc.update(
+            {
+                "state": State.DEAD.value,
+                **self._ended(now, FOREVER),
+                "finished_at": now,
+                "expires_at": now + self.dead_retention,
+                **copy.deepcopy(dead.fields()),
+            }
+        )
+        if dead.error is not None:
+            errors = doc.setdefault("errors", [])
+            errors.append(dead.error.model_dump())
+            del errors[: -self.error_history_limit]
+
+    def bury(
+        self, record_id: str, dead: DeadJob, *, match: BuryMatch, task: str, key: str, tier: str
+    ) -> bool:
+        if isinstance(match, Fenced):
+            now = self.now()
+            fields = {
+                "state": State.DEAD.value,
+                **self._ended(now, FOREVER),
+                "finished_at": now,
+                "expires_at": now + self.dead_retention,
+                **dead.fields(),
+            }
+            self._end_attempt(
+                "bury",
+                record_id,
+                match.fence,
+                match.op,
+                fields,
+                push=dead.error.model_dump() if dead.error is not None else None,
+            )
+            return True
+        fault = self._enter("bury")
+        doc = self.docs.get(record_id)
+        if isinstance(match, HeldBy | Unchanged):
+            applies = doc is not None and (
+                (doc.get("state") == State.RUNNING and doc.get("lease_owner") == match.owner)
+                if isinstance(match, HeldBy)
+                else (doc.get("fence") == match.fence and doc.get("state") == match.state)
+            )
+            if applies:
+                assert doc is not None
+                self._bury_fields(doc, dead)
+            self._leave(fault)
+            return applies
+        assert isinstance(match, Unclaimed)
+        if (
+            doc is not None
+            and match.kill_waiting
+            and doc.get("task") == task
+            and doc.get("key") == key
+            and doc.get("state") in (State.QUEUED, State.RETRYING)
+        ):
+            self._bury_fields(doc, dead)
+            self._leave(fault)
+            return True
+        if doc is None:
+            doc = self.docs[record_id] = {
+                "_id": record_id,
+                "v": 2,
+                "task": task,
+                "key": key,
+                "tier": tier,
+                "attempts": 0,
+                "fence": 0,
+                "created_at": self.now(),
+                "errors": [],
+            }
+            self._bury_fields(doc, dead)
+            self._leave(fault)
+            return True
+        if doc.get("state") != State.DEAD:
+            doc["quarantined"] = doc.get("quarantined", 0) + 1
+            doc["last_quarantined"] = {"reason": dead.reason, "at": self.now()}
+        self._leave(fault)
+        return False
+
+    def alias(self, alias: str, *, record_id: str, task: str, key: str) -> None:
+        self._enter("alias")
+        self.docs.setdefault(alias, {"_id": alias, "alias_of": record_id, "task": task, "key": key})
+
+    # -- progress ------------------------------------------------------------------------------
+
+    def _fenced(
+        self, method: str, record_id: str, fence: int, change: Callable[[dict[str, Any]], None]
+    ) -> None:
+        fault = self._enter(method)
+        doc = self.docs.get(record_id)
+        if doc is None or doc.get("fence") != fence or doc.get("state") != State.RUNNING:
+            self._leave(fault)
+            raise LeaseLost(record_id, fence)
+        change(doc)
+        self._leave(fault)
+
+    def heartbeat(self, record_id: str, fence: int, lease_seconds: float | None = None) -> datetime:
+        until = self.now() + timedelta(seconds=lease_seconds or self.lease_seconds)
+        self._fenced(
+            "heartbeat",
+            record_id,
+            fence,
+            lambda doc: doc.update(lease_expires_at=until, claimable_at=until),
+        )
+        return until
+
+    def save_checkpoint(
+        self, record_id: str, fence: int, state: dict[str, Any], lease_seconds: float | None = None
+    ) -> None:
+        until = self.now() + timedelta(seconds=lease_seconds or self.lease_seconds)
+        self._fenced(
+            "save_checkpoint",
+            record_id,
+            fence,
+            lambda doc: doc.update(
+                checkpoint=copy.deepcopy(state), lease_expires_at=until, claimable_at=until
+            ),
+        )
+
+    def save_step(self, record_id: str, fence: int, name: str, result_json: str) -> None:
+        self._fenced(
+            "save_step",
+            record_id,
+            fence,
+            lambda doc: doc.setdefault("steps", {}).update({name: {"result": result_json}}),
+        )
+
+    def add_artefact(self, record_id: str, fence: int, path: str) -> None:
+        def add(doc: dict[str, Any]) -> None:
+            artefacts = doc.setdefault("artefacts", [])
+            if path not in artefacts:
+                artefacts.append(path)
+
+        self._fenced("add_artefact", record_id, fence, add)
+
+    # -- publish side ----------------------------------------------------------------------------
+
+    def _queued(self, task: str, key: str, tier: str) -> dict[str, Any]:
+        now = self.now()
+        return {
+            "v": 2,
+            "task": task,
+            "key": key,
+            "tier": tier,
+            "state": State.QUEUED.value,
+            "attempts": 0,
+            "inflight": 0,
+            "fence": 0,
+            "claimable_at": EPOCH,
+            "created_at": now,
+            "updated_at": now,
+        }
+
+    def enqueue(
+        self, record_id: str, *, task: str, key: str, tier: str, message: KeptMessage
+    ) -> EnqueueOutcome:
+        fault = self._enter("enqueue")
+        doc = self.docs.get(record_id)
+        if doc is None:
+            self.docs[record_id] = {
+                "_id": record_id,
+                **self._queued(task, key, tier),
+                "message": message.document(),
+            }
+            self._leave(fault)
+            return EnqueueOutcome.NEW
+        self._leave(fault)
+        if doc.get("state") == State.QUEUED and doc.get("unpublished_at") is not None:
+            return EnqueueOutcome.UNPUBLISHED
+        return EnqueueOutcome.KNOWN
+
+    def mark_unpublished(self, record_id: str) -> None:
+        self._enter("mark_unpublished")
+        doc = self.docs.get(record_id)
+        if doc is not None and doc.get("state") == State.QUEUED and doc.get("fence") == 0:
+            doc.update(unpublished_at=self.now(), updated_at=EPOCH)
+
+    def record_deferral(
+        self, record_id: str, *, task: str, key: str, tier: str, reason: str, until: datetime
+    ) -> None:
+        self._enter("record_deferral")
+        doc = self.docs.setdefault(record_id, {"_id": record_id, **self._queued(task, key, tier)})
+        doc["deferrals"] = doc.get("deferrals", 0) + 1
+        doc["last_deferral"] = {"reason": reason, "until": until, "at": self.now()}
+
+    # -- dead letters ----------------------------------------------------------------------------
+
+    def find_dead(
+        self,
+        *,
+        task: str | None = None,
+        since: datetime | None = None,
+        limit: int = 1000,
+        include_purged: bool = False,
+    ) -> list[dict[str, Any]]:
+        docs = [
+            copy.deepcopy(d)
+            for d in self.docs.values()
+            if d.get("state") == State.DEAD
+            and (task is None or d.get("task") == task)
+            and (since is None or d["finished_at"] >= since)
+            and (include_purged or not d.get("purged_at"))
+        ]
+        return sorted(docs, key=lambda d: d["finished_at"], reverse=True)[:limit]
+
+    def find_dead_by_key(self, key: str, *, task: str | None = None) -> dict[str, Any] | None:
+        for doc in self.docs.values():
+            found = doc.get("state") == State.DEAD and doc.get("key") == key
+            if found and (task is None or doc.get("task") == task):
+                return copy.deepcopy(doc)
+        return None
+
+    def mark_copy_pending(self, record_id: str, pending: bool) -> None:
+        self._enter("mark_copy_pending")
+        doc = self.docs.get(record_id)
+        if doc is not None:
+            if pending:
+                doc["copy_pending"] = True
+            else:
+                doc.pop("copy_pending", None)
+
+    def copies_pending(self, *, limit: int = 100) -> list[dict[str, Any]]:
+        return [
+            copy.deepcopy(d)
+            for d in self.docs.values()
+            if d.get("state") == State.DEAD and d.get("copy_pending")
+        ][:limit]
+
+    def count_dead(self) -> int:
+        return sum(1 for d in self.docs.values() if d.get("state") == State.DEAD)
+
+    def reopen(self, record_id: str, *, actor: str) -> datetime | None:
+        self._enter("reopen")
+        doc = self.docs.get(record_id)
+        if doc is None or doc.get("state") != State.DEAD or doc.get("purged_at"):
+            return None
+        now = self.now()
+        doc.update(
+            state=State.QUEUED.value,
+            attempts=0,
+            inflight=0,
+            claimable_at=EPOCH,
+            updated_at=now,
+            replayed_at=now,
+            replays=doc.get("replays", 0) + 1,
+        )
+        return now
+
+    def undo_reopen(self, record_id: str, reopened_at: datetime) -> None:
+        doc = self.docs.get(record_id)
+        if (
+            doc is not None
+            and doc.get("state") == State.QUEUED
+            and doc.get("replayed_at") == reopened_at
+        ):
+            doc.update(state=State.DEAD.value, claimable_at=FOREVER, updated_at=self.now())
+
+    def purge(self, record_ids: Sequence[str], *, actor: str) -> int:
+        purged = 0
+        for record_id in record_ids:
+            doc = self.docs.get(record_id)
+            if doc is not None and doc.get("state") == State.DEAD:
+                doc.update(purged_at=self.now(), purged_by=actor)
+                for name in ("message", "result", "errors", "traceback"):
+                    doc.pop(name, None)
+                purged += 1
+        return purged
+
+    # -- the reconciler's view -------------------------------------------------------------------
+
+    def expired_leases(self, *, grace_seconds: float, limit: int = 500) -> list[dict[str, Any]]:
+        self._enter("expired_leases")
+        cutoff = self.now() - timedelta(seconds=grace_seconds)
+        return [
+            copy.deepcopy(d)
+            for d in self.docs.values()
+            if d.get("state") == State.RUNNING and d["claimable_at"] < cutoff
+        ][:limit]
+
+    def stale(
+        self, state: State, *, older_than_seconds: float, limit: int = 500
+    ) -> list[dict[str, Any]]:
+        self._enter("stale")
+        cutoff = self.now() - timedelta(seconds=older_than_seconds)
+        return [
+            copy.deepcopy(d)
+            for d in self.docs.values()
+            if d.get("state") == state.value
+            and d["claimable_at"] < cutoff
+            and d["updated_at"] < cutoff
+        ][:limit]
+
+    def mark_reconciled(self, expected: dict[str, Any]) -> bool:
+        self._enter("mark_reconciled")
+        doc = self.docs.get(expected["_id"])
+        if (
+            doc is None
+            or doc.get("updated_at") != expected.get("updated_at")
+            or doc.get("claimable_at") != expected.get("claimable_at")
+        ):
+            return False
+        doc.update(updated_at=self.now(), reconciled_at=self.now(), claimable_at=self.now())
+        doc["reconciled"] = doc.get("reconciled", 0) + 1
+        return True
+
+
+class MemoryRedis:
+    """The Redis list and string commands the engines use, in memory."""
+
+    def __init__(self) -> None:
+        self.lists: dict[str, list[bytes]] = {}
+
+    def lpush(self, key: str, value: str | bytes) -> None:
+        self.lists.setdefault(key, []).insert(
+            0, value.encode() if isinstance(value, str) else value
+        )
+
+    def lindex(self, key: str, index: int) -> bytes | None:
+        items = self.lists.get(key, [])
+        return items[index] if -len(items) <= index < len(items) else None
+
+    def lrem(self, key: str, count: int, value: bytes) -> int:
+        items = self.lists.get(key, [])
+        for position in range(len(items) - 1, -1, -1):
+            if items[position] == value:
+                del items[position]
+                return 1
+        return 0
+
+
+@dataclass
+class Published:
+    """One message a fake publish port sent."""
+
+    task: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    options: dict[str, Any]
+
+
+@dataclass
+class Outbox:
+    """The publish ports of the runtime, recording instead of sending."""
+
+    tasks: list[Published] = field(default_factory=list)
+    raw: list[tuple[str, dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+    broken: BaseException | None = None
+
+    def publish(self, task: str, args: list[Any], kwargs: dict[str, Any], **options: Any) -> None:
+        if self.broken is not None:
+            raise self.broken
+        self.tasks.append(Published(task, list(args), dict(kwargs), options))
+
+    def publish_raw(self, queue: str, payload: dict[str, Any], headers: dict[str, Any]) -> None:
+        self.raw.append((queue, payload, headers))

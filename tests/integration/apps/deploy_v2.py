@@ -1,0 +1,26 @@
+"""Version 2 of the "deploys" app: a new task, and a new argument of an old one."""
+
+from __future__ import annotations
+
+from celery_ledger import create_app
+from tasks.effects import record_effect
+
+app = create_app("deploys")
+
+
+@app.task(name="deploys.whoami", idempotency_key="{token}")
+def whoami(token: str) -> str:
+    record_effect("whoami-deploys", token)
+    return "deploys"
+
+
+@app.task(name="deploys.greet", idempotency_key="{token}")
+def greet(token: str, greeting: str = "hello") -> str:
+    record_effect("greet", token)
+    return greeting
+
+
+@app.task(name="deploys.new_feature", idempotency_key="{token}")
+def new_feature(token: str) -> str:
+    record_effect("new_feature", token)
+    return "new"

@@ -1,0 +1,177 @@
+"""Several apps on one broker, and rolling deploys: each app's workers take only its own jobs,
+and a job no worker can run yet waits for one that can instead of dying."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_ledger import LedgerCelery, Settings, State, create_app
+from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
+from celery_ledger.keys import derive_task_id
+
+from .helpers import effect_count, wait_for
+
+StartWorker = Callable[..., WorkerProcess]
+
+
+@pytest.fixture
+def start_worker(stack: EmbeddedStack, tmp_path: Path) -> Iterator[StartWorker]:
+    """Workers of other app modules on the session's servers (stopped after the test)."""
+    started: list[WorkerProcess] = []
+
+    def start(module: str, namespace: str, name: str, **env: str) -> WorkerProcess:
+        other = EmbeddedStack(
+            module,
+            tmp_path,
+            broker=stack.broker,
+            ledger=stack.ledger,
+            queue_namespace=namespace,
+        )
+        worker = other.start_worker(
+            other.queues_of(), concurrency=1, name=f"{name}@127.0.0.1", env=env
+        )
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+def producer(stack: EmbeddedStack, name: str, **settings: Any) -> LedgerCelery:
+    assert stack.broker is not None and stack.ledger is not None
+    return create_app(
+        name,
+        settings=Settings(
+            broker_url=stack.broker.url,
+            mongo_uri=stack.ledger.url,
+            mongo_db="ledger_tests",
+            **settings,
+        ),
+        set_as_current=False,
+    )
+
+
+def dead_records(app: LedgerCelery, ids: list[str]) -> list[str]:
+    return [i for i in ids if (app.ledger.resolve(i) or {}).get("state") == State.DEAD.value]
+
+
+def test_two_apps_on_one_broker_never_take_each_others_jobs(
+    stack: EmbeddedStack, start_worker: StartWorker
+) -> None:
+    # Given two apps on one broker, each with a task "deploys.whoami" of the default tier
+    start_worker("tests.integration.apps.deploy_v1", "deploys", "deploys-1")
+    start_worker("tests.integration.apps.other", "other_tests", "other-1")
+    deploys = producer(stack, "deploys")
+    other = producer(stack, "other_tests", ledger_collection="other_ledger")
+    tokens = [uuid.uuid4().hex[:10] for _ in range(10)]
+    # When each publishes jobs to its default tier
+    results_ours = [
+        deploys.send_task(
+            "deploys.whoami",
+            (t,),
+            queue=deploys.tiers.queue("default"),
+            headers={"ledger_key": t},
+        ).get(timeout=30)
+        for t in tokens
+    ]
+    theirs_results = [
+        other.send_task(
+            "deploys.whoami",
+            (t,),
+            queue=other.tiers.queue("default"),
+            headers={"ledger_key": t},
+        ).get(timeout=30)
+        for t in tokens
+    ]
+    # Then every job ran on its own app's workers, once
+    assert results_ours == ["deploys"] * len(tokens)
+    assert theirs_results == ["other_tests"] * len(tokens)
+    assert all(effect_count("whoami-deploys", t) == 1 for t in tokens)
+    assert all(effect_count("whoami-other", t) == 1 for t in tokens)
+    deploys.close()
+    other.close()
+
+
+def test_a_rolling_deploy_runs_a_new_task_once_and_dead_letters_nothing(
+    stack: EmbeddedStack, start_worker: StartWorker
+) -> None:
+    assert stack.broker is not None
+    # Given only workers of version 1 (no new_feature task, greet without its new argument)
+    start_worker("tests.integration.apps.deploy_v1", "deploys", "old-1")
+    app = producer(stack, "deploys")
+    token = uuid.uuid4().hex[:10]
+    # When version 2's producers publish a new task and a call with the new argument
+    new = app.send_task(
+        "deploys.new_feature",
+        (token,),
+        queue=app.tiers.queue("default"),
+        headers={"ledger_key": token},
+    )
+    greet = app.send_task(
+        "deploys.greet",
+        (token, "hi"),
+        queue=app.tiers.queue("critical"),
+        headers={"ledger_key": token},
+    )
+    # Then the old workers put both off, as sent, instead of killing them
+    delayed = redis.Redis.from_url(stack.broker.url)
+
+    def held() -> set[str]:
+        members = [m.decode() for m in delayed.zrange(app.runtime.delayed.key, 0, -1)]
+        return {i for i in (new.id, greet.id) if any(i in m for m in members)}
+
+    wait_for(lambda: held() == {new.id, greet.id}, what="both held for a worker that can")
+    time.sleep(20)  # the deploy takes its time
+    # and once a version 2 worker is up, each runs exactly once
+    start_worker("tests.integration.apps.deploy_v2", "deploys", "new-1")
+    # (an old worker may take a message again and put it off once more: both still run)
+    assert new.get(timeout=90) == "new"
+    assert greet.get(timeout=90) == "hi"
+    assert effect_count("new_feature", token) == 1
+    assert effect_count("greet", token) == 1
+    # and nothing was dead-lettered on the way
+    assert dead_records(app, [new.id, greet.id]) == []
+    assert delayed.llen(app.dead_letters.poison_key) == 0
+    assert delayed.llen(app.tiers.dead_letter_queue) == 0
+    app.close()
+
+
+def test_a_task_no_worker_ever_knows_is_dead_after_the_window(
+    stack: EmbeddedStack, start_worker: StartWorker
+) -> None:
+    start_worker(
+        "tests.integration.apps.deploy_v1",
+        "deploys",
+        "window-1",
+        LEDGER_UNRUNNABLE_WINDOW_SECONDS="4",
+    )
+    app = producer(stack, "deploys")
+    token = uuid.uuid4().hex[:10]
+    result = app.send_task(
+        "deploys.never_deployed",
+        (token,),
+        queue=app.tiers.queue("default"),
+        headers={"ledger_key": token},
+    )
+    record_id = derive_task_id("deploys.never_deployed", token)
+    record = wait_for(
+        lambda: (
+            (doc := app.ledger.find_raw(record_id)) is not None
+            and doc.get("state") == State.DEAD.value
+            and doc
+        ),
+        timeout=40,
+        what="the unknown task dead-lettered after its window",
+    )
+    assert record["dead_reason"].startswith("unknown task 'deploys.never_deployed'")
+    assert record["death"] == "unknown-task"
+    assert app.ledger.resolve(result.id)["_id"] == record_id  # its message id finds it
+    app.close()

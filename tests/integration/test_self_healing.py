@@ -1,0 +1,123 @@
+"""Self-healing without celery beat or an operator: a job whose whole worker is SIGKILLed comes
+back by itself on another live worker, from its last checkpoint.
+
+The workers' own housekeeping runs the reconciler (one sweeper at a time, a lease lock in
+Redis): once the dead holder's lease has ended, the sweeper puts the job's unacknowledged
+message back on its queue, and a live worker takes the job over with a higher fencing token.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pymongo import MongoClient
+
+from celery_ledger import Settings, State, create_app
+from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
+
+from .conftest import NAMESPACE, make_isolated_stack
+from .helpers import shared_task, wait_for
+
+LEASE = 3.0
+SWEEP_EVERY = 1.0
+GRACE = 1.0
+N_DOCS = 3000
+HEALING = {
+    "LEDGER_LEASE_SECONDS": str(LEASE),
+    "LEDGER_RECONCILE_EVERY_SECONDS": str(SWEEP_EVERY),
+    "LEDGER_RECONCILE_LEASE_GRACE_SECONDS": str(GRACE),
+    # kombu itself would only redeliver the message after an hour
+    "LEDGER_VISIBILITY_TIMEOUT_SECONDS": "3600",
+    "LEDGER_RECONCILE_IN_WORKERS": "true",
+}
+
+
+@pytest.fixture
+def isolated(tmp_path: Path, stack: Any) -> Iterator[EmbeddedStack]:
+    running = make_isolated_stack(tmp_path)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def worker(isolated: EmbeddedStack, name: str) -> WorkerProcess:
+    return isolated.start_worker(
+        isolated.queues_of("default"), concurrency=1, name=f"{name}@127.0.0.1", env=HEALING
+    )
+
+
+def test_a_job_whose_whole_worker_is_killed_twice_resumes_by_itself(
+    isolated: EmbeddedStack,
+) -> None:
+    assert isolated.broker is not None and isolated.ledger is not None
+    producer = create_app(
+        "healing_producer",
+        settings=Settings(
+            broker_url=isolated.broker.url,
+            mongo_uri=isolated.ledger.url,
+            mongo_db="ledger_tests",
+            queue_namespace=NAMESPACE,
+        ),
+        set_as_current=False,
+    )
+    backfill = shared_task(producer, "tests.integration.ledger_app.backfill_docs")
+    world = MongoClient(isolated.ledger.url, tz_aware=True).get_database("reference_world")
+    token = f"heal-{random.randint(0, 10**9)}"
+    world.get_collection(f"source_{token}").insert_many(
+        [{"_id": i, "payload": i} for i in range(N_DOCS)]
+    )
+    workers = {name: worker(isolated, name) for name in ("w1", "w2")}
+
+    def reads() -> int:
+        return sum(d["n"] for d in world.effects.find({"kind": "read", "key": token}))
+
+    def record() -> Any:
+        return producer.ledger.get(backfill.name, token)
+
+    # Given a long checkpointed job (30 batches of 100, 0.25 s each) and no beat running
+    result = backfill.apply_async((token,), kwargs={"batch_size": 100, "pause": 0.25})
+    fence = 0
+    for kill in range(2):
+        running = wait_for(
+            lambda f=fence: (
+                (r := record()) is not None and r.state is State.RUNNING and r.fence > f and r
+            ),
+            timeout=60,
+            what=f"the job running (before kill {kill + 1})",
+        )
+        target = reads() + random.randint(1, 8) * 100
+        wait_for(lambda t=target: reads() >= t, timeout=60, what="progress")
+        # When the whole worker holding it dies (a host crash): pool and main process
+        holder = str(running.lease_owner).split("@", 1)[0]
+        workers[holder].kill()
+        killed_at = time.monotonic()
+        # Then a live worker takes it over by itself, within about lease + sweep interval
+        taken = wait_for(
+            lambda f=running.fence: (
+                (r := record()) is not None and r.state is State.RUNNING and r.fence > f and r
+            ),
+            timeout=LEASE + GRACE + SWEEP_EVERY + 20,
+            what="another worker taking the job over",
+        )
+        print(f"kill {kill + 1}: taken over after {time.monotonic() - killed_at:.1f}s")
+        assert str(taken.lease_owner).split("@", 1)[0] != holder
+        workers[holder] = worker(isolated, holder)  # the host comes back (for the next kill)
+        fence = running.fence
+
+    # And the job finishes, every document processed once, resumed from its checkpoints
+    assert result.get(timeout=120) > 0
+    final = record()
+    assert final.state is State.SUCCEEDED and final.attempts == 3
+    processed = world.processed.count_documents({"_id": {"$regex": f"^{token}:"}})
+    assert processed == N_DOCS
+    assert N_DOCS <= reads() <= N_DOCS + 2 * 100  # at most the batch in flight, per kill
+    assert final.model_dump().get("lease_owner") is None
+    reconciled = producer.ledger.find_raw(final.id)
+    assert reconciled is not None and reconciled.get("reconciled", 0) >= 2
+    producer.close()

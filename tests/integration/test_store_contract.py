@@ -1,0 +1,391 @@
+"""The ledger store's protocol, one contract for the real store (SecantusDB) and the in-memory
+one the unit tests use (``tests/fakes.py``): the same scenarios must pass on both, so the fake
+cannot drift from the store it stands in for. A controllable clock drives leases on both."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from pymongo.errors import BulkWriteError
+
+from celery_ledger import LeaseLost, LedgerUnavailable, State
+from celery_ledger.ledger import ClaimOutcome, Ledger
+from celery_ledger.ledger.dead import DeadJob
+from celery_ledger.ledger.message import KeptMessage
+from celery_ledger.ledger.record import ErrorEntry
+from celery_ledger.ledger.store import (
+    EnqueueOutcome,
+    Fenced,
+    HeldBy,
+    Unchanged,
+    Unclaimed,
+    new_op,
+    utcnow,
+)
+from tests.fakes import Clock, MemoryLedger
+
+TASK = "t"
+
+
+@pytest.fixture(params=["store", "memory"])
+def world(request: pytest.FixtureRequest, stack: Any) -> Iterator[tuple[Any, Clock]]:
+    clock = Clock(utcnow())
+    if request.param == "memory":
+        yield (
+            MemoryLedger(clock=clock, lease_seconds=60, max_deliveries=3, error_history_limit=3),
+            clock,
+        )
+        return
+    store = Ledger(
+        uri=stack.ledger.url,
+        database="ledger_contract_tests",
+        lease_seconds=60,
+        max_deliveries=3,
+        error_history_limit=3,
+        clock=clock,
+    )
+    store.ensure_indexes()
+    yield store, clock
+    store.close()
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def claim(ledger: Any, record_id: str, owner: str = "w:1", **options: Any) -> Any:
+    return ledger.claim(record_id, task=TASK, key=record_id, tier="default", owner=owner, **options)
+
+
+def dead(reason: str = "permanent error: boom") -> DeadJob:
+    return DeadJob.of_reason(
+        "failed", reason, task=TASK, message=KeptMessage.of_call([1], {}, message_headers={})
+    )
+
+
+def error() -> ErrorEntry:
+    return ErrorEntry(type="X", message="failed", at=utcnow())
+
+
+def test_claim_outcomes_for_each_state(world: tuple[Any, Clock]) -> None:
+    ledger, _clock = world
+    record_id = new_id()
+    first = claim(ledger, record_id)
+    assert first.outcome is ClaimOutcome.CLAIMED
+    busy = claim(ledger, record_id, "w:2")
+    assert busy.outcome is ClaimOutcome.BUSY and busy.retry_at is not None
+    ledger.complete(record_id, first.fence, "1", op=new_op())
+    assert claim(ledger, record_id).outcome is ClaimOutcome.DUPLICATE
+    assert ledger.find_raw(record_id)["duplicates"] == 1
+    other = new_id()
+    held = claim(ledger, other)
+    ledger.bury(
+        other, dead(), match=Fenced(held.fence, new_op()), task=TASK, key=other, tier="default"
+    )
+    assert claim(ledger, other).outcome is ClaimOutcome.DEAD
+
+
+def test_a_stale_holder_cannot_overwrite_the_new_holder(world: tuple[Any, Clock]) -> None:
+    ledger, clock = world
+    record_id = new_id()
+    first = claim(ledger, record_id, "a:1")
+    clock.advance(61)
+    second = claim(ledger, record_id, "b:2")
+    assert second.outcome is ClaimOutcome.CLAIMED and second.fence > first.fence
+
+    for write in (
+        lambda: ledger.complete(record_id, first.fence, '"from A"', op=new_op()),
+        lambda: ledger.record_retry(
+            record_id, first.fence, error(), retry_at=utcnow(), op=new_op()
+        ),
+        lambda: ledger.release(record_id, first.fence, op=new_op()),
+        lambda: ledger.heartbeat(record_id, first.fence),
+        lambda: ledger.save_checkpoint(record_id, first.fence, {"at": 1}),
+        lambda: ledger.bury(
+            record_id,
+            dead(),
+            match=Fenced(first.fence, new_op()),
+            task=TASK,
+            key=record_id,
+            tier="d",
+        ),
+    ):
+        with pytest.raises(LeaseLost):
+            write()
+    # and a retirement by the old holder's worker does nothing
+    assert not ledger.bury(
+        record_id, dead(), match=HeldBy("a:1"), task=TASK, key=record_id, tier="default"
+    )
+    ledger.complete(record_id, second.fence, '"from B"', op=new_op())
+    assert ledger.get_by_id(record_id).result == "from B"  # type: ignore[union-attr]
+
+
+def test_an_outcome_write_repeated_after_a_lost_reply_recognises_itself(
+    world: tuple[Any, Clock],
+) -> None:
+    ledger, _ = world
+    for write in ("complete", "release", "record_retry", "bury"):
+        record_id = new_id()
+        fence = claim(ledger, record_id).fence
+        op = new_op()
+
+        def again(
+            write: str = write, record_id: str = record_id, fence: int = fence, op: str = op
+        ) -> None:
+            if write == "complete":
+                ledger.complete(record_id, fence, "1", op=op)
+            elif write == "release":
+                ledger.release(record_id, fence, op=op)
+            elif write == "record_retry":
+                ledger.record_retry(record_id, fence, error(), retry_at=utcnow(), op=op)
+            else:
+                match = Fenced(fence, op)
+                ledger.bury(record_id, dead(), match=match, task=TASK, key=record_id, tier="d")
+
+        again()
+        again()  # the same write again: its own, not a lost lease
+        if write in ("release", "record_retry"):  # claimable again: a newer claim takes over
+            claim(ledger, record_id, "w:2")
+            again()  # still its own write, not a lost lease
+        with pytest.raises(LeaseLost):  # another write of the same holder is refused
+            ledger.release(record_id, fence, op=new_op())
+
+
+def test_retries_are_claimable_and_keep_a_bounded_error_history(world: tuple[Any, Clock]) -> None:
+    ledger, _ = world
+    record_id = new_id()
+    for _ in range(5):
+        fence = claim(ledger, record_id).fence
+        ledger.record_retry(record_id, fence, error(), retry_at=utcnow(), op=new_op(), retries=2)
+    record = ledger.get_by_id(record_id)
+    assert record.state is State.RETRYING and record.attempts == 5  # type: ignore[union-attr]
+    assert len(record.errors) == 3  # type: ignore[union-attr]
+    assert ledger.find_raw(record_id)["message"]["headers"]["retries"] == 2
+
+
+def test_lost_deliveries_and_the_attempts_budget_kill_at_the_claim(
+    world: tuple[Any, Clock],
+) -> None:
+    ledger, clock = world
+    poison = new_id()
+    for _ in range(3):
+        assert claim(ledger, poison).outcome is ClaimOutcome.CLAIMED
+        clock.advance(61)  # the worker died: no outcome
+    killed = claim(ledger, poison)
+    assert killed.outcome is ClaimOutcome.DEAD and killed.killed
+    assert ledger.find_raw(poison)["death"] == "poison"
+    budget = new_id()
+    fence = claim(ledger, budget, max_attempts=1).fence
+    ledger.release(budget, fence, op=new_op())
+    assert claim(ledger, budget, max_attempts=1).killed
+    assert ledger.find_raw(budget)["death"] == "retired"
+
+
+def test_a_record_of_another_job_is_a_conflict_never_claimed(world: tuple[Any, Clock]) -> None:
+    ledger, _ = world
+    record_id = new_id()
+    claim(ledger, record_id)
+    conflict = ledger.claim(record_id, task="other", key=record_id, tier="default", owner="w:2")
+    assert conflict.outcome is ClaimOutcome.CONFLICT
+    assert ledger.find_raw(record_id)["task"] == TASK
+
+
+def test_an_alias_names_its_job(world: tuple[Any, Clock]) -> None:
+    ledger, _ = world
+    record_id, alias = new_id(), new_id()
+    fence = claim(ledger, record_id, alias=alias).fence
+    ledger.complete(record_id, fence, '"done"', op=new_op())
+    assert ledger.get_by_id(alias).result == "done"  # type: ignore[union-attr]
+    assert ledger.resolve(alias)["_id"] == record_id
+
+
+def test_the_dead_write_of_a_job_nobody_runs(world: tuple[Any, Clock]) -> None:
+    ledger, _ = world
+    fresh = new_id()
+    assert ledger.bury(fresh, dead(), match=Unclaimed(), task=TASK, key=fresh, tier="bulk")
+    assert ledger.find_raw(fresh)["state"] == State.DEAD
+    assert not ledger.bury(fresh, dead(), match=Unclaimed(), task=TASK, key=fresh, tier="bulk")
+    # a live job is never killed by a poison copy: the copy is only noted
+    live = new_id()
+    claim(ledger, live)
+    assert not ledger.bury(live, dead(), match=Unclaimed(), task=TASK, key=live, tier="bulk")
+    assert ledger.find_raw(live)["state"] == State.RUNNING
+    assert ledger.find_raw(live)["quarantined"] == 1
+    # a waiting one is, when asked (a revoke)
+    waiting = new_id()
+    ledger.enqueue(waiting, task=TASK, key=waiting, tier="bulk", message=KeptMessage())
+    assert ledger.bury(
+        waiting, dead(), match=Unclaimed(kill_waiting=True), task=TASK, key=waiting, tier="bulk"
+    )
+    # a kill at the claim applies only to the record as it was read
+    read = new_id()
+    claim(ledger, read)
+    assert not ledger.bury(
+        read, dead(), match=Unchanged(fence=1, state="running"), task=TASK, key=read, tier="d"
+    )
+
+
+def test_enqueue_tells_new_known_and_unpublished_jobs_apart(world: tuple[Any, Clock]) -> None:
+    ledger, clock = world
+    record_id = new_id()
+    message = KeptMessage.of_call([1], {}, message_headers={"ledger_key": record_id})
+
+    def enqueue():
+        return ledger.enqueue(record_id, task=TASK, key=record_id, tier="bulk", message=message)
+
+    assert enqueue() is EnqueueOutcome.NEW
+    assert enqueue() is EnqueueOutcome.KNOWN
+    ledger.mark_unpublished(record_id)
+    assert enqueue() is EnqueueOutcome.UNPUBLISHED
+    # the reconciler sees an unpublished job at once, not after its stale time
+    clock.advance(1)
+    assert record_id in [d["_id"] for d in ledger.stale(State.QUEUED, older_than_seconds=0.5)]
+    assert claim(ledger, record_id).outcome is ClaimOutcome.CLAIMED
+
+
+def test_the_reconcilers_views_and_its_mark(world: tuple[Any, Clock]) -> None:
+    ledger, clock = world
+    record_id = new_id()
+    claim(ledger, record_id)
+    clock.advance(60 + 11)
+    [doc] = [d for d in ledger.expired_leases(grace_seconds=10) if d["_id"] == record_id]
+    assert ledger.mark_reconciled(doc)
+    assert not ledger.mark_reconciled(doc)  # a second sweep
+    # out of view for a grace period, and claimable by the republished copy
+    assert record_id not in [d["_id"] for d in ledger.expired_leases(grace_seconds=10)]
+    assert claim(ledger, record_id, "w:2").outcome is ClaimOutcome.CLAIMED
+
+
+def test_a_sweep_never_cuts_a_lease_renewed_since_it_read_the_record(
+    world: tuple[Any, Clock],
+) -> None:
+    ledger, clock = world
+    record_id = new_id()
+    fence = claim(ledger, record_id).fence
+    clock.advance(60 + 11)
+    [doc] = [d for d in ledger.expired_leases(grace_seconds=10) if d["_id"] == record_id]
+    ledger.heartbeat(record_id, fence)  # the holder was only slow: it renews its lease
+    assert not ledger.mark_reconciled(doc)
+    assert claim(ledger, record_id, "w:2").outcome is ClaimOutcome.BUSY
+
+
+def test_replay_and_purge(world: tuple[Any, Clock]) -> None:
+    ledger, _ = world
+    record_id = new_id()
+    ledger.bury(record_id, dead(), match=Unclaimed(), task=TASK, key=record_id, tier="bulk")
+    reopened = ledger.reopen(record_id, actor="ops")
+    assert reopened is not None and ledger.find_raw(record_id)["state"] == State.QUEUED
+    assert ledger.reopen(record_id, actor="ops") is None
+    ledger.undo_reopen(record_id, reopened)
+    assert ledger.find_raw(record_id)["state"] == State.DEAD
+    assert ledger.purge([record_id], actor="ops") == 1
+    assert record_id not in [d["_id"] for d in ledger.find_dead()]
+    assert ledger.reopen(record_id, actor="ops") is None  # nothing kept to replay
+    assert claim(ledger, record_id).outcome is ClaimOutcome.DEAD  # the tombstone holds
+
+
+# -- the real store only ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store(stack: Any) -> Ledger:
+    ledger = Ledger(uri=stack.ledger.url, database="ledger_contract_tests", lease_seconds=0.5)
+    ledger.ensure_indexes()
+    return ledger
+
+
+def test_twenty_concurrent_claims_grant_exactly_one_lease(store: Ledger) -> None:
+    record_id = new_id()
+    with ThreadPoolExecutor(20) as pool:
+        outcomes = list(pool.map(lambda i: claim(store, record_id, f"w:{i}").outcome, range(20)))
+    assert outcomes.count(ClaimOutcome.CLAIMED) == 1
+    assert outcomes.count(ClaimOutcome.BUSY) == 19
+
+
+def test_a_write_concern_error_on_the_claim_is_never_read_as_a_duplicate(
+    store: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a claim that matched a record but whose write concern was not confirmed
+    def unconfirmed(*args: Any, **kwargs: Any) -> None:
+        raise BulkWriteError(
+            {
+                "writeErrors": [],
+                "writeConcernErrors": [{"code": 64, "errmsg": "waiting for replication"}],
+                "nMatched": 1,
+                "nModified": 1,
+                "nUpserted": 0,
+            }
+        )
+
+    monkeypatch.setattr(type(store.collection), "bulk_write", unconfirmed)
+    # Then the outcome is unknown (the delivery is put off), never "already succeeded"
+    with pytest.raises(LedgerUnavailable, match="outcome unknown"):
+        claim(store, new_id())
+
+
+def test_without_a_ttl_index_expire_deletes_only_records_past_their_expiry(stack: Any) -> None:
+    database = f"expiry_{uuid.uuid4().hex[:8]}"
+    ttl = Ledger(uri=stack.ledger.url, database=database)
+    ttl.ensure_indexes()
+    # Switching off the TTL index replaces it by a plain one (MongoDB refuses both at once)
+    swept = Ledger(uri=stack.ledger.url, database=database, ttl_index=False)
+    swept.ensure_indexes()
+    indexes = swept.collection.index_information()
+    assert "retention" not in indexes
+    assert "expireAfterSeconds" not in indexes["retention_sweep"]
+
+    a, b = new_id(), new_id()
+    for record_id in (a, b):
+        fence = claim(swept, record_id).fence
+        swept.complete(record_id, fence, "1", op=new_op())
+    swept.collection.update_one({"_id": a}, {"$set": {"expires_at": utcnow()}})
+    time.sleep(0.01)
+
+    assert swept.expire() == 1
+    assert swept.find_raw(a) is None
+    assert swept.get_by_id(b) is not None
+    # And back: the TTL index returns
+    ttl.ensure_indexes()
+    assert ttl.collection.index_information()["retention"]["expireAfterSeconds"] == 0
+    ttl.client.drop_database(database)
+
+
+def test_a_transaction_a_dead_worker_left_never_locks_its_job_for_good(store: Ledger) -> None:
+    # Given a worker killed inside an atomic step: its transaction wrote the job's record and
+    # was never committed or aborted (SecantusDB keeps it, and its lock, until it is reaped)
+    record_id = new_id()
+    fence = claim(store, record_id).fence
+    child = f"""
+from pymongo import MongoClient
+import subprocess
+import sys
+import time
+client = MongoClient({store.uri!r})
+session = client.start_session()
+session.start_transaction()
+client[{store.database_name!r}][{store.collection_name!r}].update_one(
+    {{"_id": {record_id!r}}}, {{"$set": {{"steps.charge": {{"result": "1"}}}}}}, session=session
+)
+print("written", flush=True)
+time.sleep(600)
+"""
+    worker = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE)
+    try:
+        assert worker.stdout is not None and worker.stdout.readline() == b"written\n"
+    finally:
+        worker.kill()
+        worker.wait()
+    # When the workers' housekeeping reaps abandoned transactions past their 60 s lifetime
+    time.sleep(61)
+    store.reap_abandoned_transactions()
+    # Then the job's record takes writes again: the job can finish
+    store.complete(record_id, fence, '"done"', op=new_op())
+    assert store.get_by_id(record_id).result == "done"  # type: ignore[union-attr]
+    assert "steps" not in store.find_raw(record_id)  # the abandoned write was rolled back

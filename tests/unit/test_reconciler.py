@@ -1,0 +1,221 @@
+"""The reconciler's choices, without servers: what it restores, republishes, leaves alone or
+skips, over an in-memory ledger and a fake view of the broker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from celery_ledger import Settings
+from celery_ledger.broker import Unacked
+from celery_ledger.crypto import Sealer
+from celery_ledger.errors import StoreError
+from celery_ledger.keys import derive_task_id
+from celery_ledger.ledger.message import KeptMessage
+from celery_ledger.ledger.record import State
+from celery_ledger.reconciler import Reconciler
+from celery_ledger.routing import TIERS, Tiers
+from tests.fakes import Clock, MemoryLedger, Outbox
+
+TASK = "shop.charge"
+OLD_KEY = "AcKyJ2oLnrAAy_LZcIqJcLFxu0NMYeTJnp7JIrpzIs4="
+NEW_KEY = "0qFzQc5xoZQhPWiz7RlXDGRcus0k650e5VRXFgPRCH8="
+
+
+@dataclass
+class FakeBroker:
+    unacked_messages: dict[str, Unacked] = field(default_factory=dict)
+    waiting_ids: set[str] = field(default_factory=set)
+    restored: list[str] = field(default_factory=list)
+
+    def unacked(self) -> dict[str, Unacked]:
+        return dict(self.unacked_messages)
+
+    def waiting(self) -> set[str]:
+        return set(self.waiting_ids)
+
+    def restore(self, message: Unacked) -> bool:
+        self.restored.append(message.tag)
+        return True
+
+
+@dataclass
+class FakeLock:
+    held: bool = True
+
+    def acquire(self) -> int | None:
+        return 7 if self.held else None
+
+
+class World:
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.ledger = MemoryLedger(clock=self.clock, lease_seconds=60)
+        self.broker = FakeBroker()
+        self.outbox = Outbox()
+        self.lock = FakeLock()
+        self.sealer = Sealer([NEW_KEY])
+        self.runtime = SimpleNamespace(
+            ledger=self.ledger,
+            settings=Settings(reconcile_lease_grace_seconds=10, reconcile_stale_after_seconds=900),
+            sealer=self.sealer,
+            tiers=Tiers(TIERS, default="default"),
+            publish=self.outbox.publish,
+            tier_of=lambda name: "critical" if name == TASK else None,
+        )
+        self.reconciler = Reconciler(self.runtime, self.broker, self.lock)  # type: ignore[arg-type]
+
+    def running_job(self, key: str, **headers: Any) -> str:
+        """A job claimed by a worker that then died (no heartbeat: the lease runs out)."""
+        record_id = derive_task_id(TASK, key)
+        message = KeptMessage.of_call(
+            [7], {}, message_headers={"ledger_key": key, "ledger_enqueued_at": 5.0, **headers}
+        )
+        self.ledger.claim(
+            record_id, task=TASK, key=key, tier="critical", owner="dead:1", message=message
+        )
+        return record_id
+
+
+@pytest.fixture
+def world() -> World:
+    return World()
+
+
+def test_a_dead_workers_job_is_restored_from_the_unacked_set(world: World) -> None:
+    record_id = world.running_job("k1")
+    world.broker.unacked_messages[record_id] = Unacked("tag-1", "critical", b"{}")
+    world.clock.advance(60 + 11)
+
+    report = world.reconciler.sweep()
+
+    assert report.expired_leases == 1 and report.restored_from_broker == 1
+    assert world.broker.restored == ["tag-1"] and world.outbox.tasks == []
+
+
+def test_a_job_whose_message_is_gone_is_republished_with_its_headers(world: World) -> None:
+    record_id = world.running_job("k1", retries=2)
+    world.clock.advance(71)
+
+    report = world.reconciler.sweep()
+
+    assert report.republished == 1
+    [sent] = world.outbox.tasks
+    assert (sent.task, sent.args, sent.kwargs) == (TASK, [7], {})
+    assert sent.options["task_id"] == record_id and sent.options["tier"] == "critical"
+    # the job keeps its age and its retry budget
+    assert sent.options["headers"]["ledger_enqueued_at"] == 5.0
+    assert sent.options["retries"] == 2
+    # and a second sweep does not publish it again (the record was marked)
+    assert world.reconciler.sweep().republished == 0
+
+
+def test_a_job_whose_lease_is_live_or_within_grace_is_left_alone(world: World) -> None:
+    world.running_job("k1")
+    world.clock.advance(65)  # past the lease, within the grace
+
+    assert world.reconciler.sweep().expired_leases == 0
+
+
+def test_a_stale_job_whose_message_still_waits_is_left_alone(world: World) -> None:
+    record_id = derive_task_id(TASK, "k2")
+    world.ledger.enqueue(
+        record_id,
+        task=TASK,
+        key="k2",
+        tier="critical",
+        message=KeptMessage.of_call([1], {}, message_headers={}),
+    )
+    world.broker.waiting_ids.add(record_id)
+    world.clock.advance(901)
+
+    report = world.reconciler.sweep()
+
+    assert report.stale_queued == 1 and report.still_waiting == 1
+    assert world.outbox.tasks == []
+
+
+def test_a_job_whose_first_publish_failed_is_published_on_the_next_sweep(world: World) -> None:
+    record_id = derive_task_id(TASK, "k3")
+    world.ledger.enqueue(
+        record_id,
+        task=TASK,
+        key="k3",
+        tier="critical",
+        message=KeptMessage.of_call([1], {}, message_headers={}),
+    )
+    world.ledger.mark_unpublished(record_id)
+    world.clock.advance(1)  # not 900 s: at once
+
+    report = world.reconciler.sweep()
+
+    assert report.republished == 1 and world.outbox.tasks[0].options["task_id"] == record_id
+
+
+def test_a_record_that_cannot_be_opened_is_counted_and_the_sweep_goes_on(world: World) -> None:
+    # Given a sensitive job sealed with a key since rotated out, and a healthy one
+    sealed = KeptMessage.of_call(
+        ["4242"], {}, message_headers={"ledger_key": "k-old"}, sealer=Sealer([OLD_KEY])
+    )
+    world.ledger.claim(
+        derive_task_id(TASK, "k-old"),
+        task=TASK,
+        key="k-old",
+        tier="critical",
+        owner="dead:1",
+        message=sealed,
+    )
+    world.running_job("k-ok")
+    world.clock.advance(71)
+
+    report = world.reconciler.sweep()
+
+    assert report.failed == 1 and report.republished == 1
+
+
+def test_a_job_of_a_task_not_registered_here_is_skipped(world: World) -> None:
+    record_id = derive_task_id("other.task", "k")
+    world.ledger.claim(
+        record_id,
+        task="other.task",
+        key="k",
+        tier="default",
+        owner="dead:1",
+        message=KeptMessage.of_call([], {}, message_headers={}),
+    )
+    world.clock.advance(71)
+
+    report = world.reconciler.sweep()
+
+    assert report.skipped == [record_id] and world.outbox.tasks == []
+    assert world.ledger.docs[record_id]["state"] == State.RUNNING
+
+
+def test_a_dry_run_changes_nothing(world: World) -> None:
+    world.running_job("k1")
+    world.clock.advance(71)
+
+    report = world.reconciler.sweep(dry_run=True)
+
+    assert report.expired_leases == 1 and world.outbox.tasks == []
+
+
+def test_only_the_holder_of_the_sweep_lock_sweeps(world: World) -> None:
+    world.running_job("k1")
+    world.clock.advance(71)
+    world.lock.held = False
+
+    assert world.reconciler.sweep_if_leader() is None
+    assert world.outbox.tasks == []
+    world.lock.held = True
+    report = world.reconciler.sweep_if_leader()
+    assert report is not None and report.republished == 1
+
+
+def test_a_ledger_error_reading_candidates_fails_the_sweep_loudly(world: World) -> None:
+    world.ledger.fail("expired_leases", StoreError("down"))
+    with pytest.raises(StoreError):
+        world.reconciler.sweep()
