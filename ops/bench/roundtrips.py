@@ -26,10 +26,8 @@ from celery.contrib.testing.worker import start_worker
 from pymongo import monitoring
 
 from celery_ledger import LedgerCelery, Settings, create_app
-from celery_ledger.ledger import Ledger
 
 from .common import (
-    Servers,
     median,
     print_header,
     print_table,
@@ -86,20 +84,17 @@ class DeliveryCommands(monitoring.CommandListener):
 
 
 @contextmanager
-def counting_worker(servers: Servers) -> Iterator[tuple[LedgerCelery, DeliveryCommands]]:
+def counting_worker(
+    broker_url: str, mongo_uri: str, mongo_db: str = "bench_roundtrips"
+) -> Iterator[tuple[LedgerCelery, DeliveryCommands]]:
+    """An app and an in-process solo worker whose ledger commands are counted per delivery
+    (the benchmark's and the round-trip test's one counter)."""
     settings = Settings(
-        broker_url=servers.broker.url,
-        mongo_uri=servers.ledger.url,
-        mongo_db="bench_roundtrips",
-        defer_poll_seconds=0.1,
+        broker_url=broker_url, mongo_uri=mongo_uri, mongo_db=mongo_db, defer_poll_seconds=0.1
     )
-    app = create_app("bench_roundtrips", settings=settings, set_as_current=False)
     listener = DeliveryCommands()
-    app.ledger = Ledger(
-        uri=settings.mongo_uri,
-        database=settings.mongo_db,
-        lease_seconds=settings.lease_seconds,
-        event_listeners=[listener],
+    app = create_app(
+        "bench_roundtrips", settings=settings, set_as_current=False, command_listeners=[listener]
     )
     failures: dict[str, int] = defaultdict(int)
 
@@ -206,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     config = {"worker": "in-process solo worker", "repeats": args.repeats}
     facts = print_header("roundtrips: ledger round trips per delivery", config)
     passes: list[dict[str, list[str]]] = []
-    with running_servers("bench-roundtrips") as servers, counting_worker(servers) as (app, lst):
+    with (
+        running_servers("bench-roundtrips") as servers,
+        counting_worker(servers.broker.url, servers.ledger.url) as (app, lst),
+    ):
         # A probe: the first delivery also creates the collection and its indexes.
         app.tasks["rt.happy"].apply_async(("probe",), queue=QUEUE).get(timeout=60)
         for _ in range(args.repeats):

@@ -41,7 +41,7 @@ class SoakReport:
     profile: str
     seed: int
     faults: dict[str, int]
-    repaired: dict[str, int]  # jobs the reconciler republished or restored (ledger)
+    repaired: dict[str, int]  # jobs the workers' reconciler brought back, and how often
     systems: dict[str, SystemReport]
     crashes: list[str]  # workers that exited by themselves (restarted by the soak)
     fault_log: list[str]
@@ -88,7 +88,10 @@ class SoakReport:
             rows,
         )
         if self.repaired:
-            console.print(f"ledger reconciler brought back: {self.repaired}", highlight=False)
+            console.print(
+                f"the ledger workers' own reconciler brought back: {self.repaired}",
+                highlight=False,
+            )
         console.print("fault timeline: " + "; ".join(self.fault_log), highlight=False)
         for crash in self.crashes:
             console.print(f"worker exited by itself (restarted): {crash}", highlight=False)

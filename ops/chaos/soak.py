@@ -41,10 +41,12 @@ from pymongo import MongoClient
 from redis import Redis
 
 from celery_ledger import LedgerCelery, Settings
+from celery_ledger.app import unacked_keys
 from celery_ledger.embedded.servers import ServerProcess, start_secantus, start_valkey
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 
 from ..bench.common import REPO, RESULTS, console, machine
+from .apps import plain_soak
 from .forensics import broker_fate, dead_letter_key, last_error, message_key
 from .plan import PROFILES, TIERS, Job, Profile, plan_jobs
 from .proxy import Proxy, ProxyLoop
@@ -140,11 +142,27 @@ class Soak:
             "LEDGER_UNAVAILABLE_BACKOFF_CAP_SECONDS": "3",
             "LEDGER_MONGO_TIMEOUT_MS": "2000",
             "LEDGER_DEDUPE_ON_PUBLISH": "true",
+            # The workers' own reconciler, one sweeper at a time: no beat, no operator
+            "LEDGER_RECONCILE_IN_WORKERS": "true",
+            "LEDGER_RECONCILE_EVERY_SECONDS": str(RECONCILE_EVERY_SECONDS),
+            "LEDGER_RECONCILE_STALE_AFTER_SECONDS": str(RECONCILE_STALE_AFTER_SECONDS),
+            "LEDGER_RECONCILE_LEASE_GRACE_SECONDS": str(self.profile.lease_seconds / 2),
         }
+
+    def queues(self, system: str) -> tuple[str, ...]:
+        """The tier queues of a system (celery-ledger's are named after its app)."""
+        if system == "ledger":
+            return self.ledger_app().tiers.queues
+        return tuple(plain_soak.queue_of(t) for t in TIERS)
+
+    def unacked_key(self, system: str) -> str:
+        if system == "ledger":
+            return unacked_keys(self.ledger_app().tiers.namespace).get("unacked_key", "unacked")
+        return "unacked"
 
     def start_worker(self, system: str, index: int | None = None) -> WorkerProcess:
         index = len(self.workers[system]) if index is None else index
-        queues = ",".join(TIERS) if system == "ledger" else ",".join(f"plain_{t}" for t in TIERS)
+        queues = ",".join(self.queues(system))
         worker = self.stacks[system].start_worker(
             queues,
             concurrency=self.profile.concurrency,
@@ -208,8 +226,6 @@ class Soak:
                 (job.key, job.kind, job.param), tier=job.tier
             )
         if "plain" in self.systems:
-            from .apps import plain_soak
-
             plain_broker = self.broker.url.rsplit("/", 1)[0] + "/1"
             plain_task = plain_soak.build(plain_broker).tasks["soak.work"]
             out["plain"] = lambda job: plain_task.apply_async(
@@ -233,25 +249,13 @@ class Soak:
             )
         return self._ledger_app
 
-    def reconcile_now_and_then(self, stop: threading.Event) -> None:
-        """What ``celery beat`` does in production: the reconciler, every few seconds."""
-        from celery_ledger.reconciler import reconcile
-
-        app = self.ledger_app()
-        while not stop.wait(RECONCILE_EVERY_SECONDS):
-            try:
-                report = reconcile(
-                    app,
-                    lease_grace_seconds=self.profile.lease_seconds / 2,
-                    stale_after_seconds=RECONCILE_STALE_AFTER_SECONDS,
-                )
-            except Exception as exc:  # a server under a fault: the next sweep tries again
-                self.log(f"reconcile failed: {exc!r}"[:200])
-                continue
-            if report.republished or report.restored_from_broker:
-                self.faults_repaired.update(
-                    republished=report.republished, restored=report.restored_from_broker
-                )
+    def brought_back(self) -> dict[str, int]:
+        """What the workers' own reconciler brought back (no beat, no operator)."""
+        records = self.ledger_app().ledger.collection
+        return {
+            "jobs": records.count_documents({"reconciled": {"$gt": 0}}),
+            "times": sum(d.get("reconciled", 0) for d in records.find({"reconciled": {"$gt": 0}})),
+        }
 
     def publish_all(self) -> None:
         publish = self.publishers()
@@ -424,8 +428,8 @@ class Soak:
     def broker_quiet(self, system: str) -> bool:
         db = 0 if system == "ledger" else 1
         with Redis.from_url(self.broker.url.rsplit("/", 1)[0] + f"/{db}") as redis:
-            queues = TIERS if system == "ledger" else [f"plain_{t}" for t in TIERS]
-            waiting = sum(int(redis.llen(q)) for q in queues) + int(redis.hlen("unacked"))
+            waiting = sum(int(redis.llen(q)) for q in self.queues(system))
+            waiting += int(redis.hlen(self.unacked_key(system)))
             if system == "ledger":
                 waiting += int(redis.zcard(LEDGER_DELAYED_KEY))
             return waiting == 0
@@ -435,12 +439,11 @@ class Soak:
         db = 0 if system == "ledger" else 1
         lines = []
         with Redis.from_url(self.broker.url.rsplit("/", 1)[0] + f"/{db}") as redis:
-            queues = TIERS if system == "ledger" else [f"plain_{t}" for t in TIERS]
-            for queue in queues:
+            for queue in self.queues(system):
                 items = redis.lrange(queue, 0, -1)
                 if items:
                     lines.append(f"queue {queue}: {[message_key(i) for i in items][:10]}")
-            unacked = redis.hgetall("unacked")
+            unacked = redis.hgetall(self.unacked_key(system))
             scores = dict(redis.zrange("unacked_index", 0, -1, withscores=True))
             for tag, raw in list(unacked.items())[:10]:
                 age = time.time() - scores.get(tag, 0.0)
@@ -541,9 +544,14 @@ class Soak:
             dead_keys = {str(d.get("key")) for d in dead_docs}
             reasons_ok = all("permanent error" in str(d.get("dead_reason")) for d in dead_docs)
             with Redis.from_url(self.broker.url) as redis:
-                poison = int(redis.llen("celery_ledger:poison"))
-                copies = {dead_letter_key(raw) for raw in redis.lrange("dead_letter", 0, -1)}
-            report.dead_letters_match = dead_keys == designed and reasons_ok and poison == 0
+                poison = int(redis.llen(self.ledger_app().dead_letters.poison_key))
+                queue = self.ledger_app().tiers.dead_letter_queue
+                copies = {dead_letter_key(raw) for raw in redis.lrange(queue, 0, -1)}
+            # every dead letter's copy reached the dead letters' queue (published later if the
+            # broker was away when the job died)
+            report.dead_letters_match = (
+                dead_keys == designed and reasons_ok and poison == 0 and copies >= designed
+            )
             report.dead_letter_detail = (
                 f"dead records {len(dead_keys)} (designed {len(designed)},"
                 f" extra {sorted(dead_keys - designed)[:5]}, missing"
@@ -589,11 +597,6 @@ class Soak:
             stop = threading.Event()
             supervisor = threading.Thread(target=self.supervise, args=(stop,), name="supervisor")
             supervisor.start()
-            reconciler = threading.Thread(
-                target=self.reconcile_now_and_then, args=(stop,), name="reconciler"
-            )
-            if "ledger" in self.systems:
-                reconciler.start()
             injector = threading.Thread(target=self.inject, name="chaos-faults")
             injector.start()
             try:
@@ -607,8 +610,8 @@ class Soak:
             finally:
                 stop.set()
                 supervisor.join()
-                if reconciler.is_alive():
-                    reconciler.join()
+                if "ledger" in self.systems:
+                    self.faults_repaired.update(self.brought_back())
                 if self._ledger_app is not None:
                     self._ledger_app.close()
             reports = {s: self.account(s, *drained[s]) for s in self.systems}

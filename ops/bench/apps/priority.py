@@ -22,6 +22,7 @@ def build(env: Mapping[str, str]) -> LedgerCelery:
         mongo_db=env.get("LEDGER_MONGO_DB", "bench_priority"),
         routing_rules={"bench.*": "default"} if naive else {},
         tier_limits={"bulk": {"high_water": 1_000_000}},
+        queue_namespace="",  # the benchmark's workers consume the bare tier names
     )
     app = create_app("bench_priority", settings=settings, set_as_current=False)
 
