@@ -89,7 +89,8 @@ def examples(ci_count: int) -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wide = settings.get_current_profile_name() == "wide"
     for item in items:
-        if is_hypothesis_test(getattr(item, "obj", None)):
+        # A state machine run by run_state_machine_as_test carries the props mark itself.
+        if is_hypothesis_test(getattr(item, "obj", None)) or item.get_closest_marker("props"):
             item.add_marker(pytest.mark.props)
             if wide:  # the per-test timeout grows with the number of examples
                 item.add_marker(pytest.mark.timeout(float(config.getini("timeout")) * WIDE_FACTOR))

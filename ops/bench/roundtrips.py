@@ -53,6 +53,13 @@ class Attempt:
     commands: list[str] = field(default_factory=list)
 
 
+# A new pooled connection's handshake and authentication (the pool opens one when another thread,
+# such as the worker's housekeeping, holds the idle one): not a round trip of the protocol.
+CONNECTION_SETUP = frozenset(
+    {"hello", "isMaster", "ismaster", "saslStart", "saslContinue", "authenticate", "getnonce"}
+)
+
+
 class DeliveryCommands(monitoring.CommandListener):
     """MongoDB commands issued by the worker thread while it runs a delivery."""
 
@@ -70,6 +77,8 @@ class DeliveryCommands(monitoring.CommandListener):
         self._current = None
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name in CONNECTION_SETUP:
+            return
         if self._current is not None and threading.get_ident() == self._thread:
             detail = event.command_name
             if event.command_name in ("update", "delete", "insert"):
