@@ -21,6 +21,7 @@ from celery_ledger.ledger.dead import DeadJob
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import LedgerRecord, State
 from celery_ledger.ledger.store import (
+    COPY_GRACE,
     EPOCH,
     FOREVER,
     BuryMatch,
@@ -359,6 +360,7 @@ class MemoryLedger:
                 **self._ended(now, FOREVER),
                 "finished_at": now,
                 "expires_at": now + self.dead_retention,
+                "copy_due_at": now + COPY_GRACE,
                 **copy.deepcopy(dead.fields()),
             }
         )
@@ -394,7 +396,11 @@ class MemoryLedger:
             applies = doc is not None and (
                 (doc.get("state") == State.RUNNING and doc.get("lease_owner") == match.owner)
                 if isinstance(match, HeldBy)
-                else (doc.get("fence") == match.fence and doc.get("state") == match.state)
+                else (
+                    doc.get("fence") == match.fence
+                    and doc.get("state") == match.state
+                    and match.claimable_at in (None, doc.get("claimable_at"))
+                )
             )
             if applies:
                 assert doc is not None
@@ -571,15 +577,17 @@ class MemoryLedger:
         doc = self.docs.get(record_id)
         if doc is not None:
             if pending:
-                doc["copy_pending"] = True
+                doc["copy_due_at"] = self.now()
             else:
-                doc.pop("copy_pending", None)
+                doc.pop("copy_due_at", None)
 
     def copies_pending(self, *, limit: int = 100) -> list[dict[str, Any]]:
         return [
             copy.deepcopy(d)
             for d in self.docs.values()
-            if d.get("state") == State.DEAD and d.get("copy_pending")
+            if d.get("state") == State.DEAD
+            and d.get("copy_due_at") is not None
+            and d["copy_due_at"] <= self.now()
         ][:limit]
 
     def count_dead(self) -> int:
@@ -600,6 +608,8 @@ class MemoryLedger:
             replayed_at=now,
             replays=doc.get("replays", 0) + 1,
         )
+        doc.pop("expires_at", None)
+        doc.pop("copy_due_at", None)
         return now
 
     def undo_reopen(self, record_id: str, reopened_at: datetime) -> None:
@@ -609,7 +619,13 @@ class MemoryLedger:
             and doc.get("state") == State.QUEUED
             and doc.get("replayed_at") == reopened_at
         ):
-            doc.update(state=State.DEAD.value, claimable_at=FOREVER, updated_at=self.now())
+            now = self.now()
+            doc.update(
+                state=State.DEAD.value,
+                claimable_at=FOREVER,
+                updated_at=now,
+                expires_at=now + self.dead_retention,
+            )
 
     def purge(self, record_ids: Sequence[str], *, actor: str) -> int:
         purged = 0
@@ -617,7 +633,7 @@ class MemoryLedger:
             doc = self.docs.get(record_id)
             if doc is not None and doc.get("state") == State.DEAD:
                 doc.update(purged_at=self.now(), purged_by=actor)
-                for name in ("message", "result", "errors", "traceback"):
+                for name in ("message", "result", "errors", "traceback", "copy_due_at"):
                     doc.pop(name, None)
                 purged += 1
         return purged

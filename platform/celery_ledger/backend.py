@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from celery import states
@@ -77,12 +78,12 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
             # A worker's revoke command, before any message of the job arrived: the task is
             # unknown here. Kill a ledger job that waits; the message, when it arrives, is
             # recorded with its task by the worker that drops it (as Celery did before 5.7).
-            self._revoked_by_id(task_id)
+            self._record_revocation(task_id, lambda: self._revoked_by_id(task_id))
             return result
         task = self.app.tasks.get(getattr(request, "task", None) or "")
         if isinstance(task, LedgerTask):
             if state == states.REVOKED:
-                self._revoked(task, task_id, request)
+                self._record_revocation(task_id, lambda: self._revoked(task, task_id, request))
             return result  # the guard records every outcome of a ledger job, fenced
         fields: dict[str, Any] = {
             "state": LEDGER_STATE.get(state, State.QUEUED).value,
@@ -94,6 +95,18 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
             fields["task"] = request.task
         self.ledger.store_plain(task_id, fields)
         return result
+
+    @staticmethod
+    def _record_revocation(task_id: str, record: Callable[[], None]) -> None:
+        """Record a revocation without ever raising: this runs in the worker's main process
+        (Celery's strategy marks a revoked message before acknowledging it), where an exception
+        ends the worker, and Celery's backend retries would sleep in its event loop. A job whose
+        revocation could not be recorded stays revoked in the workers' memory; a copy the
+        reconciler brings back later is revoked (and recorded) again."""
+        try:
+            record()
+        except Exception as exc:
+            logger.error("could not record the revocation of %s: %s", task_id, exc)
 
     def _revoked_by_id(self, task_id: str) -> None:
         doc = self.ledger.resolve(task_id)

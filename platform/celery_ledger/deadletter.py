@@ -88,11 +88,11 @@ class DeadLetters:
             letter.fingerprint,
             letter.fingerprint_text,
         )
-        if not self._copy(letter):
-            try:  # the workers' housekeeping publishes it later (copy_pending)
-                self._ledger.mark_copy_pending(letter.record_id, True)
-            except LedgerError as exc:
-                logger.warning("could not note the missing copy of %s: %s", letter.record_id, exc)
+        copied = self._copy(letter)
+        try:  # done; or due now, for the workers' housekeeping (copy_pending)
+            self._ledger.mark_copy_pending(letter.record_id, not copied)
+        except LedgerError as exc:  # it falls due by itself (COPY_GRACE)
+            logger.warning("could not note the copy of %s: %s", letter.record_id, exc)
         job = job or Job(str(letter.task), letter.tier, letter.record_id, letter.key)
         self._runtime.observers.dead(job, letter)
 
@@ -167,7 +167,8 @@ class DeadLetters:
         """Record one poison entry dead; returns (record id, whether this call recorded it).
 
         An entry the ledger cannot hold as it is, or that is not one of ours, is stored
-        sanitized instead, so that it never blocks the entries behind it.
+        sanitized instead (as its bytes, or, when even those are too large, as its size and
+        digest), so that it never blocks the entries behind it.
         """
         try:
             entry = json.loads(raw_entry)
@@ -185,7 +186,22 @@ class DeadLetters:
                 "raw_base64": base64.b64encode(data).decode(),
                 "raw_kind": "entry",
             }
-            return self._bury_poison(sanitized)
+            try:
+                return self._bury_poison(sanitized)
+            except StoreError as again:  # too large even so: its size and digest, not its bytes
+                digest = hashlib.sha256(data).hexdigest()
+                logger.error(
+                    "poison entry of %d bytes kept without its bytes: %s", len(data), again
+                )
+                return self._bury_poison(
+                    {
+                        "queue": "",
+                        "reason": f"unstorable poison entry ({len(data)} bytes, sha256 {digest}),"
+                        " kept without its bytes",
+                        "raw_base64": "",
+                        "raw_kind": "entry",
+                    }
+                )
 
     def _bury_poison(self, entry: dict[str, Any]) -> tuple[str, bool]:
         found = entry.get("headers")

@@ -210,7 +210,10 @@ class Guard:
     ) -> Verdict:
         """Run one delivery; ``unbound`` says why its arguments do not bind the body's
         signature (then it waits for a worker with a matching version: :meth:`unrunnable`)."""
-        if unbound is not None and self.oversized(delivery) is None:
+        problem = self.oversized(delivery)
+        if problem is not None:
+            return self._dead_before_claim(delivery, policy, body, problem, "oversized")
+        if unbound is not None:
             return self.unrunnable(delivery, policy, body, unbound)
         context = {"task_id": delivery.identity.message_id, "key": delivery.identity.key}
         breaker = self.runtime.breakers[policy.breaker] if policy.breaker else None
@@ -235,6 +238,9 @@ class Guard:
             )
         except LedgerUnavailable as exc:
             return self._ledger_unavailable_at_claim(delivery, body, exc)
+        except StoreError as exc:
+            reason = storable(f"the ledger refused the claim: {exc}")[:2000]
+            return self._dead_before_claim(delivery, policy, body, reason, "unstorable")
         if claim.outcome is ClaimOutcome.DUPLICATE:
             return self._duplicate(delivery)
         if claim.outcome is ClaimOutcome.DEAD:
@@ -387,6 +393,38 @@ class Guard:
             logger.warning("rate bucket %s unavailable (%s); running", policy.rate_bucket, exc)
             return 0.0
 
+    def _dead_before_claim(
+        self, delivery: Delivery, policy: TaskPolicy, body: Body, problem: str, group: str
+    ) -> Verdict:
+        """A message that must not (arguments over the limit, published around our API) or
+        cannot (the ledger refused its claim for good) be claimed is dead, unclaimed. (A claim
+        keeps the message on the record, which may be more than a document holds.) The message
+        is kept with the dead record when the ledger takes it, else left out."""
+        logger.error("%s: %s", delivery.record_id, problem)
+        sealer = self.runtime.sealer if policy.sensitive else None
+        identity = delivery.identity
+        for message in (delivery.kept(sealer), None):
+            dead = DeadJob.of_reason(
+                "failed", problem, task=identity.task, message=message, group=group
+            )
+            try:
+                buried = self.ledger.bury(
+                    delivery.record_id,
+                    dead,
+                    match=Unclaimed(),  # a live or finished job is only noted
+                    task=identity.task,
+                    key=identity.key,
+                    tier=delivery.tier,
+                )
+            except StoreError:
+                continue  # too large to keep: without it
+            except LedgerUnavailable as exc:
+                return self._ledger_unavailable_at_claim(delivery, body, exc)
+            if buried:
+                self.dead_letters.announce_record(delivery.record_id, job=delivery.job)
+            return Verdict.raises(PermanentError(problem))
+        return Verdict.requeue(f"could not record {problem}")
+
     def _ledger_unavailable_at_claim(
         self, delivery: Delivery, body: Body, exc: LedgerUnavailable
     ) -> Verdict:
@@ -528,7 +566,6 @@ class Attempt:
 
     def _run_body(self) -> Verdict:
         try:
-            self._check_payload_size()
             retval = self.body.run()
         except Interrupted:
             return self.interrupted()
@@ -842,12 +879,6 @@ class Attempt:
             redact=self.policy.sensitive,
             **extra,
         )
-
-    def _check_payload_size(self) -> None:
-        """Refuse a message whose arguments exceed the limit (published around our API)."""
-        problem = self.guard.oversized(self.delivery)
-        if problem is not None:
-            raise PermanentError(problem)
 
     def _expiry_reason(self) -> str | None:
         """Why the job must not run any more (its ``max_age_seconds``, or Celery's ``expires``

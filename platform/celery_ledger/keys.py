@@ -156,7 +156,7 @@ def identity_of(
     if key is None and key_of_arguments is not None:
         try:
             key = key_of_arguments()
-        except (PayloadError, ConfigurationError):
+        except Exception:  # the app's key function, on a message it did not expect: any error
             key = None
     if key is None:
         key = MESSAGE_ID_KEY_PREFIX + message_id

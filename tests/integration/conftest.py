@@ -173,3 +173,22 @@ def make_isolated_stack(base: Path) -> WatchedStack:
     running.start_servers()
     WATCH.watch(running)
     return running
+
+
+def producer_app(stack: EmbeddedStack, name: str, **settings: Any) -> Any:
+    """An app named ``name`` publishing to ``stack`` (a producer, or a probe of the records);
+    its tier queues are the test app's unless ``queue_namespace`` says otherwise."""
+    from celery_ledger import Settings, create_app
+
+    assert stack.broker is not None and stack.ledger is not None
+    settings.setdefault("queue_namespace", NAMESPACE)
+    return create_app(
+        name,
+        settings=Settings(
+            broker_url=stack.broker.url,
+            mongo_uri=stack.ledger.url,
+            mongo_db="ledger_tests",
+            **settings,
+        ),
+        set_as_current=False,
+    )

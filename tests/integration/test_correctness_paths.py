@@ -19,13 +19,13 @@ import redis
 from cryptography.fernet import Fernet
 from pymongo import MongoClient
 
-from celery_ledger import ConfigurationError, IdentityError, Settings, State, create_app
+from celery_ledger import ConfigurationError, IdentityError, State
 from celery_ledger.crypto import Sealer
 from celery_ledger.embedded.stack import EmbeddedStack
 from celery_ledger.keys import derive_task_id
 from celery_ledger.ledger.message import KeptMessage
 
-from .conftest import NAMESPACE, make_isolated_stack
+from .conftest import make_isolated_stack, producer_app
 from .helpers import effect_count, shared_task, wait_for
 from .test_bad_messages import raw_message
 
@@ -82,18 +82,7 @@ def isolated(tmp_path: Path, stack: Any) -> Iterator[EmbeddedStack]:
 def test_path_02_a_ledger_outage_during_a_checkpoint_defers_and_never_kills(
     isolated: EmbeddedStack,
 ) -> None:
-    assert isolated.broker is not None and isolated.ledger is not None
-    producer = create_app(
-        "paths_producer",
-        settings=Settings(
-            broker_url=isolated.broker.url,
-            mongo_uri=isolated.ledger.url,
-            mongo_db="ledger_tests",
-            queue_namespace=NAMESPACE,
-            mongo_timeout_ms=1500,
-        ),
-        set_as_current=False,
-    )
+    producer = producer_app(isolated, "paths_producer", mongo_timeout_ms=1500)
     checkpointing = shared_task(producer, f"{APP}.checkpointing")
     token = f"outage-{uuid.uuid4().hex[:8]}"
     # Given a job that checkpoints every 0.2 s

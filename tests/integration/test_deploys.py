@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import redis
 
-from celery_ledger import LedgerCelery, Settings, State, create_app
+from celery_ledger import LedgerCelery, State
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from celery_ledger.keys import derive_task_id
 
+from .conftest import producer_app
 from .helpers import effect_count, wait_for
 
 StartWorker = Callable[..., WorkerProcess]
@@ -46,17 +47,9 @@ def start_worker(stack: EmbeddedStack, tmp_path: Path) -> Iterator[StartWorker]:
 
 
 def producer(stack: EmbeddedStack, name: str, **settings: Any) -> LedgerCelery:
-    assert stack.broker is not None and stack.ledger is not None
-    return create_app(
-        name,
-        settings=Settings(
-            broker_url=stack.broker.url,
-            mongo_uri=stack.ledger.url,
-            mongo_db="ledger_tests",
-            **settings,
-        ),
-        set_as_current=False,
-    )
+    """An app of its own name, on its own queues (the namespace defaults to the app's name)."""
+    app: LedgerCelery = producer_app(stack, name, queue_namespace=None, **settings)
+    return app
 
 
 def dead_records(app: LedgerCelery, ids: list[str]) -> list[str]:

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from pymongo import MongoClient
 
-from celery_ledger import Settings, State, create_app
+from celery_ledger import State
 from celery_ledger.embedded.stack import EmbeddedStack
 
-from .conftest import NAMESPACE, make_isolated_stack
+from .conftest import make_isolated_stack, producer_app
 from .helpers import shared_task
 
 
@@ -28,18 +28,8 @@ def isolated(tmp_path: Path, stack: Any) -> Iterator[EmbeddedStack]:
 
 
 def test_ledger_down_then_up_runs_the_task_exactly_once(isolated: EmbeddedStack) -> None:
-    assert isolated.ledger is not None and isolated.broker is not None
-    producer = create_app(
-        "outage_producer",
-        settings=Settings(
-            broker_url=isolated.broker.url,
-            mongo_uri=isolated.ledger.url,
-            mongo_db="ledger_tests",
-            queue_namespace=NAMESPACE,
-            mongo_timeout_ms=1500,
-        ),
-        set_as_current=False,
-    )
+    assert isolated.ledger is not None
+    producer = producer_app(isolated, "outage_producer", mongo_timeout_ms=1500)
 
     record = shared_task(producer, "tests.integration.ledger_app.record")
 

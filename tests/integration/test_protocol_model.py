@@ -758,7 +758,7 @@ class ProtocolModel(RuleBasedStateMachine):
                 assert self.effects[(key, "final")] >= 1, f"{key}: succeeded without its effect"
             if doc["state"] == State.DEAD.value and not doc.get("purged_at"):
                 assert any(c.get("record_id") == doc["_id"] for c in self.copies) or doc.get(
-                    "copy_pending"
+                    "copy_due_at"
                 ), f"{key}: dead without a copy in the dead letters' queue"
 
     def settled(self) -> bool:

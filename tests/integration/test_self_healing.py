@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from pymongo import MongoClient
 
-from celery_ledger import Settings, State, create_app
+from celery_ledger import State
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 
-from .conftest import NAMESPACE, make_isolated_stack
+from .conftest import make_isolated_stack, producer_app
 from .helpers import shared_task, wait_for
 
 LEASE = 3.0
@@ -55,17 +55,8 @@ def worker(isolated: EmbeddedStack, name: str) -> WorkerProcess:
 def test_a_job_whose_whole_worker_is_killed_twice_resumes_by_itself(
     isolated: EmbeddedStack,
 ) -> None:
-    assert isolated.broker is not None and isolated.ledger is not None
-    producer = create_app(
-        "healing_producer",
-        settings=Settings(
-            broker_url=isolated.broker.url,
-            mongo_uri=isolated.ledger.url,
-            mongo_db="ledger_tests",
-            queue_namespace=NAMESPACE,
-        ),
-        set_as_current=False,
-    )
+    assert isolated.ledger is not None
+    producer = producer_app(isolated, "healing_producer")
     backfill = shared_task(producer, "tests.integration.ledger_app.backfill_docs")
     world = MongoClient(isolated.ledger.url, tz_aware=True).get_database("reference_world")
     token = f"heal-{random.randint(0, 10**9)}"

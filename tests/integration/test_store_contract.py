@@ -232,6 +232,20 @@ def test_the_dead_write_of_a_job_nobody_runs(world: tuple[Any, Clock]) -> None:
     )
 
 
+def test_a_kill_at_the_claim_spares_a_lease_renewed_since_it_was_read(
+    world: tuple[Any, Clock],
+) -> None:
+    ledger, clock = world
+    record_id = new_id()
+    held = claim(ledger, record_id)
+    clock.advance(61)
+    read = ledger.find_raw(record_id)  # a claimer reads the expired lease, out of budget...
+    ledger.heartbeat(record_id, held.fence)  # ...and the holder's late heartbeat lands first
+    as_read = Unchanged(read["fence"], read["state"], read["claimable_at"])
+    assert not ledger.bury(record_id, dead(), match=as_read, task=TASK, key=record_id, tier="d")
+    assert ledger.find_raw(record_id)["state"] == State.RUNNING
+
+
 def test_enqueue_tells_new_known_and_unpublished_jobs_apart(world: tuple[Any, Clock]) -> None:
     ledger, clock = world
     record_id = new_id()
@@ -280,11 +294,15 @@ def test_replay_and_purge(world: tuple[Any, Clock]) -> None:
     ledger, _ = world
     record_id = new_id()
     ledger.bury(record_id, dead(), match=Unclaimed(), task=TASK, key=record_id, tier="bulk")
+    assert ledger.find_raw(record_id)["expires_at"] is not None  # a dead record's retention
     reopened = ledger.reopen(record_id, actor="ops")
     assert reopened is not None and ledger.find_raw(record_id)["state"] == State.QUEUED
+    # a replayed job is live: no retention sweep deletes it under its next holder
+    assert ledger.find_raw(record_id).get("expires_at") is None
     assert ledger.reopen(record_id, actor="ops") is None
     ledger.undo_reopen(record_id, reopened)
     assert ledger.find_raw(record_id)["state"] == State.DEAD
+    assert ledger.find_raw(record_id)["expires_at"] is not None
     assert ledger.purge([record_id], actor="ops") == 1
     assert record_id not in [d["_id"] for d in ledger.find_dead()]
     assert ledger.reopen(record_id, actor="ops") is None  # nothing kept to replay

@@ -19,7 +19,7 @@ from celery_ledger.embedded.stack import EmbeddedStack
 from celery_ledger.pressure import Pressure
 from tasks.effects import effects
 
-from .conftest import NAMESPACE, make_isolated_stack
+from .conftest import make_isolated_stack, producer_app
 from .helpers import effect_count, shared_task, wait_for
 
 
@@ -153,17 +153,8 @@ def throttled_stack(tmp_path: Path, stack: Any) -> Iterator[EmbeddedStack]:
 def test_bulk_throttles_under_foreground_latency_and_resumes_without_loss(
     throttled_stack: EmbeddedStack,
 ) -> None:
-    assert throttled_stack.broker is not None and throttled_stack.ledger is not None
-    app = create_app(
-        "throttle-producer",
-        settings=Settings(
-            broker_url=throttled_stack.broker.url,
-            mongo_uri=throttled_stack.ledger.url,
-            mongo_db="ledger_tests",
-            queue_namespace=NAMESPACE,  # a producer of the test app: its queues
-        ),
-        set_as_current=False,
-    )
+    assert throttled_stack.broker is not None
+    app = producer_app(throttled_stack, "throttle-producer")  # the test app's queues
 
     bulk_item = shared_task(app, "tests.integration.ledger_app.bulk_item")
 

@@ -15,6 +15,7 @@ from celery import Task
 from pydantic import ValidationError
 
 from celery_ledger import ConfigurationError, LedgerCelery, LedgerTask, Settings, create_app
+from celery_ledger.errors import LedgerUnavailable
 from celery_ledger.ledger.store import Ledger
 
 UNREACHABLE = {"broker_url": "redis://127.0.0.1:1/0", "mongo_uri": "mongodb://127.0.0.1:1/"}
@@ -320,3 +321,25 @@ def test_a_misspelt_ledger_variable_is_refused_with_a_hint(monkeypatch: pytest.M
     monkeypatch.setenv("LEDGER_LEASE_SECOND", "30")
     with pytest.raises(ConfigurationError, match="did you mean LEDGER_LEASE_SECONDS"):
         create_app("misspelt", set_as_current=False)
+
+
+def test_recording_a_revocation_never_raises_in_the_workers_main_process(
+    app: LedgerCelery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Celery's strategy marks a revoked message in the worker's main process: an exception
+    # there ends the worker. Whatever the ledger says, the revocation is logged, not raised.
+    @app.task(name="unit.charge")
+    def charge(order_id: int) -> None: ...
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise LedgerUnavailable("ledger unreachable")
+
+    monkeypatch.setattr(app.ledger, "resolve", down)
+    monkeypatch.setattr(app.ledger, "bury", down)
+    app.backend.mark_as_revoked("revoked-before-any-message")
+    request = SimpleNamespace(
+        task="unit.charge", headers={}, args=[7], kwargs={}, chord=None, id="m-1"
+    )
+    app.backend.mark_as_revoked("m-1", request=request)
+    monkeypatch.setattr(charge, "identity_of_message", lambda *a: (_ for _ in ()).throw(KeyError))
+    app.backend.mark_as_revoked("m-1", request=request)

@@ -19,7 +19,7 @@ from celery_ledger.keys import derive_task_id, identity_of
 from celery_ledger.ledger.dead import DeadJob
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import State
-from celery_ledger.ledger.store import Unclaimed
+from celery_ledger.ledger.store import COPY_GRACE, Unclaimed
 from celery_ledger.routing import TIERS, Tiers
 from tests.fakes import Clock, MemoryLedger, MemoryRedis, Outbox
 
@@ -105,6 +105,21 @@ def test_a_replayed_poison_record_never_blocks_the_drain(world: World) -> None:
     assert world.letters.drain_poison() == 1
     assert world.ledger.docs[record_id]["quarantined"] == 1
     assert world.ledger.docs[record_id]["state"] == State.QUEUED
+
+
+def test_a_poison_entry_too_large_to_keep_never_blocks_the_drain(world: World) -> None:
+    # Given a poison entry the ledger refuses as it is and sanitized (a huge message)
+    world.poison(ledger_key="order-7")
+    world.poison(ledger_key="order-8")
+    world.ledger.fail("bury", StoreError("document too large"), times=2)
+    # Then it is kept by its size and digest, and the entry behind it is drained too
+    assert world.letters.drain_poison() == 2
+    [kept] = [
+        d for d in world.ledger.docs.values() if "without its bytes" in d.get("dead_reason", "")
+    ]
+    assert kept["state"] == State.DEAD and "sha256" in kept["dead_reason"]
+    assert world.ledger.docs[derive_task_id(TASK, "order-8")]["state"] == State.DEAD
+    assert world.redis.lindex(world.letters.poison_key, -1) is None
 
 
 def test_a_poison_copy_of_a_job_that_succeeded_leaves_it_alone(world: World) -> None:
@@ -254,10 +269,27 @@ def test_a_copy_the_broker_refused_is_published_later(world: World) -> None:
     world.poison(ledger_key="order-7")
     world.letters.drain_poison()
     record_id = derive_task_id(TASK, "order-7")
-    assert world.ledger.docs[record_id]["copy_pending"] is True
+    assert world.ledger.docs[record_id]["copy_due_at"] <= world.ledger.now()  # due at once
     assert len(world.dead) == 1  # observers were told at once
     # When the broker is back, the housekeeping publishes it, once
     world.letters._publish_raw = world.outbox.publish_raw  # type: ignore[method-assign]
     assert world.letters.copy_pending() == 1
     assert world.letters.copy_pending() == 0
     assert [letter["record_id"] for _, letter, _ in world.outbox.raw] == [record_id]
+
+
+def test_a_copy_whose_announcer_died_is_published_after_the_grace(world: World) -> None:
+    # Given a job buried by a process that died before it announced the death (no copy)
+    record_id = derive_task_id(TASK, "order-8")
+    dead = DeadJob.of_reason("failed", "permanent error: declined", task=TASK)
+    world.ledger.bury(record_id, dead, match=Unclaimed(), task=TASK, key="order-8", tier="default")
+    # and another one announced as usual
+    world.poison(ledger_key="order-9")
+    world.letters.drain_poison()
+    announced = len(world.outbox.raw)
+    # Then nothing is copied again before the grace, and only the lost copy after it
+    assert world.letters.copy_pending() == 0
+    world.ledger.now.advance(COPY_GRACE.total_seconds() + 1)
+    assert world.letters.copy_pending() == 1
+    assert world.letters.copy_pending() == 0
+    assert [letter["record_id"] for _, letter, _ in world.outbox.raw[announced:]] == [record_id]

@@ -443,6 +443,36 @@ def test_an_oversized_result_is_refused_before_the_effect_can_repeat() -> None:
     assert h.run()[1].runs == 0  # a redelivery does not run it again
 
 
+def test_oversized_arguments_are_dead_before_any_claim_with_their_message() -> None:
+    h = Harness(max_payload_bytes=1024)
+    verdict, body = h.run(delivery=h.delivery(args=("x" * 2000,)))
+
+    assert isinstance(verdict.value, PermanentError) and body.runs == 0
+    assert "claim" not in h.ledger.calls
+    assert h.record["state"] == State.DEAD and h.record["fence"] == 0
+    assert h.record["dead_reason"].startswith("oversized message")
+    assert h.record["message"]["args_json"]  # replayable once the limit is raised
+    assert h.recorder.names() == ["dead"]
+
+
+def test_oversized_arguments_the_ledger_cannot_keep_are_dead_without_them() -> None:
+    h = Harness(max_payload_bytes=1024)
+    h.ledger.fail("bury", StoreError("document too large"))
+    verdict, body = h.run(delivery=h.delivery(args=("x" * 2000,)))
+
+    assert isinstance(verdict.value, PermanentError) and body.runs == 0
+    assert h.record["state"] == State.DEAD and "message" not in h.record
+
+
+def test_a_claim_the_ledger_refuses_for_good_is_a_dead_letter_not_a_lost_job(h: Harness) -> None:
+    h.ledger.fail("claim", StoreError("invalid document"))
+    verdict, body = h.run()
+
+    assert isinstance(verdict.value, PermanentError) and body.runs == 0
+    assert h.record["state"] == State.DEAD
+    assert h.record["dead_reason"].startswith("the ledger refused the claim")
+
+
 def test_a_sensitive_job_keeps_no_plaintext_when_it_dies(h: Harness) -> None:
     _verdict, _ = h.run(
         fails(PermanentError("card 4242 declined")),

@@ -13,7 +13,13 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from celery_ledger.errors import ConfigurationError, PayloadError
-from celery_ledger.keys import canonical_json, compute_key, default_key, derive_task_id
+from celery_ledger.keys import (
+    canonical_json,
+    compute_key,
+    default_key,
+    derive_task_id,
+    identity_of,
+)
 
 json_values = st.recursive(
     st.none()
@@ -223,3 +229,20 @@ def test_key_that_is_not_valid_utf8_is_refused() -> None:
 def test_spec_of_the_wrong_type_is_a_configuration_error(spec: Any) -> None:
     with pytest.raises(ConfigurationError, match=r"must be a callable or a str\.format template"):
         key_of(spec, 7)
+
+
+@pytest.mark.parametrize("error", [KeyError("id"), ValueError("bad"), AttributeError("x"), None])
+def test_a_message_whose_key_function_fails_is_keyed_by_its_id(
+    error: BaseException | None,
+) -> None:
+    # A message from another producer, without a key header, whose arguments the app's key
+    # function does not expect: keyed by its own id, never an exception in the worker
+    def key_of_arguments() -> str:
+        if error is not None:
+            raise error
+        return "order-7"
+
+    identity = identity_of("shop.charge", "m-1", key_header=None, key_of_arguments=key_of_arguments)
+    expected = "order-7" if error is None else "id:m-1"
+    assert identity.key == expected
+    assert identity.record_id == derive_task_id("shop.charge", expected)

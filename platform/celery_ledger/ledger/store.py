@@ -68,6 +68,12 @@ RECENT_OPS = 4  # operation ids a record keeps (see Ledger._end_attempt)
 T = TypeVar("T")
 
 
+# A dead job's copy to the dead letters' queue is due this long after its death unless the
+# process that buried it confirms the copy (it may die between the two): then the workers'
+# housekeeping publishes it.
+COPY_GRACE = timedelta(seconds=30)
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -112,10 +118,12 @@ class HeldBy:
 
 @dataclass(frozen=True, slots=True)
 class Unchanged:
-    """The record exactly as it was read (``fence`` and ``state``): a claim's verdict."""
+    """The record exactly as it was read (``fence``, ``state`` and, when given, the lease's
+    end ``claimable_at``, which a heartbeat moves): a claim's verdict."""
 
     fence: int
     state: str
+    claimable_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +300,7 @@ class Ledger:
             self.collection.create_index(
                 [("state", ASCENDING), ("claimable_at", ASCENDING)], name="state_claimable"
             )
+            self.collection.create_index("copy_due_at", name="copy_due")
 
     def expire(self) -> int:
         """Delete records past their ``expires_at`` (what the TTL index does when it is on).
@@ -402,7 +411,8 @@ class Ledger:
                 if self.bury(
                     record_id,
                     verdict,
-                    match=Unchanged(int(doc.get("fence", 0)), str(state)),
+                    # A holder's heartbeat since the read renews the lease: then it stands.
+                    match=Unchanged(int(doc.get("fence", 0)), str(state), claimable_at),
                     task=task,
                     key=key,
                     tier=tier,
@@ -492,15 +502,7 @@ class Ledger:
             ops.append(
                 UpdateOne(
                     {"_id": alias},
-                    {
-                        "$setOnInsert": {
-                            "alias_of": record_id,
-                            "task": task,
-                            "key": key,
-                            "created_at": now,
-                            "expires_at": now + self.dead_retention,
-                        }
-                    },
+                    {"$setOnInsert": self._alias(record_id, task, key, now)},
                     upsert=True,
                 )
             )
@@ -674,6 +676,7 @@ class Ledger:
             **self._ended(now, FOREVER),
             "finished_at": now,
             "expires_at": now + self.dead_retention,
+            "copy_due_at": now + COPY_GRACE,
             **dead.fields(),
         }
         push = (
@@ -693,6 +696,8 @@ class Ledger:
                 flt |= {"state": State.RUNNING.value, "lease_owner": match.owner}
             else:
                 flt |= {"fence": match.fence, "state": match.state}
+                if match.claimable_at is not None:
+                    flt["claimable_at"] = match.claimable_at
             update = {"$set": fields}
             if push:
                 update["$push"] = push
@@ -758,17 +763,19 @@ class Ledger:
         with translate_errors("alias"):
             self.collection.update_one(
                 {"_id": alias},
-                {
-                    "$setOnInsert": {
-                        "alias_of": record_id,
-                        "task": task,
-                        "key": key,
-                        "created_at": now,
-                        "expires_at": now + self.dead_retention,
-                    }
-                },
+                {"$setOnInsert": self._alias(record_id, task, key, now)},
                 upsert=True,
             )
+
+    def _alias(self, record_id: str, task: str, key: str, now: datetime) -> dict[str, Any]:
+        """An alias document: another id (a canvas member's frozen task id) naming a job."""
+        return {
+            "alias_of": record_id,
+            "task": task,
+            "key": key,
+            "created_at": now,
+            "expires_at": now + self.dead_retention,
+        }
 
     # -- long-lived jobs: heartbeats, progress -------------------------------------------------
 
@@ -962,18 +969,23 @@ class Ledger:
             return self.collection.find_one(query)
 
     def mark_copy_pending(self, record_id: str, pending: bool) -> None:
-        """Whether the dead letter's copy to its queue still has to be published."""
+        """The dead letter's copy to its queue is due now (its publish failed), or is done."""
         with translate_errors("dead-letter copy mark"):
+            update: dict[str, Any]
             if pending:
-                self.collection.update_one({"_id": record_id}, {"$set": {"copy_pending": True}})
+                update = {"$set": {"copy_due_at": self.now()}}
             else:
-                self.collection.update_one({"_id": record_id}, {"$unset": {"copy_pending": ""}})
+                update = {"$unset": {"copy_due_at": ""}}
+            self.collection.update_one({"_id": record_id}, update)
 
     def copies_pending(self, *, limit: int = 100) -> list[dict[str, Any]]:
-        """Dead records whose queue copy could not be published yet."""
+        """Dead records whose queue copy is due and was not confirmed (its publish failed, or
+        the process that buried the job died before it; see ``COPY_GRACE``)."""
         with translate_errors("dead-letter copy query"):
             return list(
-                self.collection.find({"state": State.DEAD.value, "copy_pending": True}).limit(limit)
+                self.collection.find(
+                    {"copy_due_at": {"$lte": self.now()}, "state": State.DEAD.value}
+                ).limit(limit)
             )
 
     def count_dead(self) -> int:
@@ -996,6 +1008,9 @@ class Ledger:
                         "updated_at": now,
                         "replayed_at": now,
                     },
+                    # A replayed job is live again: the dead record's retention no longer applies
+                    # (the TTL sweep would delete it under its new holder).
+                    "$unset": {"expires_at": "", "copy_due_at": ""},
                     "$inc": {"replays": 1},
                     "$push": {"audit": {"action": "replay", "by": actor, "at": now}},
                 },
@@ -1008,7 +1023,14 @@ class Ledger:
         with translate_errors("replay rollback"):
             self.collection.update_one(
                 {"_id": record_id, "state": State.QUEUED.value, "replayed_at": reopened_at},
-                {"$set": {"state": State.DEAD.value, "claimable_at": FOREVER, "updated_at": now}},
+                {
+                    "$set": {
+                        "state": State.DEAD.value,
+                        "claimable_at": FOREVER,
+                        "updated_at": now,
+                        "expires_at": now + self.dead_retention,
+                    }
+                },
             )
 
     def purge(self, record_ids: Sequence[str], *, actor: str) -> int:
@@ -1021,7 +1043,13 @@ class Ledger:
                 {"_id": {"$in": list(record_ids)}, "state": State.DEAD.value},
                 {
                     "$set": {"purged_at": now, "purged_by": actor},
-                    "$unset": {"message": "", "result": "", "errors": "", "traceback": ""},
+                    "$unset": {
+                        "message": "",
+                        "result": "",
+                        "errors": "",
+                        "traceback": "",
+                        "copy_due_at": "",
+                    },
                 },
             )
         return int(result.modified_count)
