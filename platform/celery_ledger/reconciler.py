@@ -132,6 +132,9 @@ class Reconciler:
         )
         if record_id not in unacked and not republishable:
             report.skipped.append(record_id)
+            # Out of view until its grace (or stale time) passes again, so that records nothing
+            # can bring back never crowd the sweep's limit and hide the ones it can.
+            self._ledger.mark_reconciled(doc)
             return
         if not self._ledger.mark_reconciled(doc):
             return  # changed since it was read (claimed, finished, or another sweep)

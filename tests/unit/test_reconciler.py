@@ -219,3 +219,18 @@ def test_a_ledger_error_reading_candidates_fails_the_sweep_loudly(world: World) 
     world.ledger.fail("expired_leases", StoreError("down"))
     with pytest.raises(StoreError):
         world.reconciler.sweep()
+
+
+def test_records_nothing_can_bring_back_never_hide_the_ones_it_can(world: World) -> None:
+    # Given more records it cannot republish (a task this app does not have) than one sweep reads
+    for n in range(3):
+        record_id = derive_task_id("gone.task", f"k{n}")
+        world.ledger.claim(record_id, task="gone.task", key=f"k{n}", tier="bulk", owner="dead:1")
+    brought_back = world.running_job("order-7")
+    world.clock.advance(75)
+    # Then they are skipped once and rotate out of view, and the next sweep finds the job
+    first = world.reconciler.sweep(limit=3)
+    assert len(first.skipped) == 3 and first.republished == 0
+    second = world.reconciler.sweep(limit=3)
+    assert second.republished == 1
+    assert [p.options["task_id"] for p in world.outbox.tasks] == [brought_back]
