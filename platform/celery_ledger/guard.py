@@ -831,6 +831,16 @@ class Attempt:
             except LeaseLost as lost:
                 logger.warning("%s of %s refused: a newer claim took over", what, self.record_id)
                 raise _Settled(self.lease_lost(lost)) from None
+            except SoftTimeLimitExceeded:
+                # The soft limit struck while the outcome was being written (it strikes once):
+                # the write is repeated with its operation id, so it recognises itself if it
+                # applied. Left to escape, the job would stay running and its body run again.
+                logger.warning(
+                    "%s of %s interrupted by the soft time limit; repeating it",
+                    what,
+                    self.record_id,
+                )
+                continue
             except LedgerUnavailable as exc:
                 if self.guard.monotonic() >= deadline:
                     logger.error(

@@ -603,3 +603,12 @@ def test_an_observer_that_fails_never_fails_the_job(h: Harness) -> None:
     h.runtime.observers.add(Broken())
     verdict, _ = h.run()
     assert verdict.kind == "return" and h.record["state"] == State.SUCCEEDED
+
+
+def test_a_soft_time_limit_during_the_completion_write_still_completes(h: Harness) -> None:
+    # The soft limit's signal strikes inside the completion write, after it applied
+    h.ledger.fail("complete", SoftTimeLimitExceeded(), applied=True)
+    verdict, body = h.run()
+
+    assert verdict == Verdict.returns({"charged": 7}) and body.runs == 1
+    assert h.record["state"] == State.SUCCEEDED
