@@ -403,6 +403,18 @@ class Guard:
         logger.error("%s: %s", delivery.record_id, problem)
         sealer = self.runtime.sealer if policy.sensitive else None
         identity = delivery.identity
+        if identity.alias is not None:  # the message's own id finds the job (AsyncResult)
+            try:
+                self.ledger.alias(
+                    identity.alias,
+                    record_id=identity.record_id,
+                    task=identity.task,
+                    key=identity.key,
+                )
+            except LedgerUnavailable as exc:
+                return self._ledger_unavailable_at_claim(delivery, body, exc)
+            except StoreError:
+                logger.warning("no alias %s for %s", identity.alias, identity.record_id)
         for message in (delivery.kept(sealer), None):
             dead = DeadJob.of_reason(
                 "failed", problem, task=identity.task, message=message, group=group

@@ -25,5 +25,5 @@ def test_round_trips_per_delivery(stack: Any) -> None:
         "suppressed duplicate": 1,
         "one retry: failing attempt": 2,
         "one retry: both attempts": 4,
-        "dead-letter": 2,
+        "dead-letter": 3,
     }, commands

@@ -445,13 +445,15 @@ def test_an_oversized_result_is_refused_before_the_effect_can_repeat() -> None:
 
 def test_oversized_arguments_are_dead_before_any_claim_with_their_message() -> None:
     h = Harness(max_payload_bytes=1024)
-    verdict, body = h.run(delivery=h.delivery(args=("x" * 2000,)))
+    identity = Identity(TASK, KEY, RECORD, "message-1")
+    verdict, body = h.run(delivery=h.delivery(args=("x" * 2000,), identity=identity))
 
     assert isinstance(verdict.value, PermanentError) and body.runs == 0
     assert "claim" not in h.ledger.calls
     assert h.record["state"] == State.DEAD and h.record["fence"] == 0
     assert h.record["dead_reason"].startswith("oversized message")
     assert h.record["message"]["args_json"]  # replayable once the limit is raised
+    assert h.ledger.resolve("message-1")["_id"] == RECORD  # found by the message's own id
     assert h.recorder.names() == ["dead"]
 
 
