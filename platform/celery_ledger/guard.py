@@ -43,6 +43,7 @@ from .errors import (
     LeaseLost,
     LedgerError,
     LedgerUnavailable,
+    PayloadError,
     PermanentError,
     RetryNotPublished,
     StoreError,
@@ -212,7 +213,7 @@ class Guard:
         signature (then it waits for a worker with a matching version: :meth:`unrunnable`)."""
         problem = self.oversized(delivery)
         if problem is not None:
-            return self._dead_before_claim(delivery, policy, body, problem, "oversized")
+            return self._dead_before_claim(delivery, body, problem, "oversized", policy.sensitive)
         if unbound is not None:
             return self.unrunnable(delivery, policy, body, unbound)
         context = {"task_id": delivery.identity.message_id, "key": delivery.identity.key}
@@ -240,7 +241,7 @@ class Guard:
             return self._ledger_unavailable_at_claim(delivery, body, exc)
         except StoreError as exc:
             reason = storable(f"the ledger refused the claim: {exc}")[:2000]
-            return self._dead_before_claim(delivery, policy, body, reason, "unstorable")
+            return self._dead_before_claim(delivery, body, reason, "unstorable", policy.sensitive)
         if claim.outcome is ClaimOutcome.DUPLICATE:
             return self._duplicate(delivery)
         if claim.outcome is ClaimOutcome.DEAD:
@@ -394,14 +395,14 @@ class Guard:
             return 0.0
 
     def _dead_before_claim(
-        self, delivery: Delivery, policy: TaskPolicy, body: Body, problem: str, group: str
+        self, delivery: Delivery, body: Body, problem: str, group: str, sensitive: bool
     ) -> Verdict:
         """A message that must not (arguments over the limit, published around our API) or
         cannot (the ledger refused its claim for good) be claimed is dead, unclaimed. (A claim
         keeps the message on the record, which may be more than a document holds.) The message
         is kept with the dead record when the ledger takes it, else left out."""
         logger.error("%s: %s", delivery.record_id, problem)
-        sealer = self.runtime.sealer if policy.sensitive else None
+        sealer = self.runtime.sealer if sensitive else None
         identity = delivery.identity
         if identity.alias is not None:  # the message's own id finds the job (AsyncResult)
             try:
@@ -509,6 +510,12 @@ class Guard:
     ) -> Verdict:
         try:
             body.defer(delay, message_headers)
+        except PayloadError as exc:
+            # It can never be published again as it is: requeued, it would come straight back
+            # for ever. Kept dead with its reason instead (sealed when the app can seal).
+            problem = storable(f"cannot be put off ({reason}): {exc}")[:2000]
+            sensitive = self.runtime.sealer.enabled
+            return self._dead_before_claim(delivery, body, problem, "unpublishable", sensitive)
         except Exception as exc:
             logger.error("could not defer %s (%s); requeueing it", delivery.record_id, exc)
             return Verdict.requeue(f"could not defer: {exc}")

@@ -25,6 +25,7 @@ from celery.canvas import Signature
 from celery.exceptions import Ignore, Reject
 from celery.result import AsyncResult
 from celery.worker.request import Request
+from kombu.utils import json as kombu_json
 
 from . import headers
 from .crypto import REDACTED
@@ -61,6 +62,9 @@ logger = logging.getLogger("celery_ledger.task")
 
 # Options a call may not pass through to the broker: the ledger owns them.
 _LEDGER_OWNED_OPTIONS = ("ignore_result",)
+# Marks a publish of a delivery's own arguments again (a retry, a deferral): see
+# ``signature_from_request``.
+_REPUBLISH = "ledger_republish"
 # Options that only Celery sets when it publishes a message it froze itself (chains, groups,
 # chords, callbacks, replace, retries and deferrals from a request): its task id was chosen by
 # Celery, not by the caller, and the message's key header says which job it is.
@@ -342,6 +346,23 @@ class LedgerTask(Task):  # type: ignore[misc]
             wants_result=bool(request.callbacks or request.chain),
         )
 
+    def signature_from_request(
+        self,
+        request: Any = None,
+        args: Any = None,
+        kwargs: Any = None,
+        queue: str | None = None,
+        **extra_options: Any,
+    ) -> Signature:
+        """Celery's signature of a request (for its retries, and the guard's deferrals), marked
+        as a republish: the delivery's arguments go out as the worker decoded them, kombu's
+        JSON types (bytes, datetimes, decimals, UUIDs) included, so the publish checks them as
+        kombu encodes them instead of refusing what the message itself carried."""
+        signature: Signature = super().signature_from_request(
+            request, args, kwargs, queue, **{_REPUBLISH: True}, **extra_options
+        )
+        return signature
+
     def retry(
         self,
         args: Any = None,
@@ -427,7 +448,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         for name in _LEDGER_OWNED_OPTIONS:
             options.pop(name, None)
 
-        payload = canonical_json([list(args), kwargs])
+        payload = _payload_json(args, kwargs, republish=bool(options.pop(_REPUBLISH, False)))
         if len(payload) > settings.max_payload_bytes:
             raise PayloadError(
                 f"arguments of {self.name} are {len(payload)} bytes of JSON;"
@@ -667,3 +688,14 @@ def _due_time(countdown: float | None, eta: datetime | str | None) -> float | No
 
 
 __all__ = ["LedgerRequest", "LedgerTask"]
+
+
+def _payload_json(args: tuple[Any, ...], kwargs: dict[str, Any], *, republish: bool) -> str:
+    """The arguments' JSON, for the size limit: strict JSON for a new publish (the README's
+    rule), kombu's JSON (with its type markers) for a delivery's arguments published again."""
+    if not republish:
+        return canonical_json([list(args), kwargs])
+    try:
+        return str(kombu_json.dumps([list(args), kwargs]))
+    except (TypeError, ValueError) as exc:
+        raise PayloadError(f"not JSON-serialisable: {exc}") from exc

@@ -20,6 +20,7 @@ from celery_ledger.errors import (
     Interrupted,
     LeaseLost,
     LedgerUnavailable,
+    PayloadError,
     PermanentError,
     RetryNotPublished,
     StoreError,
@@ -473,6 +474,17 @@ def test_a_claim_the_ledger_refuses_for_good_is_a_dead_letter_not_a_lost_job(h: 
     assert isinstance(verdict.value, PermanentError) and body.runs == 0
     assert h.record["state"] == State.DEAD
     assert h.record["dead_reason"].startswith("the ledger refused the claim")
+
+
+def test_a_deferral_that_can_never_be_published_is_dead_not_requeued_for_ever(h: Harness) -> None:
+    # Given a delivery that must be put off (a live lease) whose copy cannot be published as
+    # it is: requeued, it would come straight back, for ever
+    h.ledger.claim(RECORD, task=TASK, key=KEY, tier="critical", owner="other:9")
+    verdict, body = h.run(FakeBody(defer_error=PayloadError("not JSON-serialisable: bytes")))
+
+    assert isinstance(verdict.value, PermanentError) and body.runs == 0
+    assert h.ledger.docs[RECORD]["state"] == State.RUNNING  # the live job is only noted
+    assert h.ledger.docs[RECORD]["quarantined"] == 1
 
 
 def test_a_sensitive_job_keeps_no_plaintext_when_it_dies(h: Harness) -> None:

@@ -11,6 +11,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from types import SimpleNamespace
 from typing import Any
 
 import celery.app.task
@@ -341,6 +343,26 @@ def test_non_json_arguments_are_refused_before_publishing(
     with pytest.raises(PayloadError, match="not JSON-serialisable"):
         add.apply_async(args, kwargs)
     assert published == []
+
+
+def test_a_deliverys_decoded_arguments_are_published_again_as_kombu_encodes_them(
+    add: LedgerTask, published: list[Published]
+) -> None:
+    # A message carried kombu's type markers: the worker decoded bytes, a datetime, a Decimal.
+    # Its retry or deferral publishes them again (a new publish would refuse them).
+    decoded = (b"ab\x00", datetime(2026, 1, 1, tzinfo=UTC), Decimal("1.5"))
+    request = SimpleNamespace(
+        id="m-1",
+        args=decoded,
+        kwargs={},
+        delivery_info={},
+        as_execution_options=lambda: {},
+        ignore_result=False,
+    )
+    add.signature_from_request(
+        request, decoded, {}, headers={"ledger_key": "k-1"}, countdown=0
+    ).apply_async()
+    assert only(published).args == decoded
 
 
 def test_payload_at_the_limit_is_published(app: LedgerCelery, published: list[Published]) -> None:
