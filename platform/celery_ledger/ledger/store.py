@@ -981,12 +981,11 @@ class Ledger:
     def copies_pending(self, *, limit: int = 100) -> list[dict[str, Any]]:
         """Dead records whose queue copy is due and was not confirmed (its publish failed, or
         the process that buried the job died before it; see ``COPY_GRACE``)."""
+        # One indexed field only (a filter on several fields can scan on some servers); only
+        # dead records carry ``copy_due_at`` (a replay and a purge unset it).
         with translate_errors("dead-letter copy query"):
-            return list(
-                self.collection.find(
-                    {"copy_due_at": {"$lte": self.now()}, "state": State.DEAD.value}
-                ).limit(limit)
-            )
+            docs = self.collection.find({"copy_due_at": {"$lte": self.now()}}).limit(limit)
+            return [doc for doc in docs if doc.get("state") == State.DEAD.value]
 
     def count_dead(self) -> int:
         with translate_errors("dead-letter count"):
