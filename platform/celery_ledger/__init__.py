@@ -11,17 +11,24 @@ from .errors import (
     LeaseLost,
     LedgerError,
     LedgerUnavailable,
+    NonDeterminism,
     PayloadError,
     PermanentError,
     PublishError,
     RetryNotPublished,
+    StepFailed,
     StoreError,
     TaskError,
+    WorkflowCancelled,
+    WorkflowError,
+    WorkflowFailed,
 )
 from .events import Job, Observer
 from .ledger import ErrorEntry, LedgerRecord, State
 from .settings import Settings
 from .task import LedgerTask
+from .workflow.api import Workflow, WorkflowEvent, WorkflowHandle, WorkflowStatus
+from .workflow.context import WorkflowContext
 
 __all__ = [
     "Backpressure",
@@ -38,6 +45,7 @@ __all__ = [
     "LedgerRecord",
     "LedgerTask",
     "LedgerUnavailable",
+    "NonDeterminism",
     "Observer",
     "PayloadError",
     "PermanentError",
@@ -45,7 +53,16 @@ __all__ = [
     "RetryNotPublished",
     "Settings",
     "State",
+    "StepFailed",
     "StoreError",
     "TaskError",
+    "Workflow",
+    "WorkflowCancelled",
+    "WorkflowContext",
+    "WorkflowError",
+    "WorkflowEvent",
+    "WorkflowFailed",
+    "WorkflowHandle",
+    "WorkflowStatus",
     "create_app",
 ]

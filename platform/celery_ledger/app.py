@@ -12,23 +12,29 @@ from __future__ import annotations
 import difflib
 import logging
 import os
-from collections.abc import Sequence
+import random
+import time
+from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Any
 
 from celery import Celery, Task
+from celery.canvas import Signature
+from celery.exceptions import Reject
 from kombu.entity import Queue
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 from pymongo.monitoring import CommandListener
 
+from . import headers
 from .broker import RedisBroker, SweepLock
 from .crypto import REDACTED, RedactSensitive, Sealer
 from .deadletter import DeadLetters, poison_key
-from .errors import ConfigurationError
+from .errors import Backpressure, ConfigurationError
 from .events import Observers
 from .guard import Guard
 from .ledger.store import Ledger
+from .ledger.workflow_log import WorkflowLog
 from .observability import install as install_observability
 from .observability import ledger_listeners
 from .policies.breaker import Breakers
@@ -36,8 +42,16 @@ from .reconciler import Reconciler
 from .routing import DEAD_LETTER, TIERS, Tiers
 from .runtime import Runtime
 from .settings import Settings
-from .task import LedgerTask
+from .task import ADMITTED, LedgerTask
 from .worker import LedgerWorkerStep
+from .workflow.api import Workflow, WorkflowCall, WorkflowHandle
+from .workflow.context import Call
+from .workflow.engine import Definition, WorkflowEngine
+
+logger = logging.getLogger("celery_ledger.app")
+
+WAKE_TASK = "celery_ledger.workflow.wake"
+_MAX_WAKE_FAILURES = 12  # a wake that fails this often in a row marks its workflow stuck
 
 # Options of @app.task that Celery reads but that are not attributes of Task.
 _DECORATOR_OPTIONS = frozenset(
@@ -113,7 +127,135 @@ class LedgerCelery(Celery):  # type: ignore[misc]
         )
         ttl = runtime.settings.reconcile_every_seconds * 2.5
         lock = SweepLock(runtime.redis, f"{runtime.name}:ledger:reconciler", ttl_seconds=ttl)
-        return Reconciler(runtime, broker, lock)
+        return Reconciler(
+            runtime,
+            broker,
+            lock,
+            wake_overdue_workflows=self.workflow_engine.wake_overdue,
+            idempotent_tasks=(WAKE_TASK,),
+        )
+
+    # -- workflows ------------------------------------------------------------------------------
+
+    @cached_property
+    def workflows(self) -> dict[str, Workflow]:
+        """The workflows declared on this app, by name."""
+        return {}
+
+    @cached_property
+    def workflow_ports(self) -> _WorkflowPorts:
+        return _WorkflowPorts(self)
+
+    @cached_property
+    def workflow_engine(self) -> WorkflowEngine:
+        settings = self.settings
+        definitions = _Definitions(self.workflows)
+        return WorkflowEngine(
+            WorkflowLog(self.ledger, retention_seconds=settings.workflow_retention_seconds),
+            definitions,
+            self.workflow_ports,
+            default_tier=settings.default_tier,
+            snapshot_every=settings.workflow_snapshot_every,
+            check_seconds=settings.workflow_check_seconds,
+            max_payload_bytes=settings.max_payload_bytes,
+            max_result_bytes=settings.max_result_bytes,
+            open_text=self.sealer.open,
+            seal_text=self.sealer.seal if self.sealer.enabled else None,
+            observers=self.runtime.observers,
+        )
+
+    def workflow(
+        self,
+        fn: Callable[..., Any] | None = None,
+        *,
+        name: str | None = None,
+        idempotency_key: Any = None,
+        tier: str | None = None,
+        snapshot_every: int | None = None,
+    ) -> Any:
+        """Declare a durable workflow: ``@app.workflow(idempotency_key="order-{order_id}")``.
+
+        The function's first parameter is the workflow context (``wf``); the others are the
+        workflow's arguments (JSON). ``tier`` is where its wakes run; ``snapshot_every`` how
+        many events pass between snapshots of its log.
+        """
+
+        def declare(function: Callable[..., Any]) -> Workflow:
+            if tier is not None:
+                self.tiers.check(tier, where=f"workflow {function.__name__}")
+            if snapshot_every is not None and snapshot_every < 10:
+                raise ConfigurationError("snapshot_every must be at least 10")
+            workflow_name = name or self.gen_task_name(function.__name__, function.__module__)
+            if workflow_name in self.workflows or workflow_name in self.tasks:
+                raise ConfigurationError(f"{workflow_name} is already declared on this app")
+            declared = Workflow(
+                self,
+                Definition(
+                    workflow_name,
+                    function,
+                    key_spec=idempotency_key,
+                    tier=tier,
+                    snapshot_every=snapshot_every,
+                ),
+            )
+            self.workflows[workflow_name] = declared
+            return declared
+
+        return declare if fn is None else declare(fn)
+
+    def workflow_handle(self, workflow_id: str) -> WorkflowHandle:
+        """The handle of a started workflow, by id."""
+        return WorkflowHandle(self, workflow_id)
+
+    def admit(self, tier: str) -> None:
+        """The tier's backpressure for new work that has no record to be shed into (a
+        workflow's start): refused above the high-water mark."""
+        try:
+            decision = self.runtime.gate.check(tier)
+        except Exception as exc:  # the broker is down: publishing will say so
+            logger.warning("backpressure check on %s skipped: %s", tier, exc)
+            return
+        if decision != "publish":
+            limits = self.settings.tier_limits[tier]
+            depth = self.runtime.queue_depths.depth(tier)
+            raise Backpressure(tier, depth, getattr(limits, "high_water", depth))
+
+    def _run_wake(self, workflow_id: Any, attempt: Any, queue: str | None) -> str:
+        """One wake of a workflow (the body of ``celery_ledger.workflow.wake``). Never lost:
+        a wake that fails (the ledger or the broker away) is held in the delayed set and
+        comes back, with backoff; one that fails every time marks the workflow stuck."""
+        if not isinstance(workflow_id, str) or not 0 < len(workflow_id) <= 200:
+            logger.warning("workflow wake with a malformed id %r ignored", workflow_id)
+            return "ignored"
+        tries = attempt if isinstance(attempt, int) and attempt >= 0 else 0
+        try:
+            outcome = self.workflow_engine.wake(workflow_id)
+            if outcome == "conflict":  # other wakes kept winning: look again shortly
+                self.runtime.delayed.schedule(
+                    WAKE_TASK,
+                    [workflow_id],
+                    {},
+                    {"queue": queue or self.tiers.queue(self.settings.default_tier)},
+                    time.time() + random.uniform(0.2, 1.0),
+                )
+            return outcome
+        except Exception as exc:
+            logger.warning("wake of workflow %s failed (try %d): %s", workflow_id, tries + 1, exc)
+            if tries + 1 >= _MAX_WAKE_FAILURES:
+                self.workflow_engine.mark_stuck(workflow_id, f"every wake failed: {exc}")
+                return "stuck"
+            delay = min(2.0**tries, 60.0) * random.uniform(0.8, 1.2)
+            try:
+                self.runtime.delayed.schedule(
+                    WAKE_TASK,
+                    [workflow_id],
+                    {"attempt": tries + 1},
+                    {"queue": queue or self.tiers.queue(self.settings.default_tier)},
+                    time.time() + delay,
+                )
+            except Exception as held:
+                raise Reject(f"wake not held: {held}", requeue=True) from exc
+            return "retrying"
 
     def is_sensitive(self, task_name: Any) -> bool:
         task = self.tasks.get(task_name) if isinstance(task_name, str) else None
@@ -201,6 +343,96 @@ class LedgerCelery(Celery):  # type: ignore[misc]
                 retry=True,
                 headers=headers,
             )
+
+
+class _Definitions(dict):  # type: ignore[type-arg]
+    """The engine's view of the app's workflows: name to definition, always current."""
+
+    def __init__(self, workflows: dict[str, Workflow]) -> None:
+        super().__init__()
+        self._workflows = workflows
+
+    def get(self, name: Any, default: Any = None) -> Any:
+        declared = self._workflows.get(name)
+        return default if declared is None else declared.definition
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._workflows
+
+
+class _WorkflowPorts:
+    """How the workflow engine publishes: steps as ledger jobs, wakes as small messages."""
+
+    def __init__(self, app: LedgerCelery) -> None:
+        self.app = app
+
+    def call_of(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+        if isinstance(target, WorkflowCall):
+            target, args, kwargs = target.workflow, target.args + args, {**target.kwargs, **kwargs}
+        if isinstance(target, Workflow):
+            return Call("child", target.name, tuple(args), dict(kwargs), target.definition.tier)
+        tier = None
+        if isinstance(target, Signature):
+            name = str(target.task)
+            args = tuple(target.args or ()) + tuple(args)
+            kwargs = {**(target.kwargs or {}), **kwargs}
+            tier = target.options.get("tier")
+        elif isinstance(target, Task):
+            name = str(target.name)
+        elif isinstance(target, str):
+            name = target
+        else:
+            raise TypeError(
+                f"a workflow step is a task, a signature or a workflow, not {type(target).__name__}"
+            )
+        task = self.app.tasks.get(name)
+        if task is not None and not isinstance(task, LedgerTask):
+            raise ConfigurationError(
+                f"{name} is not a ledger task: a workflow's step must be one (its ledger record"
+                " holds the step's outcome)"
+            )
+        if tier is not None:
+            self.app.tiers.check(tier, where=f"the step {name}")
+        sensitive = bool(getattr(task, "sensitive", False))
+        return Call("step", name, tuple(args), dict(kwargs), tier, sensitive=sensitive)
+
+    def publish_step(
+        self, call: Call, *, job_id: str, key: str, workflow_id: str, workflow_tier: str
+    ) -> None:
+        carried = {headers.WORKFLOW: workflow_id, headers.WORKFLOW_TIER: workflow_tier}
+        task = self.app.tasks.get(call.name)
+        if isinstance(task, LedgerTask):
+            options: dict[str, Any] = {ADMITTED: True}
+            if call.tier:
+                options["tier"] = call.tier
+            task.apply_async(
+                call.args, call.kwargs, idempotency_key=key, headers=carried, **options
+            )
+            return
+        # A task of another service (not registered here): its workers' ledger claims it.
+        tier = call.tier or self.app.tiers.of_task(call.name, None)
+        self.app.send_task(
+            call.name,
+            list(call.args),
+            call.kwargs,
+            task_id=job_id,
+            queue=self.app.tiers.queue(tier),
+            headers={
+                **carried,
+                headers.KEY: key,
+                headers.TIER: tier,
+                headers.ENQUEUED_AT: time.time(),
+            },
+        )
+
+    def publish_wake(self, workflow_id: str, tier: str, *, delay: float = 0.0) -> None:
+        queue = self.app.tiers.queue(tier)
+        if delay > 0:
+            self.app.runtime.delayed.schedule(
+                WAKE_TASK, [workflow_id], {}, {"queue": queue}, time.time() + delay
+            )
+            return
+        self.app.send_task(WAKE_TASK, [workflow_id], queue=queue)
 
 
 def unacked_keys(namespace: str) -> dict[str, str]:
@@ -330,6 +562,22 @@ def create_app(
         """The reconciler, for celery beat (one sweeper at a time with the workers' own)."""
         report = app.reconciler.sweep_if_leader()
         return {"swept": False} if report is None else report.as_dict()
+
+    @app.task(  # type: ignore[untyped-decorator]
+        name=WAKE_TASK,
+        base=Task,
+        shared=False,
+        bind=True,
+        ignore_result=True,
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )
+    def workflow_wake(self: Task, workflow_id: Any, attempt: Any = 0, **_: Any) -> str:
+        """One wake of a workflow: replay its code against its log, start what comes next.
+        (Other keywords, such as the ``recover`` of earlier versions' wakes, are ignored.)"""
+        delivery = self.request.delivery_info or {}
+        queue = delivery.get("routing_key") if isinstance(delivery, dict) else None
+        return app._run_wake(workflow_id, attempt, queue if isinstance(queue, str) else None)
 
     app.conf.beat_schedule = {
         "celery-ledger-reconcile": {

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -73,6 +74,9 @@ class BrokerView(Protocol):
 
     def restore(self, message: Unacked) -> bool:
         """Put an unacknowledged message back on its queue; False if it was gone already."""
+
+    def restore_stale(self, task_names: Iterable[str], *, older_than_seconds: float) -> int:
+        """Put back every message of these tasks unacknowledged for longer than that."""
 
 
 class RedisBroker:
@@ -138,6 +142,29 @@ class RedisBroker:
             if record_id is not None:
                 found.add(record_id)
         return found
+
+    def restore_stale(self, task_names: Iterable[str], *, older_than_seconds: float) -> int:
+        """Idempotent messages (a workflow's wake) that a dead worker held come back now, not
+        after the visibility timeout: kombu's index scores each by its delivery time. One that
+        a live but slow worker still holds runs twice, which such a task allows."""
+        names = set(task_names)
+        cutoff = time.time() - older_than_seconds
+        tags = cast("list[bytes]", self._client.zrangebyscore(self._unacked_index_key, 0, cutoff))
+        restored = 0
+        for tag in tags:
+            payload = self._client.hget(self._unacked_key, tag)
+            if payload is None:
+                continue
+            try:
+                message, _exchange, routing_key = json.loads(payload)
+                task = message["headers"]["task"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if task not in names:
+                continue
+            unacked = Unacked(tag.decode(), str(routing_key), json.dumps(message).encode())
+            restored += self.restore(unacked)
+        return restored
 
     def restore(self, message: Unacked) -> bool:
         return bool(

@@ -311,6 +311,13 @@ class DeadLetters:
             )
         if doc.get("purged_at"):
             return ReplayOutcome(record_id, False, "purged: its message is no longer kept")
+        if doc.get("death") == "workflow":
+            return ReplayOutcome(
+                record_id,
+                False,
+                f"a workflow ({doc.get('workflow_status')}): run it again with"
+                f" `ledger workflows retry {record_id}`",
+            )
         message = KeptMessage.from_document(doc.get("message"))
         if message is None or not message.replayable:
             return ReplayOutcome(record_id, False, "no original message kept: cannot replay")

@@ -282,6 +282,8 @@ LEDGER_HEADER_CHECKS: dict[str, Check] = {
     ledger_headers.SENT_AT: _optional(_ledger_number),
     ledger_headers.UNRUNNABLE_SINCE: _optional(_ledger_number),
     ledger_headers.UNRUNNABLE_DEFERRALS: _optional(_ledger_number),
+    ledger_headers.WORKFLOW: _optional(_ledger_key),
+    ledger_headers.WORKFLOW_TIER: _optional(_text),
 }
 LEDGER_HEADER_PREFIX = "ledger_"
 

@@ -10,10 +10,15 @@ LedgerError
 ├── StoreError                  the ledger store failed (not worth retrying as is)
 │   └── LedgerUnavailable       unreachable, or the outcome of a write is unknown (transient)
 ├── TaskError                   raised by (or on behalf of) a task body
-│   └── PermanentError          retrying cannot help: dead-letter at once
+│   ├── PermanentError          retrying cannot help: dead-letter at once
+│   ├── StepFailed              inside a workflow: one of its steps failed for good
+│   └── WorkflowFailed          a workflow ended without its result (failed, compensated, ...)
+├── WorkflowError               a workflow cannot go on as written
+│   └── NonDeterminism          its code asks for another step than its log recorded there
 └── ControlFlow                 not failures: the platform acts on them, Sentry never reports
     ├── LeaseLost               a newer claim owns the record; this holder must stop writing
     ├── CircuitOpen             a circuit breaker refused the call for now (``retry_at``)
+    ├── WorkflowCancelled       inside a workflow: it was cancelled (compensations follow)
     └── Interrupted             the worker is shutting down; the job resumes elsewhere
 """
 
@@ -76,6 +81,37 @@ class PermanentError(TaskError):
     """A failure that retrying cannot fix; the task is dead-lettered without retries."""
 
 
+class StepFailed(TaskError):
+    """Raised inside a workflow's code where a step (task or child workflow) failed for good.
+
+    The workflow may catch it (a fallback); uncaught, the workflow fails and its registered
+    compensations run.
+    """
+
+    def __init__(self, step: str, position: int, reason: str) -> None:
+        super().__init__(f"step {position} ({step}) failed: {reason}")
+        self.step = step
+        self.position = position
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[StepFailed], tuple[str, int, str]]:
+        return type(self), (self.step, self.position, self.reason)
+
+
+class WorkflowFailed(TaskError):
+    """A workflow ended without a result: failed, compensated, cancelled or dead (the
+    message says which, and why)."""
+
+
+class WorkflowError(LedgerError):
+    """A workflow cannot go on as written (its definition, its log, or an operator's request)."""
+
+
+class NonDeterminism(WorkflowError):
+    """A workflow's code asked, at a position of its log, for another command than the one
+    recorded there: resuming it would silently diverge, so it stops (status ``stuck``)."""
+
+
 class ControlFlow(LedgerError):
     """Tells the caller what to do next; never a failure of the platform or of the task."""
 
@@ -110,3 +146,8 @@ class CircuitOpen(ControlFlow):
 
 class Interrupted(ControlFlow):
     """The worker is shutting down: the job hands its message back and resumes elsewhere."""
+
+
+class WorkflowCancelled(ControlFlow):
+    """Raised inside a workflow's code where it waits when the workflow is cancelled; uncaught,
+    its registered compensations run and it ends ``cancelled``."""

@@ -16,6 +16,10 @@ observer's exception: observing can never fail a task. Events:
     breaker(name, old, new)               a circuit breaker changed state
     shed(tier)                            a publish was shed by backpressure
     throttle(queue, engaged, reason)      bulk consumption paused or resumed
+    workflow_step(workflow, step, seconds, ok)
+                                          a workflow recorded a step's outcome, ``seconds``
+                                          after it scheduled the step
+    workflow_ended(workflow, status)      a workflow ended (completed, failed, compensated, ...)
 """
 
 from __future__ import annotations
@@ -76,6 +80,13 @@ class Observer:
     def throttle(self, queue: str, engaged: bool, reason: str | None) -> None:
         """This worker paused (``engaged``) or resumed consuming ``queue``."""
 
+    def workflow_step(self, workflow: str, step: str, seconds: float, ok: bool) -> None:
+        """Workflow ``workflow`` recorded the outcome of its step ``step`` (a task or a child
+        workflow), ``seconds`` after it scheduled it; ``ok``: succeeded."""
+
+    def workflow_ended(self, workflow: str, status: str) -> None:
+        """A workflow ended with ``status``."""
+
 
 EVENTS: tuple[str, ...] = tuple(
     name for name, value in vars(Observer).items() if callable(value) and not name.startswith("_")
@@ -134,3 +145,9 @@ class Observers(Observer):
 
     def throttle(self, queue: str, engaged: bool, reason: str | None) -> None:
         self._dispatch("throttle", queue, engaged, reason)
+
+    def workflow_step(self, workflow: str, step: str, seconds: float, ok: bool) -> None:
+        self._dispatch("workflow_step", workflow, step, seconds, ok)
+
+    def workflow_ended(self, workflow: str, status: str) -> None:
+        self._dispatch("workflow_ended", workflow, status)

@@ -15,5 +15,9 @@ SENT_AT = "ledger_sent_at"  # unix time of this publish (queue wait metrics)
 UNRUNNABLE_SINCE = "ledger_unrunnable_since"
 UNRUNNABLE_DEFERRALS = "ledger_unrunnable_deferrals"
 
+# A workflow's step: the workflow to wake once the step's outcome is recorded, and its tier.
+WORKFLOW = "ledger_workflow"
+WORKFLOW_TIER = "ledger_workflow_tier"
+
 # Headers a republish copies from the original message (see KeptMessage).
-CARRIED = (KEY, TIER, ENQUEUED_AT, PREVIOUS_DELAY, DEFERRALS)
+CARRIED = (KEY, TIER, ENQUEUED_AT, PREVIOUS_DELAY, DEFERRALS, WORKFLOW, WORKFLOW_TIER)

@@ -20,6 +20,7 @@ sealed with a key that was rotated out) is counted and skipped, never stopping t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("celery_ledger.reconciler")
 
+# A workflow's wake takes well under a second; one unacknowledged this long was held by a worker
+# that died (or one so slow that running the wake twice costs nothing).
+STRANDED_AFTER_SECONDS = 60.0
+
 
 @dataclass
 class ReconcileReport:
@@ -41,6 +46,8 @@ class ReconcileReport:
     stale_queued: int = 0
     stale_retrying: int = 0
     still_waiting: int = 0  # their message is still queued or delayed: left alone
+    workflows_woken: int = 0  # active workflows nothing woke within their check time
+    wakes_restored: int = 0  # workflow wakes a dead worker held, put back on their queue
     failed: int = 0  # a record that raised: counted and skipped
     skipped: list[str] = field(default_factory=list)  # nothing to republish it from (or no task)
 
@@ -55,11 +62,23 @@ class ReconcileReport:
 class Reconciler:
     """One app's reconciler (see the module docstring)."""
 
-    def __init__(self, runtime: Runtime, broker: BrokerView, lock: SweepLock | None = None) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        broker: BrokerView,
+        lock: SweepLock | None = None,
+        *,
+        wake_overdue_workflows: Callable[[], int] | None = None,
+        idempotent_tasks: tuple[str, ...] = (),
+    ) -> None:
         self._runtime = runtime
         self._ledger = runtime.ledger
         self._broker = broker
         self._lock = lock
+        # Workflows whose wake-up was lost (their engine wakes them; it republishes lost steps).
+        self._wake_overdue_workflows = wake_overdue_workflows
+        # Tasks without a ledger record whose messages a dead worker strands (workflow wakes).
+        self._idempotent_tasks = idempotent_tasks
 
     def sweep_if_leader(self) -> ReconcileReport | None:
         """Sweep if this process holds (or takes) the fleet's sweep lock; else None."""
@@ -99,6 +118,20 @@ class Reconciler:
             ]
         for counter, _ in candidates:
             setattr(report, counter, getattr(report, counter) + 1)
+        if not dry_run and self._idempotent_tasks:
+            try:
+                report.wakes_restored = self._broker.restore_stale(
+                    self._idempotent_tasks, older_than_seconds=STRANDED_AFTER_SECONDS
+                )
+            except Exception as exc:
+                report.failed += 1
+                logger.warning("reconcile: restoring stranded wakes failed: %s", exc)
+        if not dry_run and self._wake_overdue_workflows is not None:
+            try:
+                report.workflows_woken = self._wake_overdue_workflows()
+            except Exception as exc:  # the jobs' part of the sweep goes on
+                report.failed += 1
+                logger.warning("reconcile: waking overdue workflows failed: %s", exc)
         if dry_run or not candidates:
             return report
         unacked = self._broker.unacked()

@@ -117,6 +117,21 @@ class Settings(BaseSettings):
         description="Every worker's housekeeping runs the reconciler, one sweeper at a time"
         " across the fleet (a lease lock in Redis): no celery beat needed.",
     )
+    workflow_check_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="The reconciler wakes an active workflow nothing woke for this long (a lost"
+        " wake-up), and republishes its steps whose message was lost.",
+    )
+    workflow_snapshot_every: int = Field(
+        100, ge=10, description="A workflow's log gets a snapshot every this many events."
+    )
+    workflow_retention_seconds: int = Field(
+        30 * 24 * 3600, gt=0, description="How long an ended workflow's state and log are kept."
+    )
+    workflow_max_pending_signals: int = Field(
+        1000, ge=1, description="Signals a workflow keeps unconsumed; more are refused."
+    )
     encryption_keys: list[str] = Field(
         default_factory=list,
         description="Fernet keys (JSON list, newest first) sealing sensitive tasks' data at rest.",

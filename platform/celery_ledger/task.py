@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 import redis
 from celery import Task
 from celery.canvas import Signature
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 from celery.worker.request import Request
 from kombu.utils import json as kombu_json
@@ -78,6 +78,9 @@ _FROZEN_BY_CELERY = (
     "retries",
 )
 _MAX_DEFERRALS = 1_000_000
+# Marks a publish of a job already admitted (a workflow's step): the workflow was admitted
+# when it started, and its log is the step's durable record, so no backpressure, no dedupe.
+ADMITTED = "ledger_admitted"
 
 
 class LedgerRequest(Request):  # type: ignore[misc]
@@ -298,7 +301,30 @@ class LedgerTask(Task):  # type: ignore[misc]
         request.ledger_run_tier = delivery.tier  # a retry republishes to it (LedgerTask.retry)
         policy, body = self.policy(delivery.tier), _Body(self, delivery)
         unbound = self._binding_problem(args, kwargs)
-        return _follow(self.app.guard.run(delivery, policy, body, unbound=unbound))
+        verdict = self.app.guard.run(delivery, policy, body, unbound=unbound)
+        self._wake_workflow(verdict)
+        return _follow(verdict)
+
+    def _wake_workflow(self, verdict: Verdict) -> None:
+        """A workflow's step: wake the workflow once the step's outcome is recorded (not for a
+        retry, a deferral or a requeue: the step is still to run). A lost wake is found by
+        the reconciler's check of the workflow."""
+        workflow_id = request_header(self.request, headers.WORKFLOW)
+        if not isinstance(workflow_id, str) or not 0 < len(workflow_id) <= 200:
+            return
+        if verdict.kind == "requeue" or isinstance(verdict.value, Retry):
+            return
+        if verdict.kind == "ack" and verdict.reason.startswith(("deferred", "lease lost")):
+            return
+        tier = request_header(self.request, headers.WORKFLOW_TIER)
+        if not (isinstance(tier, str) and tier in self.app.tiers.names):
+            tier = self.app.settings.default_tier
+        try:
+            self.app.workflow_ports.publish_wake(workflow_id, tier)
+        except Exception as exc:  # the step's outcome is recorded; the reconciler wakes it
+            logger.warning(
+                "wake of workflow %s after %s not published: %s", workflow_id, self.name, exc
+            )
 
     def _binding_problem(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         """Why the arguments do not bind the body's signature, or None."""
@@ -445,6 +471,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         message_headers = dict(options.pop("headers", None) or {})
         explicit_key = options.pop("idempotency_key", None)
         call_tier = options.pop("tier", None)
+        admitted = bool(options.pop(ADMITTED, False))
         for name in _LEDGER_OWNED_OPTIONS:
             options.pop(name, None)
 
@@ -507,7 +534,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             )
         # A retry republishes a job already admitted and known to the ledger: no backpressure
         # (a shed retry would be lost) and no dedupe.
-        is_retry = "retries" in options
+        is_retry = "retries" in options or admitted
         if not is_retry and self._shed(tier, record_id, key, args, kwargs, message_headers):
             return self.AsyncResult(task_id)
         dedupe = not is_retry and (

@@ -143,6 +143,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         signals.worker_shutdown.connect(lambda **_: flag.unlink(missing_ok=True), weak=False)
         try:
             runtime.ledger.ensure_indexes()
+            app.workflow_engine.log.ensure_indexes()
         except LedgerError as exc:  # the ledger may come up later; claims defer until then
             logger.warning("could not ensure ledger indexes at start-up: %s", exc)
         publisher = DelayedPublisher(
@@ -156,6 +157,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         ]
         if not settings.ttl_index:
             jobs.append(Every(EXPIRE_EVERY_SECONDS, runtime.ledger.expire))
+        jobs.append(Every(EXPIRE_EVERY_SECONDS, app.workflow_engine.log.expire))
         jobs.append(Every(REAP_EVERY_SECONDS, runtime.ledger.reap_abandoned_transactions))
         bulk_queue = runtime.tiers.queue("bulk")
         if bulk_queue in app.amqp.queues.consume_from:

@@ -237,6 +237,9 @@ BAD_HEADERS: list[tuple[str, Any, str]] = [
     (ledger_headers.SENT_AT, Decimal("1.5"), "header 'ledger_sent_at' is of type Decimal"),
     (ledger_headers.UNRUNNABLE_SINCE, "soon", "header 'ledger_unrunnable_since' is of type str"),
     (ledger_headers.UNRUNNABLE_DEFERRALS, -1, "header 'ledger_unrunnable_deferrals'"),
+    (ledger_headers.WORKFLOW, 7, "header 'ledger_workflow' is not a valid key"),
+    (ledger_headers.WORKFLOW, "x" * 513, "header 'ledger_workflow' is not a valid key"),
+    (ledger_headers.WORKFLOW_TIER, {"a": 1}, "header 'ledger_workflow_tier' is of type dict"),
     # names that are not the message's to set
     ("ledger_settled", True, "header 'ledger_settled' is not a header of celery-ledger"),
     ("ledger_run_tier", "bulk", "header 'ledger_run_tier' is not a header of celery-ledger"),
@@ -298,6 +301,8 @@ GOOD_HEADERS: list[tuple[str, Any]] = [
     (ledger_headers.SENT_AT, 0),
     (ledger_headers.UNRUNNABLE_SINCE, 1_800_000_000.5),
     (ledger_headers.UNRUNNABLE_DEFERRALS, 3),
+    (ledger_headers.WORKFLOW, "6f1c3a52-5d0e-4c4e-9b59-3f0a6c1d2e77"),
+    (ledger_headers.WORKFLOW_TIER, "nowhere"),  # an unknown tier: the wake goes to the default
     # names the worker overwrites, and names of the message's own
     ("hostname", ["anything"]),
     ("is_eager", True),

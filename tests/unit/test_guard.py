@@ -605,6 +605,9 @@ def test_every_documented_event_is_emitted_by_the_platform() -> None:
     observers.breaker("payments", "closed", "open")
     observers.shed("bulk")
     observers.throttle("bulk", True, "backlog")
+    # workflows report there too (tests/integration/test_workflow_model.py sees the engine's)
+    observers.workflow_step("shop.fulfil", "payments.charge", 0.5, True)
+    observers.workflow_ended("shop.fulfil", "completed")
     seen |= set(recorder.names())
     assert seen == set(EVENTS)
 

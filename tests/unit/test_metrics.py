@@ -15,6 +15,7 @@ from celery_ledger.headers import SENT_AT
 from celery_ledger.ledger.dead import DeadLetter
 from celery_ledger.observability import ledger_listeners, metrics, stamp_sent_at
 from celery_ledger.observability.exporter import MetricsStep, StateCollector
+from celery_ledger.observability.metrics import MetricsObserver
 from celery_ledger.policies.breaker import BreakerState
 
 TASK = "billing.charge"
@@ -179,3 +180,30 @@ def test_scrape_time_gauges_and_a_broker_outage() -> None:
     assert value(registry, "celery_ledger_dependency_up", dependency="broker") == 1
     assert value(registry, "celery_ledger_dependency_up", dependency="ledger") == 0
     assert registry.get_sample_value("celery_ledger_dead_letters") is None
+
+
+def test_workflows_by_state_and_their_steps_are_exported(registry: CollectorRegistry) -> None:
+    # Given a ledger with workflows in several states
+    runtime = SimpleNamespace(
+        queue_depths=SimpleNamespace(depths=lambda: {}),
+        delayed=SimpleNamespace(pending=lambda: 0),
+        breakers=SimpleNamespace(statuses=lambda: []),
+        ledger=SimpleNamespace(count_dead=lambda: 0),
+    )
+    counts = {"running": 4, "stuck": 1, "completed": 10}
+    scraped = CollectorRegistry()
+    scraped.register(StateCollector(runtime, [], lambda: counts))
+    # Then each state is a series, the active ones even at zero
+    assert value(scraped, "celery_ledger_workflows", state="running") == 4
+    assert value(scraped, "celery_ledger_workflows", state="stuck") == 1
+    assert value(scraped, "celery_ledger_workflows", state="compensating") == 0
+    assert value(scraped, "celery_ledger_workflows", state="completed") == 10
+    # And the engine's events are counted
+    observer = MetricsObserver()
+    observer.workflow_step("shop.fulfil", "payments.charge", 1.5, True)
+    observer.workflow_ended("shop.fulfil", "compensated")
+    step = {"workflow": "shop.fulfil", "outcome": "succeeded"}
+    assert value(registry, "celery_ledger_workflow_step_seconds_count", **step) == 1
+    assert value(registry, "celery_ledger_workflow_step_seconds_sum", **step) == 1.5
+    ended = {"workflow": "shop.fulfil", "status": "compensated"}
+    assert value(registry, "celery_ledger_workflows_ended_total", **ended) == 1

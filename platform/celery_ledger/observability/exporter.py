@@ -24,7 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..ledger.workflow_log import ACTIVE
 from ..policies.breaker import BreakerState
 from . import metrics
 
@@ -73,9 +74,15 @@ class StateCollector(Collector):
     Every worker exports the same shared state: aggregate with ``max`` across instances.
     """
 
-    def __init__(self, runtime: Any, consuming: list[str]) -> None:
+    def __init__(
+        self,
+        runtime: Any,
+        consuming: list[str],
+        workflow_counts: Callable[[], dict[str, int]] | None = None,
+    ) -> None:
         self.runtime = runtime
         self.consuming = consuming
+        self.workflow_counts = workflow_counts  # workflows by status, from the ledger
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily(
@@ -106,8 +113,24 @@ class StateCollector(Collector):
             yield GaugeMetricFamily(
                 "celery_ledger_dead_letters", "Dead records in the ledger.", value=dead
             )
+            if self.workflow_counts is not None:
+                yield from self._workflows()
         up.add_metric(["ledger"], 1 if ledger_up else 0)
         yield up
+
+    def _workflows(self) -> Iterator[Metric]:
+        assert self.workflow_counts is not None
+        try:
+            counts = self.workflow_counts()
+        except Exception as exc:
+            logger.warning("metrics: workflow counts unavailable on scrape: %s", exc)
+            return
+        gauge = GaugeMetricFamily(
+            "celery_ledger_workflows", "Workflows in the ledger by status.", labels=["state"]
+        )
+        for state in ("running", "compensating", "stuck", *sorted(set(counts) - set(ACTIVE))):
+            gauge.add_metric([state], counts.get(state, 0))
+        yield gauge
 
     def _broker(self) -> Iterator[Metric]:
         depths = self.runtime.queue_depths.depths()  # by tier (and dead_letter)
@@ -155,7 +178,8 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=str(self.directory))
         consuming = sorted(app.amqp.queues.consume_from or app.amqp.queues)
-        registry.register(StateCollector(app.runtime, consuming))
+        workflow_counts = app.workflow_engine.log.count_by_status
+        registry.register(StateCollector(app.runtime, consuming, workflow_counts))
         port, address = app.settings.metrics_port, app.settings.metrics_address
         try:
             self.server, _ = start_http_server(port, addr=address, registry=registry)

@@ -99,6 +99,16 @@ class LedgerMetrics:
             buckets=LEDGER_BUCKETS,
             registry=registry,
         )
+        self.workflow_steps = Histogram(
+            "celery_ledger_workflow_step_seconds",
+            "From a workflow's scheduling of a step to its recorded outcome.",
+            ("workflow", "outcome"),
+            buckets=WAIT_BUCKETS,
+            registry=registry,
+        )
+        self.workflows_ended = counter(
+            "celery_ledger_workflows_ended_total", "Workflows ended.", ("workflow", "status")
+        )
         self.throttle = Gauge(
             "celery_ledger_throttle_engaged",
             "1 while a worker holds back a queue for foreground pressure.",
@@ -240,6 +250,15 @@ class MetricsObserver(Observer):
     def throttle(self, queue: str, engaged: bool, reason: str | None) -> None:
         _m().throttle.labels(queue).set(1 if engaged else 0)
 
+    @_safe
+    def workflow_step(self, workflow: str, step: str, seconds: float, ok: bool) -> None:
+        outcome = "succeeded" if ok else "failed"
+        _m().workflow_steps.labels(workflow, outcome).observe(max(seconds, 0.0))
+
+    @_safe
+    def workflow_ended(self, workflow: str, status: str) -> None:
+        _m().workflows_ended.labels(workflow, status).inc()
+
 
 def instrument(observers: Any) -> MetricsObserver:
     """Add the metrics observer and the queue-wait signal handler (recorded once enabled)."""
@@ -303,12 +322,14 @@ METRIC_NAMES = frozenset(
         "celery_ledger_breaker_transitions_total",
         "celery_ledger_ledger_command_failures_total",
         "celery_ledger_ledger_unavailable_total",
+        "celery_ledger_workflows_ended_total",
         *(
             f"{name}_{suffix}"
             for name in (
                 "celery_ledger_task_duration_seconds",
                 "celery_ledger_queue_wait_seconds",
                 "celery_ledger_ledger_command_seconds",
+                "celery_ledger_workflow_step_seconds",
             )
             for suffix in ("bucket", "sum", "count")
         ),
@@ -320,5 +341,6 @@ METRIC_NAMES = frozenset(
         "celery_ledger_breaker_state",
         "celery_ledger_dependency_up",
         "celery_ledger_worker_consuming",
+        "celery_ledger_workflows",
     }
 )

@@ -1,0 +1,358 @@
+"""The workflows' store: their state documents and event logs, beside the ledger.
+
+Collections (named after the ledger's, ``<ledger>_workflows`` and ``<ledger>_workflow_events``):
+
+- a **state** document per workflow (``_id`` = the workflow id): name, key, tier, arguments,
+  coarse status, when the reconciler should look at it next (``check_at``), its parent, and
+  once it ended, its retention (``expires_at``). Written at start, on status changes and by the
+  reconciler; never on a plain step (a step costs no state write).
+- the **event log**: one document per event, ``_id`` = ``<workflow id>:<sequence, 10 digits>``
+  and unique on ``(wf, seq)``; schema-versioned (``v``). The unique sequence is the fence of the
+  log: a wake appends the events it decided on from the prefix it read, in order; a concurrent
+  wake that read the same prefix collides on the first sequence and stops there, so the log is
+  always one sequential history. Each event names its worker and the sequence it was decided
+  from (``fence``).
+- **pending signals and the cancel request** live in the events collection too, under
+  ``<workflow id>:~s:<signal id>`` and ``<workflow id>:~cancel``: they sort after the events, so
+  the resume's one range read (newest first, down to the latest snapshot) returns them with the
+  tail of the log. A consumed signal is deleted once its consumption is in the log.
+
+Op shapes follow the ledger's (see ``store.py``): reads and writes on ``_id`` (ranges and
+``$in``), never ``findAndModify``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pymongo import ASCENDING, DESCENDING
+from pymongo.collection import Collection
+from pymongo.errors import BulkWriteError, DuplicateKeyError
+
+from .record import SCHEMA_VERSION as RECORD_SCHEMA
+from .record import State
+from .store import FOREVER, Ledger, translate_errors
+
+EVENT_SCHEMA = 1
+SEQ_DIGITS = 10
+SIGNAL_MARK = "~s:"
+CANCEL_MARK = "~cancel"
+EVENTS_BELOW = 2**62  # above every event's number (a comparison with a number matches numbers)
+ACTIVE = ("running", "compensating", "stuck")
+# Kinds of the documents beside the events (no sequence): never the kind of an event.
+PENDING_SIGNAL = "pending_signal"
+CANCEL_REQUEST = "cancel_request"
+
+
+def event_id(workflow_id: str, seq: int) -> str:
+    return f"{workflow_id}:{seq:0{SEQ_DIGITS}d}"
+
+
+def is_event(doc: dict[str, Any]) -> bool:
+    """An event of the log (an integer sequence), not a document kept beside it."""
+    seq = doc.get("seq")
+    return isinstance(seq, int) and not isinstance(seq, bool)
+
+
+class WorkflowLog:
+    """Reads and writes the workflows' collections (see the module docstring)."""
+
+    def __init__(self, ledger: Ledger, *, retention_seconds: float) -> None:
+        self.ledger = ledger
+        self.retention = timedelta(seconds=retention_seconds)
+
+    @property
+    def states(self) -> Collection[dict[str, Any]]:
+        return self.ledger._companion("workflows")
+
+    @property
+    def events(self) -> Collection[dict[str, Any]]:
+        return self.ledger._companion("workflow_events")
+
+    def now(self) -> datetime:
+        return self.ledger.now()
+
+    def ensure_indexes(self) -> None:
+        with translate_errors("workflow index creation"):
+            self.events.create_index(
+                [("wf", ASCENDING), ("seq", ASCENDING)], unique=True, name="wf_seq"
+            )
+            # Ended workflows check at FOREVER: the reconciler's range reads only active ones.
+            self.states.create_index("check_at", name="check")
+            self.states.create_index(
+                [("status", ASCENDING), ("updated_at", DESCENDING)], name="status_updated"
+            )
+            self.states.create_index("expires_at", name="retention_sweep")
+
+    # -- state documents ------------------------------------------------------------------------
+
+    def create(self, doc: dict[str, Any]) -> bool:
+        """Insert the state document of a new workflow; False if one with its id exists."""
+        now = self.now()
+        fields = {"status": "running", "created_at": now, "updated_at": now, "check_at": now}
+        fields.update(doc)
+        with translate_errors("workflow start"):
+            result = self.states.update_one(
+                {"_id": doc["_id"]}, {"$setOnInsert": fields}, upsert=True
+            )
+        return result.upserted_id is not None
+
+    def get_state(self, workflow_id: str) -> dict[str, Any] | None:
+        with translate_errors("workflow read"):
+            return self.states.find_one({"_id": workflow_id})
+
+    def set_status(self, workflow_id: str, status: str, **fields: Any) -> None:
+        now = self.now()
+        update: dict[str, Any] = {"status": status, "updated_at": now, **fields}
+        if status in ACTIVE:
+            update.setdefault("expires_at", None)
+        else:
+            update["expires_at"] = now + self.retention
+            update["check_at"] = FOREVER
+        with translate_errors("workflow status"):
+            self.states.update_one({"_id": workflow_id}, {"$set": update})
+
+    def check_by(
+        self,
+        workflow_id: str,
+        when: datetime,
+        *,
+        earlier_only: bool = False,
+        checks: int | None = None,
+    ) -> None:
+        """When the reconciler should look at the workflow if nothing wakes it before (and how
+        many checks in a row found it still, which spaces the next ones)."""
+        update: dict[str, Any] = {"$min" if earlier_only else "$set": {"check_at": when}}
+        if checks is not None:
+            update["$set"] = {**update.get("$set", {}), "checks": checks}
+        with translate_errors("workflow check time"):
+            self.states.update_one({"_id": workflow_id, "status": {"$in": list(ACTIVE)}}, update)
+
+    def last_event_at(self, workflow_id: str) -> datetime | None:
+        """When the log's newest event was written (one read on the (wf, seq) index)."""
+        with translate_errors("workflow log read"):
+            doc = self.events.find_one(
+                {"wf": workflow_id, "seq": {"$lt": EVENTS_BELOW}},
+                {"at": 1},
+                sort=[("seq", DESCENDING)],
+            )
+        at = None if doc is None else doc.get("at")
+        if isinstance(at, datetime) and at.tzinfo is None:
+            at = at.replace(tzinfo=UTC)
+        return at if isinstance(at, datetime) else None
+
+    def due_for_check(self, *, limit: int = 200) -> list[dict[str, Any]]:
+        """Active workflows whose check time passed (their wake-up may be lost)."""
+        with translate_errors("workflow check query"):
+            docs = self.states.find({"check_at": {"$lte": self.now()}}).limit(limit)
+            # A stuck workflow waits for an operator, not for a wake.
+            return [d for d in docs if d.get("status") in ("running", "compensating")]
+
+    def listing(self, *, status: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        query: dict[str, Any] = {} if status is None else {"status": status}
+        with translate_errors("workflow list"):
+            return list(self.states.find(query).sort("updated_at", DESCENDING).limit(limit))
+
+    def count_by_status(self) -> dict[str, int]:
+        with translate_errors("workflow count"):
+            rows = self.states.aggregate([{"$group": {"_id": "$status", "n": {"$sum": 1}}}])
+            return {str(row["_id"]): int(row["n"]) for row in rows}
+
+    # -- the event log --------------------------------------------------------------------------
+
+    def tail(self, workflow_id: str, *, limit: int) -> list[dict[str, Any]]:
+        """The log's newest documents down to its latest snapshot (or its first event), with
+        the pending signals and cancel request; newest first. One read unless more than
+        ``limit`` documents follow the snapshot.
+
+        One query on the (wf, seq) index: a pending document's ``seq`` is a string, and
+        strings sort above numbers, so they come first, then the events newest first. (Not a
+        range on ``_id``: the embedded server scans the collection for that.)"""
+        query: dict[str, Any] = {"wf": workflow_id}
+        marks_only = False  # whether ``query`` matches pending documents only
+        found: list[dict[str, Any]] = []
+        with translate_errors("workflow log read"):
+            while True:
+                # batch_size: the whole page in one reply (the server's default is 101)
+                cursor = self.events.find(query).sort("seq", DESCENDING)
+                batch = list(cursor.limit(limit).batch_size(limit))
+                found += batch
+                if any(d.get("kind") in ("snapshot", "started") for d in batch):
+                    return found
+                full = len(batch) == limit
+                numbers = [d["seq"] for d in batch if isinstance(d.get("seq"), int)]
+                marks = [d["seq"] for d in batch if isinstance(d.get("seq"), str)]
+                if marks_only and not full:  # every pending document read: now the events
+                    query, marks_only = {"wf": workflow_id, "seq": {"$lt": EVENTS_BELOW}}, False
+                elif not full:
+                    return found
+                elif numbers:
+                    query = {"wf": workflow_id, "seq": {"$lt": min(numbers)}}
+                else:  # a comparison with a string matches strings only
+                    query, marks_only = {"wf": workflow_id, "seq": {"$lt": min(marks)}}, True
+
+    def all_events(self, workflow_id: str) -> list[dict[str, Any]]:
+        """Every event of the log, oldest first (history and time travel)."""
+        with translate_errors("workflow history read"):
+            docs = self.events.find({"wf": workflow_id}).sort("seq", ASCENDING)
+            return [d for d in docs if is_event(d)]  # not the pending signals beside them
+
+    def append(
+        self, workflow_id: str, after: int, events: Sequence[dict[str, Any]], *, worker: str
+    ) -> int:
+        """Append ``events`` after sequence ``after``; returns how many landed (fewer than all
+        when a concurrent wake appended at the same sequence first)."""
+        now = self.now()
+        docs = [
+            {
+                "_id": event_id(workflow_id, after + 1 + i),
+                "wf": workflow_id,
+                "seq": after + 1 + i,
+                "v": EVENT_SCHEMA,
+                "at": now,
+                "worker": worker,
+                "fence": after,
+                **event,
+            }
+            for i, event in enumerate(events)
+        ]
+        if not docs:
+            return 0
+        try:
+            with translate_errors("workflow log append"):
+                self.events.insert_many(docs, ordered=True)
+        except BulkWriteError as exc:
+            errors = exc.details.get("writeErrors", [])
+            if errors and all(e.get("code") == 11000 for e in errors):
+                return int(exc.details.get("nInserted", 0))
+            raise
+        return len(docs)
+
+    def add_signal(self, workflow_id: str, signal_id: str, doc: dict[str, Any]) -> bool:
+        """Keep a signal until a wait consumes it; False if this signal id was sent before."""
+        # Its "seq" is its own mark, never an event's number: the unique (wf, seq) index keeps
+        # events apart and would make every pending document of a workflow collide on null.
+        mark = f"{SIGNAL_MARK}{signal_id}"
+        fields = {"wf": workflow_id, "seq": mark, "kind": PENDING_SIGNAL, "signal_id": signal_id}
+        fields.update(doc)
+        with translate_errors("workflow signal"):
+            try:
+                self.events.insert_one({"_id": f"{workflow_id}:{mark}", **fields})
+            except DuplicateKeyError:
+                return False
+        return True
+
+    def count_signals(self, workflow_id: str) -> int:
+        with translate_errors("workflow signal count"):
+            return self.events.count_documents(
+                {"wf": workflow_id, "seq": {"$gte": SIGNAL_MARK, "$lt": SIGNAL_MARK + "\uffff"}}
+            )
+
+    def request_cancel(self, workflow_id: str, doc: dict[str, Any]) -> None:
+        with translate_errors("workflow cancel"), contextlib.suppress(DuplicateKeyError):
+            self.events.update_one(
+                {"_id": f"{workflow_id}:{CANCEL_MARK}"},
+                {
+                    "$setOnInsert": {
+                        "wf": workflow_id,
+                        "seq": CANCEL_MARK,
+                        "kind": CANCEL_REQUEST,
+                        **doc,
+                    }
+                },
+                upsert=True,
+            )
+
+    def delete(self, ids: Sequence[str]) -> None:
+        if ids:
+            with translate_errors("workflow cleanup"):
+                self.events.delete_many({"_id": {"$in": list(ids)}})
+
+    def expire(self) -> int:
+        """Delete ended workflows past their retention, with their logs."""
+        with translate_errors("workflow expiry"):
+            gone = [
+                d["_id"] for d in self.states.find({"expires_at": {"$lt": self.now()}}, {"_id": 1})
+            ]
+            for workflow_id in gone:
+                self.events.delete_many({"wf": workflow_id})
+                self.states.delete_one({"_id": workflow_id})
+        return len(gone)
+
+    # -- the jobs the log waits on (records of the ledger itself) ------------------------------
+
+    def outcomes(self, record_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The ledger records of these jobs (one read), by id."""
+        if not record_ids:
+            return {}
+        fields = {"state": 1, "result": 1, "dead_reason": 1, "outcome": 1, "replaced_by": 1}
+        with translate_errors("workflow step outcomes"):
+            docs = self.ledger.collection.find({"_id": {"$in": list(record_ids)}}, fields)
+            return {str(d["_id"]): d for d in docs}
+
+    def finish_record(
+        self,
+        workflow_id: str,
+        *,
+        task: str,
+        key: str,
+        tier: str,
+        result: str | None,
+        error: str | None,
+        status: str,
+    ) -> None:
+        """The workflow's own ledger record, so ``AsyncResult(workflow_id)`` reads its end as
+        any job's: succeeded with its result, or dead (``death: workflow``) with the reason."""
+        now = self.now()
+        fields: dict[str, Any] = {
+            "v": RECORD_SCHEMA,
+            "task": task,
+            "key": key,
+            "tier": tier,
+            "attempts": 1,
+            "fence": 0,
+            "claimable_at": FOREVER,
+            "finished_at": now,
+            "updated_at": now,
+            "workflow_status": status,
+        }
+        if error is None:
+            fields |= {
+                "state": State.SUCCEEDED.value,
+                "result": result,
+                "expires_at": now + self.ledger.result_retention,
+            }
+            unset = {"dead_reason": "", "death": "", "errors": ""}
+        else:
+            fields |= {
+                "state": State.DEAD.value,
+                "death": "workflow",
+                "dead_reason": error[:2000],
+                "expires_at": now + self.ledger.dead_retention,
+                "errors": [
+                    {
+                        "type": "celery_ledger.errors.WorkflowFailed",
+                        "message": error[:2000],
+                        "at": now,
+                        "action": "dead",
+                    }
+                ],
+            }
+            unset = {"result": ""}
+        with translate_errors("workflow result"):
+            self.ledger.collection.update_one(
+                {"_id": workflow_id},
+                {"$set": fields, "$unset": unset, "$setOnInsert": {"created_at": now}},
+                upsert=True,
+            )
+
+    def reopen_record(self, workflow_id: str) -> None:
+        """The workflow runs again (an operator's retry): its ended record goes, so
+        ``AsyncResult`` waits for the new end."""
+        with translate_errors("workflow result reopen"):
+            self.ledger.collection.delete_one(
+                {"_id": workflow_id, "workflow_status": {"$exists": True}}
+            )
