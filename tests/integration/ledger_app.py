@@ -337,3 +337,159 @@ def describe(*args: Any, **kwargs: Any) -> list[str]:
     """The types of its arguments (kombu's JSON turns __type__ markers into objects)."""
     record_effect("describe", str(args[0]) if args else "")
     return [type(a).__name__ for a in args]
+
+
+# -- workflows (tests/integration/test_workflows.py) ------------------------------------------
+# WORKFLOW_CODE picks a version of the code, as a deploy would: "v1" (the original), "changed"
+# (a step swapped without a version gate: non-determinism) and "gated" (the same change behind
+# wf.version, which keeps old workflows on their path).
+WORKFLOW_CODE = os.environ.get("WORKFLOW_CODE", "v1")
+
+
+@app.task(idempotency_key="{token}")
+def wf_step(token: str, name: str, pause: float = 0.0) -> str:
+    """One effect per workflow step (counted by the tests)."""
+    time.sleep(pause)
+    record_effect("wf_step", f"{token}:{name}")
+    return f"{name}-done"
+
+
+@app.task(idempotency_key="{token}")
+def wf_undo(token: str, name: str) -> str:
+    record_effect("wf_undo", f"{token}:{name}")
+    return f"{name}-undone"
+
+
+@app.task(idempotency_key="{token}")
+def wf_refuse(token: str, name: str) -> None:
+    record_effect("wf_refuse", f"{token}:{name}")
+    raise PermanentError(f"refused {name}")
+
+
+def order_flow(
+    wf: Any,
+    token: str,
+    steps: int = 3,
+    fail_at_end: bool = False,
+    sleep: float = 0.0,
+    signal: str | None = None,
+    signal_timeout: float | None = None,
+    pause: float = 0.0,
+) -> dict[str, Any]:
+    """Sequential steps, each with a compensation; a timer, a signal, a fan-out; maybe a
+    last step that fails for good."""
+    done = []
+    for i in range(steps):
+        done.append(wf.run(wf_step, token, f"s{i}", pause))
+        wf.compensate(wf_undo, token, f"s{i}")
+    if sleep:
+        wf.sleep(sleep)
+    got = wf.wait_signal(signal, timeout=signal_timeout) if signal else None
+    parts = wf.gather([wf_step.s(token, f"g{i}") for i in range(2)])
+    if fail_at_end:
+        wf.run(wf_refuse, token, "last")
+    return {"done": done, "parts": parts, "signal": got}
+
+
+def deploy_flow(wf: Any, token: str) -> str:
+    """Its first step differs between versions of the code (WORKFLOW_CODE); workflows started
+    on the original code have it in their log when the new code resumes them."""
+    path = "v1"
+    if WORKFLOW_CODE == "changed":
+        wf.run(wf_undo, token, "first")  # another task at a recorded position
+        path = "changed"
+    elif WORKFLOW_CODE == "gated" and wf.version("first-step", 2) == 2:
+        wf.run(wf_step, token, "first-v2")
+        path = "v2"
+    else:
+        wf.run(wf_step, token, "first")
+    wf.wait_signal("go")
+    wf.run(wf_step, token, "second")
+    return path
+
+
+def parent_flow(wf: Any, token: str) -> list[Any]:
+    """A child workflow as a step."""
+    first = wf.run(wf_step, token, "parent")
+    child = wf.run(order_flow_wf.s(f"{token}-child", steps=1))
+    return [first, child]
+
+
+def nesting_flow(wf: Any, token: str) -> Any:
+    """A child that waits for a signal nobody sends (until the parent is cancelled)."""
+    return wf.run(order_flow_wf.s(f"{token}-nested", steps=1, signal="never"))
+
+
+def long_flow(wf: Any, token: str, steps: int) -> int:
+    for i in range(steps):
+        wf.run(wf_step, token, f"n{i}")
+    return steps
+
+
+def card_flow(wf: Any, token: str, card_ref: str) -> str:
+    """A sensitive step: its arguments and result stay sealed in the workflow's log."""
+    stored = wf.run(store_card, token, f"4111-1111-{card_ref}")
+    return str(stored["last4"])
+
+
+@app.task(idempotency_key="{token}")
+def wf_until_fixed(token: str) -> str:
+    """Fails for good until the test records a fix in the world."""
+    record_effect("wf_try", f"{token}:fixable")
+    if effects().find_one({"kind": "fixed", "key": token}) is None:
+        raise PermanentError("not fixed yet")
+    return "fixed"
+
+
+def fixable_flow(wf: Any, token: str) -> list[str]:
+    """No compensations: a failure ends it ``failed``, and an operator can retry the step."""
+    return [wf.run(wf_step, token, "before"), wf.run(wf_until_fixed, token)]
+
+
+def undo_fails_flow(wf: Any, token: str) -> None:
+    """A compensation that itself fails for good: the workflow ends dead, with both reasons."""
+    wf.run(wf_step, token, "a")
+    wf.compensate(wf_undo, token, "a")
+    wf.run(wf_step, token, "b")
+    wf.compensate(wf_refuse, token, "undo-b")
+    wf.run(wf_refuse, token, "c")
+
+
+def set_result_flow(wf: Any, token: str) -> Any:
+    """Returns what JSON cannot hold: the workflow fails with that reason."""
+    wf.run(wf_step, token, "only")
+    return {1, 2}
+
+
+def declare_workflows(target: Any) -> dict[str, Any]:
+    """Declare the test workflows on ``target`` (the workers' app, or a test's producer)."""
+    names = "tests.integration.ledger_app"
+    return {
+        "order": target.workflow(
+            order_flow, name=f"{names}.order_flow", idempotency_key="order-{token}"
+        ),
+        "deploy": target.workflow(
+            deploy_flow, name=f"{names}.deploy_flow", idempotency_key="{token}"
+        ),
+        "parent": target.workflow(
+            parent_flow, name=f"{names}.parent_flow", idempotency_key="{token}"
+        ),
+        "card": target.workflow(card_flow, name=f"{names}.card_flow", idempotency_key="{token}"),
+        "nesting": target.workflow(
+            nesting_flow, name=f"{names}.nesting_flow", idempotency_key="{token}"
+        ),
+        "fixable": target.workflow(
+            fixable_flow, name=f"{names}.fixable_flow", idempotency_key="{token}"
+        ),
+        "undo_fails": target.workflow(
+            undo_fails_flow, name=f"{names}.undo_fails_flow", idempotency_key="{token}"
+        ),
+        "set_result": target.workflow(
+            set_result_flow, name=f"{names}.set_result_flow", idempotency_key="{token}"
+        ),
+        "long": target.workflow(long_flow, name=f"{names}.long_flow", idempotency_key="{token}"),
+    }
+
+
+WORKFLOWS = declare_workflows(app)
+order_flow_wf = WORKFLOWS["order"]

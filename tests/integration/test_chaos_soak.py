@@ -2,8 +2,11 @@
 
 300 jobs on celery-ledger and, under the same faults, on plain Celery with ``acks_late``; the
 assertions are the issue's: every ledger job terminal as designed, one effect per job, none
-lost, dead letters exactly the designed failures. Plain Celery's counts are printed for
-comparison only. About two minutes; ``python -m ops.chaos.soak --profile long`` runs 5,000 jobs.
+lost, dead letters exactly the designed failures. celery-ledger also runs 40 workflows of 3-5
+steps (some designed to fail at their last step): each must end as designed, completed or
+compensated, with every step's and compensation's effect exactly once. Plain Celery's counts
+are printed for comparison only. About two and a half minutes; ``python -m ops.chaos.soak
+--profile long`` runs 5,000 jobs and 400 workflows.
 """
 
 from __future__ import annotations
@@ -31,3 +34,16 @@ def test_ci_soak_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     assert ledger.succeeded + ledger.dead == ledger.tasks
     assert ledger.dead_letters_match, ledger.dead_letter_detail
     assert ledger.quiet, ledger.details  # nothing left behind in the broker
+
+    flows = ledger.workflows
+    assert flows is not None and flows.workflows == PROFILES["ci"].workflows
+    assert 0 < flows.designed_compensated < flows.workflows  # both ends are exercised
+    assert flows.lost == [], flows.details  # every workflow ended within the drain...
+    assert flows.wrong_status == [], flows.details  # ...as designed
+    assert flows.completed == flows.workflows - flows.designed_compensated
+    assert flows.compensated == flows.designed_compensated
+    assert flows.duplicates == 0, flows.details  # each step and compensation acted once
+    assert flows.missing_effects == 0 and flows.unexpected_effects == 0, flows.details
+    assert flows.step_effects == flows.expected_effects
+    assert flows.out_of_order == [], flows.details  # compensations newest first
+    assert flows.dead_steps_match, flows.details

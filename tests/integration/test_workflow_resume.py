@@ -1,0 +1,96 @@
+"""Resuming a long workflow reads a bounded part of its log: a 1,000-step workflow's wakes,
+counted with the benchmark's own counter (``ops.bench.workflows``), read as much at 1,000
+events as at 10; and the log's tail read pages correctly past its limit."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from celery_ledger.ledger.workflow_log import WorkflowLog
+from celery_ledger.workflow.engine import WorkflowEngine
+from ops.bench.apps.workflows import build
+from ops.bench.workflows import ThreadCommands, at_marks, drive_long_workflow
+
+STEPS = 1000
+
+
+def test_a_thousand_step_workflow_reads_as_little_per_resume_at_the_end_as_at_the_start(
+    stack: Any,
+) -> None:
+    listener = ThreadCommands()
+    app = build(
+        {
+            "LEDGER_BROKER_URL": stack.broker.url,
+            "LEDGER_MONGO_URI": stack.ledger.url,
+            "LEDGER_MONGO_DB": f"resume_{uuid.uuid4().hex[:8]}",
+        },
+        command_listeners=(listener,),
+    )
+    try:
+        app.ledger.ensure_indexes()
+        engine: WorkflowEngine = app.workflow_engine
+        engine.log.ensure_indexes()
+        workflow_id, wakes = drive_long_workflow(app, listener, STEPS)
+        handle = app.workflows["bw.steps"].handle(workflow_id)
+        assert handle.status().status == "completed"
+        events = handle.history()
+    finally:
+        app.close()
+
+    # Every step once, and every wake but the first (no outcome yet) and the last (the end's
+    # record and state) is the same three commands: the log's tail, the outcome, the append
+    assert len(wakes) == STEPS + 1
+    assert sum(1 for e in events if e.kind == "completed") == STEPS
+    middle = wakes[1:-1]
+    assert {tuple(w.commands) for w in middle} == {("find", "find", "insert")}
+    # The tail read stops at the latest snapshot: never more than snapshot_every (100) + 64
+    # documents, however long the history, and the outcome read is the one step's record
+    bound = app.settings.workflow_snapshot_every + 64 + 1
+    assert max(w.docs_read for w in wakes) <= bound
+    marks = at_marks(wakes, (10, 100, 1000, 2000))
+    assert set(marks) == {10, 100, 1000, 2000}
+    assert {marks[m].reads for m in marks} == {2}
+
+
+def test_the_tail_read_pages_past_its_limit_through_pending_documents_and_events(
+    stack: Any,
+) -> None:
+    app = build(
+        {
+            "LEDGER_BROKER_URL": stack.broker.url,
+            "LEDGER_MONGO_URI": stack.ledger.url,
+            "LEDGER_MONGO_DB": f"tail_{uuid.uuid4().hex[:8]}",
+        }
+    )
+    try:
+        log = WorkflowLog(app.ledger, retention_seconds=3600)
+        log.ensure_indexes()
+        wf = f"wf-{uuid.uuid4().hex[:8]}"
+        other = f"{wf}x"  # an id that extends this one: never part of its log
+        started = {"kind": "started", "data": {"workflow": "t", "args": "[[], {}]", "key": "k"}}
+        log.append(
+            wf, 0, [started] + [{"kind": "noted", "data": {"i": i}} for i in range(9)], worker="t"
+        )
+        log.append(other, 0, [started], worker="t")
+        for i in range(7):
+            assert log.add_signal(wf, f"s{i}", {"name": "go", "payload": "null"})
+        log.request_cancel(wf, {"reason": "r", "actor": "a"})
+        for limit in (1, 3, 8, 50):
+            docs = log.tail(wf, limit=limit)
+            ids = [str(d["_id"]) for d in docs]
+            assert len(ids) == len(set(ids)) == 18, (limit, ids)
+            assert all(d["wf"] == wf for d in docs)
+            assert sum(1 for d in docs if d.get("kind") == "pending_signal") == 7
+            assert log.count_signals(wf) == 7
+        # After a snapshot the read stops there (the pending documents still all come)
+        log.append(
+            wf, 10, [{"kind": "snapshot", "data": {}}, {"kind": "noted", "data": {}}], worker="t"
+        )
+        for limit in (1, 3, 50):
+            docs = log.tail(wf, limit=limit)
+            seqs = sorted(d["seq"] for d in docs if isinstance(d.get("seq"), int))
+            assert seqs[-2:] == [11, 12] and len(seqs) <= max(limit, 2), (limit, seqs)
+            assert sum(1 for d in docs if isinstance(d.get("seq"), str)) == 8
+    finally:
+        app.close()
