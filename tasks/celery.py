@@ -7,6 +7,12 @@ from .observers import SlowJobs
 # Its tier queues are named after it: reference.critical, reference.default, reference.bulk.
 app = create_app(
     "reference",
-    include=["tasks.payments", "tasks.notifications", "tasks.reports", "tasks.backfills"],
+    include=[
+        "tasks.payments",
+        "tasks.notifications",
+        "tasks.reports",
+        "tasks.backfills",
+        "tasks.fulfilment",
+    ],
 )
 app.observers.add(SlowJobs(budget_seconds=10.0))

@@ -129,6 +129,7 @@ def run_workload(orders: int, emails: int, reports: int) -> dict[str, Any]:
         "the ledger; retries: extra attempts after gateway timeouts"
     )
     backfill_orders(run)
+    ok &= fulfil_orders(run)
     sample = app.ledger.get(charge.name, jobs[0][1])
     if sample is not None:
         console.print(
@@ -143,6 +144,59 @@ def run_workload(orders: int, emails: int, reports: int) -> dict[str, Any]:
         )
     )
     return {"ok": ok}
+
+
+def fulfil_orders(run: int, n: int = 5) -> bool:
+    """The durable-workflow example: ``n`` orders fulfilled by ``tasks.fulfilment``; the last
+    one is rejected, so its charge is refunded and its items released."""
+    from tasks.effects import effects
+    from tasks.fulfilment import fulfil_order
+
+    started = time.monotonic()
+    handles = []
+    for i in range(n):
+        order_id = run * 1000 + 900 + i
+        handle = fulfil_order.start(order_id, ["book", "lamp"], 2500 + i)
+        assert fulfil_order.start(order_id, ["book", "lamp"], 2500 + i).id == handle.id
+        handles.append((order_id, handle))
+    for i, (_, handle) in enumerate(handles):
+        handle.signal("approved", i < n - 1)  # kept until the workflow waits for it
+    table = Table(title="celery-ledger demo: durable workflows (tasks/fulfilment.py)")
+    for column in ("order", "status", "charge", "reserved", "shipped", "refunded", "released"):
+        table.add_column(column, justify="left" if column in ("order", "status") else "right")
+    ok = True
+    for i, (order_id, handle) in enumerate(handles):
+        handle.result(timeout=120, propagate=False)
+        status = handle.status()
+        counts = {
+            kind: effects().count_documents({"kind": kind, "key": {"$regex": f"^{order_id}"}})
+            for kind in ("reserve", "ship", "refund", "release")
+        }
+        charges = effects().count_documents(
+            {"kind": "charge", "key": {"$regex": f"^wf:{handle.id}:"}}
+        )
+        expected = "completed" if i < n - 1 else "compensated"
+        undone = 0 if expected == "completed" else 1
+        ok &= status.status == expected and charges == 1 and counts["reserve"] == 2
+        ok &= counts["ship"] == 1 - undone and counts["refund"] == undone
+        ok &= counts["release"] == 2 * undone
+        table.add_row(
+            str(order_id),
+            status.status,
+            str(charges),
+            str(counts["reserve"]),
+            str(counts["ship"]),
+            str(counts["refund"]),
+            str(counts["release"]),
+        )
+    console.print(table)
+    last = handles[-1][1]
+    console.print(
+        f"{n} workflows in {time.monotonic() - started:.1f}s; the rejected one's log:"
+        f" {', '.join(e.kind for e in last.history())}"
+    )
+    console.print(f"  inspect: celery -A tasks ledger workflows history {last.id}")
+    return ok
 
 
 def backfill_orders(run: int, n: int = 2000) -> None:
