@@ -1,4 +1,4 @@
-"""What a soak runs: its profiles (ci, long) and its jobs."""
+"""What a soak runs: its profiles (ci, long), its jobs and (celery-ledger only) its workflows."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ class Profile:
     drain_timeout: float
     lease_seconds: float
     visibility_timeout: int
+    workflows: int = 0  # celery-ledger only: durable workflows of 3-5 steps, beside the jobs
+    workflow_fail_share: float = 0.0  # of those, designed to fail for good at their last step
 
 
 PROFILES = {
@@ -54,6 +56,8 @@ PROFILES = {
         drain_timeout=90.0,
         lease_seconds=8.0,
         visibility_timeout=30,
+        workflows=40,
+        workflow_fail_share=0.3,
     ),
     "long": Profile(
         name="long",
@@ -76,6 +80,8 @@ PROFILES = {
         drain_timeout=300.0,
         lease_seconds=8.0,
         visibility_timeout=30,
+        workflows=400,
+        workflow_fail_share=0.25,
     ),
 }
 
@@ -103,3 +109,59 @@ def plan_jobs(profile: Profile, rng: random.Random, run: str) -> list[Job]:
         }.get(kind, 0.0)
         jobs.append(Job(f"{run}-{kind}-{i}", kind, param, rng.choice(TIERS)))
     return jobs
+
+
+def step_effect_key(flow_key: str, index: int) -> str:
+    """The key of a workflow's step ``index`` in the world (its effect, attempts, failure)."""
+    return f"{flow_key}:s{index}"
+
+
+def undo_effect_key(flow_key: str, index: int) -> str:
+    """The key of the compensation of a workflow's step ``index`` in the world."""
+    return f"{flow_key}:u{index}"
+
+
+@dataclass(frozen=True)
+class WorkflowJob:
+    """A workflow of ``soak.flow``: its steps run in order, each registering a compensation;
+    a designed failure's last step fails for good, so the earlier steps are compensated."""
+
+    key: str
+    steps: tuple[tuple[str, float], ...]  # (kind, param) per step, as for a job
+    tier: str  # its steps' tier
+
+    @property
+    def designed(self) -> str:
+        return "compensated" if self.steps[-1][0] == "permanent" else "completed"
+
+    def step_key(self, index: int) -> str:
+        return step_effect_key(self.key, index)
+
+    def undo_key(self, index: int) -> str:
+        return undo_effect_key(self.key, index)
+
+    def expected_effects(self) -> list[str]:
+        """The effect keys the workflow must leave, each exactly once, in the order they
+        happen: every step for a completed workflow; for a compensated one every step but the
+        failed last, then their compensations newest first."""
+        if self.designed == "completed":
+            return [self.step_key(i) for i in range(len(self.steps))]
+        done = range(len(self.steps) - 1)
+        return [self.step_key(i) for i in done] + [self.undo_key(i) for i in reversed(done)]
+
+
+def plan_workflows(profile: Profile, rng: random.Random, run: str) -> list[WorkflowJob]:
+    """The soak's workflows: 3-5 steps, mostly quick, some flaky (retried) or long (a second
+    or two)."""
+    flows = []
+    for i in range(profile.workflows):
+        steps: list[tuple[str, float]] = []
+        for _ in range(rng.randint(3, 5)):
+            # Long steps are the ones a kill most often lands in.
+            kind = rng.choices(["quick", "flaky", "long"], weights=[0.55, 0.15, 0.30])[0]
+            param = {"flaky": 1.0, "long": round(rng.uniform(0.5, 2.0), 2)}.get(kind, 0.0)
+            steps.append((kind, param))
+        if rng.random() < profile.workflow_fail_share:
+            steps[-1] = ("permanent", 0.0)
+        flows.append(WorkflowJob(f"{run}-flow-{i}", tuple(steps), rng.choice(TIERS)))
+    return flows

@@ -1,4 +1,5 @@
-"""What a soak found: kills it made, and per system the outcome of every job; printed as tables."""
+"""What a soak found: kills it made, per system the outcome of every job, and celery-ledger's
+workflows; printed as tables."""
 
 from __future__ import annotations
 
@@ -14,6 +15,43 @@ class Kill:
     system: str
     kind: str
     pids: list[int]
+
+
+@dataclass
+class WorkflowReport:
+    """celery-ledger's workflows (plain Celery has none): their ends and their steps' effects."""
+
+    workflows: int = 0
+    designed_compensated: int = 0
+    completed: int = 0
+    compensated: int = 0
+    lost: list[str] = field(default_factory=list)  # not ended by the end of the drain
+    wrong_status: list[str] = field(default_factory=list)  # ended, but not as designed
+    step_effects: int = 0  # effects of steps and compensations (every run counted)
+    expected_effects: int = 0
+    duplicates: int = 0  # effects beyond the first, over all step and compensation keys
+    duplicate_causes: dict[str, int] = field(default_factory=dict)
+    missing_effects: int = 0  # expected once, never happened
+    unexpected_effects: int = 0  # a step or compensation that should not have acted
+    out_of_order: list[str] = field(default_factory=list)  # steps or compensations misordered
+    step_claims: int = 0  # claims of the steps' and compensations' jobs, over all records
+    designed_claims: int = 0  # one per job, one more per designed retry (flaky steps)
+    dead_steps: int = 0  # dead records of the steps' task
+    dead_steps_match: bool | None = None  # exactly the designed failures' last steps
+    terminal_seconds: float | None = None  # after the faults, until every workflow ended
+    details: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.lost
+            and not self.wrong_status
+            and self.duplicates == 0
+            and self.missing_effects == 0
+            and self.unexpected_effects == 0
+            and not self.out_of_order
+            and bool(self.dead_steps_match)
+        )
 
 
 @dataclass
@@ -34,6 +72,7 @@ class SystemReport:
     drain_seconds: float | None = None
     quiet: bool = False
     details: list[str] = field(default_factory=list)
+    workflows: WorkflowReport | None = None
 
 
 @dataclass
@@ -87,6 +126,39 @@ class SoakReport:
             ],
             rows,
         )
+        for name, r in self.systems.items():
+            w = r.workflows
+            if w is None:
+                continue
+            ended = "-" if w.terminal_seconds is None else f"{w.terminal_seconds:.1f}s"
+            print_table(
+                f"workflows on {name} (plain Celery has none)",
+                ["figure", "value"],
+                [
+                    ["workflows (3-5 steps)", w.workflows],
+                    ["completed", w.completed],
+                    ["compensated / designed to fail", f"{w.compensated}/{w.designed_compensated}"],
+                    ["lost (not ended after the drain)", len(w.lost)],
+                    ["ended otherwise than designed", len(w.wrong_status)],
+                    [
+                        "step and compensation effects / expected",
+                        f"{w.step_effects}/{w.expected_effects}",
+                    ],
+                    ["duplicate effects", w.duplicates],
+                    ["missing effects", w.missing_effects],
+                    ["unexpected effects", w.unexpected_effects],
+                    ["effects out of order", len(w.out_of_order)],
+                    [
+                        "dead steps = designed failures",
+                        f"{'yes' if w.dead_steps_match else 'NO'} ({w.dead_steps})",
+                    ],
+                    [
+                        "step claims / designed (more: crashes, outages)",
+                        f"{w.step_claims}/{w.designed_claims}",
+                    ],
+                    ["every workflow ended, after the faults", ended],
+                ],
+            )
         if self.repaired:
             console.print(
                 f"the ledger workers' own reconciler brought back: {self.repaired}",
@@ -100,3 +172,10 @@ class SoakReport:
                 console.print(f"{name} duplicate effects by cause: {r.duplicate_causes}")
             for line in r.details[:12]:
                 console.print(f"  {name}: {line}", highlight=False, soft_wrap=True)
+            if r.workflows is not None:
+                if r.workflows.duplicate_causes:
+                    console.print(
+                        f"{name} duplicate step effects by cause: {r.workflows.duplicate_causes}"
+                    )
+                for line in r.workflows.details[:12]:
+                    console.print(f"  {name} workflows: {line}", highlight=False, soft_wrap=True)

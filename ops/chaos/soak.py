@@ -7,6 +7,9 @@ record the attempt; fail, sleep or not as designed; then record one effect, on a
 own that no fault touches) on celery-ledger workers and on plain Celery workers (``acks_late``,
 ``reject_on_worker_lost``, no ledger). Jobs: quick, flaky (retryable errors, then success),
 permanent failures (must end dead) and long (a few seconds), published in waves to mixed tiers.
+celery-ledger also runs durable workflows beside its jobs (``soak.flow``, 3-5 steps of the same
+body, a compensation registered after each step; some designed to fail for good at their last
+step, so their compensations must run); plain Celery has no workflows.
 
 Faults, while the jobs run: SIGKILL of a random pool process of each system every few seconds;
 SIGKILL of a whole worker (restarted; its unacked messages come back after the visibility
@@ -16,7 +19,9 @@ connection resets and a partition. Plain Celery does not use the ledger server.
 
 At the end every job must reach its designed terminal state (succeeded, or dead for the
 permanent failures) with exactly one effect per succeeded job, nothing lost, and the dead
-letters exactly the designed failures.
+letters exactly the designed failures. Every workflow must end as designed (``completed``, or
+``compensated``) by the end of the drain, with each step's effect exactly once (for a compensated
+one: the steps before the failed one, then their compensations newest first, each once).
 """
 
 from __future__ import annotations
@@ -48,9 +53,9 @@ from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from ..bench.common import REPO, RESULTS, console, machine
 from .apps import plain_soak
 from .forensics import broker_fate, dead_letter_key, last_error, message_key
-from .plan import PROFILES, TIERS, Job, Profile, plan_jobs
+from .plan import PROFILES, TIERS, Job, Profile, WorkflowJob, plan_jobs, plan_workflows
 from .proxy import Proxy, ProxyLoop
-from .report import Kill, SoakReport, SystemReport
+from .report import Kill, SoakReport, SystemReport, WorkflowReport
 
 __all__ = ["PROFILES", "Profile", "SoakReport", "SystemReport", "run"]
 
@@ -59,6 +64,11 @@ RECONCILE_EVERY_SECONDS = 3.0
 # A queued job untouched this long is republished (the ledger dedupes a second copy).
 RECONCILE_STALE_AFTER_SECONDS = 12.0
 LEDGER_DELAYED_KEY = "soak_ledger:ledger:delayed"
+# The reconciler wakes an active workflow nothing woke for this long (a lost wake is found
+# within the drain, not after the 120 s default).
+WORKFLOW_CHECK_SECONDS = 5.0
+WORKFLOW_ENDS = ("completed", "failed", "compensated", "cancelled", "dead")
+WORKFLOW_START_PATIENCE_SECONDS = 30.0  # a start retried through a ledger or broker outage
 
 
 @contextlib.contextmanager
@@ -95,6 +105,14 @@ class Soak:
         self.log = log
         self.run_id = f"s{seed % 100000:05d}{int(time.time()) % 100000:05d}"
         self.jobs = plan_jobs(profile, self.rng, self.run_id)
+        # Their own random source: a seed plans the same jobs and faults as before workflows.
+        self.flows: list[WorkflowJob] = (
+            plan_workflows(profile, random.Random(seed + 1), self.run_id)
+            if "ledger" in systems
+            else []
+        )
+        self.flow_ids: dict[str, str] = {}  # workflow key -> id, once started
+        self.flows_ended: float | None = None  # seconds after the faults, once all ended
         self.faults: Counter[str] = Counter()
         self.faults_repaired: Counter[str] = Counter()  # what the reconciler brought back
         self._ledger_app: LedgerCelery | None = None
@@ -147,6 +165,7 @@ class Soak:
             "LEDGER_RECONCILE_EVERY_SECONDS": str(RECONCILE_EVERY_SECONDS),
             "LEDGER_RECONCILE_STALE_AFTER_SECONDS": str(RECONCILE_STALE_AFTER_SECONDS),
             "LEDGER_RECONCILE_LEASE_GRACE_SECONDS": str(self.profile.lease_seconds / 2),
+            "LEDGER_WORKFLOW_CHECK_SECONDS": str(WORKFLOW_CHECK_SECONDS),
         }
 
     def queues(self, system: str) -> tuple[str, ...]:
@@ -245,9 +264,14 @@ class Soak:
                     mongo_db="soak",
                     mongo_timeout_ms=2000,
                     dedupe_on_publish=True,
+                    workflow_check_seconds=WORKFLOW_CHECK_SECONDS,
                 )
             )
         return self._ledger_app
+
+    def close_ledger_app(self) -> None:
+        if self._ledger_app is not None:
+            self._ledger_app.close()
 
     def brought_back(self) -> dict[str, int]:
         """What the workers' own reconciler brought back (no beat, no operator)."""
@@ -267,6 +291,25 @@ class Soak:
                 for job in chunk:
                     for system in self.systems:
                         publish[system](job)
+            for flow in self.flows[wave::waves]:
+                self.start_workflow(flow)
+
+    def start_workflow(self, flow: WorkflowJob) -> None:
+        """Start a workflow (once per key: a start repeated after an error finds the first);
+        retried while the ledger or the broker is away, as a producer would."""
+        workflow = self.ledger_app().workflows["soak.flow"]
+        deadline = time.monotonic() + WORKFLOW_START_PATIENCE_SECONDS
+        while True:
+            try:
+                with self.publish_lock:
+                    handle = workflow.start(flow.key, [list(s) for s in flow.steps], flow.tier)
+                self.flow_ids[flow.key] = handle.id
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    self.log(f"workflow {flow.key} not started: {exc!r}")
+                    return
+                time.sleep(0.5)
 
     def sleep_until(self, offset: float) -> None:
         time.sleep(max(0.0, self.started + offset - time.monotonic()))
@@ -454,8 +497,27 @@ class Soak:
                     lines.append(f"delayed {args[0]} due in {due - time.time():.0f}s")
         return lines
 
+    def flow_statuses(self) -> dict[str, str]:
+        """Workflow id -> status, from the workflows' state documents (one read)."""
+        log = self.ledger_app().workflow_engine.log
+        return {
+            str(d["_id"]): str(d.get("status")) for d in log.listing(limit=len(self.flows) + 100)
+        }
+
+    def flows_pending(self) -> int:
+        """Workflows not ended yet (an unreadable ledger counts them all)."""
+        try:
+            statuses = self.flow_statuses()
+        except Exception:
+            return len(self.flows)
+        return sum(
+            statuses.get(self.flow_ids.get(f.key, ""), "missing") not in WORKFLOW_ENDS
+            for f in self.flows
+        )
+
     def drain(self, faults_ended: float) -> dict[str, tuple[float | None, bool]]:
-        """Wait until every job is terminal and the broker holds nothing more, per system."""
+        """Wait until every job (and celery-ledger's every workflow) is terminal and the broker
+        holds nothing more, per system."""
         drained: dict[str, float | None] = dict.fromkeys(self.systems)
         quiet: dict[str, bool] = dict.fromkeys(self.systems, False)
         deadline = time.monotonic() + self.profile.drain_timeout
@@ -464,7 +526,13 @@ class Soak:
                 if quiet[system]:
                     continue
                 states = self.outcomes(system)
-                if drained[system] is None and all(s != "pending" for s in states.values()):
+                waiting = system == "ledger" and self.flows and self.flows_ended is None
+                if waiting and self.flows_pending() == 0:
+                    self.flows_ended = time.monotonic() - faults_ended
+                    self.log(f"ledger: every workflow ended {self.flows_ended:.1f}s after faults")
+                jobs_done = all(s != "pending" for s in states.values())
+                flows_done = system != "ledger" or not self.flows or self.flows_ended is not None
+                if drained[system] is None and jobs_done and flows_done:
                     drained[system] = time.monotonic() - faults_ended
                     self.log(f"{system}: every job terminal {drained[system]:.1f}s after faults")
                 if drained[system] is not None and self.broker_quiet(system):
@@ -489,7 +557,7 @@ class Soak:
         if system == "ledger":
             with self.ledger_client() as client:
                 records = {d["key"]: d for d in client.soak.ledger.find({"task": "soak.work"})}
-                dead_docs = list(client.soak.ledger.find({"state": "dead"}))
+                dead_docs = list(client.soak.ledger.find({"state": "dead", "task": "soak.work"}))
         if not quiet:
             report.details += [f"broker: {line}" for line in self.broker_leftovers(system)]
         for job in self.jobs:
@@ -559,6 +627,94 @@ class Soak:
                 f" dead_letter queue copies {len(copies & designed)}/{len(designed)}"
             )
             report.details.insert(0, report.dead_letter_detail)
+            if self.flows:
+                report.workflows = self.account_workflows(effects)
+        return report
+
+    def account_workflows(self, effects: dict[str, list[dict[str, Any]]]) -> WorkflowReport:
+        """Each workflow's end (its handle's status) and its steps' effects in the world."""
+        report = WorkflowReport(
+            workflows=len(self.flows),
+            designed_compensated=sum(f.designed == "compensated" for f in self.flows),
+            terminal_seconds=self.flows_ended,
+        )
+        app = self.ledger_app()
+        prefix = f"{self.run_id}-flow-"
+        for flow in self.flows:
+            workflow_id = self.flow_ids.get(flow.key)
+            if workflow_id is None:
+                report.lost.append(flow.key)
+                report.details.append(f"never started: {flow.key}")
+                continue
+            status = app.workflow_handle(workflow_id).status()
+            report.completed += status.status == "completed"
+            report.compensated += status.status == "compensated"
+            where = (
+                f"{flow.key} ({workflow_id}, steps {[k for k, _ in flow.steps]}): {status.status},"
+                f" {status.steps_done} steps done, pending {status.steps_pending},"
+                f" {status.events} events, error {str(status.error)[:200]!r}"
+            )
+            if status.status not in WORKFLOW_ENDS:
+                report.lost.append(flow.key)
+                report.details.append(f"not ended: {where}")
+            elif status.status != flow.designed:
+                report.wrong_status.append(flow.key)
+                report.details.append(f"wrong end (designed {flow.designed}): {where}")
+            expected = flow.expected_effects()
+            report.expected_effects += len(expected)
+            firsts = []
+            for key in expected:
+                runs = effects.get(key, [])
+                if not runs:
+                    report.missing_effects += 1
+                    report.details.append(f"missing effect {key}: {where}")
+                    continue
+                firsts.append((runs[0]["at"], key))
+                if len(runs) > 1:
+                    report.duplicates += len(runs) - 1
+                    for run in runs[:-1]:
+                        cause = self.cause_of("ledger", run)
+                        report.duplicate_causes[cause] = report.duplicate_causes.get(cause, 0) + 1
+                    report.details.append(
+                        f"duplicate effect {key}: "
+                        + ", ".join(
+                            f"{r['at'] - self.wall_started:.2f}s pid {r['pid']}"
+                            f" fence {r.get('fence')}"
+                            for r in runs
+                        )
+                    )
+            if [key for _, key in sorted(firsts)] != [key for _, key in firsts]:
+                report.out_of_order.append(flow.key)
+                report.details.append(f"effects out of order: {[k for _, k in firsts]}: {where}")
+        expected_keys = {key for flow in self.flows for key in flow.expected_effects()}
+        for key, runs in effects.items():
+            if key.startswith(prefix):
+                report.step_effects += len(runs)
+                if key not in expected_keys:
+                    report.unexpected_effects += len(runs)
+                    report.details.append(f"unexpected effect {key} ({len(runs)}x)")
+        # A step's key is ``wf:<workflow id>:<generation>:<position>``.
+        failing = {self.flow_ids.get(f.key) for f in self.flows if f.designed == "compensated"}
+        with self.ledger_client() as client:
+            fields = {"key": 1, "state": 1, "attempts": 1}
+            steps = list(client.soak.ledger.find({"task": "soak.step"}, fields))
+        # A claim per job, one more per designed retry; beyond that a crash or an outage made a
+        # job run again (its effect still once: the faults did reach the workflows).
+        report.step_claims = sum(int(d.get("attempts", 0)) for d in steps)
+        report.designed_claims = sum(
+            len(f.steps) + sum(kind == "flaky" for kind, _ in f.steps) for f in self.flows
+        ) + sum(len(f.steps) - 1 for f in self.flows if f.designed == "compensated")
+        dead = [d for d in steps if d.get("state") == "dead"]
+        owners = [str(d.get("key", "")).split(":")[1:2] for d in dead]
+        report.dead_steps = len(dead)
+        report.dead_steps_match = sorted(o[0] if o else "" for o in owners) == sorted(
+            str(f) for f in failing
+        )
+        if not report.dead_steps_match:
+            report.details.append(
+                f"dead step records {len(dead)}, designed {len(failing)}:"
+                f" {[d.get('key') for d in dead][:5]}"
+            )
         return report
 
     def cause_of(self, system: str, run: dict[str, Any]) -> str:
@@ -586,11 +742,15 @@ class Soak:
 
     def run(self) -> SoakReport:
         began = time.monotonic()
-        with self.running():
+        with self.running(), contextlib.ExitStack() as cleanup:
+            cleanup.callback(self.close_ledger_app)
+            flows = Counter(f.designed for f in self.flows)
             self.log(
                 f"soak {self.profile.name}: {len(self.jobs)} jobs per system"
-                f" {dict(Counter(j.kind for j in self.jobs))}, systems {self.systems},"
-                f" seed {self.seed}; workers up in {time.monotonic() - began:.1f}s"
+                f" {dict(Counter(j.kind for j in self.jobs))}"
+                + (f", {len(self.flows)} ledger workflows {dict(flows)}" if self.flows else "")
+                + f", systems {self.systems}, seed {self.seed};"
+                f" workers up in {time.monotonic() - began:.1f}s"
             )
             self.started = time.monotonic()
             self.wall_started = time.time()
@@ -612,8 +772,6 @@ class Soak:
                 supervisor.join()
                 if "ledger" in self.systems:
                     self.faults_repaired.update(self.brought_back())
-                if self._ledger_app is not None:
-                    self._ledger_app.close()
             reports = {s: self.account(s, *drained[s]) for s in self.systems}
         return SoakReport(
             profile=self.profile.name,
@@ -681,6 +839,7 @@ def main(argv: list[str] | None = None) -> int:
         and not ledger.wrong_outcome
         and ledger.duplicates == 0
         and bool(ledger.dead_letters_match)
+        and (ledger.workflows is None or ledger.workflows.ok)
     )
     return 0 if ok else 1
 

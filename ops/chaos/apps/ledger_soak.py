@@ -1,6 +1,7 @@
-"""The soak on celery-ledger: settings from ``LEDGER_*``; ``soak.work`` keyed on ``key``.
+"""The soak on celery-ledger: settings from ``LEDGER_*``; ``soak.work`` keyed on ``key``, and
+the workflow ``soak.flow`` whose steps and compensations are ``soak.step`` jobs.
 
-Its effect is an atomic step (``self.step("effect").atomic``): the effect document and the
+Every effect is an atomic step (``self.step("effect").atomic``): the effect document and the
 step record commit in one transaction on the ledger's server.
 """
 
@@ -12,6 +13,7 @@ from pymongo.client_session import ClientSession
 
 from celery_ledger import LedgerCelery, PermanentError, Settings, create_app
 
+from ..plan import step_effect_key, undo_effect_key
 from . import world
 
 RESTORE_SWEEP = {
@@ -23,7 +25,8 @@ RESTORE_SWEEP = {
 
 
 def build(settings: Settings | None = None) -> LedgerCelery:
-    """The app (settings from ``LEDGER_*`` unless given) with its one task, ``soak.work``."""
+    """The app (settings from ``LEDGER_*`` unless given): the job ``soak.work``, the workflow
+    ``soak.flow`` and its steps' task ``soak.step``."""
     app = create_app("soak_ledger", settings=settings, set_as_current=False)
     # kombu sweeps for unacked messages past the visibility timeout only every
     # interval x throttle seconds (10 x 10 by default): sweep every second instead.
@@ -32,30 +35,49 @@ def build(settings: Settings | None = None) -> LedgerCelery:
         **RESTORE_SWEEP,
     }
 
-    @app.task(  # type: ignore[untyped-decorator]
-        bind=True,
-        shared=False,
-        name="soak.work",
-        idempotency_key="{key}",
-        retry_on=(world.FlakyError,),
-        max_retries=8,
-        retry_base_seconds=0.2,
-        retry_cap_seconds=1.0,
-    )
-    def work(self: Any, key: str, kind: str, param: float) -> str:
+    def body(task: Any, key: str, kind: str, param: float) -> str:
         def act(doc: dict[str, Any]) -> None:
             # The effect commits with the step record, in one transaction on the ledger.
             def write(session: ClientSession) -> None:
                 effects = session.client.get_database("soak_world").get_collection("effects")
                 effects.insert_one(dict(doc), session=session)
 
-            self.step("effect").atomic(write)
+            task.step("effect").atomic(write)
 
         try:
-            fence = getattr(self.request, "ledger_fence", None)
+            fence = getattr(task.request, "ledger_fence", None)
             return world.work("ledger", key, kind, param, fence, act)
         except world.DesignedFailure as exc:
             raise PermanentError(str(exc)) from exc
+
+    options: dict[str, Any] = {
+        "bind": True,
+        "shared": False,
+        "idempotency_key": "{key}",
+        "retry_on": (world.FlakyError,),
+        "max_retries": 8,
+        "retry_base_seconds": 0.2,
+        "retry_cap_seconds": 1.0,
+    }
+
+    @app.task(name="soak.work", **options)  # type: ignore[untyped-decorator]
+    def work(self: Any, key: str, kind: str, param: float) -> str:
+        return body(self, key, kind, param)
+
+    # A workflow's step or compensation (its ledger key is the workflow's: ``wf:<id>:...``).
+    @app.task(name="soak.step", **options)  # type: ignore[untyped-decorator]
+    def step(self: Any, key: str, kind: str, param: float) -> str:
+        return body(self, key, kind, param)
+
+    @app.workflow(name="soak.flow", idempotency_key="{key}")  # type: ignore[untyped-decorator]
+    def flow(wf: Any, key: str, steps: list[list[Any]], tier: str) -> list[str]:
+        """Each step in turn, then its compensation registered: a step that fails for good
+        (the designed failures' last) has the earlier ones undone, newest first."""
+        done = []
+        for index, (kind, param) in enumerate(steps):
+            done.append(wf.run(step.s(step_effect_key(key, index), kind, param).set(tier=tier)))
+            wf.compensate(step.s(undo_effect_key(key, index), "quick", 0.0).set(tier=tier))
+        return done
 
     return app
 
