@@ -86,6 +86,50 @@ def start_worker(
     )
 
 
+# A new pooled connection's handshake and authentication (the pool opens one when another thread,
+# such as the worker's housekeeping, holds the idle one): not a round trip of the protocol.
+CONNECTION_SETUP = frozenset(
+    {"hello", "isMaster", "ismaster", "saslStart", "saslContinue", "authenticate", "getnonce"}
+)
+
+
+@contextlib.contextmanager
+def solo_worker_per_delivery(
+    app: Any,
+    queues: Sequence[str],
+    begin: Any,
+    end: Any,
+) -> Iterator[None]:
+    """An in-process solo worker of ``app`` on ``queues``; ``begin(task_id, task)`` and
+    ``end()`` bracket each of its deliveries (on the worker's thread), for command counting."""
+    from celery import signals
+    from celery.contrib.testing.worker import start_worker as start_inprocess
+
+    def prerun(task_id: str, task: Any, **_: Any) -> None:
+        if task.app is app:
+            begin(task_id, task)
+
+    def postrun(task: Any, **_: Any) -> None:
+        if task.app is app:
+            end()
+
+    signals.task_prerun.connect(prerun, weak=False)
+    signals.task_postrun.connect(postrun, weak=False)
+    try:
+        with start_inprocess(
+            app,
+            pool="solo",
+            queues=list(queues),
+            perform_ping_check=False,
+            loglevel="WARNING",
+            shutdown_timeout=10,
+        ):
+            yield
+    finally:
+        signals.task_prerun.disconnect(prerun)
+        signals.task_postrun.disconnect(postrun)
+
+
 def rss_kib(pid: int) -> int:
     """Resident set size of a process (``VmRSS`` in /proc/<pid>/status), in KiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

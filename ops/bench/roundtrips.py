@@ -21,18 +21,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery import signals
-from celery.contrib.testing.worker import start_worker
 from pymongo import monitoring
 
 from celery_ledger import LedgerCelery, Settings, create_app
 
 from .common import (
+    CONNECTION_SETUP,
     median,
     print_header,
     print_table,
     pyplot,
     running_servers,
+    solo_worker_per_delivery,
     write_results,
 )
 
@@ -51,13 +51,6 @@ GOALS: dict[str, int | None] = {
 class Attempt:
     task_id: str
     commands: list[str] = field(default_factory=list)
-
-
-# A new pooled connection's handshake and authentication (the pool opens one when another thread,
-# such as the worker's housekeeping, holds the idle one): not a round trip of the protocol.
-CONNECTION_SETUP = frozenset(
-    {"hello", "isMaster", "ismaster", "saslStart", "saslContinue", "authenticate", "getnonce"}
-)
 
 
 class DeliveryCommands(monitoring.CommandListener):
@@ -134,32 +127,15 @@ def counting_worker(
     def boom(token: str) -> None:
         raise ValueError(token)
 
-    def prerun(task_id: str, task: Any, **_: Any) -> None:
-        if task.app is app:
-            listener.begin(task_id)
-
-    def postrun(task: Any, **_: Any) -> None:
-        if task.app is app:
-            listener.end()
-
-    signals.task_prerun.connect(prerun, weak=False)
-    signals.task_postrun.connect(postrun, weak=False)
     try:
-        with start_worker(
-            app,
-            pool="solo",
-            queues=[QUEUE],
-            perform_ping_check=False,
-            loglevel="WARNING",
-            shutdown_timeout=10,
+        with solo_worker_per_delivery(
+            app, [QUEUE], lambda task_id, _task: listener.begin(task_id), listener.end
         ):
             # The dead-letter case fails on purpose: keep its traceback out of the report.
             for name in ("celery.app.trace", "celery_ledger"):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
             yield app, listener
     finally:
-        signals.task_prerun.disconnect(prerun)
-        signals.task_postrun.disconnect(postrun)
         app.close()
 
 
