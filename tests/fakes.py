@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from celery_ledger.errors import LeaseLost
+from celery_ledger.errors import CommitLost, LeaseLost
 from celery_ledger.keys import derive_task_id
 from celery_ledger.ledger.dead import DeadJob
 from celery_ledger.ledger.message import KeptMessage
@@ -255,10 +255,14 @@ class MemoryLedger:
         op: str,
         fields: dict[str, Any],
         push: dict[str, Any] | None = None,
+        atomic_steps: Sequence[str] = (),
     ) -> None:
         fault = self._enter(method)
         doc = self.docs.get(record_id)
-        if doc is not None and doc.get("fence") == fence and doc.get("state") == State.RUNNING:
+        holds = doc is not None and doc.get("fence") == fence and doc.get("state") == State.RUNNING
+        missing = tuple(n for n in atomic_steps if n not in ((doc or {}).get("steps") or {}))
+        # As the real store: the write matches, or a repeat recognises itself, or it is refused
+        if doc is not None and holds and not missing:
             doc.update(copy.deepcopy(fields))
             doc["ops"] = [*doc.get("ops", []), op][-4:]
             if push is not None:
@@ -271,9 +275,19 @@ class MemoryLedger:
             self._leave(fault)
             return  # a repeat of a write that applied
         self._leave(fault)
+        if holds and missing:
+            raise CommitLost(record_id, missing)
         raise LeaseLost(record_id, fence)
 
-    def complete(self, record_id: str, fence: int, result_json: str, *, op: str) -> None:
+    def complete(
+        self,
+        record_id: str,
+        fence: int,
+        result_json: str,
+        *,
+        op: str,
+        atomic_steps: Sequence[str] = (),
+    ) -> None:
         now = self.now()
         self._end_attempt(
             "complete",
@@ -287,6 +301,7 @@ class MemoryLedger:
                 "finished_at": now,
                 "expires_at": now + self.result_retention,
             },
+            atomic_steps=atomic_steps,
         )
 
     def finish_without_result(
@@ -298,6 +313,7 @@ class MemoryLedger:
         note: str,
         op: str,
         replaced_by: str | None = None,
+        atomic_steps: Sequence[str] = (),
     ) -> None:
         now = self.now()
         fields = {
@@ -309,7 +325,9 @@ class MemoryLedger:
         }
         if replaced_by is not None:
             fields["replaced_by"] = replaced_by
-        self._end_attempt("finish_without_result", record_id, fence, op, fields)
+        self._end_attempt(
+            "finish_without_result", record_id, fence, op, fields, atomic_steps=atomic_steps
+        )
 
     def record_retry(
         self,

@@ -55,7 +55,9 @@ def running_servers(prefix: str) -> Iterator[Servers]:
         data_dir = Path(tmp)
         broker = start_valkey(data_dir / "valkey")
         try:
-            ledger = start_secantus(data_dir / "secantus")
+            # The server's default commit: the baselines' writes (Celery's MongoDB backend,
+            # w=1) must not be journaled for them; celery-ledger's writes ask for j=True.
+            ledger = start_secantus(data_dir / "secantus", sync_on_commit=False)
         except BaseException:
             broker.stop()
             raise

@@ -4,6 +4,7 @@ from .app import LedgerCelery, create_app
 from .errors import (
     Backpressure,
     CircuitOpen,
+    CommitLost,
     ConfigurationError,
     ControlFlow,
     IdentityError,
@@ -33,6 +34,7 @@ from .workflow.context import WorkflowContext
 __all__ = [
     "Backpressure",
     "CircuitOpen",
+    "CommitLost",
     "ConfigurationError",
     "ControlFlow",
     "ErrorEntry",

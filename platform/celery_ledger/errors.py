@@ -73,6 +73,23 @@ class LedgerUnavailable(StoreError):
     lost, or its write concern was not confirmed); the operation may succeed later."""
 
 
+class CommitLost(StoreError):
+    """The ledger no longer holds atomic steps whose transactions it acknowledged to this
+    attempt (a server that did not keep a commit across a crash or a failover). The attempt's
+    outcome is not written: the job runs again and the steps with it."""
+
+    def __init__(self, record_id: str, steps: tuple[str, ...]) -> None:
+        super().__init__(
+            f"{record_id}: the ledger lost the acknowledged commit of atomic step(s)"
+            f" {', '.join(steps)}; the job runs again"
+        )
+        self.record_id = record_id
+        self.steps = steps
+
+    def __reduce__(self) -> tuple[type[CommitLost], tuple[str, tuple[str, ...]]]:
+        return type(self), (self.record_id, self.steps)
+
+
 class TaskError(LedgerError):
     """Raised by, or on behalf of, a task body."""
 

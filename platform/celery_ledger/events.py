@@ -13,6 +13,8 @@ observer's exception: observing can never fail a task. Events:
     dead(job, letter)                     the job is dead-lettered (a DeadLetter)
     lease_lost(job, fence)                a newer claim took over; this holder stopped
     ledger_unavailable(job, where)        a ledger call failed for now; the job is kept
+    commit_lost(job, steps)               the ledger lost atomic steps it had acknowledged;
+                                          the job runs again (a server losing commits)
     breaker(name, old, new)               a circuit breaker changed state
     shed(tier)                            a publish was shed by backpressure
     throttle(queue, engaged, reason)      bulk consumption paused or resumed
@@ -70,6 +72,10 @@ class Observer:
 
     def ledger_unavailable(self, job: Job, where: str) -> None:
         """A ledger call (``where``) failed for now; the job is deferred or requeued."""
+
+    def commit_lost(self, job: Job, steps: tuple[str, ...]) -> None:
+        """The ledger no longer has atomic ``steps`` whose commit it acknowledged to this
+        attempt: the success was not recorded and the job runs again."""
 
     def breaker(self, name: str, old: str, new: str) -> None:
         """Circuit breaker ``name`` went from ``old`` to ``new``."""
@@ -136,6 +142,9 @@ class Observers(Observer):
 
     def ledger_unavailable(self, job: Job, where: str) -> None:
         self._dispatch("ledger_unavailable", job, where)
+
+    def commit_lost(self, job: Job, steps: tuple[str, ...]) -> None:
+        self._dispatch("commit_lost", job, steps)
 
     def breaker(self, name: str, old: str, new: str) -> None:
         self._dispatch("breaker", name, old, new)

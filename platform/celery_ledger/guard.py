@@ -39,6 +39,7 @@ from . import headers
 from .deadletter import DeadLetters
 from .errors import (
     CircuitOpen,
+    CommitLost,
     Interrupted,
     LeaseLost,
     LedgerError,
@@ -547,6 +548,7 @@ class Attempt:
         self.admission = admission
         self.started = guard.monotonic()
         self.context = {"task_id": delivery.identity.message_id, "fence": fence}
+        self.execution: Execution | None = None
 
     @property
     def record_id(self) -> str:
@@ -571,6 +573,7 @@ class Attempt:
         if interval:
             heartbeat.start()
         execution = Execution(self.ledger, self.record_id, self.fence, heartbeat, lease)
+        self.execution = execution
         try:
             self.body.start(execution)
             return self._settle(self._run_body)
@@ -634,8 +637,12 @@ class Attempt:
             self.guard.runtime.sealer.seal(result_json) if self.policy.sensitive else result_json
         )
         op = new_op()
+        steps = self._atomic_steps()
         self._persist(
-            lambda: self.ledger.complete(self.record_id, self.fence, stored, op=op), "completion"
+            lambda: self.ledger.complete(
+                self.record_id, self.fence, stored, op=op, atomic_steps=steps
+            ),
+            "completion",
         )
         self.guard.observers.succeeded(self.delivery.job, self.guard.monotonic() - self.started)
         return Verdict.returns(retval)
@@ -765,6 +772,16 @@ class Attempt:
         self.guard.observers.lease_lost(self.delivery.job, self.fence)
         return Verdict.ack("lease lost")
 
+    def commit_lost(self, exc: CommitLost) -> Verdict:
+        """The ledger lost atomic steps it had acknowledged (a server that did not keep a commit
+        across a crash): the result must not be recorded without them. Give the claim back and
+        run the job again soon; its steps run again with it."""
+        logger.error("%s", exc)
+        self.guard.observers.commit_lost(self.delivery.job, exc.steps)
+        self._release_quietly()
+        delay = self.guard.unavailable_delay(self.delivery)
+        return self.guard._defer(self.delivery, self.body, delay, "ledger lost a commit")
+
     def ledger_unavailable(self, exc: LedgerUnavailable) -> Verdict:
         """A ledger call of the body's (checkpoint, step, heartbeat) failed for now: never a
         failure of the job. Give the claim back if the ledger lets us, and come back later."""
@@ -780,10 +797,15 @@ class Attempt:
 
     def ignored(self, exc: Ignore) -> Verdict:
         """The body raised ``Ignore``: the job ends here, terminal, with its reason."""
-        op = new_op()
+        op, steps = new_op(), self._atomic_steps()
         self._persist(
             lambda: self.ledger.finish_without_result(
-                self.record_id, self.fence, outcome="ignored", note=storable(str(exc)), op=op
+                self.record_id,
+                self.fence,
+                outcome="ignored",
+                note=storable(str(exc)),
+                op=op,
+                atomic_steps=steps,
             ),
             "finish",
         )
@@ -791,7 +813,7 @@ class Attempt:
 
     def replaced(self, exc: Replaced) -> Verdict:
         """The body replaced itself (``Task.replace``): the job ends, naming its replacement."""
-        op = new_op()
+        op, steps = new_op(), self._atomic_steps()
         self._persist(
             lambda: self.ledger.finish_without_result(
                 self.record_id,
@@ -800,6 +822,7 @@ class Attempt:
                 note=f"replaced by {exc.task_id}",
                 replaced_by=exc.task_id,
                 op=op,
+                atomic_steps=steps,
             ),
             "finish",
         )
@@ -826,6 +849,10 @@ class Attempt:
         self._persist(lambda: self.ledger.release(self.record_id, self.fence, op=op), "release")
         return Verdict.requeue(reason)
 
+    def _atomic_steps(self) -> tuple[str, ...]:
+        """The atomic steps this attempt's outcome relies on (a success needs them kept)."""
+        return tuple(self.execution.atomic_steps) if self.execution is not None else ()
+
     def _release_quietly(self) -> None:
         """Give the claim back now if the ledger answers; else its lease ends by itself."""
         try:
@@ -850,6 +877,8 @@ class Attempt:
             except LeaseLost as lost:
                 logger.warning("%s of %s refused: a newer claim took over", what, self.record_id)
                 raise _Settled(self.lease_lost(lost)) from None
+            except CommitLost as exc:
+                raise _Settled(self.commit_lost(exc)) from None
             except SoftTimeLimitExceeded:
                 # The soft limit struck while the outcome was being written (it strikes once):
                 # the write is repeated with its operation id, so it recognises itself if it

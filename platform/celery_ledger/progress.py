@@ -173,6 +173,9 @@ class Execution:
         self.heartbeat = heartbeat
         self.lease_seconds = lease_seconds
         self._progress: dict[str, Any] | None = None
+        # The atomic steps whose result this attempt used: its success is written only while
+        # the record still has them (see Ledger.complete).
+        self.atomic_steps: list[str] = []
 
     @property
     def progress(self) -> dict[str, Any]:
@@ -189,6 +192,12 @@ class Execution:
             )
         )
         self.progress["checkpoint"] = state
+
+    def used_atomic(self, name: str) -> None:
+        """The attempt's result now relies on atomic step ``name`` (recorded, by this attempt
+        or an earlier one); a step whose transaction failed is not one of them."""
+        if name not in self.atomic_steps:
+            self.atomic_steps.append(name)
 
     def step(self, name: str) -> Step:
         if not _STEP_NAME.match(name):
@@ -264,9 +273,10 @@ class Step:
         more than once within one attempt when a transient error aborts the transaction
         (every run but the committed one is rolled back), so it must not act outside it.
         """
-        if self.done:
-            return self.result  # type: ignore[no-any-return]
         execution = self._execution
+        if self.done:
+            execution.used_atomic(self.name)
+            return self.result  # type: ignore[no-any-return]
 
         def in_transaction(session: ClientSession) -> T:
             result = func(session)
@@ -286,9 +296,11 @@ class Step:
                 execution.heartbeat.lost = True
                 raise LeaseLost(execution.record_id, execution.fence) from None
             self.done, self.result = True, json.loads(saved[self.name]["result"])
+            execution.used_atomic(self.name)
             return self.result  # type: ignore[no-any-return]
         execution.progress.setdefault("steps", {})[self.name] = {"result": json.dumps(result)}
         self.done, self.result = True, result
+        execution.used_atomic(self.name)
         return result
 
     def __call__(self, func: Callable[[], T]) -> Callable[[], T]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from celery_ledger import PermanentError, create_app
@@ -247,24 +249,38 @@ def echo(*args: Any, **kwargs: Any) -> list[Any]:
     max_retries=3,
     retry_backoff=False,
 )
-def atomic_effect(self: Any, token: str, mode: str) -> dict[str, Any]:
+def atomic_effect(self: Any, token: str, mode: str, ledger_pid: int = 0) -> dict[str, Any]:
     """One effect in an atomic step; ``mode`` says what goes wrong on the first attempt.
 
     ``kill-after``: the pool process dies after the step commits; ``fail-after``: a retryable
-    error after the step; ``fail-inside``: the step's function fails after its write.
+    error after the step; ``fail-inside``: the step's function fails after its write;
+    ``kill-ledger-after``: the ledger's server (``ledger_pid``) is SIGKILLed the moment the
+    step's commit is acknowledged (once: a file marks it, since the attempt's own effect
+    documents may die with the server); ``fail-inside-caught``: the step's function fails after
+    its write, and the body catches the failure and returns (the step's write is rolled back).
     """
     record_effect("atomic-attempt", token)
     first = effects().count_documents({"kind": "atomic-attempt", "key": token}) == 1
 
     def charge(session: Any) -> dict[str, Any]:
         record_effect_in(session, "atomic", token)
-        if mode == "fail-inside":
+        if mode in ("fail-inside", "fail-inside-caught"):
             raise PermanentError(f"declined after the write: {token}")
         return {"receipt": f"r-{token}", "pid": os.getpid()}
 
+    if mode == "fail-inside-caught":
+        try:
+            self.step("charge").atomic(charge)
+        except PermanentError:
+            return {"receipt": None}
     receipt: dict[str, Any] = self.step("charge").atomic(charge)
     if first and mode == "kill-after":
         os.kill(os.getpid(), 9)
+    if mode == "kill-ledger-after":
+        with contextlib.suppress(FileExistsError):
+            marker = Path(tempfile.gettempdir()) / f"celery-ledger-test-{token}"
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+            os.kill(ledger_pid, 9)
     if first and mode == "fail-after":
         raise FlakyError(f"failed after the step: {token}")
     return receipt

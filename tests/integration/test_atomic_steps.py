@@ -54,3 +54,18 @@ def test_a_failing_atomic_step_leaves_no_effect(app: Any, token: str) -> None:
     assert "permanent error" in record.dead_reason
     assert effect_count("atomic", token) == 0  # the write inside the step was rolled back
     assert "charge" not in (app.ledger.find_raw(result.id).get("steps") or {})
+
+
+def test_a_failed_atomic_step_the_body_handles_does_not_hold_its_success_back(
+    app: Any, token: str
+) -> None:
+    from tests.integration.ledger_app import atomic_effect
+
+    # Given a body that catches its atomic step's failure and returns (a declined card)
+    receipt = atomic_effect.delay(token, "fail-inside-caught").get(timeout=30)
+
+    # Then the job succeeds at once: a rolled-back step is not one its success relies on
+    assert receipt == {"receipt": None}
+    record = app.ledger.get(atomic_effect.name, token)
+    assert record.state is State.SUCCEEDED and record.attempts == 1
+    assert effect_count("atomic", token) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,3 +51,45 @@ def test_ledger_down_then_up_runs_the_task_exactly_once(isolated: EmbeddedStack)
     assert record_after.attempts == 1
     with MongoClient(isolated.ledger.url) as client:
         assert client.reference_world.effects.count_documents({"key": "outage-1"}) == 1
+
+
+@pytest.mark.parametrize("server_keeps_commits", [True, False], ids=["synced", "unsynced"])
+def test_an_atomic_step_acknowledged_just_before_the_ledger_dies_is_kept(
+    isolated: EmbeddedStack, server_keeps_commits: bool
+) -> None:
+    """The job's completion is written after the restart, from the worker's memory: it may say
+    "succeeded" only with the step's effect and record. The embedded server keeps an
+    acknowledged transaction across SIGKILL only with ``--sync-on-commit`` (which the platform
+    starts it with); without it, the completion sees the step gone and the job runs again."""
+    assert isolated.ledger is not None
+    if not server_keeps_commits:
+        isolated.ledger.stop()
+        isolated.ledger.argv.remove("--sync-on-commit")
+        isolated.ledger.restart()
+    producer = producer_app(isolated, "atomic_crash_producer", mongo_timeout_ms=1500)
+    atomic_effect = shared_task(producer, "tests.integration.ledger_app.atomic_effect")
+    token = f"atomic-crash-{time.time_ns()}"
+
+    # Given a job whose atomic step commits, and the ledger is SIGKILLed as the commit is acked
+    result = atomic_effect.delay(token, "kill-ledger-after", isolated.ledger.pid)
+    deadline = time.monotonic() + 30
+    while isolated.ledger.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not isolated.ledger.alive(), "the job did not kill the ledger"
+
+    # When the ledger comes back
+    isolated.ledger.restart()
+
+    # Then the job succeeds with its effect and its step record, each once
+    assert result.get(timeout=60)["receipt"] == f"r-{token}"
+    record = producer.ledger.get(atomic_effect.name, token)
+    assert record is not None and record.state is State.SUCCEEDED
+    with MongoClient(isolated.ledger.url) as client:
+        assert client.reference_world.effects.count_documents({"kind": "atomic", "key": token}) == 1
+    assert producer.ledger.find_raw(result.id)["steps"]["charge"]["atomic"] is True
+    log = isolated.workers[0].log_path.read_text()
+    if server_keeps_commits:  # with the flag the commit is never lost
+        assert "the ledger lost the acknowledged commit" not in log
+    # (without it, a journaled write landing between the commit and the kill may save the
+    # commit: the guard's refusal is then not needed; the outcome above holds either way)
+    (Path(tempfile.gettempdir()) / f"celery-ledger-test-{token}").unlink(missing_ok=True)

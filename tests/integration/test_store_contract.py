@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from pymongo.errors import BulkWriteError
 
-from celery_ledger import LeaseLost, LedgerUnavailable, State
+from celery_ledger import CommitLost, LeaseLost, LedgerUnavailable, State
 from celery_ledger.ledger import ClaimOutcome, Ledger
 from celery_ledger.ledger.dead import DeadJob
 from celery_ledger.ledger.message import KeptMessage
@@ -125,6 +125,42 @@ def test_a_stale_holder_cannot_overwrite_the_new_holder(world: tuple[Any, Clock]
     )
     ledger.complete(record_id, second.fence, '"from B"', op=new_op())
     assert ledger.get_by_id(record_id).result == "from B"  # type: ignore[union-attr]
+
+
+def test_a_success_is_not_recorded_without_the_atomic_steps_it_relies_on(
+    world: tuple[Any, Clock],
+) -> None:
+    ledger, clock = world
+    record_id = new_id()
+    fence = claim(ledger, record_id).fence
+    ledger.save_step(record_id, fence, "kept", '"k"')
+
+    # A step the attempt committed but the record no longer has (a server lost the commit)
+    with pytest.raises(CommitLost) as lost:
+        ledger.complete(record_id, fence, '"r"', op=new_op(), atomic_steps=("kept", "charge"))
+    assert lost.value.steps == ("charge",)
+    record = ledger.get_by_id(record_id)
+    assert record is not None and record.state is State.RUNNING  # nothing was written
+
+    # A newer holder is still a lost lease, whatever the steps say
+    clock.advance(61)
+    newer = claim(ledger, record_id, "b:2")
+    with pytest.raises(LeaseLost):
+        ledger.complete(record_id, fence, '"r"', op=new_op(), atomic_steps=("charge",))
+    ledger.save_step(record_id, newer.fence, "charge", '"c"')
+    op = new_op()
+    ledger.complete(record_id, newer.fence, '"r"', op=op, atomic_steps=("kept", "charge"))
+    assert ledger.get_by_id(record_id).state is State.SUCCEEDED  # type: ignore[union-attr]
+    # and its repeat after a lost reply recognises itself
+    ledger.complete(record_id, newer.fence, '"r"', op=op, atomic_steps=("kept", "charge"))
+
+    # A released claim missing a step is a lost lease (another delivery runs the job), not a
+    # lost commit
+    other = new_id()
+    held = claim(ledger, other).fence
+    ledger.release(other, held, op=new_op())
+    with pytest.raises(LeaseLost):
+        ledger.complete(other, held, '"r"', op=new_op(), atomic_steps=("charge",))
 
 
 def test_an_outcome_write_repeated_after_a_lost_reply_recognises_itself(

@@ -509,6 +509,30 @@ def test_a_completion_retried_through_an_outage_succeeds_once(h: Harness) -> Non
     assert h.record["state"] == State.SUCCEEDED
 
 
+def uses_a_lost_atomic_step(body: FakeBody) -> Any:
+    # The attempt relied on atomic step "charge", which the record no longer has (a server
+    # acknowledged its commit, then lost it)
+    body.execution.used_atomic("charge")
+    return "charged"
+
+
+def test_a_success_without_the_atomic_step_it_used_runs_the_job_again(h: Harness) -> None:
+    verdict, body = h.run(FakeBody(work=uses_a_lost_atomic_step))
+
+    assert verdict.kind == "ack" and body.deferred  # comes back, and runs again
+    assert h.record["state"] == State.QUEUED  # released: not succeeded, not dead
+    assert "result" not in h.record
+    assert h.recorder.names() == ["claimed", "commit_lost", "deferred"]
+
+    # and the next attempt, whose step is recorded, succeeds
+    def records_its_step(body: FakeBody) -> Any:
+        h.ledger.save_step(RECORD, body.execution.fence, "charge", '"c"')
+        return uses_a_lost_atomic_step(body)
+
+    verdict, _ = h.run(FakeBody(work=records_its_step))
+    assert verdict == Verdict.returns("charged") and h.record["state"] == State.SUCCEEDED
+
+
 def test_a_completion_whose_reply_was_lost_is_recognised_as_its_own(h: Harness) -> None:
     # The write applied, its reply was lost, and the repeat finds the record no longer running
     h.ledger.fail("complete", LedgerUnavailable("reply lost"), applied=True)
@@ -596,6 +620,7 @@ def test_every_documented_event_is_emitted_by_the_platform() -> None:
         lambda h: h.run(fails(PermanentError("x"))),
         lambda h: h.run(fails(LeaseLost(RECORD, 1))),
         lambda h: h.run(fails(LedgerUnavailable("x"))),
+        lambda h: h.run(FakeBody(work=uses_a_lost_atomic_step)),
     ):
         harness = Harness()
         scenario(harness)

@@ -39,7 +39,13 @@ def registry() -> Iterator[CollectorRegistry]:
 
 @pytest.fixture
 def app() -> Any:
-    return create_app("metrics_tests", settings=Settings(metrics_port=9808), set_as_current=False)
+    app = create_app("metrics_tests", settings=Settings(metrics_port=9808), set_as_current=False)
+
+    @app.task(name=TASK, shared=False)  # type: ignore[untyped-decorator]
+    def charge() -> None:
+        """The task the events below are about (labels name only registered tasks)."""
+
+    return app
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float:

@@ -55,7 +55,7 @@ from pymongo.errors import (
 from pymongo.monitoring import CommandListener
 from pymongo.read_concern import ReadConcern
 
-from ..errors import LeaseLost, LedgerUnavailable, StoreError
+from ..errors import CommitLost, LeaseLost, LedgerUnavailable, StoreError
 from ..locks import ForkSafeLock
 from .dead import DeadJob
 from .message import KeptMessage
@@ -527,8 +527,22 @@ class Ledger:
 
     # -- outcomes of an attempt (fenced; each recognises its own applied write) --------------
 
-    def complete(self, record_id: str, fence: int, result_json: str, *, op: str) -> None:
-        """Store the result and mark the record succeeded, if ``fence`` still holds the lease."""
+    def complete(
+        self,
+        record_id: str,
+        fence: int,
+        result_json: str,
+        *,
+        op: str,
+        atomic_steps: Sequence[str] = (),
+    ) -> None:
+        """Store the result and mark the record succeeded, if ``fence`` still holds the lease
+        and the record still has ``atomic_steps`` (the steps this attempt's result relies on).
+
+        Raises:
+            LeaseLost: a newer claim took the job over.
+            CommitLost: the record lost one of ``atomic_steps``; nothing was written.
+        """
         now = self.now()
         self._end_attempt(
             record_id,
@@ -544,6 +558,7 @@ class Ledger:
                 }
             },
             "completion",
+            atomic_steps=atomic_steps,
         )
 
     def finish_without_result(
@@ -555,9 +570,10 @@ class Ledger:
         note: str,
         op: str,
         replaced_by: str | None = None,
+        atomic_steps: Sequence[str] = (),
     ) -> None:
         """Mark the job finished by its body's own say (``ignored``, ``replaced``): terminal
-        like a success, without a result of its own."""
+        like a success, without a result of its own (``atomic_steps`` as for :meth:`complete`)."""
         now = self.now()
         fields: dict[str, Any] = {
             "state": State.SUCCEEDED.value,
@@ -569,7 +585,9 @@ class Ledger:
         }
         if replaced_by is not None:
             fields["replaced_by"] = replaced_by
-        self._end_attempt(record_id, fence, op, {"$set": fields}, "finish")
+        self._end_attempt(
+            record_id, fence, op, {"$set": fields}, "finish", atomic_steps=atomic_steps
+        )
 
     def record_retry(
         self,
@@ -630,17 +648,38 @@ class Ledger:
         }
 
     def _end_attempt(
-        self, record_id: str, fence: int, op: str, update: dict[str, Any], what: str
+        self,
+        record_id: str,
+        fence: int,
+        op: str,
+        update: dict[str, Any],
+        what: str,
+        *,
+        atomic_steps: Sequence[str] = (),
     ) -> None:
         # The last few operation ids: a repeat recognises its write even after a newer claim
         # took the job over (then the repeat has nothing more to do).
         update.setdefault("$push", {})["ops"] = {"$each": [op], "$slice": -RECENT_OPS}
+        match: dict[str, Any] = {"_id": record_id, "fence": fence, "state": State.RUNNING.value}
+        # A success must not outlive the atomic steps it relies on: a server that acknowledged
+        # their transaction and then lost it in a crash would otherwise keep the outcome and
+        # not the effect (measured on the embedded server without --sync-on-commit).
+        match.update({f"steps.{name}": {"$exists": True} for name in atomic_steps})
         with translate_errors(what):
-            result = self.collection.update_one(
-                {"_id": record_id, "fence": fence, "state": State.RUNNING.value}, update
-            )
-        if result.matched_count == 0 and not self._applied(record_id, fence, op, what):
-            raise LeaseLost(record_id, fence)
+            result = self.collection.update_one(match, update)
+        if result.matched_count == 1 or self._applied(record_id, fence, op, what):
+            return
+        if atomic_steps:
+            with translate_errors(what):
+                doc = self.collection.find_one(
+                    {"_id": record_id}, {"fence": 1, "state": 1, "steps": 1}
+                )
+            if doc and doc.get("fence") == fence and doc.get("state") == State.RUNNING.value:
+                saved = doc.get("steps") or {}
+                missing = tuple(name for name in atomic_steps if name not in saved)
+                if missing:
+                    raise CommitLost(record_id, missing)
+        raise LeaseLost(record_id, fence)
 
     def _applied(self, record_id: str, fence: int, op: str, what: str) -> bool:
         """Whether write ``op`` already applied (a repeat after a lost reply): the rare path."""

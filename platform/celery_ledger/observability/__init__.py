@@ -52,7 +52,7 @@ def install(app: Celery, runtime: Runtime) -> None:
     if settings.metrics_port is not None:
         from .exporter import MetricsStep
 
-        _metrics_module().instrument(runtime.observers)
+        _metrics_module().instrument(runtime.observers, lambda: app.tasks)
         app.steps["worker"].add(MetricsStep)
     if settings.sentry_dsn:
         from .sentry import install as install_sentry

@@ -16,7 +16,7 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any, ParamSpec
 
 from celery import signals
@@ -26,6 +26,7 @@ from pymongo import monitoring
 from .. import headers
 from ..events import Job, Observer
 from ..locks import ForkSafeLock
+from ..routing import TIERS
 from ..untrusted import float_or_none
 
 if TYPE_CHECKING:
@@ -62,6 +63,10 @@ class LedgerMetrics:
         )
         self.lease_lost = counter(
             "celery_ledger_lease_lost_total", "Writes refused because a newer claim took over."
+        )
+        self.commits_lost = counter(
+            "celery_ledger_commits_lost_total",
+            "Successes refused because the ledger lost atomic steps it had acknowledged.",
         )
         self.poison = counter(
             "celery_ledger_poison_messages_total", "Undecodable or unknown messages.", ("queue",)
@@ -163,7 +168,8 @@ def _m() -> LedgerMetrics:
 
 
 def _tier(tier: Any) -> str:
-    return str(tier) if tier else "unknown"
+    """A tier label from the known set: a message's header is not trusted to name one."""
+    return tier if tier in TIERS else "unknown"
 
 
 class _Starts:
@@ -187,52 +193,65 @@ class _Starts:
 
 
 class MetricsObserver(Observer):
-    """Counts the platform's events (recorded once :func:`enable` ran in the process)."""
+    """Counts the platform's events (recorded once :func:`enable` ran in the process).
 
-    def __init__(self) -> None:
+    Labels come from the app, never from a message: a task label is the name of a task the
+    app registers (else ``unregistered``: a poison message may name anything, and each name
+    would be a series of its own), a tier label one of the tiers (else ``unknown``).
+    """
+
+    def __init__(self, known_tasks: Callable[[], Container[str]] = tuple) -> None:
         self._starts = _Starts()
+        self._known_tasks = known_tasks
+
+    def _task(self, name: str) -> str:
+        return name if name in self._known_tasks() else "unregistered"
 
     def _ended(self, job: Job, outcome: str) -> None:
         seconds = self._starts.seconds(job.record_id)
         if seconds is not None:
-            _m().duration.labels(job.task, _tier(job.tier), outcome).observe(seconds)
+            _m().duration.labels(self._task(job.task), _tier(job.tier), outcome).observe(seconds)
 
     @_safe
     def claimed(self, job: Job, fence: int) -> None:
         self._starts.start(job.record_id)
-        _m().started.labels(job.task, _tier(job.tier)).inc()
+        _m().started.labels(self._task(job.task), _tier(job.tier)).inc()
 
     @_safe
     def succeeded(self, job: Job, seconds: float) -> None:
         self._starts.seconds(job.record_id)
-        _m().succeeded.labels(job.task, _tier(job.tier)).inc()
-        _m().duration.labels(job.task, _tier(job.tier), "succeeded").observe(seconds)
+        _m().succeeded.labels(self._task(job.task), _tier(job.tier)).inc()
+        _m().duration.labels(self._task(job.task), _tier(job.tier), "succeeded").observe(seconds)
 
     @_safe
     def retried(self, job: Job, delay_seconds: float, error: BaseException | None) -> None:
-        _m().retried.labels(job.task, _tier(job.tier)).inc()
+        _m().retried.labels(self._task(job.task), _tier(job.tier)).inc()
         self._ended(job, "retried")
 
     @_safe
     def dead(self, job: Job, letter: DeadLetter) -> None:
         if letter.poison:  # never reached a body (or its worker was lost every time)
             _m().poison.labels(_tier(letter.tier)).inc()
-        _m().dead.labels(job.task, _tier(job.tier)).inc()
+        _m().dead.labels(self._task(job.task), _tier(job.tier)).inc()
         self._ended(job, "dead")
 
     @_safe
     def lease_lost(self, job: Job, fence: int) -> None:
-        _m().lease_lost.labels(job.task, _tier(job.tier)).inc()
+        _m().lease_lost.labels(self._task(job.task), _tier(job.tier)).inc()
         self._ended(job, "lease_lost")
 
     @_safe
+    def commit_lost(self, job: Job, steps: tuple[str, ...]) -> None:
+        _m().commits_lost.labels(self._task(job.task), _tier(job.tier)).inc()
+
+    @_safe
     def deferred(self, job: Job, reason: str, delay_seconds: float) -> None:
-        _m().deferred.labels(job.task, _tier(job.tier), reason or "unknown").inc()
+        _m().deferred.labels(self._task(job.task), _tier(job.tier), reason or "unknown").inc()
         self._ended(job, "deferred")
 
     @_safe
     def duplicate(self, job: Job) -> None:
-        _m().duplicates.labels(job.task, _tier(job.tier)).inc()
+        _m().duplicates.labels(self._task(job.task), _tier(job.tier)).inc()
 
     @_safe
     def ledger_unavailable(self, job: Job, where: str) -> None:
@@ -260,9 +279,12 @@ class MetricsObserver(Observer):
         _m().workflows_ended.labels(workflow, status).inc()
 
 
-def instrument(observers: Any) -> MetricsObserver:
-    """Add the metrics observer and the queue-wait signal handler (recorded once enabled)."""
-    observer = MetricsObserver()
+def instrument(
+    observers: Any, known_tasks: Callable[[], Container[str]] = tuple
+) -> MetricsObserver:
+    """Add the metrics observer and the queue-wait signal handler (recorded once enabled);
+    ``known_tasks`` gives the names of the app's tasks (its registry)."""
+    observer = MetricsObserver(known_tasks)
     observers.add(observer)
     signals.task_prerun.connect(observe_queue_wait, weak=False, dispatch_uid="ledger-metrics")
     return observer
@@ -317,6 +339,7 @@ METRIC_NAMES = frozenset(
         "celery_ledger_duplicates_suppressed_total",
         "celery_ledger_tasks_deferred_total",
         "celery_ledger_lease_lost_total",
+        "celery_ledger_commits_lost_total",
         "celery_ledger_poison_messages_total",
         "celery_ledger_publishes_shed_total",
         "celery_ledger_breaker_transitions_total",

@@ -107,6 +107,20 @@ class SentryObserver(Observer):
             _tag(scope, "breaker", breaker=name)
             sentry_sdk.capture_message(f"circuit breaker {name!r} opened", level="warning")
 
+    def commit_lost(self, job: Job, steps: tuple[str, ...]) -> None:
+        import sentry_sdk
+
+        with sentry_sdk.new_scope() as scope:
+            scope.fingerprint = ["celery-ledger", "commit-lost"]
+            _tag(scope, "commit_lost", task=job.task, tier=job.tier)
+            scope.set_context("commit", {"record_id": job.record_id, "steps": list(steps)})
+            sentry_sdk.capture_message(
+                "the ledger lost a transaction it had acknowledged (atomic steps of"
+                f" {job.task}); the job runs again. Check the server's journaling and the"
+                " write concern (LEDGER_MONGO_WRITE_CONCERN=majority)",
+                level="error",
+            )
+
     def lease_lost(self, job: Job, fence: int) -> None:
         import sentry_sdk
 
