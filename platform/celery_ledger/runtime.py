@@ -59,7 +59,7 @@ class Runtime:
     @cached_property
     def sealer(self) -> Sealer:
         """Encryption at rest for sensitive tasks (``LEDGER_ENCRYPTION_KEYS``)."""
-        return Sealer(self.settings.encryption_keys)
+        return Sealer([key.get_secret_value() for key in self.settings.encryption_keys])
 
     @cached_property
     def redis(self) -> redis.Redis:

@@ -6,9 +6,10 @@ import math
 import re
 from dataclasses import asdict, fields
 from typing import Any, Literal, TypeVar
+from urllib.parse import unquote_plus
 
 import redis.connection
-from pydantic import Field, TypeAdapter, ValidationError, field_validator
+from pydantic import Field, SecretStr, TypeAdapter, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from pymongo import uri_parser
 from pymongo.errors import PyMongoError
@@ -27,13 +28,20 @@ class Settings(BaseSettings):
     """
 
     # Every float is finite: ``inf`` or ``nan`` would only fail later, at the first use.
-    model_config = SettingsConfigDict(env_prefix="LEDGER_", extra="forbid", allow_inf_nan=False)
+    # Errors never echo the value they refuse: a URL carries a password, a key is the key.
+    model_config = SettingsConfigDict(
+        env_prefix="LEDGER_", extra="forbid", allow_inf_nan=False, hide_input_in_errors=True
+    )
 
+    # URLs and DSNs carry passwords: left out of the settings' repr.
     broker_url: str = Field(
         "redis://127.0.0.1:6379/0",
+        repr=False,
         description="Celery broker URL (Redis: redis://, rediss:// or unix://).",
     )
-    mongo_uri: str = Field("mongodb://127.0.0.1:27017/", description="MongoDB URI of the ledger.")
+    mongo_uri: str = Field(
+        "mongodb://127.0.0.1:27017/", repr=False, description="MongoDB URI of the ledger."
+    )
     mongo_db: str = Field("celery_ledger", description="Database that holds the ledger.")
     ledger_collection: str = Field("ledger", description="Collection of ledger records.")
     mongo_write_concern: Literal["majority", "1"] = Field(
@@ -132,9 +140,15 @@ class Settings(BaseSettings):
     workflow_max_pending_signals: int = Field(
         1000, ge=1, description="Signals a workflow keeps unconsumed; more are refused."
     )
-    encryption_keys: list[str] = Field(
+    encryption_keys: list[SecretStr] = Field(
         default_factory=list,
         description="Fernet keys (JSON list, newest first) sealing sensitive tasks' data at rest.",
+    )
+    dead_letter_queue_max: int = Field(
+        10_000,
+        ge=1,
+        description="The dead letters' queue keeps its newest copies, at most this many (every"
+        " dead record stays in the ledger); older copies are dropped from the queue.",
     )
     dedupe_on_publish: bool = Field(
         False, description="Write a queued record at publish and skip publishing known keys."
@@ -196,10 +210,23 @@ class Settings(BaseSettings):
         description="Port of each worker's Prometheus /metrics endpoint (unset: no metrics).",
     )
     metrics_address: str = Field(
-        "0.0.0.0", description="Address the worker's metrics endpoint listens on."
+        "127.0.0.1",
+        description="Address the worker's metrics endpoint listens on (loopback unless set:"
+        " 0.0.0.0 where a scraper on another host reads it).",
+    )
+    metrics_auth: SecretStr | None = Field(
+        None,
+        description="`user:password`: the metrics endpoint asks for HTTP basic authentication.",
+    )
+    metrics_cache_seconds: float = Field(
+        10.0,
+        ge=0,
+        description="Scrape-time gauges (queue depths, delayed set, breakers, ledger counts) are"
+        " read at most once per this many seconds, however often the endpoint is scraped.",
     )
     sentry_dsn: str | None = Field(
         None,
+        repr=False,
         description="Sentry DSN: report dead letters, open breakers, lost leases (unset: off).",
     )
     log_format: Literal["text", "json"] = Field(
@@ -226,23 +253,26 @@ class Settings(BaseSettings):
     @classmethod
     def _redis_url(cls, value: str) -> str:
         try:
-            redis.connection.parse_url(value)  # what the breakers and shared state connect with
+            parsed = redis.connection.parse_url(value)  # what breakers and shared state use
         except ValueError as exc:
             raise ValueError(f"not a Redis URL: {exc}") from None
+        _not_a_placeholder(parsed.get("password"))
         return value
 
     @field_validator("mongo_uri")
     @classmethod
     def _mongodb_uri(cls, value: str) -> str:
         if value.startswith(_SRV):  # parsing resolves an SRV name (DNS): check its shape only
-            host = value.removeprefix(_SRV).partition("/")[0].rpartition("@")[2]
+            userinfo, _, host = value.removeprefix(_SRV).partition("/")[0].rpartition("@")
+            _not_a_placeholder(unquote_plus(userinfo.partition(":")[2]))
             if host and ":" not in host:
                 return value
             raise ValueError("a mongodb+srv:// URI names one host, without a port")
         try:
-            uri_parser.parse_uri(value)
+            parsed = uri_parser.parse_uri(value)
         except PyMongoError as exc:
             raise ValueError(f"not a MongoDB URI: {exc}") from None
+        _not_a_placeholder(parsed.get("password"))
         return value
 
     @field_validator("mongo_db")
@@ -310,6 +340,16 @@ class Settings(BaseSettings):
             checked[name] = _built(RateLimit, default, options, what=f"bucket {name!r}")
         return checked
 
+    @field_validator("metrics_auth")
+    @classmethod
+    def _metrics_auth(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return value
+        user, colon, password = value.get_secret_value().partition(":")
+        if not (user and colon and password):
+            raise ValueError("metrics auth is user:password, both non-empty")
+        return value
+
     @field_validator("sentry_dsn")
     @classmethod
     def _sentry_dsn(cls, value: str | None) -> str | None:
@@ -330,6 +370,18 @@ _SRV = "mongodb+srv://"
 _QUEUE_NAME = re.compile(r"[A-Za-z0-9._:-]{1,100}")
 _BAD_DATABASE_CHARS = frozenset(' ./\\"$\x00')
 Options = TypeVar("Options", BreakerConfig, RetryPolicy, TierLimit, RateLimit)
+
+
+# The prefix of every secret in .env.example: a deployment that kept one has no secret at all.
+PLACEHOLDER_PREFIX = "change-me"
+
+
+def _not_a_placeholder(password: str | None) -> None:
+    if password and password.startswith(PLACEHOLDER_PREFIX):
+        raise ValueError(
+            f"its password is a placeholder ({PLACEHOLDER_PREFIX}...) from .env.example:"
+            " set a real secret"
+        )
 
 
 def _check_tier(tier: str) -> None:

@@ -71,6 +71,90 @@ def _get(url: str, auth: tuple[str, str] | None = None) -> int:
         return int(error.code)
 
 
+def test_the_stacks_secrets_stay_with_its_owner(stack: EmbeddedStack) -> None:
+    import shlex
+    import stat
+    from urllib.parse import urlsplit
+
+    assert stack.broker is not None and stack.ledger is not None
+    # Data (the AOF holds messages), auth files and logs: owner-only directories
+    for directory in (stack.data_dir, stack.broker.data_dir, stack.ledger.data_dir):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+
+    # The credentials go to an owner-only file that a shell can source...
+    path = stack.write_env_file()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    sourced = subprocess.run(
+        ["bash", "-c", f"source {shlex.quote(str(path))} && env"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": os.environ["PATH"]},
+    ).stdout.splitlines()
+    for name, value in stack.env.items():
+        assert f"{name}={value}" in sourced
+
+    # ...and never to what the stack prints
+    passwords = [urlsplit(server.url).password for server in (stack.broker, stack.ledger)]
+    assert all(passwords)
+    described = stack.describe()
+    assert str(stack.ledger.port) in described
+    assert not any(password in described for password in passwords if password)
+
+
+def test_the_ledgers_unauthenticated_first_start_admits_only_the_stack(tmp_path: Path) -> None:
+    from pymongo.errors import PyMongoError
+
+    from celery_ledger.embedded.servers import (
+        ServerProcess,
+        _one_time_tls,
+        _spawn,
+        _wait_ready,
+        secantus_command,
+        start_secantus,
+    )
+
+    # Given the ledger server as the stack's first start runs it (no --auth yet)
+    port = free_port()
+    tls_args, tls_query = _one_time_tls(tmp_path)
+    argv = [
+        *secantus_command(),
+        *("--host", LOOPBACK, "--port", str(port), "--storage-path", str(tmp_path / "db")),
+        *tls_args,
+    ]
+    plain = f"mongodb://{LOOPBACK}:{port}/?directConnection=true"
+    server = ServerProcess(
+        "secantus",
+        port,
+        f"{plain}&{tls_query}",
+        tmp_path,
+        argv,
+        tmp_path / "log",
+        _spawn(argv, tmp_path / "log"),
+    )
+    try:
+        _wait_ready(server, 30)
+        # Then a local process without the one-time client certificate cannot use it
+        ca_only = f"{plain}&tls=true&tlsCAFile={tmp_path / 'ca.pem'}"
+        for url in (plain, ca_only):
+            with pytest.raises(PyMongoError), MongoClient(url, serverSelectionTimeoutMS=1500) as c:
+                c.admin.command("createUser", "intruder", pwd="x", roles=["root"])
+        # while the stack (holding it) can create its user
+        with MongoClient(server.url, serverSelectionTimeoutMS=5000) as client:
+            client.admin.command("createUser", "admin", pwd="p", roles=["root"])
+    finally:
+        server.stop(timeout=30.0)
+
+    # And the whole start leaves no certificate or key behind
+    ledger = start_secantus(tmp_path / "full", password="s3cret")
+    try:
+        assert not (tmp_path / "full" / "provisioning-tls").exists()
+        with MongoClient(ledger.url, serverSelectionTimeoutMS=5000) as client:
+            client.admin.command("ping")
+    finally:
+        ledger.stop(timeout=30.0)
+
+
 def test_flower_requires_basic_auth(stack: EmbeddedStack, tmp_path: Path) -> None:
     # Given Flower on the real broker, with generated credentials
     flower = start_flower(APP_MODULE, tmp_path, env=stack.env)
@@ -124,6 +208,8 @@ def observed_worker(
     env = {
         "LEDGER_METRICS_PORT": str(port),
         "LEDGER_METRICS_ADDRESS": LOOPBACK,
+        "LEDGER_METRICS_AUTH": METRICS_AUTH,
+        "LEDGER_METRICS_CACHE_SECONDS": "0",  # each scrape reads anew: the test waits on them
         "LEDGER_LOG_FORMAT": "json",
         "PROMETHEUS_MULTIPROC_DIR": str(metrics_base),
     }
@@ -135,8 +221,15 @@ def observed_worker(
         stack.workers.remove(worker)
 
 
+METRICS_AUTH = "prometheus:scrape-secret"
+
+
 def _scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/metrics", timeout=10) as response:
+    request = urllib.request.Request(
+        f"http://{LOOPBACK}:{port}/metrics",
+        headers={"Authorization": "Basic " + b64encode(METRICS_AUTH.encode()).decode()},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
         text = response.read().decode()
     return {
         (sample.name, frozenset(sample.labels.items())): sample.value
@@ -166,6 +259,10 @@ def test_worker_metrics_and_json_logs(
         return samples if samples.get(key) else None
 
     samples = wait_for(scraped, timeout=20, what="the duplicate in the metrics")
+    # (without the credentials, nothing is served)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"http://{LOOPBACK}:{port}/metrics", timeout=10)
+    assert refused.value.code == 401
 
     def at(name: str, **labels: str) -> float:
         return samples.get((name, _labels(**labels)), 0.0)

@@ -259,3 +259,69 @@ def test_ledger_worker_cli_exists() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "--tier" in result.stdout
+
+
+PASSWORDS = ("REDIS_PASSWORD", "MONGO_PASSWORD", "FLOWER_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
+
+
+def _unescaped(parts: list[str]) -> list[str]:
+    """A resolved argv as the container runs it (``config`` prints ``$`` as ``$$``)."""
+    return [part.replace("$$", "$") for part in parts]
+
+
+def test_no_secret_is_on_a_command_line(services: dict[str, Any]) -> None:
+    # A command line is readable by every process of the host (ps, /proc/*/cmdline)
+    secrets = [DUMMY_ENV[name] for name in PASSWORDS]
+    for name, service in services.items():
+        lines = [
+            *_command({"command": service.get("entrypoint")}),
+            *_command(service),
+            *_command({"command": (service.get("healthcheck") or {}).get("test")}),
+        ]
+        for secret in secrets:
+            assert not any(secret in line for line in lines), f"{name}: a secret in its argv"
+
+
+@pytest.mark.parametrize(
+    ("service_name", "variable"),
+    [
+        ("redis", "REDIS_PASSWORD"),
+        ("mongo", "MONGO_PASSWORD"),
+        ("flower", "FLOWER_PASSWORD"),
+        ("grafana", "GRAFANA_ADMIN_PASSWORD"),
+    ],
+)
+def test_a_placeholder_secret_stops_its_service_at_start(
+    services: dict[str, Any], service_name: str, variable: str
+) -> None:
+    # Given the service's start-up argv and environment with the .env.example placeholder
+    service = services[service_name]
+    argv = _unescaped([*_command({"command": service.get("entrypoint")}), *_command(service)])
+    environment = service.get("environment") or {}
+    if isinstance(environment, list):
+        environment = dict(item.split("=", 1) for item in environment)
+    placeholder = f"change-me-{variable.lower()}"
+    env = {
+        key: str(value).replace(DUMMY_ENV[variable], placeholder)
+        for key, value in environment.items()
+    }
+    assert placeholder in "".join(env.values()), f"{service_name} does not get {variable}"
+
+    # When it starts, it stops before its server, saying which secret to set
+    result = subprocess.run(
+        argv,
+        env={**env, "PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
+        check=False,
+    )
+    assert result.returncode == 78, result.stderr
+    assert f"{variable} is the .env.example placeholder" in result.stderr
+
+
+def test_the_broker_never_evicts_a_message(services: dict[str, Any]) -> None:
+    script = " ".join(_unescaped(_command(services["redis"])))
+    assert "--maxmemory-policy noeviction" in script
+    assert '--maxmemory "$REDIS_MAXMEMORY"' in script
+    assert services["redis"]["environment"]["REDIS_MAXMEMORY"]

@@ -213,3 +213,107 @@ def test_workflows_by_state_and_their_steps_are_exported(registry: CollectorRegi
     assert value(registry, "celery_ledger_workflow_step_seconds_sum", **step) == 1.5
     ended = {"workflow": "shop.fulfil", "status": "compensated"}
     assert value(registry, "celery_ledger_workflows_ended_total", **ended) == 1
+
+
+def test_scrapes_within_the_cache_time_read_the_broker_and_the_ledger_once() -> None:
+    # Given a collector whose reads are counted, and a clock the test moves
+    reads: list[str] = []
+    now = [100.0]
+
+    def counted(what: str, result: Any) -> Any:
+        return lambda: reads.append(what) or result
+
+    runtime = SimpleNamespace(
+        queue_depths=SimpleNamespace(depths=counted("depths", {"critical": 2})),
+        delayed=SimpleNamespace(pending=counted("delayed", 1)),
+        breakers=SimpleNamespace(statuses=counted("breakers", [])),
+        ledger=SimpleNamespace(count_dead=counted("dead", 5)),
+    )
+    registry = CollectorRegistry()
+    collector = StateCollector(
+        runtime, [], counted("workflows", {}), cache_seconds=10, clock=lambda: now[0]
+    )
+    registry.register(collector)
+    reads.clear()
+    now[0] += 10  # the registration's read is stale now
+
+    # When it is scraped ten times within the cache time
+    for _ in range(10):
+        assert value(registry, "celery_ledger_dead_letters") == 5
+        now[0] += 0.5
+    # Then each backend was read once
+    assert sorted(reads) == ["breakers", "dead", "delayed", "depths", "workflows"]
+
+    # And the next scrape after the cache time reads again
+    now[0] += 10
+    assert value(registry, "celery_ledger_queue_depth", queue="critical") == 2
+    assert len(reads) == 10
+
+
+def _call(app: Any, authorization: str | None) -> tuple[str, bytes]:
+    environ: dict[str, Any] = {"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics", "QUERY_STRING": ""}
+    if authorization is not None:
+        environ["HTTP_AUTHORIZATION"] = authorization
+    status: list[str] = []
+    body = b"".join(app(environ, lambda s, headers: status.append(s)))
+    return status[0], body
+
+
+def test_the_metrics_endpoint_asks_for_its_credentials_when_set() -> None:
+    import base64
+
+    from prometheus_client import Counter
+
+    from celery_ledger.observability.exporter import metrics_app
+
+    registry = CollectorRegistry()
+    Counter("probe_total", "a probe", registry=registry).inc()
+    guarded = metrics_app(registry, "scraper:pa55:word")
+
+    def basic(credentials: str) -> str:
+        return "Basic " + base64.b64encode(credentials.encode()).decode()
+
+    for refused in (
+        None,
+        "",
+        basic("scraper:wrong"),
+        basic("scraper:pa55:word2"),
+        "Bearer " + base64.b64encode(b"scraper:pa55:word").decode(),
+        "Basic not-base64!",
+    ):
+        status, body = _call(guarded, refused)
+        assert status.startswith("401") and b"probe_total" not in body
+    status, body = _call(guarded, basic("scraper:pa55:word"))
+    assert status.startswith("200") and b"probe_total 1.0" in body
+    # Unset: served as prometheus-client serves it
+    assert _call(metrics_app(registry, None), None)[0].startswith("200")
+
+
+def test_the_metrics_endpoint_is_loopback_unless_told_and_its_auth_is_checked() -> None:
+    assert Settings().metrics_address == "127.0.0.1"
+    for bad in ("user", "user:", ":password"):
+        with pytest.raises(ValueError, match="user:password"):
+            Settings(metrics_auth=bad)
+
+
+def test_labels_never_come_from_message_content(app: Any, registry: CollectorRegistry) -> None:
+    # Given events about jobs whose task and tier a message named (poison, a forged header)
+    for i in range(50):
+        app.observers.dead(
+            Job(f"forged.task.{i}", f"tier-{i}", f"r{i}", "k"),
+            letter(f"r{i}", "unknown-task", tier=f"queue-{i}"),
+        )
+        app.observers.claimed(Job(TASK, f"tier-{i}", f"c{i}", "k"), 1)
+    # Then they share one series each: no label value came from the messages
+    assert (
+        value(registry, "celery_ledger_tasks_dead_total", task="unregistered", tier="unknown") == 50
+    )
+    assert value(registry, "celery_ledger_poison_messages_total", queue="unknown") == 50
+    assert value(registry, "celery_ledger_tasks_started_total", task=TASK, tier="unknown") == 50
+    names = {
+        sample.labels.get("task")
+        for family in registry.collect()
+        for sample in family.samples
+        if "task" in sample.labels
+    }
+    assert names <= {TASK, "unregistered"}

@@ -147,3 +147,85 @@ def test_create_app_refuses_an_invalid_variable_naming_it(
     with pytest.raises(ConfigurationError) as refused:
         create_app("unit", set_as_current=False)
     assert variable.removeprefix("LEDGER_").lower() in str(refused.value)
+
+
+SECRET = "s3cr3t-never-shown"
+SECRET_BEARING = [
+    ("LEDGER_BROKER_URL", f"redis://:{SECRET}@host:notaport/0"),
+    ("LEDGER_BROKER_URL", f"amqp://user:{SECRET}@host//"),
+    ("LEDGER_BROKER_URL", f"redis://:{SECRET}@host/0?socket_timeout=soon"),
+    ("LEDGER_MONGO_URI", f"mongodb://user:{SECRET}@host:99999/"),
+    ("LEDGER_MONGO_URI", f"http://user:{SECRET}@ledger.example"),
+    ("LEDGER_MONGO_URI", f"mongodb://user:{SECRET}@host/?w=sometimes&journal=perhaps"),
+    ("LEDGER_MONGO_URI", f"mongodb+srv://user:{SECRET}@cluster.example.net:27017/"),
+    ("LEDGER_MONGO_URI", f"mongodb://user:{SECRET}@a:1,b:x/"),
+    ("LEDGER_SENTRY_DSN", f"ftp://{SECRET}@sentry.example/1"),
+    ("LEDGER_SENTRY_DSN", f"https://{SECRET}@/1"),
+    ("LEDGER_ENCRYPTION_KEYS", SECRET),
+    ("LEDGER_ENCRYPTION_KEYS", f'["{SECRET}", 7]'),
+    ("LEDGER_ENCRYPTION_KEYS", f'{{"key": "{SECRET}"}}'),
+]
+
+
+@pytest.mark.parametrize(("var", "value"), SECRET_BEARING, ids=lambda v: v[:24])
+def test_a_refused_setting_never_echoes_the_secret_it_carries(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str
+) -> None:
+    import traceback
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigurationError) as info:
+        create_app("secrets", set_as_current=False)
+    # The message names the setting, and no part of the error chain shows the secret
+    shown = "".join(traceback.format_exception(info.value))
+    assert var.removeprefix("LEDGER_").lower() in str(info.value)
+    assert SECRET not in shown
+
+    # The same for settings built in code
+    monkeypatch.delenv(var)
+    with pytest.raises(ValidationError) as direct:
+        Settings(**{var.removeprefix("LEDGER_").lower(): _parsed(value)})
+    assert SECRET not in "".join(traceback.format_exception(direct.value))
+
+
+def _parsed(value: str) -> Any:
+    import json
+
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def test_keys_and_passwords_stay_out_of_the_settings_repr() -> None:
+    key = "AcKyJ2oLnrAAy_LZcIqJcLFxu0NMYeTJnp7JIrpzIs4="
+    settings = Settings(
+        broker_url=f"redis://:{SECRET}@host:6379/0",
+        mongo_uri=f"mongodb://u:{SECRET}@host/",
+        sentry_dsn=f"https://{SECRET}@sentry.example/1",
+        encryption_keys=[key],
+    )
+    for text in (repr(settings), str(settings)):
+        assert SECRET not in text and key not in text
+    assert key not in str(settings.model_dump())  # a key stays secret even in a dump
+    assert settings.encryption_keys[0].get_secret_value() == key
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("broker_url", "redis://:change-me-redis-password@redis:6379/0"),
+        ("broker_url", "rediss://user:change-me@redis:6380/0"),
+        ("mongo_uri", "mongodb://ledger:change-me-mongo-password@mongo:27017/?authSource=admin"),
+        ("mongo_uri", "mongodb+srv://ledger:change-me-x@cluster.example.net/"),
+    ],
+)
+def test_a_placeholder_password_from_the_env_example_is_refused(field: str, value: str) -> None:
+    with pytest.raises(ValidationError, match="placeholder") as info:
+        Settings(**{field: value})
+    assert field in str(info.value)
+
+
+def test_a_real_password_that_merely_contains_the_words_is_accepted() -> None:
+    settings = Settings(broker_url="redis://:not-change-me@redis:6379/0")
+    assert settings.broker_url.endswith("@redis:6379/0")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigurationError
-from .servers import LOOPBACK, ManagedProcess, ServerStartError, free_port
+from .servers import LOOPBACK, ManagedProcess, ServerStartError, free_port, private_dir
 
 
 @dataclass
@@ -72,7 +72,7 @@ def start_flower(
         f"--address={LOOPBACK}",
         f"--port={port}",
     ]
-    data_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(data_dir)
     log_path = data_dir / "flower.log"
     with open(log_path, "ab") as log:
         process = subprocess.Popen(

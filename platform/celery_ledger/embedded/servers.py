@@ -5,8 +5,11 @@ own process through its CLI, so celery-ledger never imports it. Both need the ``
 extra. Processes are stopped by PID, never by name.
 
 Authentication: valkey's ``requirepass`` (written to a 0600 config file, never on a command
-line) and SecantusDB's SCRAM users (``--auth``; the user is created, or its password reset,
-by a first start without ``--auth``). The URLs then carry the credentials.
+line) and SecantusDB's SCRAM users (``--auth``). SecantusDB can only create a user while it
+runs without ``--auth``, so that first start accepts nobody but us: it requires TLS with a client
+certificate of a one-time CA made for it (files in the owner-only data directory, deleted
+afterwards), so no other local process can use the unauthenticated window. The URLs then
+carry the credentials.
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ def start_valkey(
     ready_timeout: float = 15.0,
 ) -> ServerProcess:
     """valkey-server with AOF persistence (``appendfsync everysec``) in ``data_dir``."""
-    data_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(data_dir)
     port = port or free_port()
     argv = [
         str(valkey_binary()),
@@ -229,6 +232,103 @@ def start_secantus(
         )
         server.restart(ready_timeout)
     return server
+
+
+def _one_time_tls(directory: Path) -> tuple[list[str], str]:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate, in
+    ``directory``: the server's arguments that require that client, and the URL query that
+    presents it. Written with ``cryptography`` (already a dependency, for Fernet)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def issue(
+        name: str, key: Any, issuer: x509.Name, signer: Any, *, ca: bool = False
+    ) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(LOOPBACK))]),
+                critical=False,
+            )
+        return builder.sign(signer, hashes.SHA256())
+
+    def pem(key: Any) -> bytes:
+        return bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+
+    def write(name: str, data: bytes) -> Path:
+        path = directory / name
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "wb") as out:
+            out.write(data)
+        return path
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "celery-ledger one-time CA")])
+    ca = issue("celery-ledger one-time CA", ca_key, ca_name, ca_key, ca=True)
+    server_key, client_key = (
+        ec.generate_private_key(ec.SECP256R1()),
+        ec.generate_private_key(ec.SECP256R1()),
+    )
+    server_cert = issue(LOOPBACK, server_key, ca_name, ca_key)
+    client_cert = issue("celery-ledger", client_key, ca_name, ca_key)
+    encoding = serialization.Encoding.PEM
+    ca_file = write("ca.pem", ca.public_bytes(encoding))
+    cert_file = write("server.pem", server_cert.public_bytes(encoding))
+    key_file = write("server.key", pem(server_key))
+    client_file = write("client.pem", client_cert.public_bytes(encoding) + pem(client_key))
+    args = [
+        "--tls-cert-file",
+        str(cert_file),
+        "--tls-key-file",
+        str(key_file),
+        "--tls-ca-file",
+        str(ca_file),
+        "--tls-require-client-cert",
+    ]
+    query = (
+        f"tls=true&tlsCAFile={quote_plus(str(ca_file))}"
+        f"&tlsCertificateKeyFile={quote_plus(str(client_file))}"
+    )
+    return args, query
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a directory only its owner can enter: the servers' data (the AOF holds
+    messages, the ledger its records), their auth files and logs stay the owner's."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def redacted(url: str) -> str:
+    """``url`` with the password of its user part replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.partition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.partition(':')[0]}:***@{host}"
 
 
 def _provision_user(url: str, user: str, password: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from .servers import (
     ManagedProcess,
     ServerProcess,
     ServerStartError,
+    private_dir,
+    redacted,
     start_secantus,
     start_valkey,
 )
@@ -93,6 +96,7 @@ class EmbeddedStack:
     def start_servers(
         self, *, broker_port: int | None = None, ledger_port: int | None = None
     ) -> None:
+        private_dir(self.data_dir)
         broker_password = secrets.token_hex(16) if self.auth else None
         ledger_password = secrets.token_hex(16) if self.auth else None
         self.broker = start_valkey(
@@ -217,11 +221,34 @@ class EmbeddedStack:
             if server is not None:
                 server.stop()
 
+    @property
+    def env_file(self) -> Path:
+        return self.data_dir / "stack.env"
+
+    def write_env_file(self) -> Path:
+        """Write ``export`` lines of :attr:`env` (and Flower's credentials, as a comment) to
+        ``<data dir>/stack.env``, readable by its owner only: the passwords never reach a
+        terminal or its scrollback. ``source`` it in another shell."""
+        lines = ["# celery-ledger embedded stack: source this file to publish to it"]
+        lines += [f"export {name}={shlex.quote(value)}" for name, value in self.env.items()]
+        if self.flower is not None:
+            lines.append(
+                f"# flower {self.flower.url} user {self.flower.user}"
+                f" password {self.flower.password}"
+            )
+        path = self.env_file
+        path.unlink(missing_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as out:
+            out.write("\n".join(lines) + "\n")
+        return path
+
     def describe(self) -> str:
+        """What runs where, without a password (they are in :meth:`write_env_file`'s file)."""
         lines = []
         for server in (self.broker, self.ledger):
             if server is not None:
-                lines.append(f"{server.name:<10} pid {server.pid:<7} {server.url}")
+                lines.append(f"{server.name:<10} pid {server.pid:<7} {redacted(server.url)}")
         for worker in self.workers:
             lines.append(
                 f"{'worker':<10} pid {worker.pid:<7} {worker.name} queues={worker.queues}"
@@ -233,7 +260,7 @@ class EmbeddedStack:
         if self.flower is not None:
             lines.append(
                 f"{'flower':<10} pid {self.flower.pid:<7} {self.flower.url}"
-                f"  user={self.flower.user} password={self.flower.password}"
+                f"  user={self.flower.user} (password in {self.env_file})"
             )
         return "\n".join(lines)
 

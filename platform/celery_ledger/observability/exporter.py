@@ -11,26 +11,36 @@ is set). Its ``create`` runs in the worker's main process before the pool forks:
    writes its own files there, which survive its exit (counters keep their totals).
 
 Its ``start`` runs after the pool has forked and serves ``/metrics`` from a thread of the main
-process on ``LEDGER_METRICS_ADDRESS:LEDGER_METRICS_PORT``: the files merged by
-``MultiProcessCollector``, plus gauges sampled on scrape (:class:`StateCollector`). A pool
+process on ``LEDGER_METRICS_ADDRESS:LEDGER_METRICS_PORT`` (loopback unless set), behind HTTP
+basic authentication when ``LEDGER_METRICS_AUTH`` is set: the files merged by
+``MultiProcessCollector``, plus gauges read from Redis and the ledger (:class:`StateCollector`),
+at most once per ``LEDGER_METRICS_CACHE_SECONDS`` however often or by whom it is scraped. A pool
 process that exits is marked dead (``worker_process_shutdown``), which drops its live gauges;
 the directory is removed when the worker shuts down.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
+import hmac
 import logging
 import os
 import shutil
+import socket
 import tempfile
-from collections.abc import Callable, Iterator
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from celery import bootsteps, signals
-from prometheus_client import CollectorRegistry, multiprocess, start_http_server, values
+from prometheus_client import CollectorRegistry, make_wsgi_app, multiprocess, values
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from ..ledger.workflow_log import ACTIVE
@@ -71,7 +81,10 @@ def mark_dead(pid: int | None = None, **_: Any) -> None:
 class StateCollector(Collector):
     """Gauges read from Redis and the ledger when Prometheus scrapes (main process only).
 
-    Every worker exports the same shared state: aggregate with ``max`` across instances.
+    Every worker exports the same shared state: aggregate with ``max`` across instances. The
+    reads (queue lengths, the delayed set, the breakers, two ledger counts) are kept for
+    ``cache_seconds``: scrapes more frequent than that, from however many scrapers, cost the
+    broker and the ledger nothing.
     """
 
     def __init__(
@@ -79,12 +92,26 @@ class StateCollector(Collector):
         runtime: Any,
         consuming: list[str],
         workflow_counts: Callable[[], dict[str, int]] | None = None,
+        *,
+        cache_seconds: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runtime = runtime
         self.consuming = consuming
         self.workflow_counts = workflow_counts  # workflows by status, from the ledger
+        self.cache_seconds = cache_seconds
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._cached: tuple[float, list[Metric]] | None = None
 
     def collect(self) -> Iterator[Metric]:
+        with self._lock:  # one read at a time: concurrent scrapes share it
+            now = self.clock()
+            if self._cached is None or now - self._cached[0] >= self.cache_seconds:
+                self._cached = (now, list(self._read()))
+            return iter(self._cached[1])
+
+    def _read(self) -> Iterator[Metric]:
         up = GaugeMetricFamily(
             "celery_ledger_dependency_up",
             "1 if the worker reached the dependency during this scrape.",
@@ -179,14 +206,29 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
         multiprocess.MultiProcessCollector(registry, path=str(self.directory))
         consuming = sorted(app.amqp.queues.consume_from or app.amqp.queues)
         workflow_counts = app.workflow_engine.log.count_by_status
-        registry.register(StateCollector(app.runtime, consuming, workflow_counts))
-        port, address = app.settings.metrics_port, app.settings.metrics_address
+        settings = app.settings
+        registry.register(
+            StateCollector(
+                app.runtime,
+                consuming,
+                workflow_counts,
+                cache_seconds=settings.metrics_cache_seconds,
+            )
+        )
+        port, address = settings.metrics_port, settings.metrics_address
+        auth = settings.metrics_auth.get_secret_value() if settings.metrics_auth else None
         try:
-            self.server, _ = start_http_server(port, addr=address, registry=registry)
+            self.server = serve_metrics(address, port, metrics_app(registry, auth))
         except OSError as exc:  # metrics must not stop the worker
             logger.error("metrics: cannot listen on %s:%s: %s", address, port, exc)
             return
-        logger.info("metrics on http://%s:%s/metrics (%s)", address, port, self.directory)
+        logger.info(
+            "metrics on http://%s:%s/metrics (%s, %s)",
+            address,
+            port,
+            "basic auth" if auth else "no auth",
+            self.directory,
+        )
 
     def stop(self, worker: Any) -> None:
         if self.server is not None:
@@ -203,3 +245,48 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def _cleanup(self, **_: Any) -> None:
         if os.getpid() == self._owner_pid and self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def metrics_app(registry: CollectorRegistry, auth: str | None) -> Callable[..., Iterable[bytes]]:
+    """prometheus-client's WSGI app, behind HTTP basic authentication if ``auth``
+    (``user:password``) is given.
+
+    Written here because prometheus-client's own server has TLS but no authentication; the
+    comparison is constant-time.
+    """
+    served = make_wsgi_app(registry)
+    if auth is None:
+        return served
+    expected = auth.encode()
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        scheme, _, given = str(environ.get("HTTP_AUTHORIZATION", "")).partition(" ")
+        try:
+            credentials = base64.b64decode(given.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            credentials = b""
+        if scheme.lower() == "basic" and hmac.compare_digest(credentials, expected):
+            return served(environ, start_response)  # type: ignore[no-any-return]
+        start_response(
+            "401 Unauthorized",
+            [("WWW-Authenticate", 'Basic realm="celery-ledger metrics"'), ("Content-Length", "0")],
+        )
+        return [b""]
+
+    return app
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape on the worker's stderr."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def serve_metrics(address: str, port: int, app: Callable[..., Iterable[bytes]]) -> WSGIServer:
+    """Serve ``app`` on ``address:port`` from a daemon thread; returns the server to stop."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+    server: WSGIServer = make_server(address, port, app, server_class, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="ledger-metrics", daemon=True).start()
+    return server
