@@ -42,9 +42,14 @@ def captured() -> Iterator[Captured]:
 
 @pytest.fixture
 def app(captured: Captured) -> Any:
-    app = create_app("sentry_tests", settings=Settings(), set_as_current=False)
-    app.runtime.settings = Settings(sentry_dsn=DSN)
-    assert sentry.install(app.runtime, transport=captured)
+    keys = ["AcKyJ2oLnrAAy_LZcIqJcLFxu0NMYeTJnp7JIrpzIs4="]
+    app = create_app("sentry_tests", settings=Settings(encryption_keys=keys), set_as_current=False)
+    app.runtime.settings = Settings(sentry_dsn=DSN, encryption_keys=keys)
+    assert sentry.install(
+        app.runtime,
+        transport=captured,
+        sensitive=lambda name: bool(getattr(app.tasks.get(name), "sensitive", False)),
+    )
     options = sentry_sdk.get_client().options
     assert not options["send_default_pii"] and not options["include_local_variables"]
     app.conf.task_always_eager = True
@@ -57,6 +62,10 @@ def app(captured: Captured) -> Any:
         if lease:
             raise LeaseLost("r1", 7)
         raise ValueError(f"declined ({len(password)})")
+
+    @app.task(name="sentry_tests.card", idempotency_key="{card}", sensitive=True, shared=False)
+    def card(card: str) -> None:
+        raise ValueError(f"gateway declined card {card}")
 
     return app
 
@@ -157,3 +166,36 @@ def test_credentials_in_urls_are_redacted() -> None:
     assert "redis://[Filtered]@10.0.0.5:6379/0" in text
     assert scrubbed["extra"]["kwargs"] == "[Filtered]"
     assert "data" not in scrubbed["breadcrumbs"]["values"][0]
+
+
+def test_a_sensitive_tasks_events_carry_no_text(app: Any, captured: Captured) -> None:
+    # When a sensitive task fails with its argument in the exception's text
+    app.tasks["sentry_tests.card"].apply(args=(SECRET,))
+    # and its death is announced with a reason that quotes it
+    try:
+        raise ValueError(f"gateway declined card {SECRET}")
+    except ValueError:
+        app.observers.dead(
+            Job("sentry_tests.card", "critical", "rec-2", "k"),
+            DeadLetter(
+                record_id="rec-2",
+                task="sentry_tests.card",
+                key="k",
+                tier="critical",
+                reason=f"permanent error: declined {SECRET}",
+                death="failed",
+                fingerprint="f00",
+                fingerprint_text="ValueError at card",
+                message=None,
+                errors=[],
+                at="now",
+            ),
+        )
+    flush()
+    # Then the events keep the exception's type and stack, and none of its text
+    assert captured.events
+    assert SECRET not in json.dumps(captured.events)
+    for event in captured.events:
+        for value in event.get("exception", {}).get("values", []):
+            assert value["type"] == "ValueError" and value["value"] == sentry.SENSITIVE_TEXT
+            assert value["stacktrace"]["frames"]

@@ -57,7 +57,9 @@ def install(app: Celery, runtime: Runtime) -> None:
     if settings.sentry_dsn:
         from .sentry import install as install_sentry
 
-        install_sentry(runtime)
+        install_sentry(
+            runtime, sensitive=lambda name: bool(getattr(app.tasks.get(name), "sensitive", False))
+        )
     if settings.log_format == "json":
         from .logs import install as install_json_logs
 

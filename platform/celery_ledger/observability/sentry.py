@@ -11,13 +11,18 @@ A dead job raised by its body is reported with that exception (the integration's
 of the same exception is dropped by Sentry's dedupe). Control flow is never reported (Celery's
 ``Retry``/``Ignore``/``Reject``, our ``LeaseLost``/``CircuitOpen``). Scrubbed by default: no
 PII, no local variables, no task arguments, results or request bodies, no credentials in URLs.
+An event about a ``sensitive=True`` task keeps its exception's type and stack (code, not
+data) but not its message, nor any message or reason text: an exception's text often carries
+the arguments it failed on.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore, Reject, Retry
@@ -37,8 +42,14 @@ _URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/\s@:]*:[^/\s@
 _DATA_KEYS = frozenset({"args", "kwargs", "result", "retval", "return_value", "message", "body"})
 
 
-def install(runtime: Runtime, *, transport: Any = None) -> bool:
-    """``sentry_sdk.init`` with the integration and the scrubbing; observe the events."""
+def install(
+    runtime: Runtime,
+    *,
+    transport: Any = None,
+    sensitive: Callable[[str], bool] = lambda name: False,
+) -> bool:
+    """``sentry_sdk.init`` with the integration and the scrubbing; observe the events.
+    ``sensitive`` tells whether a task name is a sensitive task (its events lose their text)."""
     dsn = runtime.settings.sentry_dsn
     if not dsn:
         return False
@@ -60,7 +71,7 @@ def install(runtime: Runtime, *, transport: Any = None) -> bool:
         # derive their data_collection from it); our before_send scrubs on top of that.
         include_local_variables=False,
         max_request_body_size="never",
-        before_send=before_send,  # type: ignore[arg-type]
+        before_send=functools.partial(before_send, sensitive=sensitive),  # type: ignore[arg-type]
         before_breadcrumb=before_breadcrumb,
         **options,
     )
@@ -141,13 +152,21 @@ def _tag(scope: Any, event: str, **tags: Any) -> None:
             scope.set_tag(f"celery_ledger.{name}", str(value))
 
 
-def before_send(event: dict[str, Any], hint: dict[str, Any]) -> dict[str, Any] | None:
-    """Drop control flow; scrub request data, task data, local variables and URL credentials."""
+def before_send(
+    event: dict[str, Any],
+    hint: dict[str, Any],
+    *,
+    sensitive: Callable[[str], bool] = lambda name: False,
+) -> dict[str, Any] | None:
+    """Drop control flow; scrub request data, task data, local variables and URL credentials;
+    and every text of an event about a sensitive task."""
     exc_info = hint.get("exc_info") if hint else None
     if exc_info and isinstance(exc_info[1], CONTROL_FLOW):
         return None
     try:
-        return scrub(event)
+        event = scrub(event)
+        task = _task_of(event)
+        return _without_text(event) if task is not None and sensitive(task) else event
     except Exception:  # never send an event we could not scrub
         logger.warning("could not scrub a Sentry event; dropped", exc_info=True)
         return None
@@ -182,6 +201,41 @@ def scrub(event: dict[str, Any]) -> dict[str, Any]:
         logentry.pop("params", None)  # log arguments: any data
     for crumb in (event.get("breadcrumbs") or {}).get("values") or []:
         before_breadcrumb(crumb, {})
+    return event
+
+
+SENSITIVE_TEXT = "[Filtered: sensitive task]"
+
+
+def _task_of(event: dict[str, Any]) -> str | None:
+    """The task an event is about: the Celery integration's job context, or our tag."""
+    job = (event.get("extra") or {}).get("celery-job")
+    if isinstance(job, dict) and isinstance(job.get("task_name"), str):
+        return str(job["task_name"])
+    tags = event.get("tags")
+    if isinstance(tags, dict) and isinstance(tags.get("celery_ledger.task"), str):
+        return str(tags["celery_ledger.task"])
+    return None
+
+
+def _without_text(event: dict[str, Any]) -> dict[str, Any]:
+    for container in ("exception", "threads"):
+        for value in (event.get(container) or {}).get("values") or []:
+            if "value" in value:
+                value["value"] = SENSITIVE_TEXT
+    if "message" in event:
+        event["message"] = SENSITIVE_TEXT
+    logentry = event.get("logentry")
+    if isinstance(logentry, dict):
+        for key in ("message", "formatted"):
+            if key in logentry:
+                logentry[key] = SENSITIVE_TEXT
+    dead = (event.get("contexts") or {}).get("dead letter")
+    if isinstance(dead, dict):
+        dead["reason"] = SENSITIVE_TEXT
+    for crumb in (event.get("breadcrumbs") or {}).get("values") or []:
+        if "message" in crumb:
+            crumb["message"] = SENSITIVE_TEXT
     return event
 
 
