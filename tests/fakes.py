@@ -705,6 +705,10 @@ class MemoryRedis:
             0, value.encode() if isinstance(value, str) else value
         )
 
+    def ltrim(self, key: str, start: int, end: int) -> None:
+        items = self.lists.get(key, [])
+        self.lists[key] = items[start : None if end == -1 else end + 1]
+
     def lindex(self, key: str, index: int) -> bytes | None:
         items = self.lists.get(key, [])
         return items[index] if -len(items) <= index < len(items) else None

@@ -109,6 +109,13 @@ class DeadLetters:
                 exc_info=True,
             )
             return False
+        # The queue is a feed of the newest deaths (the ledger keeps every dead record):
+        # capped, so that a burst of deaths nobody consumes cannot fill the broker's memory.
+        # kombu's Redis transport pushes on the left and consumes from the right.
+        try:
+            self._runtime.redis.ltrim(queue, 0, self._runtime.settings.dead_letter_queue_max - 1)
+        except Exception as exc:  # the next copy trims it
+            logger.warning("could not trim the %s queue: %s", queue, exc)
         return True
 
     def copy_pending(self, limit: int = 100) -> int:
@@ -254,11 +261,9 @@ class DeadLetters:
         since: datetime | None = None,
         limit: int = 1000,
     ) -> list[dict[str, Any]]:
-        """Dead records (not purged), newest first, filtered by task, reason (substring), time."""
-        docs = self._ledger.find_dead(task=task, since=since, limit=limit)
-        if reason:
-            docs = [d for d in docs if reason.lower() in str(d.get("dead_reason", "")).lower()]
-        return docs
+        """Dead records (not purged), newest first, filtered by task, reason (substring), time
+        (every filter before the limit)."""
+        return self._ledger.find_dead(task=task, since=since, reason=reason, limit=limit)
 
     @staticmethod
     def groups(docs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

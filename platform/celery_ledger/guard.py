@@ -518,7 +518,13 @@ class Guard:
             sensitive = self.runtime.sealer.enabled
             return self._dead_before_claim(delivery, body, problem, "unpublishable", sensitive)
         except Exception as exc:
-            logger.error("could not defer %s (%s); requeueing it", delivery.record_id, exc)
+            # A requeue comes straight back: held here first (this pool process, not the
+            # consumer), so a deferral that keeps failing cannot spin the broker and the ledger.
+            hold = 0.5 + backoff_seconds(delivery.deferrals, base_seconds=0.5, cap_seconds=4.5)
+            logger.error(
+                "could not defer %s (%s); requeueing it in %.1fs", delivery.record_id, exc, hold
+            )
+            self.sleep(hold)
             return Verdict.requeue(f"could not defer: {exc}")
         logger.info("%s deferred by %.1fs: %s", delivery.record_id, delay, reason)
         self.observers.deferred(delivery.job, reason, delay)

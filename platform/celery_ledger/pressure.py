@@ -2,7 +2,9 @@
 
 Apps call ``celery_ledger.pressure.report_latency(ms)`` after each foreground request; the
 samples of the last ``window_seconds`` live in one Redis sorted set shared by every host, scored
-by the Redis server's clock. Bulk workers read the p95 through
+by the Redis server's clock. A report costs the request no broker round trip: it is buffered in
+the process and a background thread sends the buffer once per ``flush_seconds`` (1 s) in one
+pipelined round trip, whatever the request rate. Bulk workers read the p95 through
 :class:`celery_ledger.policies.throttle.Throttle`.
 """
 
@@ -11,8 +13,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 import uuid
+from collections import deque
 
 import redis
 
@@ -27,8 +31,10 @@ MAX_SAMPLES = 10_000
 class Pressure:
     """Latency samples in a Redis sorted set (member ``"<ms>:<random>"``, score server time).
 
-    The server clock is read with ``TIME`` once per ``resync_seconds`` and followed locally with
-    ``time.monotonic``, so a report is one pipelined round trip (two on the first call).
+    Reports are buffered (at most ``MAX_SAMPLES``, the oldest dropped first) and sent by a
+    daemon thread every ``flush_seconds``, or by :meth:`flush`; each sample keeps the time it
+    was reported. The server clock is read with ``TIME`` once per ``resync_seconds`` and
+    followed locally with ``time.monotonic``, so a flush is one pipelined round trip.
     """
 
     def __init__(
@@ -38,15 +44,22 @@ class Pressure:
         window_seconds: float = 30.0,
         key_prefix: str = "celery_ledger:pressure",
         resync_seconds: float = 300.0,
+        flush_seconds: float = 1.0,
     ) -> None:
-        if window_seconds <= 0:
-            raise ConfigurationError("window_seconds must be positive")
+        if window_seconds <= 0 or flush_seconds <= 0:
+            raise ConfigurationError("window_seconds and flush_seconds must be positive")
         self.client = client
         self.window_seconds = window_seconds
+        self.flush_seconds = flush_seconds
         self.key = f"{key_prefix}:latency"
         self._resync_seconds = resync_seconds
         self._lock = ForkSafeLock()
         self._clock_base: tuple[float, float] | None = None  # (server time, monotonic) pair
+        self._pending: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)  # (ms, monotonic)
+        self._flusher: threading.Thread | None = None
+        self._pid = os.getpid()
+        self._last_warning: float | None = None
+        self._closed = threading.Event()
 
     def server_now(self) -> float:
         """The Redis server's clock, in unix seconds."""
@@ -60,18 +73,66 @@ class Pressure:
         return base[0] + time.monotonic() - base[1]
 
     def report_latency(self, ms: float) -> None:
-        """Record one foreground latency sample and drop samples older than the window."""
+        """Record one foreground latency sample (in memory; the flusher sends it)."""
         if not math.isfinite(ms) or ms < 0:
             raise ValueError(f"latency must be a finite, non-negative number of ms, not {ms!r}")
-        now = self.server_now()
+        with self._lock:
+            if (
+                self._pid != os.getpid()
+            ):  # a forked child: its parent's buffer and thread are not its
+                self._pending.clear()
+                self._flusher, self._pid = None, os.getpid()
+            self._pending.append((float(ms), time.monotonic()))
+            if self._flusher is None:
+                self._flusher = threading.Thread(
+                    target=self._flush_forever, name="ledger-latency-flush", daemon=True
+                )
+                self._flusher.start()
+
+    def flush(self) -> int:
+        """Send the buffered samples (one pipelined round trip) and drop those older than the
+        window; returns how many were sent. A broker error drops them and raises."""
+        with self._lock:
+            samples = list(self._pending)
+            self._pending.clear()
+        if not samples:
+            return 0
+        now, now_monotonic = self.server_now(), time.monotonic()
+        members = {
+            f"{ms!r}:{uuid.uuid4().hex[:16]}": now - (now_monotonic - at) for ms, at in samples
+        }
         pipe = self.client.pipeline(transaction=False)
-        pipe.zadd(self.key, {f"{float(ms)!r}:{uuid.uuid4().hex[:16]}": now})
+        pipe.zadd(self.key, members)
         pipe.zremrangebyscore(self.key, "-inf", now - self.window_seconds)
         pipe.expire(self.key, math.ceil(self.window_seconds) + 1)
         pipe.execute()
+        return len(samples)
+
+    def flush_quietly(self) -> None:
+        """:meth:`flush`, logging a broker error (at most one warning per 30 s) instead of
+        raising: a latency report must never fail anything."""
+        try:
+            self.flush()
+        except redis.RedisError as exc:
+            now = time.monotonic()
+            if self._last_warning is None or now - self._last_warning >= 30.0:
+                logger.warning("cannot report latency: %s", exc)
+                self._last_warning = now
+
+    def _flush_forever(self) -> None:
+        while not self._closed.wait(self.flush_seconds):
+            self.flush_quietly()
+
+    def close(self) -> None:
+        """Send what is buffered, stop the flusher and close the client."""
+        self._closed.set()
+        self.flush_quietly()
+        self.client.close()
 
     def p95_ms(self) -> float | None:
-        """The 95th percentile (nearest rank) of the window's most recent samples, or None."""
+        """The 95th percentile (nearest rank) of the window's most recent samples, or None
+        (this process's buffered samples are sent first)."""
+        self.flush()
         since = self.server_now() - self.window_seconds
         members = self.client.zrevrangebyscore(self.key, "+inf", since, start=0, num=MAX_SAMPLES)
         texts = (str(m, "ascii") if isinstance(m, bytes) else str(m) for m in members)
@@ -81,7 +142,6 @@ class Pressure:
 
 _default: Pressure | None = None
 _default_lock = ForkSafeLock()
-_last_warning: float | None = None
 
 
 def _build(redis_url: str, window_seconds: float) -> Pressure:
@@ -96,7 +156,7 @@ def configure(redis_url: str, *, window_seconds: float = 30.0) -> Pressure:
     with _default_lock:
         previous, _default = _default, pressure
     if previous is not None:
-        previous.client.close()
+        previous.close()
     return pressure
 
 
@@ -117,15 +177,7 @@ def _configured() -> Pressure:
 def report_latency(ms: float) -> None:
     """Report one foreground latency sample (configured, or from ``LEDGER_BROKER_URL``).
 
-    Broker errors are logged (at most one warning per 30 s) and swallowed: a latency report
-    must never fail the request that makes it.
+    No broker round trip: the sample is buffered and sent within ``flush_seconds``; broker
+    errors are logged there (at most one warning per 30 s), never raised to the request.
     """
-    global _last_warning
-    pressure = _default or _configured()
-    try:
-        pressure.report_latency(ms)
-    except redis.RedisError as exc:
-        now = time.monotonic()
-        if _last_warning is None or now - _last_warning >= 30.0:
-            logger.warning("cannot report latency: %s", exc)
-            _last_warning = now
+    (_default or _configured()).report_latency(ms)

@@ -108,3 +108,77 @@ def test_a_message_whose_worker_keeps_dying_becomes_poison(app: Any, token: str)
     )
     assert record.dead_reason.startswith("poison: delivered 3 times")
     assert effect_count("attempt", token) == 3
+
+
+def test_the_dead_letters_queue_keeps_only_its_newest_copies(stack: Any) -> None:
+    import uuid
+
+    from celery_ledger.ledger.dead import DeadLetter
+
+    from .conftest import producer_app
+
+    # Given an app whose dead letters' queue keeps 3 copies, and nobody consuming it
+    namespace = f"cap-{uuid.uuid4().hex[:8]}"
+    app = producer_app(stack, "capped", queue_namespace=namespace, dead_letter_queue_max=3)
+    queue = app.tiers.dead_letter_queue
+
+    # When five jobs die
+    for i in range(5):
+        letter = DeadLetter(
+            f"r-{i}",
+            "billing.charge",
+            f"k-{i}",
+            "default",
+            "boom",
+            "failed",
+            "f",
+            "t",
+            None,
+            [],
+            "now",
+        )
+        app.dead_letters.announce(letter)
+
+    # Then the queue holds the three newest copies (the ledger keeps every record)
+    client = redis.Redis.from_url(stack.broker.url)
+    bodies = [json.loads(raw)["body"] for raw in client.lrange(queue, 0, -1)]
+    import base64
+
+    ids = [json.loads(base64.b64decode(body))["record_id"] for body in bodies]
+    assert ids == ["r-4", "r-3", "r-2"]
+    client.delete(queue)
+
+
+def test_filters_apply_before_the_limit_and_a_purge_is_audited_with_its_ids(
+    app: Any, token: str
+) -> None:
+    from argparse import Namespace
+
+    from click.testing import CliRunner
+
+    from celery_ledger.cli.dlq import dlq
+    from tests.integration.ledger_app import fails_until_fixed
+
+    # Given an older dead job, then a newer one
+    older, newer = f"{token}-older", f"{token}-newer"
+    for key in (older, newer):
+        with pytest.raises(Exception, match="bad data"):
+            fails_until_fixed.delay(key).get(timeout=30)
+    older_id = app.ledger.get(fails_until_fixed.name, older).id
+
+    # Then a reason filter finds the older one even with a limit of one
+    found = app.dead_letters.find(reason=older, limit=1)
+    assert [d["_id"] for d in found] == [older_id]
+
+    # And a purge by reason names its actor as told and every record id it removed
+    result = CliRunner().invoke(
+        dlq,
+        ["purge", "--reason", older, "--yes", "--actor", "alice"],
+        obj=Namespace(app=app),
+    )
+    assert result.exit_code == 0, result.output
+    entry = next(e for e in app.ledger.audit_entries(limit=20) if e["action"] == "purge")
+    assert entry["actor"] == "alice [--actor]" and entry["outcome"] == "done"
+    assert entry["record_ids"] == [older_id] and entry["purged"] == 1
+    assert app.dead_letters.find(reason=older) == []
+    assert app.dead_letters.find(reason=newer) != []

@@ -146,15 +146,29 @@ def test_p95_over_the_window(client: redis.Redis) -> None:
     latency = Pressure(client, window_seconds=30.0, key_prefix=unique("test"))
     assert latency.p95_ms() is None
 
+    latency.server_now()  # the clock's first sync (once per resync_seconds)
+    before = CountingConnection.sends
     for ms in range(1, 101):
         latency.report_latency(float(ms))
-    before = CountingConnection.sends
     latency.report_latency(100.5)
+    assert CountingConnection.sends == before  # a report is no broker round trip
 
+    assert latency.flush() == 101
     assert CountingConnection.sends == before + 1  # ZADD + ZREMRANGEBYSCORE + EXPIRE, pipelined
     assert latency.p95_ms() == 96.0
     assert client.zcard(latency.key) == 101
     assert 0 < client.ttl(latency.key) <= 31
+
+
+def test_reported_samples_reach_redis_by_themselves_within_a_flush(client: redis.Redis) -> None:
+    latency = Pressure(client, window_seconds=30.0, key_prefix=unique("test"), flush_seconds=0.2)
+    for ms in (10.0, 20.0, 30.0):
+        latency.report_latency(ms)
+    deadline = time.monotonic() + 5
+    while client.zcard(latency.key) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.zcard(latency.key) == 3  # sent by the flusher thread, nobody read
+    latency.close()
 
 
 def test_samples_older_than_the_window_drop_out(client: redis.Redis) -> None:

@@ -408,7 +408,33 @@ def test_without_a_ttl_index_expire_deletes_only_records_past_their_expiry(stack
     # And back: the TTL index returns
     ttl.ensure_indexes()
     assert ttl.collection.index_information()["retention"]["expireAfterSeconds"] == 0
+    groups = ttl.collection.database[f"{ttl.collection.name}_groups"]
+    assert groups.index_information()["retention"]["expireAfterSeconds"] == 0
     ttl.client.drop_database(database)
+
+
+def test_saved_groups_expire_like_results(stack: Any) -> None:
+    database = f"groups_{uuid.uuid4().hex[:8]}"
+    clock = Clock(utcnow())
+    store = Ledger(
+        uri=stack.ledger.url,
+        database=database,
+        ttl_index=False,
+        clock=clock,
+        result_retention_seconds=3600,
+    )
+    groups = store.collection.database[f"{store.collection.name}_groups"]
+    groups.insert_one({"_id": "from-before", "members": ["x"]})  # saved without an expiry
+    store.ensure_indexes()
+    store.save_group("g-1", ["a", "b"])
+    assert store.group_members("g-1") == ["a", "b"]
+
+    # When the result retention has passed, the housekeeping's expiry removes them all
+    clock.advance(3601)
+    store.expire()
+    assert store.group_members("g-1") is None
+    assert groups.count_documents({}) == 0
+    store.client.drop_database(database)
 
 
 def test_a_transaction_a_dead_worker_left_never_locks_its_job_for_good(store: Ledger) -> None:

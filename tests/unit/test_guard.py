@@ -225,11 +225,15 @@ def test_the_ledger_unreachable_at_the_claim_defers_with_backoff(h: Harness) -> 
     assert h.recorder.names() == ["ledger_unavailable", "deferred"]
 
 
-def test_a_deferral_that_cannot_be_published_requeues(h: Harness) -> None:
-    h.ledger.fail("claim", LedgerUnavailable("down"))
-    verdict, body = h.run(FakeBody(defer_error=ConnectionError("broker down")))
+def test_a_deferral_that_cannot_be_published_requeues_after_a_pause(h: Harness) -> None:
+    h.ledger.fail("claim", LedgerUnavailable("down"), times=5)
+    for _ in range(5):
+        before = h.clock()
+        verdict, body = h.run(FakeBody(defer_error=ConnectionError("broker down")))
 
-    assert verdict.kind == "requeue" and body.runs == 0
+        assert verdict.kind == "requeue" and body.runs == 0
+        # each requeue is held first: a deferral that keeps failing is no hot loop
+        assert (h.clock() - before).total_seconds() >= 0.5
 
 
 def test_a_claim_whose_reply_was_lost_defers_and_the_lease_bounds_the_wait(h: Harness) -> None:

@@ -290,13 +290,20 @@ class Ledger:
         wanted, other = ("retention", "retention_sweep")
         if not self.ttl_index:
             wanted, other = other, wanted
+        groups = self._companion("groups")
         with translate_errors("index creation"):
-            if other in self.collection.index_information():
-                self.collection.drop_index(other)
-            if self.ttl_index:
-                self.collection.create_index("expires_at", expireAfterSeconds=0, name=wanted)
-            else:
-                self.collection.create_index("expires_at", name=wanted)
+            for collection in (self.collection, groups):  # a group's members expire with them
+                if other in collection.index_information():
+                    collection.drop_index(other)
+                if self.ttl_index:
+                    collection.create_index("expires_at", expireAfterSeconds=0, name=wanted)
+                else:
+                    collection.create_index("expires_at", name=wanted)
+            # Groups saved before they expired: from now on, like a result
+            groups.update_many(
+                {"expires_at": {"$exists": False}},
+                {"$set": {"expires_at": self.now() + self.result_retention}},
+            )
             self.collection.create_index(
                 [("state", ASCENDING), ("claimable_at", ASCENDING)], name="state_claimable"
             )
@@ -308,8 +315,10 @@ class Ledger:
         One indexed range delete. SecantusDB's TTL sweeper instead reads the whole collection
         under its global lock, stalling every write for seconds per 100k records.
         """
+        past = {"expires_at": {"$lt": self.now()}}
         with translate_errors("expiry"):
-            return self.collection.delete_many({"expires_at": {"$lt": self.now()}}).deleted_count
+            self._companion("groups").delete_many(past)
+            return self.collection.delete_many(past).deleted_count
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -1161,10 +1170,14 @@ class Ledger:
             self.collection.update_one({"_id": record_id}, {"$unset": {"result": ""}})
 
     def save_group(self, group_id: str, member_ids: Sequence[str]) -> None:
+        """Keep a group's members (Celery's ``GroupResult.save``), as long as a result."""
+        doc = {
+            "_id": group_id,
+            "members": list(member_ids),
+            "expires_at": self.now() + self.result_retention,
+        }
         with translate_errors("group save"):
-            self._companion("groups").replace_one(
-                {"_id": group_id}, {"_id": group_id, "members": list(member_ids)}, upsert=True
-            )
+            self._companion("groups").replace_one({"_id": group_id}, doc, upsert=True)
 
     def group_members(self, group_id: str) -> list[str] | None:
         with translate_errors("group read"):
