@@ -570,6 +570,7 @@ class MemoryLedger:
         *,
         task: str | None = None,
         since: datetime | None = None,
+        reason: str | None = None,
         limit: int = 1000,
         include_purged: bool = False,
     ) -> list[dict[str, Any]]:
@@ -579,6 +580,7 @@ class MemoryLedger:
             if d.get("state") == State.DEAD
             and (task is None or d.get("task") == task)
             and (since is None or d["finished_at"] >= since)
+            and (not reason or reason.lower() in str(d.get("dead_reason", "")).lower())
             and (include_purged or not d.get("purged_at"))
         ]
         return sorted(docs, key=lambda d: d["finished_at"], reverse=True)[:limit]

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from .. import audit
 from ..policies.breaker import BreakerState
+from .options import actor_option
 
 console = Console(soft_wrap=True)
 
@@ -52,35 +53,40 @@ def list_(ctx: click.Context, as_json: bool) -> None:
     console.print(table)
 
 
-def _force(ctx: click.Context, name: str, state: BreakerState | None, action: str) -> None:
+def _force(
+    ctx: click.Context, name: str, state: BreakerState | None, action: str, actor: str | None
+) -> None:
     app = ctx.obj.app
-    app.breakers[name].force(state)
-    audit.record(app.ledger, action, f"breaker:{name}", actor=audit.current_actor())
+    with audit.action(app.ledger, action, f"breaker:{name}", actor=audit.current_actor(actor)):
+        app.breakers[name].force(state)
     console.print(f"breaker {name}: {action}")
 
 
 @breakers.command(name="open")
 @click.argument("name")
+@actor_option
 @click.pass_context
-def open_(ctx: click.Context, name: str) -> None:
+def open_(ctx: click.Context, name: str, actor_name: str | None) -> None:
     """Force NAME open (tasks using it are deferred) until `clear`."""
-    _force(ctx, name, BreakerState.OPEN, "forced open")
+    _force(ctx, name, BreakerState.OPEN, "forced open", actor_name)
 
 
 @breakers.command()
 @click.argument("name")
+@actor_option
 @click.pass_context
-def close(ctx: click.Context, name: str) -> None:
+def close(ctx: click.Context, name: str, actor_name: str | None) -> None:
     """Force NAME closed (calls go through whatever happens) until `clear`."""
-    _force(ctx, name, BreakerState.CLOSED, "forced closed")
+    _force(ctx, name, BreakerState.CLOSED, "forced closed", actor_name)
 
 
 @breakers.command()
 @click.argument("name")
+@actor_option
 @click.pass_context
-def clear(ctx: click.Context, name: str) -> None:
+def clear(ctx: click.Context, name: str, actor_name: str | None) -> None:
     """Remove a forced state: the breaker decides again from its counts."""
-    _force(ctx, name, None, "force cleared")
+    _force(ctx, name, None, "force cleared", actor_name)
 
 
 def _when(value: float | None) -> str:

@@ -137,10 +137,14 @@ def stack(
             highlight=False,
             soft_wrap=True,
         )
+        env_file = running.write_env_file()
         console.print(running.describe(), highlight=False, soft_wrap=True)
-        console.print("\nIn another shell:")
-        for name, value in running.env.items():
-            console.print(f"  export {name}='{value}'", highlight=False, soft_wrap=True)
+        console.print(
+            f"\nIn another shell: [bold]source {env_file}[/] (the URLs with their passwords,"
+            " readable by you only)",
+            highlight=False,
+            soft_wrap=True,
+        )
         console.print("Ctrl-C stops every process listed above.")
         stop = {"now": False}
         signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))

@@ -13,9 +13,13 @@ from rich.progress import Progress
 from rich.table import Table
 
 from .. import audit
+from .options import actor_option
 
 console = Console(soft_wrap=True)
 
+# Record ids of one purge go into its audit entry (one document): 20,000 ids stay far below
+# MongoDB's 16 MB document limit.
+PURGE_LIMIT = 20_000
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -32,10 +36,6 @@ def parse_since(value: str | None) -> datetime | None:
     except ValueError as exc:
         raise click.BadParameter(f"{value!r}: use 30m, 2h, 7d or an ISO time") from exc
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
-
-
-def actor() -> str:
-    return audit.current_actor()
 
 
 def _dead_letters(ctx: click.Context) -> Any:
@@ -189,6 +189,7 @@ def show(ctx: click.Context, ident: str, task_name: str | None, as_json: bool) -
 @with_filters
 @click.option("--dry-run", is_flag=True, help="Say what would be replayed; change nothing.")
 @click.option("--json", "as_json", is_flag=True)
+@actor_option
 @click.pass_context
 def replay(
     ctx: click.Context,
@@ -198,6 +199,7 @@ def replay(
     since: str | None,
     dry_run: bool,
     as_json: bool,
+    actor_name: str | None,
 ) -> None:
     """Republish dead jobs to their tier, attempts reset, same key (so nothing runs twice)."""
     dead = _dead_letters(ctx)
@@ -211,15 +213,18 @@ def replay(
     else:
         raise click.UsageError("name a record (ID or KEY) or a filter (--task/--reason/--since)")
     outcomes = []
+    actor = audit.current_actor(actor_name)
     with Progress(console=console, transient=True, disable=as_json or len(docs) < 2) as progress:
         bar = progress.add_task("replaying", total=len(docs))
         for doc in docs:
-            outcomes.append(dead.replay(doc, dry_run=dry_run, actor=actor()))
+            if dry_run:
+                outcomes.append(dead.replay(doc, dry_run=True, actor=actor))
+            else:  # audited before it runs, its outcome after
+                with audit.action(ctx.obj.app.ledger, "replay", str(doc["_id"]), actor=actor) as e:
+                    outcome = dead.replay(doc, dry_run=False, actor=actor)
+                    e.note(replayed=outcome.replayed, detail=outcome.detail)
+                outcomes.append(outcome)
             progress.advance(bar)
-    if not dry_run:
-        for outcome in outcomes:
-            if outcome.replayed:
-                audit.record(ctx.obj.app.ledger, "replay", outcome.record_id, actor=actor())
     if as_json:
         _echo_json([o.__dict__ for o in outcomes])
         return
@@ -234,26 +239,39 @@ def replay(
 @dlq.command()
 @with_filters
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@actor_option
 @click.pass_context
 def purge(
-    ctx: click.Context, task_name: str | None, reason: str | None, since: str | None, yes: bool
+    ctx: click.Context,
+    task_name: str | None,
+    reason: str | None,
+    since: str | None,
+    yes: bool,
+    actor_name: str | None,
 ) -> None:
-    """Delete dead records (after asking)."""
+    """Delete dead records (after asking; the audit entry lists every record id)."""
     dead = _dead_letters(ctx)
-    docs = dead.find(task=task_name, reason=reason, since=parse_since(since), limit=100_000)
+    docs = dead.find(task=task_name, reason=reason, since=parse_since(since), limit=PURGE_LIMIT)
     if not docs:
         console.print("nothing to purge")
         return
+    if len(docs) == PURGE_LIMIT:
+        console.print(f"at most {PURGE_LIMIT} records per purge: run it again for the rest")
     if not yes:
-        click.confirm(f"Delete {len(docs)} dead records for good?", abort=True)
-    purged = dead.purge(docs, actor=actor())
-    audit.record(
+        what = "every dead record" if not (task_name or reason or since) else "dead records"
+        click.confirm(f"Delete {len(docs)} {what} for good?", abort=True)
+    actor = audit.current_actor(actor_name)
+    record_ids = [str(d["_id"]) for d in docs]
+    with audit.action(
         ctx.obj.app.ledger,
         "purge",
-        f"{purged} dead records",
-        actor=actor(),
+        f"{len(record_ids)} dead records",
+        actor=actor,
         filters={"task": task_name, "reason": reason, "since": since},
-    )
+        record_ids=record_ids,
+    ) as entry:
+        purged = dead.purge(docs, actor=actor)
+        entry.note(purged=purged)
     console.print(f"purged {purged} dead records")
 
 

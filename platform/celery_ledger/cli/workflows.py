@@ -16,6 +16,7 @@ from rich.table import Table
 
 from ..errors import LedgerError
 from .dlq import parse_since
+from .options import actor_option
 
 console = Console(soft_wrap=True)
 
@@ -180,38 +181,48 @@ def state(ctx: click.Context, workflow_id: str, as_of: str | None, as_json: bool
 @click.argument("name")
 @click.option("--payload", default="null", help="The signal's payload, as JSON.")
 @click.option("--signal-id", help="Makes the send idempotent: a repeat of this id counts once.")
+@actor_option
 @click.pass_context
 @_acting
 def signal(
-    ctx: click.Context, workflow_id: str, name: str, payload: str, signal_id: str | None
+    ctx: click.Context,
+    workflow_id: str,
+    name: str,
+    payload: str,
+    signal_id: str | None,
+    actor_name: str | None,
 ) -> None:
     """Send signal NAME (kept until a wait for it consumes it; delivered once)."""
     try:
         value = json.loads(payload)
     except ValueError as exc:
         raise click.BadParameter(f"--payload is not JSON: {exc}") from exc
-    added = _handle(ctx, workflow_id).signal(name, value, signal_id=signal_id)
+    added = _handle(ctx, workflow_id).signal(name, value, signal_id=signal_id, actor=actor_name)
     console.print(f"signal {name} " + ("sent" if added else "was sent before (not repeated)"))
 
 
 @workflows.command()
 @click.argument("workflow_id")
 @click.option("--reason", default="", help="Why (kept in the log and the audit trail).")
+@actor_option
 @click.pass_context
 @_acting
-def cancel(ctx: click.Context, workflow_id: str, reason: str) -> None:
+def cancel(ctx: click.Context, workflow_id: str, reason: str, actor_name: str | None) -> None:
     """Cancel: raised into the code where it waits; its compensations run."""
-    _handle(ctx, workflow_id).cancel(reason)
+    _handle(ctx, workflow_id).cancel(reason, actor=actor_name)
     console.print(f"cancel requested for {workflow_id}")
 
 
 @workflows.command()
 @click.argument("workflow_id")
 @click.option("--from-step", type=int, default=None, help="Run again from this position.")
+@actor_option
 @click.pass_context
 @_acting
-def retry(ctx: click.Context, workflow_id: str, from_step: int | None) -> None:
+def retry(
+    ctx: click.Context, workflow_id: str, from_step: int | None, actor_name: str | None
+) -> None:
     """Resume a stuck workflow, or run an ended one again from a step (default: its first
     failed step), under a new generation of step jobs."""
-    _handle(ctx, workflow_id).retry(from_step)
+    _handle(ctx, workflow_id).retry(from_step, actor=actor_name)
     console.print(f"{workflow_id} resumed" + (f" from step {from_step}" if from_step else ""))

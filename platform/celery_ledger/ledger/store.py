@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -996,18 +997,23 @@ class Ledger:
         *,
         task: str | None = None,
         since: datetime | None = None,
+        reason: str | None = None,
         limit: int = 1000,
         include_purged: bool = False,
     ) -> list[dict[str, Any]]:
-        """Dead records, newest first."""
+        """Dead records, newest first; every filter (``reason``: a case-insensitive
+        substring) applies before the limit, so a listing is never cut short by what it hides."""
         query: dict[str, Any] = {"state": State.DEAD.value}
         if task:
             query["task"] = task
         if since:
             query["finished_at"] = {"$gte": since}
+        if reason:
+            query["dead_reason"] = {"$regex": re.escape(reason), "$options": "i"}
+        if not include_purged:
+            query["purged_at"] = None  # absent
         with translate_errors("dead-letter query"):
-            docs = list(self.collection.find(query).sort("finished_at", DESCENDING).limit(limit))
-        return docs if include_purged else [d for d in docs if not d.get("purged_at")]
+            return list(self.collection.find(query).sort("finished_at", DESCENDING).limit(limit))
 
     def find_dead_by_key(self, key: str, *, task: str | None = None) -> dict[str, Any] | None:
         query: dict[str, Any] = {"state": State.DEAD.value, "key": key}
@@ -1197,11 +1203,18 @@ class Ledger:
 
     # -- the audit trail ----------------------------------------------------------------------
 
-    def audit(self, action: str, target: str, *, actor: str, **details: Any) -> None:
-        """Append one audit entry (who replayed, purged or forced a breaker, and when)."""
+    def audit(self, action: str, target: str, *, actor: str, **details: Any) -> Any:
+        """Append one audit entry (who replayed, purged or forced a breaker, and when);
+        returns its id, for :meth:`audit_outcome`."""
         entry = {"action": action, "target": target, "actor": actor, "at": self.now(), **details}
         with translate_errors("audit"):
-            self._companion("audit").insert_one(entry)
+            return self._companion("audit").insert_one(entry).inserted_id
+
+    def audit_outcome(self, entry_id: Any, outcome: str, **details: Any) -> None:
+        """Record how the audited action ended (``done`` or ``failed``), with its details."""
+        fields = {"outcome": outcome, "ended_at": self.now(), **details}
+        with translate_errors("audit"):
+            self._companion("audit").update_one({"_id": entry_id}, {"$set": fields})
 
     def audit_entries(self, *, limit: int = 100) -> list[dict[str, Any]]:
         with translate_errors("audit read"):

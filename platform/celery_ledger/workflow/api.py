@@ -126,44 +126,50 @@ class WorkflowHandle:
     def __repr__(self) -> str:
         return f"<WorkflowHandle {self.id}>"
 
-    def signal(self, name: str, payload: Any = None, *, signal_id: str | None = None) -> bool:
+    def signal(
+        self,
+        name: str,
+        payload: Any = None,
+        *,
+        signal_id: str | None = None,
+        actor: str | None = None,
+    ) -> bool:
         """Send signal ``name``: delivered once, to the first wait for it (kept until then).
-        ``signal_id`` makes the send idempotent; returns False if that id was sent before."""
+        ``signal_id`` makes the send idempotent; returns False if that id was sent before.
+        Audited (``actor``: who sends it; default ``$LEDGER_ACTOR``, else user@host)."""
         signal_id = (
             signal_id or f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%S%f')}-{uuid.uuid4().hex[:8]}"
         )
-        actor = audit.current_actor()
-        added = self.app.workflow_engine.signal(
-            self.id,
-            name,
-            payload,
-            signal_id=signal_id,
-            actor=actor,
-            limit=self.app.settings.workflow_max_pending_signals,
-        )
-        audit.record(
-            self.app.ledger,
-            "workflow signal",
-            self.id,
-            actor=actor,
-            signal=name,
-            signal_id=signal_id,
-        )
+        who = audit.current_actor(actor)
+        with audit.action(
+            self.app.ledger, "workflow signal", self.id, actor=who, signal=name, signal_id=signal_id
+        ) as entry:
+            added = self.app.workflow_engine.signal(
+                self.id,
+                name,
+                payload,
+                signal_id=signal_id,
+                actor=who,
+                limit=self.app.settings.workflow_max_pending_signals,
+            )
+            entry.note(added=added)
         return added
 
-    def cancel(self, reason: str = "") -> None:
+    def cancel(self, reason: str = "", *, actor: str | None = None) -> None:
         """Cancel: raised into the code where it waits; its compensations run, and it ends
-        ``cancelled``."""
-        actor = audit.current_actor()
-        self.app.workflow_engine.cancel(self.id, reason=reason, actor=actor)
-        audit.record(self.app.ledger, "workflow cancel", self.id, actor=actor, reason=reason)
+        ``cancelled``. Audited, as :meth:`signal`."""
+        who = audit.current_actor(actor)
+        with audit.action(self.app.ledger, "workflow cancel", self.id, actor=who, reason=reason):
+            self.app.workflow_engine.cancel(self.id, reason=reason, actor=who)
 
-    def retry(self, from_step: int | None = None) -> None:
+    def retry(self, from_step: int | None = None, *, actor: str | None = None) -> None:
         """Resume a stuck workflow, or run an ended one again from position ``from_step``
-        (default: its first failed step)."""
-        actor = audit.current_actor()
-        self.app.workflow_engine.retry(self.id, from_step=from_step, actor=actor)
-        audit.record(self.app.ledger, "workflow retry", self.id, actor=actor, from_step=from_step)
+        (default: its first failed step). Audited, as :meth:`signal`."""
+        who = audit.current_actor(actor)
+        with audit.action(
+            self.app.ledger, "workflow retry", self.id, actor=who, from_step=from_step
+        ):
+            self.app.workflow_engine.retry(self.id, from_step=from_step, actor=who)
 
     def result(self, timeout: float | None = None, *, propagate: bool = True) -> Any:
         """Wait for the end; its result, or :class:`WorkflowFailed` (with ``propagate``)."""
