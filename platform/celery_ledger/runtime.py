@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from .settings import Settings
 
 
+def delayed_key(namespace: str) -> str:
+    """The Redis key of the delayed deliveries of the queues of ``namespace``."""
+    return f"{namespace}:ledger:delayed" if namespace else "ledger:delayed"
+
+
 class Runtime:
     """The services of one app (see the module docstring)."""
 
@@ -114,8 +119,20 @@ class Runtime:
 
     @cached_property
     def delayed(self) -> DelayedDeliveries:
-        """Retries and deferrals held in Redis until due (never in a worker's memory)."""
-        return DelayedDeliveries(self.settings.broker_url, key=f"{self.name}:ledger:delayed")
+        """Retries, deferrals and countdowns held in Redis until due (never in a worker's
+        memory). One set per queue namespace, like the queues whose messages it holds: a
+        producer app of another name that publishes to these queues (LEDGER_QUEUE_NAMESPACE)
+        shares it with their workers, which drain it."""
+        return DelayedDeliveries(self.settings.broker_url, key=delayed_key(self.tiers.namespace))
+
+    @cached_property
+    def legacy_delayed(self) -> DelayedDeliveries | None:
+        """The set of releases that keyed it by the app's name, where that differs from the
+        namespace: workers drain what such a producer left there."""
+        old = f"{self.name}:ledger:delayed"
+        if old == delayed_key(self.tiers.namespace):
+            return None
+        return DelayedDeliveries(self.settings.broker_url, key=old)
 
     def retry_policy_for(self, tier: str) -> RetryPolicy:
         """The tier's retry default: built-in, replaced by ``LEDGER_RETRY_POLICIES``."""

@@ -146,12 +146,17 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             app.workflow_engine.log.ensure_indexes()
         except LedgerError as exc:  # the ledger may come up later; claims defer until then
             logger.warning("could not ensure ledger indexes at start-up: %s", exc)
-        publisher = DelayedPublisher(
-            runtime.delayed,
-            lambda name, args, kwargs, options: app.send_task(name, args, kwargs, **options),
-        )
+
+        def send(name: str, args: Any, kwargs: Any, options: dict[str, Any]) -> None:
+            app.send_task(name, args, kwargs, **options)
+
+        publishers = [
+            DelayedPublisher(deliveries, send)
+            for deliveries in (runtime.delayed, runtime.legacy_delayed)
+            if deliveries is not None
+        ]
         jobs: list[Callable[[], object]] = [
-            publisher.publish_due,
+            *(publisher.publish_due for publisher in publishers),
             app.dead_letters.drain_poison,
             Every(COPY_PENDING_EVERY_SECONDS, app.dead_letters.copy_pending),
         ]

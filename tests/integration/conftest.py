@@ -182,13 +182,7 @@ def producer_app(stack: EmbeddedStack, name: str, **settings: Any) -> Any:
 
     assert stack.broker is not None and stack.ledger is not None
     settings.setdefault("queue_namespace", NAMESPACE)
-    return create_app(
-        name,
-        settings=Settings(
-            broker_url=stack.broker.url,
-            mongo_uri=stack.ledger.url,
-            mongo_db="ledger_tests",
-            **settings,
-        ),
-        set_as_current=False,
-    )
+    settings.setdefault("broker_url", stack.broker.url)
+    settings.setdefault("mongo_uri", stack.ledger.url)
+    settings.setdefault("mongo_db", "ledger_tests")
+    return create_app(name, settings=Settings(**settings), set_as_current=False)

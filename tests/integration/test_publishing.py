@@ -72,3 +72,24 @@ def test_a_delayed_retry_waits_in_redis_not_in_worker_memory(
     assert result.get(timeout=30) == "retried"
     assert effect_count("attempt", token) == 2
     assert not held()
+
+
+def test_a_countdown_from_a_producer_app_of_another_name_is_run_by_the_namespaces_workers(
+    stack: Any, token: str
+) -> None:
+    """A web app named differently from the workers' app, publishing to their queues
+    (LEDGER_QUEUE_NAMESPACE), holds its countdowns in the set those workers drain: the set
+    belongs to the queues' namespace, not to the publishing app's name."""
+    from .conftest import producer_app
+    from .helpers import shared_task
+
+    web = producer_app(stack, "web_frontend")  # the test app's queue namespace
+    record = shared_task(web, "tests.integration.ledger_app.record")
+    try:
+        # When it publishes a job due in half a second
+        result = record.apply_async((token,), countdown=0.5)
+        # Then the workers of the namespace run it (before: held for ever in a set of its own)
+        assert result.get(timeout=30)["token"] == token
+        assert effect_count("record", token) == 1
+    finally:
+        web.close()

@@ -343,3 +343,20 @@ def test_recording_a_revocation_never_raises_in_the_workers_main_process(
     app.backend.mark_as_revoked("m-1", request=request)
     monkeypatch.setattr(charge, "identity_of_message", lambda *a: (_ for _ in ()).throw(KeyError))
     app.backend.mark_as_revoked("m-1", request=request)
+
+
+def test_delayed_deliveries_belong_to_the_queue_namespace_not_the_apps_name() -> None:
+    # Apps of different names publishing to one namespace share its delayed set
+    web = create_app(
+        "web", settings=Settings(**UNREACHABLE, queue_namespace="shop"), set_as_current=False
+    )
+    workers = create_app("shop", settings=Settings(**UNREACHABLE), set_as_current=False)
+    assert web.runtime.delayed.key == workers.runtime.delayed.key == "shop:ledger:delayed"
+    # The set older releases keyed by the name is drained too, where it differs
+    assert web.runtime.legacy_delayed is not None
+    assert web.runtime.legacy_delayed.key == "web:ledger:delayed"
+    assert workers.runtime.legacy_delayed is None
+    bare = create_app(
+        "bare", settings=Settings(**UNREACHABLE, queue_namespace=""), set_as_current=False
+    )
+    assert bare.runtime.delayed.key == "ledger:delayed"
