@@ -49,7 +49,7 @@ from typing import Any
 from celery import chain
 from pymongo import monitoring
 
-from celery_ledger import LedgerCelery
+from celery_ledger import LedgerCelery, LedgerUnavailable
 from celery_ledger.keys import derive_task_id
 from celery_ledger.workflow.engine import Call, WorkflowEngine
 
@@ -306,10 +306,23 @@ def drive_long_workflow(
     workflow_id, _ = engine.start(definition, (uuid.uuid4().hex[:10], steps), {})
     wakes: list[Commands] = []
     for _ in range(steps + 2):
-        listener.begin("wake")
-        outcome = engine.wake(workflow_id)
-        listener.end()
-        wakes.append(listener.done.pop())
+        # A wake the ledger could not serve (a server that stalled past the socket timeout:
+        # seen on the embedded server under a whole test suite's load) runs again, as a
+        # worker's deferral would run it; its partial commands are not a wake's cost.
+        for attempt in range(1, 6):
+            listener.begin("wake")
+            try:
+                outcome = engine.wake(workflow_id)
+            except LedgerUnavailable:
+                if attempt == 5:
+                    raise
+                listener.end()
+                listener.done.pop()
+                time.sleep(1.0)
+                continue
+            listener.end()
+            wakes.append(listener.done.pop())
+            break
         if outcome != "suspended":  # ended (or stuck: the caller's assertions say so)
             break
         for job_id, name in ports.published:
