@@ -28,9 +28,12 @@ WORKERS = tuple(f"worker-{tier}" for tier in TIERS)
 
 # Dummy values for every ${VAR:?...} the compose file requires.
 DUMMY_ENV = {
-    "REDIS_PASSWORD": "dummy-redis-password",
-    "MONGO_USER": "dummy-mongo-user",
-    "MONGO_PASSWORD": "dummy-mongo-password",
+    "REDIS_WORKER_PASSWORD": "dummy-redis-worker-password",
+    "REDIS_FLOWER_PASSWORD": "dummy-redis-flower-password",
+    "REDIS_HEALTH_PASSWORD": "dummy-redis-health-password",
+    "MONGO_ROOT_USER": "dummy-mongo-root-user",
+    "MONGO_ROOT_PASSWORD": "dummy-mongo-root-password",
+    "MONGO_APP_PASSWORD": "dummy-mongo-app-password",
     "FLOWER_USER": "dummy-flower-user",
     "FLOWER_PASSWORD": "dummy-flower-password",
     "GRAFANA_ADMIN_PASSWORD": "dummy-grafana-password",
@@ -185,7 +188,7 @@ def test_missing_secret_fails_loudly(tmp_path: Path) -> None:
     compose = _docker_compose()
     empty_env_file = tmp_path / "empty.env"
     empty_env_file.write_text("")
-    env = {k: v for k, v in {**os.environ, **DUMMY_ENV}.items() if k != "REDIS_PASSWORD"}
+    env = {k: v for k, v in {**os.environ, **DUMMY_ENV}.items() if k != "REDIS_WORKER_PASSWORD"}
     result = subprocess.run(
         [
             compose,
@@ -206,7 +209,7 @@ def test_missing_secret_fails_loudly(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode != 0
-    assert "REDIS_PASSWORD" in result.stdout + result.stderr
+    assert "REDIS_WORKER_PASSWORD" in result.stdout + result.stderr
 
 
 def test_env_example_lists_every_variable() -> None:
@@ -228,9 +231,15 @@ def test_worker_runs_its_tier(services: dict[str, Any], tier: str) -> None:
     assert not worker.get("ports")
 
 
+ONE_SHOT = ("mongo-init",)  # deploy steps: run once per `up`, exit, and are waited for
+
+
 def test_every_service_has_healthcheck_and_restart_policy(services: dict[str, Any]) -> None:
     assert {"redis", "mongo", "flower", "prometheus", "grafana", *WORKERS} <= set(services)
     for name, service in services.items():
+        if name in ONE_SHOT:
+            assert service.get("restart") == "no", f"{name}: a one-shot step restarts"
+            continue
         check = service.get("healthcheck") or {}
         assert check.get("test") and not check.get("disable"), f"{name}: no healthcheck"
         assert check["test"] != ["NONE"], f"{name}: healthcheck disabled"
@@ -261,7 +270,15 @@ def test_ledger_worker_cli_exists() -> None:
     assert "--tier" in result.stdout
 
 
-PASSWORDS = ("REDIS_PASSWORD", "MONGO_PASSWORD", "FLOWER_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
+PASSWORDS = (
+    "REDIS_WORKER_PASSWORD",
+    "REDIS_FLOWER_PASSWORD",
+    "REDIS_HEALTH_PASSWORD",
+    "MONGO_ROOT_PASSWORD",
+    "MONGO_APP_PASSWORD",
+    "FLOWER_PASSWORD",
+    "GRAFANA_ADMIN_PASSWORD",
+)
 
 
 def _unescaped(parts: list[str]) -> list[str]:
@@ -285,8 +302,10 @@ def test_no_secret_is_on_a_command_line(services: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("service_name", "variable"),
     [
-        ("redis", "REDIS_PASSWORD"),
-        ("mongo", "MONGO_PASSWORD"),
+        ("redis", "REDIS_WORKER_PASSWORD"),
+        ("redis", "REDIS_FLOWER_PASSWORD"),
+        ("redis", "REDIS_HEALTH_PASSWORD"),
+        ("mongo", "MONGO_ROOT_PASSWORD"),
         ("flower", "FLOWER_PASSWORD"),
         ("grafana", "GRAFANA_ADMIN_PASSWORD"),
     ],
@@ -295,8 +314,11 @@ def test_a_placeholder_secret_stops_its_service_at_start(
     services: dict[str, Any], service_name: str, variable: str
 ) -> None:
     # Given the service's start-up argv and environment with the .env.example placeholder
+    # (the files it mounts from this repository at their paths here)
     service = services[service_name]
     argv = _unescaped([*_command({"command": service.get("entrypoint")}), *_command(service)])
+    for source, target in _bind_mounts(service):
+        argv = [part.replace(target, source) for part in argv]
     environment = service.get("environment") or {}
     if isinstance(environment, list):
         environment = dict(item.split("=", 1) for item in environment)
@@ -325,3 +347,83 @@ def test_the_broker_never_evicts_a_message(services: dict[str, Any]) -> None:
     assert "--maxmemory-policy noeviction" in script
     assert '--maxmemory "$REDIS_MAXMEMORY"' in script
     assert services["redis"]["environment"]["REDIS_MAXMEMORY"]
+
+
+def _bind_mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
+    """(host path, container path) of each file or directory the service mounts from here."""
+    mounts = []
+    for volume in service.get("volumes") or []:
+        if isinstance(volume, dict):
+            if volume.get("type") == "bind":
+                mounts.append((str(volume["source"]), str(volume["target"])))
+        else:
+            source, _, rest = str(volume).partition(":")
+            if source.startswith((".", "/")):
+                mounts.append((str((ROOT / source).resolve()), rest.split(":")[0]))
+    return mounts
+
+
+def _environment(service: dict[str, Any]) -> dict[str, str]:
+    environment = service.get("environment") or {}
+    if isinstance(environment, list):
+        environment = dict(item.split("=", 1) for item in environment)
+    return {key: str(value) for key, value in environment.items()}
+
+
+def test_only_the_ledgers_server_and_its_deploy_step_know_its_root_password(
+    services: dict[str, Any],
+) -> None:
+    root = DUMMY_ENV["MONGO_ROOT_PASSWORD"]
+    knows = {name for name, s in services.items() if root in json.dumps(_environment(s))}
+    assert knows == {"mongo", "mongo-init"}
+
+
+def test_workers_connect_as_the_apps_least_privilege_users(services: dict[str, Any]) -> None:
+    for name in WORKERS:
+        env = _environment(services[name])
+        assert env["LEDGER_BROKER_URL"].startswith("redis://ledger:")
+        assert env["LEDGER_MONGO_URI"].startswith("mongodb://ledger:")
+        # the ledger's user exists before the worker starts
+        assert services[name]["depends_on"]["mongo-init"]["condition"] == (
+            "service_completed_successfully"
+        )
+    init = " ".join(_command(services["mongo-init"]))
+    assert "ledger provision-users" in init
+
+
+def test_flower_has_its_own_broker_user_and_no_ledger_credentials(
+    services: dict[str, Any],
+) -> None:
+    env = _environment(services["flower"])
+    assert env["LEDGER_BROKER_URL"].startswith("redis://flower:")
+    assert not any(key.startswith("LEDGER_MONGO") for key in env)
+    assert not any(
+        DUMMY_ENV[name] in value
+        for value in env.values()
+        for name in ("MONGO_ROOT_PASSWORD", "MONGO_APP_PASSWORD", "REDIS_WORKER_PASSWORD")
+    )
+
+
+def test_the_broker_has_no_default_user_and_checks_health_as_its_own(
+    services: dict[str, Any], tmp_path: Path
+) -> None:
+    redis_service = services["redis"]
+    script = " ".join(_unescaped(_command(redis_service)))
+    assert "--aclfile /tmp/users.acl" in script and "--requirepass" not in script
+    assert "--user health" in " ".join(_command({"command": redis_service["healthcheck"]["test"]}))
+    # The mounted script, run with the service's environment, writes the users
+    mounts = dict((target, source) for source, target in _bind_mounts(redis_service))
+    env = {**_environment(redis_service), "PATH": os.environ["PATH"]}
+    acl = tmp_path / "users.acl"
+    result = subprocess.run(
+        ["sh", mounts["/etc/redis/write-acl.sh"], str(acl)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    users = {line.split()[1]: line for line in acl.read_text().splitlines()}
+    assert users["default"].startswith("user default off")
+    assert set(users) == {"default", "ledger", "flower", "health"}

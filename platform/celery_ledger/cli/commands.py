@@ -48,6 +48,43 @@ ledger.add_command(health)
 ledger.add_command(workflows)
 
 
+@ledger.command(name="provision-users")
+@click.option("--user", default="ledger", show_default=True, help="The user the app connects as.")
+@click.option(
+    "--app-database",
+    "app_databases",
+    multiple=True,
+    help="A database of the app's own data (atomic steps write it): readWrite. Repeatable.",
+)
+@click.pass_context
+def provision_users(ctx: click.Context, user: str, app_databases: tuple[str, ...]) -> None:
+    """Create or update the ledger's least-privilege MongoDB role and the app's user.
+
+    Secrets come from the environment only, never a command line: the administrator's URI
+    from $LEDGER_MONGO_ADMIN_URI, the user's password from $LEDGER_MONGO_APP_PASSWORD.
+    Idempotent: run it before the workers on every deploy."""
+    from ..ledger.access import ROLE, provision
+
+    admin_uri = os.environ.get("LEDGER_MONGO_ADMIN_URI", "")
+    password = os.environ.get("LEDGER_MONGO_APP_PASSWORD", "")
+    if not admin_uri or not password:
+        raise click.UsageError("set LEDGER_MONGO_ADMIN_URI and LEDGER_MONGO_APP_PASSWORD")
+    settings = _app(ctx).settings
+    provision(
+        admin_uri,
+        database=settings.mongo_db,
+        collection=settings.ledger_collection,
+        user=user,
+        password=password,
+        app_databases=app_databases,
+    )
+    console.print(
+        f"user [bold]{user}[/] has role {ROLE} on {settings.mongo_db}.{settings.ledger_collection}*"
+        + (f" and readWrite on {', '.join(app_databases)}" if app_databases else ""),
+        highlight=False,
+    )
+
+
 @ledger.command()
 @click.option("--tier", type=click.Choice(TIERS), required=True, help="The tier to consume.")
 @click.option("--concurrency", "-c", type=int, default=None, help="Pool processes (tier default).")

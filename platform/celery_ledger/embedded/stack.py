@@ -169,7 +169,12 @@ class EmbeddedStack:
             self.wait_ready(worker)
         return worker
 
-    def start_tier_workers(self, concurrency: Mapping[str, int] = DEFAULT_CONCURRENCY) -> None:
+    def start_tier_workers(
+        self, concurrency: Mapping[str, int] = DEFAULT_CONCURRENCY, *, task_events: bool = False
+    ) -> None:
+        """A worker per tier. ``task_events``: they send task events from the start (``-E``),
+        which Flower shows: without gossip and heartbeats a worker has no event dispatcher
+        for Flower's ``enable_events`` to turn on later."""
         # LEDGER_METRICS_PORT=P: the tier workers serve /metrics on P, P+1, P+2.
         metrics_port = self.extra_env.get("LEDGER_METRICS_PORT") or os.environ.get(
             "LEDGER_METRICS_PORT"
@@ -185,13 +190,14 @@ class EmbeddedStack:
                 name=f"{tier}@{LOOPBACK}",
                 env=env,
                 wait=False,
+                extra_args=("-E",) if task_events else (),
             )
         for worker in self.workers:
             self.wait_ready(worker)
 
     def wait_ready(self, worker: WorkerProcess, timeout: float = 60.0) -> None:
         assert self.broker is not None
-        probe = Celery(broker=self.broker.url, set_as_current=False)
+        probe = Celery(broker=self.env["LEDGER_BROKER_URL"], set_as_current=False)
         try:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
@@ -291,7 +297,7 @@ def running_stack(
         stack.start_servers(broker_port=broker_port, ledger_port=ledger_port)
         os.environ.update(stack.env)
         if workers:
-            stack.start_tier_workers(concurrency)
+            stack.start_tier_workers(concurrency, task_events=flower)
         if flower:
             stack.start_flower(port=flower_port, user=flower_user, password=flower_password)
         yield stack

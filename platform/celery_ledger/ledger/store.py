@@ -1211,16 +1211,33 @@ class Ledger:
             return self._companion("audit").insert_one(entry).inserted_id
 
     def audit_outcome(self, entry_id: Any, outcome: str, **details: Any) -> None:
-        """Record how the audited action ended (``done`` or ``failed``), with its details."""
-        fields = {"outcome": outcome, "ended_at": self.now(), **details}
+        """Record how the audited action ended (``done`` or ``failed``), with its details: a
+        second entry pointing at the first (``of``), as the trail is append-only (the app's
+        database role may add entries, never change one: ``ledger.access``)."""
+        fields = {"of": entry_id, "outcome": outcome, "at": self.now(), **details}
         with translate_errors("audit"):
-            self._companion("audit").update_one({"_id": entry_id}, {"$set": fields})
+            self._companion("audit").insert_one(fields)
 
     def audit_entries(self, *, limit: int = 100) -> list[dict[str, Any]]:
+        """The newest actions, each with its outcome's fields (``ended_at``, details) merged
+        in; an action without an outcome entry is still ``started``."""
+        audit = self._companion("audit")
         with translate_errors("audit read"):
-            return list(
-                self._companion("audit").find({}, {"_id": 0}).sort("at", DESCENDING).limit(limit)
+            actions = list(
+                audit.find({"of": None}).sort("at", DESCENDING).limit(limit)  # absent: an action
             )
+            outcomes = {
+                doc["of"]: doc for doc in audit.find({"of": {"$in": [a["_id"] for a in actions]}})
+            }
+        merged = []
+        for entry in actions:
+            ended = outcomes.get(entry["_id"])
+            if ended is not None:
+                fields = {k: v for k, v in ended.items() if k not in ("_id", "of", "at")}
+                entry.update(fields, ended_at=ended["at"])
+            entry.pop("_id")
+            merged.append(entry)
+        return merged
 
 
 def _queued(*, task: str, key: str, tier: str, now: datetime) -> dict[str, Any]:

@@ -1,0 +1,48 @@
+#!/bin/sh
+# Writes the broker's ACL file (one user per role, no default user) from the environment and
+# prints nothing secret. The compose file runs it in the Redis container before the server
+# starts; the tests run this same script against a real server.
+#
+#   REDIS_WORKER_PASSWORD   user "ledger": workers, producers, the CLI (the app's one user)
+#   REDIS_FLOWER_PASSWORD   user "flower": Flower (events, inspect/control; reads any key)
+#   REDIS_HEALTH_PASSWORD   user "health": the healthcheck (PING only)
+#   REDIS_ADMIN_PASSWORD    optional user "admin": an operator's redis-cli (every command)
+#
+# usage: write-acl.sh OUTPUT_FILE
+# A password is stored as its SHA-256 (Redis's "#<hash>" form), never in clear; a missing one
+# or a .env.example placeholder (change-me*) stops here with exit 78, before any server runs.
+set -eu
+out=${1:?usage: write-acl.sh OUTPUT_FILE}
+
+secret() {  # secret NAME: the SHA-256 of the password in $NAME, or exit 78
+  eval "value=\${$1:-}"
+  case "$value" in
+    "") echo "$1 is not set: set it in .env" >&2; exit 78 ;;
+    change-me*) echo "$1 is the .env.example placeholder: set a real secret in .env" >&2; exit 78 ;;
+  esac
+  printf %s "$value" | sha256sum | cut -d' ' -f1
+}
+
+worker=$(secret REDIS_WORKER_PASSWORD)
+flower=$(secret REDIS_FLOWER_PASSWORD)
+health=$(secret REDIS_HEALTH_PASSWORD)
+admin=""
+if [ -n "${REDIS_ADMIN_PASSWORD:-}" ]; then admin=$(secret REDIS_ADMIN_PASSWORD); fi
+
+umask 077
+tmp="$out.tmp.$$"
+{
+  # No anonymous access: a client must say who it is.
+  echo "user default off resetkeys resetchannels -@all"
+  # The app's user: everything a broker client needs (queues, the delayed set, breakers'
+  # scripts, pub/sub for events and control), nothing that configures, wipes or watches the
+  # server (@dangerous: FLUSHALL, CONFIG, KEYS, MONITOR, DEBUG, SHUTDOWN, CLIENT KILL, ...).
+  echo "user ledger on #$worker ~* &* +@all -@dangerous -@admin"
+  # Flower: a Celery client for events and inspect/control. It may read every key
+  # but write only kombu's own bookkeeping and the control replies: it cannot
+  # put a job on a queue, touch the delayed set or a breaker, and nothing dangerous.
+  echo "user flower on #$flower resetkeys %R~* ~_kombu.* ~*.reply.celery.pidbox* ~celeryev* ~*unacked* &* +@all -@dangerous -@admin"
+  echo "user health on #$health resetkeys resetchannels -@all +ping"
+  if [ -n "$admin" ]; then echo "user admin on #$admin ~* &* +@all"; fi
+} > "$tmp"
+mv "$tmp" "$out"
