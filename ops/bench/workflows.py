@@ -81,6 +81,9 @@ class Commands:
     docs_read: int = 0
     bytes_read: int = 0
     max_seq: int = 0
+    # A wake run again after the ledger could not serve it: it starts from whatever the failed
+    # attempt's last write left (possibly applied), so it is not a steady-state wake.
+    retried: bool = False
 
     @property
     def reads(self) -> int:
@@ -321,7 +324,9 @@ def drive_long_workflow(
                 time.sleep(1.0)
                 continue
             listener.end()
-            wakes.append(listener.done.pop())
+            wake = listener.done.pop()
+            wake.retried = attempt > 1
+            wakes.append(wake)
             break
         if outcome != "suspended":  # ended (or stuck: the caller's assertions say so)
             break

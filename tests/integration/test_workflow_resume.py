@@ -40,15 +40,22 @@ def test_a_thousand_step_workflow_reads_as_little_per_resume_at_the_end_as_at_th
 
     # Every step once, and every wake but the first (no outcome yet) and the last (the end's
     # record and state) is the same three commands: the log's tail, the outcome, the append
-    assert len(wakes) == STEPS + 1
+    # (a wake run again after a server stall starts from what the failed attempt's last write
+    # left: it may read once more, or find its step just scheduled and wake once more; such
+    # wakes are few, and bounded below like every wake)
+    retried = sum(1 for w in wakes if w.retried)
+    assert retried <= 5
+    assert STEPS + 1 <= len(wakes) <= STEPS + 1 + retried
     assert sum(1 for e in events if e.kind == "completed") == STEPS
-    middle = wakes[1:-1]
-    assert {tuple(w.commands) for w in middle} == {("find", "find", "insert")}
+    steady = [w for i, w in enumerate(wakes[1:-1], 1) if not (w.retried or wakes[i - 1].retried)]
+    assert len(steady) >= STEPS - 1 - 2 * retried
+    assert {tuple(w.commands) for w in steady} == {("find", "find", "insert")}
+    assert all(w.reads <= 3 for w in wakes if w.retried)
     # The tail read stops at the latest snapshot: never more than snapshot_every (100) + 64
     # documents, however long the history, and the outcome read is the one step's record
     bound = app.settings.workflow_snapshot_every + 64 + 1
     assert max(w.docs_read for w in wakes) <= bound
-    marks = at_marks(wakes, (10, 100, 1000, 2000))
+    marks = at_marks([w for w in wakes if not w.retried], (10, 100, 1000, 2000))
     assert set(marks) == {10, 100, 1000, 2000}
     assert {marks[m].reads for m in marks} == {2}
 
