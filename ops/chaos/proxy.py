@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -53,9 +54,16 @@ def _abort_with_rst(writer: asyncio.StreamWriter) -> None:
 class Proxy:
     """Forwards ``listen_port`` to ``target_port`` on loopback, with faults on demand."""
 
-    def __init__(self, name: str, target_port: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        name: str,
+        target_port: int,
+        loop: asyncio.AbstractEventLoop,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.name = name
         self.target_port = target_port
+        self.tls = tls  # clients connect with TLS, which the proxy terminates
         self.listen_port = 0
         self.counts: Counter[str] = Counter()
         self._loop = loop
@@ -106,7 +114,7 @@ class Proxy:
         return aborted
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, LOOPBACK, 0)
+        self._server = await asyncio.start_server(self._handle, LOOPBACK, 0, ssl=self.tls)
         self.listen_port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -173,8 +181,10 @@ class ProxyLoop:
     ) -> None:
         self.close()
 
-    def add(self, name: str, *, target_port: int) -> Proxy:
-        proxy = Proxy(name, target_port, self.loop)
+    def add(self, name: str, *, target_port: int, tls: ssl.SSLContext | None = None) -> Proxy:
+        """A proxy to ``target_port``; with ``tls``, one that terminates TLS for a server
+        built without it."""
+        proxy = Proxy(name, target_port, self.loop, tls)
         asyncio.run_coroutine_threadsafe(proxy.start(), self.loop).result(10)
         self.proxies.append(proxy)
         return proxy

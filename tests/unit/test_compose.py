@@ -427,3 +427,70 @@ def test_the_broker_has_no_default_user_and_checks_health_as_its_own(
     users = {line.split()[1]: line for line in acl.read_text().splitlines()}
     assert users["default"].startswith("user default off")
     assert set(users) == {"default", "ledger", "flower", "health"}
+
+
+TLS_FILE = ROOT / "docker-compose.tls.yml"
+
+
+@pytest.fixture(scope="module")
+def tls_services(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The configuration with the TLS override applied (as the README's command runs it)."""
+    tmp_path = tmp_path_factory.mktemp("compose-tls")
+    empty_env_file = tmp_path / "empty.env"
+    empty_env_file.write_text("")
+    result = subprocess.run(
+        [
+            _docker_compose(),
+            "-f",
+            str(COMPOSE_FILE),
+            "-f",
+            str(TLS_FILE),
+            "--project-directory",
+            str(ROOT),
+            "--env-file",
+            str(empty_env_file),
+            "config",
+        ],
+        cwd=ROOT,
+        env={**os.environ, **DUMMY_ENV},
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    python = _yaml_python(_docker_compose())
+    if python is None:
+        pytest.skip("no way to parse YAML")
+    converted = subprocess.run(
+        [python, "-c", "import json, sys, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)"],
+        input=result.stdout,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
+        check=True,
+    )
+    found: dict[str, Any] = json.loads(converted.stdout)["services"]
+    return found
+
+
+def test_with_the_tls_override_every_connection_is_verified_tls(
+    tls_services: dict[str, Any],
+) -> None:
+    redis_script = " ".join(_unescaped(_command(tls_services["redis"])))
+    assert "--port 0 --tls-port 6379" in redis_script  # no plain port at all
+    assert "--aclfile /tmp/users.acl" in redis_script  # still the ACL users
+    mongo = " ".join(_command(tls_services["mongo"]))
+    assert "--tlsMode requireTLS" in mongo
+    for name in (*WORKERS, "mongo-init", "flower"):
+        env = _environment(tls_services[name])
+        assert env["LEDGER_BROKER_URL"].startswith("rediss://"), name
+        assert "ssl_cert_reqs=required&ssl_ca_certs=/certs/ca.pem" in env["LEDGER_BROKER_URL"]
+        if name != "flower":
+            assert "tls=true&tlsCAFile=/certs/ca.pem" in env["LEDGER_MONGO_URI"], name
+        assert any(t == "/certs" for _, t in _bind_mounts(tls_services[name])), name
+    assert "tls=true" in _environment(tls_services["mongo-init"])["LEDGER_MONGO_ADMIN_URI"]
+    assert not any(k.startswith("LEDGER_MONGO") for k in _environment(tls_services["flower"]))
+    for server in ("redis", "mongo"):
+        probe = " ".join(_command({"command": tls_services[server]["healthcheck"]["test"]}))
+        assert "/certs/ca.pem" in probe, server

@@ -193,8 +193,12 @@ def start_secantus(
     password: str | None = None,
     ready_timeout: float = 30.0,
     sync_on_commit: bool = True,
+    tls_dir: Path | None = None,
 ) -> ServerProcess:
     """A SecantusDB server storing its WiredTiger files in ``data_dir``.
+
+    ``tls_dir``: TLS only, with the certificates ``ops/tls/make-certs.sh`` wrote there
+    (``mongo.pem``, ``ca.pem``); the URL then asks for TLS and verifies against ``ca.pem``.
 
     With ``password``: SCRAM authentication (``--auth``) for ``user`` (default ``admin``, a
     root user of the ``admin`` database), provisioned by a first start without ``--auth``.
@@ -221,13 +225,19 @@ def start_secantus(
     ]
     # retryWrites=false: SecantusDB slows down 10x after 10k retryable writes; measured).
     options = "retryWrites=false&directConnection=true"
+    if tls_dir is not None:
+        pem, ca = tls_dir / "mongo.pem", tls_dir / "ca.pem"
+        argv += ["--tls-cert-file", str(pem), "--tls-key-file", str(pem), "--tls-ca-file", str(ca)]
+        options += f"&tls=true&tlsCAFile={quote_plus(str(ca))}"
     url = f"mongodb://{LOOPBACK}:{port}/?{options}"
     log_path = data_dir / "secantus.log"
     first_argv, first_url = argv, url
     if password:  # the provisioning start: mutual TLS with a one-time CA (module docstring)
-        tls_dir = private_dir(data_dir / "provisioning-tls")
-        tls_args, tls_query = _one_time_tls(tls_dir)
-        first_argv, first_url = [*argv, *tls_args], f"{url}&{tls_query}"
+        provisioning = private_dir(data_dir / "provisioning-tls")
+        tls_args, tls_query = _one_time_tls(provisioning)
+        first_argv = [*argv, *tls_args]  # the last of a repeated option wins
+        first_url = f"mongodb://{LOOPBACK}:{port}/?retryWrites=false&directConnection=true"
+        first_url += f"&{tls_query}"
     server = ServerProcess(
         "secantus", port, first_url, data_dir, first_argv, log_path, _spawn(first_argv, log_path)
     )
@@ -238,7 +248,7 @@ def start_secantus(
             _provision_user(server.url, user, password)
         finally:
             server.stop(timeout=30.0)  # waits for the exit: WiredTiger must close its files
-            shutil.rmtree(tls_dir, ignore_errors=True)
+            shutil.rmtree(provisioning, ignore_errors=True)
         server.argv = [*argv, "--auth"]
         server.url = (
             f"mongodb://{quote_plus(user)}:{quote_plus(password)}@{LOOPBACK}:{port}/"
