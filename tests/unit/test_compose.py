@@ -22,6 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+TLS_FILE = ROOT / "docker-compose.tls.yml"  # the TLS override
 ENV_EXAMPLE = ROOT / ".env.example"
 TIERS = ("critical", "default", "bulk")
 WORKERS = tuple(f"worker-{tier}" for tier in TIERS)
@@ -52,7 +53,9 @@ def _docker_compose() -> str:
     return path
 
 
-def _compose(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def _compose(
+    *args: str, tmp_path: Path, files: tuple[Path, ...] = (COMPOSE_FILE,)
+) -> subprocess.CompletedProcess[str]:
     """Run docker-compose on our file with every profile and dummy secrets.
 
     An empty --env-file keeps a developer's real .env out of the run (and out of any output).
@@ -62,8 +65,7 @@ def _compose(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **DUMMY_ENV}
     argv = [
         _docker_compose(),
-        "-f",
-        str(COMPOSE_FILE),
+        *(arg for file in files for arg in ("-f", str(file))),
         "--project-directory",
         str(ROOT),
         "--env-file",
@@ -106,9 +108,10 @@ def _yaml_python(compose_path: str) -> str | None:
     return None
 
 
-def _resolved_config(tmp_path: Path) -> dict[str, Any]:
-    """The configuration as docker-compose resolves it (anchors merged, variables set)."""
-    result = _compose("config", tmp_path=tmp_path)
+def _resolved_config(tmp_path: Path, files: tuple[Path, ...] = (COMPOSE_FILE,)) -> dict[str, Any]:
+    """The configuration as docker-compose resolves it (anchors merged, variables set, later
+    ``files`` overriding earlier ones)."""
+    result = _compose("config", tmp_path=tmp_path, files=files)
     assert result.returncode == 0, result.stderr
     try:
         import yaml
@@ -119,7 +122,7 @@ def _resolved_config(tmp_path: Path) -> dict[str, Any]:
         return loaded
 
     # Compose v2 only; v1 prints its usage instead (and may still exit 0).
-    as_json = _compose("config", "--format", "json", tmp_path=tmp_path)
+    as_json = _compose("config", "--format", "json", tmp_path=tmp_path, files=files)
     if as_json.returncode == 0:
         try:
             loaded = json.loads(as_json.stdout)
@@ -429,48 +432,13 @@ def test_the_broker_has_no_default_user_and_checks_health_as_its_own(
     assert set(users) == {"default", "ledger", "flower", "health"}
 
 
-TLS_FILE = ROOT / "docker-compose.tls.yml"
-
-
 @pytest.fixture(scope="module")
 def tls_services(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The configuration with the TLS override applied (as the README's command runs it)."""
-    tmp_path = tmp_path_factory.mktemp("compose-tls")
-    empty_env_file = tmp_path / "empty.env"
-    empty_env_file.write_text("")
-    result = subprocess.run(
-        [
-            _docker_compose(),
-            "-f",
-            str(COMPOSE_FILE),
-            "-f",
-            str(TLS_FILE),
-            "--project-directory",
-            str(ROOT),
-            "--env-file",
-            str(empty_env_file),
-            "config",
-        ],
-        cwd=ROOT,
-        env={**os.environ, **DUMMY_ENV},
-        capture_output=True,
-        text=True,
-        timeout=SUBPROCESS_TIMEOUT,
-        check=False,
+    config = _resolved_config(
+        tmp_path_factory.mktemp("compose-tls"), files=(COMPOSE_FILE, TLS_FILE)
     )
-    assert result.returncode == 0, result.stderr
-    python = _yaml_python(_docker_compose())
-    if python is None:
-        pytest.skip("no way to parse YAML")
-    converted = subprocess.run(
-        [python, "-c", "import json, sys, yaml; json.dump(yaml.safe_load(sys.stdin), sys.stdout)"],
-        input=result.stdout,
-        capture_output=True,
-        text=True,
-        timeout=SUBPROCESS_TIMEOUT,
-        check=True,
-    )
-    found: dict[str, Any] = json.loads(converted.stdout)["services"]
+    found: dict[str, Any] = config["services"]
     return found
 
 
