@@ -578,7 +578,10 @@ class Attempt:
         )
         if interval:
             heartbeat.start()
-        execution = Execution(self.ledger, self.record_id, self.fence, heartbeat, lease)
+        sealer = self.guard.runtime.sealer if self.policy.sensitive else None
+        execution = Execution(
+            self.ledger, self.record_id, self.fence, heartbeat, lease, sealer=sealer
+        )
         self.execution = execution
         try:
             self.body.start(execution)

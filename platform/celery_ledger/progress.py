@@ -23,8 +23,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+from bson import json_util
 from pymongo.client_session import ClientSession
 
+from .crypto import Sealer
 from .errors import ConfigurationError, Interrupted, LeaseLost, LedgerError
 from .ledger.store import Ledger
 from .locks import ForkSafeLock
@@ -165,13 +167,23 @@ class Execution:
     """What a running LedgerTask body can reach through ``self`` (one per attempt)."""
 
     def __init__(
-        self, ledger: Ledger, record_id: str, fence: int, heartbeat: Heartbeat, lease_seconds: float
+        self,
+        ledger: Ledger,
+        record_id: str,
+        fence: int,
+        heartbeat: Heartbeat,
+        lease_seconds: float,
+        *,
+        sealer: Sealer | None = None,
     ) -> None:
         self.ledger = ledger
         self.record_id = record_id
         self.fence = fence
         self.heartbeat = heartbeat
         self.lease_seconds = lease_seconds
+        # A sensitive task's checkpoint and step results are stored sealed (they hold what its
+        # arguments hold); they are opened here, in the worker's memory, only.
+        self.sealer = sealer
         self._progress: dict[str, Any] | None = None
         # The atomic steps whose result this attempt used: its success is written only while
         # the record still has them (see Ledger.complete).
@@ -181,14 +193,34 @@ class Execution:
     def progress(self) -> dict[str, Any]:
         """Checkpoint, steps and artefacts stored by earlier attempts (read once, lazily)."""
         if self._progress is None:
-            self._progress = self.ledger.load_progress(self.record_id)
+            self._progress = self.opened(self.ledger.load_progress(self.record_id))
         return self._progress
+
+    def opened(self, progress: dict[str, Any]) -> dict[str, Any]:
+        """``progress`` as stored, with sealed values opened (plain ones pass through)."""
+        open_text = self.ledger.open_text
+        checkpoint = progress.get("checkpoint")
+        if isinstance(checkpoint, str):
+            progress["checkpoint"] = json_util.loads(open_text(checkpoint))
+        for saved in (progress.get("steps") or {}).values():
+            if isinstance(saved.get("result"), str):
+                saved["result"] = open_text(saved["result"])
+        return progress
+
+    def stored(self, text: str) -> str:
+        """``text`` as this attempt stores it: sealed for a sensitive task."""
+        return self.sealer.seal(text) if self.sealer is not None else text
 
     def checkpoint(self, state: Mapping[str, Any]) -> None:
         state = dict(state)  # BSON values (ObjectId cursors, datetimes) are fine here
+        kept: dict[str, Any] | str = state
+        if self.sealer is not None:  # extended JSON keeps those BSON types across the seal
+            kept = self.stored(
+                json_util.dumps(state, json_options=json_util.CANONICAL_JSON_OPTIONS)
+            )
         self._fenced(
             lambda: self.ledger.save_checkpoint(
-                self.record_id, self.fence, state, self.lease_seconds
+                self.record_id, self.fence, kept, self.lease_seconds
             )
         )
         self.progress["checkpoint"] = state
@@ -251,7 +283,7 @@ class Step:
         execution = self._execution
         execution._fenced(
             lambda: execution.ledger.save_step(
-                execution.record_id, execution.fence, self.name, result_json
+                execution.record_id, execution.fence, self.name, execution.stored(result_json)
             )
         )
         execution.progress.setdefault("steps", {})[self.name] = {"result": result_json}
@@ -281,7 +313,11 @@ class Step:
         def in_transaction(session: ClientSession) -> T:
             result = func(session)
             recorded = execution.ledger.save_step_in(
-                session, execution.record_id, execution.fence, self.name, json.dumps(result)
+                session,
+                execution.record_id,
+                execution.fence,
+                self.name,
+                execution.stored(json.dumps(result)),
             )
             if not recorded:
                 raise _StepNotRecorded  # aborts: nothing of this run is kept
@@ -291,7 +327,8 @@ class Step:
             result = execution.ledger.run_transaction(in_transaction)
         except _StepNotRecorded:
             # Recorded by a commit of ours whose reply was lost, or the lease was taken over.
-            saved = execution.ledger.load_progress(execution.record_id).get("steps", {})
+            progress = execution.opened(execution.ledger.load_progress(execution.record_id))
+            saved = progress.get("steps", {})
             if self.name not in saved:
                 execution.heartbeat.lost = True
                 raise LeaseLost(execution.record_id, execution.fence) from None

@@ -83,6 +83,19 @@ _MAX_DEFERRALS = 1_000_000
 ADMITTED = "ledger_admitted"
 
 
+_EVENT_TEXT_FIELDS = ("result", "exception", "traceback", "args", "kwargs")
+
+
+def _redacted_event_field(name: str, value: Any) -> Any:
+    """An event field of a sensitive task: its text gone, an exception's type kept."""
+    if name not in _EVENT_TEXT_FIELDS or value in (None, ""):
+        return value
+    if name == "exception":  # safe_repr(exc): "TypeName('text', ...)"
+        kind = str(value).split("(", 1)[0]
+        return f"{kind}({REDACTED!r})" if kind.isidentifier() else REDACTED
+    return REDACTED
+
+
 class LedgerRequest(Request):  # type: ignore[misc]
     """A LedgerTask message in the worker's main process.
 
@@ -93,7 +106,17 @@ class LedgerRequest(Request):  # type: ignore[misc]
     At a hard time limit the worker kills the pool process running the body; the job is then
     retired here, but only while the lease is still held by that process (a takeover by a newer
     claim is never undone by the old holder's limit).
+
+    A sensitive task's events (what Flower and ``celery events`` show) carry no result, no
+    exception message and no traceback: Celery puts ``repr(result)`` and the exception's text
+    in them, which hold what the arguments held. The exception's type stays (what failed,
+    not on what).
     """
+
+    def send_event(self, type: str, **fields: Any) -> None:
+        if getattr(self.task, "sensitive", False):
+            fields = {name: _redacted_event_field(name, value) for name, value in fields.items()}
+        super().send_event(type, **fields)
 
     def maybe_expire(self) -> bool:
         return False

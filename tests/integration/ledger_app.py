@@ -229,6 +229,40 @@ def reject_card(token: str, card_number: str) -> None:
     raise PermanentError(f"card {card_number} declined")
 
 
+@app.task(
+    bind=True,
+    idempotency_key="{token}",
+    sensitive=True,
+    autoretry_for=(FlakyError,),
+    default_retry_delay=0.2,
+    max_retries=2,
+    retry_backoff=False,
+)
+def sensitive_progress(self: Any, token: str, card_number: str) -> dict[str, Any]:
+    """A sensitive job's checkpoint, step and atomic step all hold the card; the first
+    attempt fails after them, and the second must resume from what they stored."""
+    import datetime
+
+    record_effect("sensitive-attempt", token)
+    if self.checkpoint_state is None:
+        self.checkpoint({"card": card_number, "at": datetime.datetime(2026, 1, 2, 3, 4, 5)})
+    vault = self.step("vault").run(lambda: record_effect("vault", token) or {"pan": card_number})
+
+    def charge(session: Any) -> str:
+        record_effect_in(session, "sensitive-charge", token)
+        return f"charged {card_number}"
+
+    receipt = self.step("charge").atomic(charge)
+    if effects().count_documents({"kind": "sensitive-attempt", "key": token}) == 1:
+        raise FlakyError(f"failed after the steps: {token}")
+    state = self.checkpoint_state
+    return {
+        "resumed": state["card"] == card_number and state["at"].year == 2026,
+        "vault": vault["pan"] == card_number,
+        "receipt": receipt == f"charged {card_number}",
+    }
+
+
 @app.task
 def explode(*args: Any, **kwargs: Any) -> None:
     """Takes any arguments, then fails naming them (odd text reaches the error record)."""

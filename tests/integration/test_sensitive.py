@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from typing import Any
 
 import pytest
 import redis
 
 from celery_ledger import State
+from celery_ledger.crypto import REDACTED
 
 from .helpers import wait_for
 
@@ -60,3 +62,98 @@ def test_a_dead_sensitive_job_keeps_no_plaintext_anywhere(stack: Any, app: Any, 
         ),
         what="replayed and dead",
     )
+
+
+def test_a_sensitive_jobs_checkpoint_and_step_results_are_sealed_and_resume(
+    app: Any, token: str
+) -> None:
+    from bson import BSON
+
+    from tests.integration.ledger_app import sensitive_progress
+
+    from .helpers import effect_count
+
+    # Given a job whose checkpoint, step and atomic step hold the card, failing once after them
+    result = sensitive_progress.delay(token, CARD)
+
+    # Then the second attempt resumed from them, and each step ran once
+    assert result.get(timeout=60) == {"resumed": True, "vault": True, "receipt": True}
+    assert effect_count("sensitive-attempt", token) == 2
+    assert effect_count("vault", token) == 1
+    assert effect_count("sensitive-charge", token) == 1
+    # And the stored record holds no plaintext of the card, in any field, in its raw bytes
+    raw = app.ledger.collection.find_one({"_id": result.id})
+    assert CARD.encode() not in BSON.encode(raw)
+    assert raw["checkpoint"].startswith("fernet:")
+    assert all(step["result"].startswith("fernet:") for step in raw["steps"].values())
+
+
+def test_a_sensitive_tasks_events_carry_no_result_exception_text_or_traceback(
+    tmp_path: Any, stack: Any, token: str
+) -> None:
+    """What Flower and ``celery events`` receive, captured from the broker by a real event
+    receiver beside a worker that sends task events."""
+    import threading
+
+    from .conftest import make_isolated_stack, producer_app
+    from .helpers import shared_task
+
+    running = make_isolated_stack(tmp_path)
+    received: list[dict[str, Any]] = []
+    try:
+        running.start_worker(
+            running.queues_of(), concurrency=1, name="events@127.0.0.1", extra_args=("-E",)
+        )
+        producer = producer_app(running, "events_probe")
+        receivers: list[Any] = []
+
+        def listen() -> None:
+            with producer.connection_for_read() as connection:
+                receiver = producer.events.Receiver(connection, handlers={"*": received.append})
+                receivers.append(receiver)
+                receiver.capture(limit=None, timeout=None, wakeup=True)  # until should_stop
+
+        listener = threading.Thread(target=listen, daemon=True)
+        listener.start()
+        time.sleep(1.0)  # the receiver's queue is bound before the jobs run
+        task = "tests.integration.ledger_app."
+        stored = shared_task(producer, task + "store_card").delay(token, CARD)
+        rejected = shared_task(producer, task + "reject_card").delay(f"{token}-r", CARD)
+        resumed = shared_task(producer, task + "sensitive_progress").delay(f"{token}-p", CARD)
+        plain = shared_task(producer, task + "echo").delay(f"{token}-echo")
+        assert stored.get(timeout=60)["last4"] == "1111"
+        with pytest.raises(Exception, match=r"PermanentError|redacted|declined"):
+            rejected.get(timeout=60)
+        assert resumed.get(timeout=60)["resumed"]
+        assert plain.get(timeout=60) == [[f"{token}-echo"], {}]
+        wait_for(
+            lambda: (
+                {"task-succeeded", "task-failed", "task-retried"}
+                <= {
+                    e["type"]
+                    for e in received
+                    if e.get("uuid") in (stored.id, rejected.id, resumed.id)
+                }
+                and any(
+                    e.get("uuid") == plain.id and e["type"] == "task-succeeded" for e in received
+                )
+            ),
+            what="the jobs' events",
+        )
+        receivers[0].should_stop = True
+        listener.join(10)
+        producer.close()
+    finally:
+        running.stop()
+
+    # Then no event of a sensitive job holds the card; their exception types remain
+    ours = [e for e in received if e.get("uuid") in (stored.id, rejected.id, resumed.id)]
+    assert ours and not any(CARD in json.dumps(e, default=str) for e in ours)
+    failed = next(e for e in ours if e["type"] == "task-failed")
+    assert failed["exception"] == f"PermanentError({REDACTED!r})"
+    assert failed["traceback"] == REDACTED
+    # (a task that is not sensitive keeps its result in its events)
+    echoed = next(
+        e for e in received if e.get("uuid") == plain.id and e["type"] == "task-succeeded"
+    )
+    assert f"{token}-echo" in echoed["result"]

@@ -840,9 +840,14 @@ class Ledger:
         return until
 
     def save_checkpoint(
-        self, record_id: str, fence: int, state: dict[str, Any], lease_seconds: float | None = None
+        self,
+        record_id: str,
+        fence: int,
+        state: dict[str, Any] | str,
+        lease_seconds: float | None = None,
     ) -> None:
-        """Store progress (and extend the lease: a checkpoint is a sign of life)."""
+        """Store progress (and extend the lease: a checkpoint is a sign of life); ``state`` is
+        a document, or a sensitive task's sealed text."""
         now = self.now()
         until = now + timedelta(seconds=lease_seconds or self.lease_seconds)
         self._fenced_update(
