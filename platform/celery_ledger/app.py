@@ -19,6 +19,7 @@ from functools import cached_property
 from typing import Any
 
 from celery import Celery, Task
+from celery.app.amqp import AMQP
 from celery.canvas import Signature
 from celery.exceptions import Reject
 from kombu.entity import Queue
@@ -28,7 +29,15 @@ from pymongo.monitoring import CommandListener
 
 from . import headers
 from .broker import RedisBroker, SweepLock
-from .crypto import REDACTED, RedactSensitive, Sealer
+from .crypto import (
+    REDACTED,
+    SEALED_CONTENT_TYPE,
+    SEALED_SERIALIZER,
+    RedactSensitive,
+    Sealer,
+    register_sealed_codec,
+    sealing,
+)
 from .deadletter import DeadLetters, poison_key
 from .errors import Backpressure, ConfigurationError
 from .events import Observers
@@ -42,7 +51,7 @@ from .reconciler import Reconciler
 from .routing import DEAD_LETTER, TIERS, Tiers
 from .runtime import Runtime
 from .settings import Settings
-from .task import ADMITTED, LedgerTask
+from .task import ADMITTED, KEY_SECRET_NEEDED, LedgerTask
 from .worker import LedgerWorkerStep
 from .workflow.api import Workflow, WorkflowCall, WorkflowHandle
 from .workflow.context import Call
@@ -79,8 +88,34 @@ _DECORATOR_OPTIONS = frozenset(
 _UNACKED_MUTEX_EXPIRE_SECONDS = 60
 
 
+class LedgerAMQP(AMQP):  # type: ignore[misc]
+    """Celery's message factory, with every task message signed (``LEDGER_SIGNING_KEYS``).
+
+    The one place every task message passes (``apply_async``, ``send_task``, republishes,
+    retries, Celery's own chord tasks) once its headers are final, so each is signed once.
+    """
+
+    @cached_property
+    def send_task_message(self) -> Callable[..., Any]:
+        send: Callable[..., Any] = self._create_task_sender()
+        signer = self.app.runtime.signer
+        if not signer.enabled:
+            return send
+
+        def send_signed(producer: Any, name: str, message: Any, **options: Any) -> Any:
+            message_headers, _properties, body, _sent_event = message
+            message_headers.update(options.pop("headers", None) or {})
+            message_headers.pop(headers.SIGNATURE, None)  # a republish is signed again
+            message_headers[headers.SIGNATURE] = signer.sign(message_headers, body)
+            return send(producer, name, message, **options)
+
+        return send_signed
+
+
 class LedgerCelery(Celery):  # type: ignore[misc]
     """A :class:`celery.Celery` with the ledger attached (``app.ledger``)."""
+
+    amqp_cls = "celery_ledger.app:LedgerAMQP"
 
     settings: Settings
     tiers: Tiers
@@ -172,13 +207,17 @@ class LedgerCelery(Celery):  # type: ignore[misc]
         idempotency_key: Any = None,
         tier: str | None = None,
         snapshot_every: int | None = None,
+        sensitive: bool = False,
     ) -> Any:
         """Declare a durable workflow: ``@app.workflow(idempotency_key="order-{order_id}")``.
 
         The function's first parameter is the workflow context (``wf``); the others are the
         workflow's arguments (JSON). ``tier`` is where its wakes run; ``snapshot_every`` how
-        many events pass between snapshots of its log.
+        many events pass between snapshots of its log. ``sensitive``: its arguments, every
+        step's arguments, signals' payloads and its result are sealed in the log, its code's
+        exception text is withheld, and a key derived from its arguments is a keyed HMAC.
         """
+        secret = self.settings.key_secret  # checked at a worker's start and at start()
 
         def declare(function: Callable[..., Any]) -> Workflow:
             if tier is not None:
@@ -196,12 +235,31 @@ class LedgerCelery(Celery):  # type: ignore[misc]
                     key_spec=idempotency_key,
                     tier=tier,
                     snapshot_every=snapshot_every,
+                    sensitive=sensitive,
+                    key_secret=secret.get_secret_value().encode() if secret else None,
                 ),
             )
             self.workflows[workflow_name] = declared
             return declared
 
         return declare if fn is None else declare(fn)
+
+    def missing_keys(self) -> list[str]:
+        """What this app's sensitive tasks and workflows need and the settings lack (a worker
+        refuses to start with any: it could run none of their jobs)."""
+        sensitive = [t for t in self.tasks.values() if getattr(t, "sensitive", False)]
+        sensitive_flows = [w.definition for w in self.workflows.values() if w.definition.sensitive]
+        problems = []
+        if (sensitive or sensitive_flows) and not self.sealer.enabled:
+            names = ", ".join(
+                sorted([t.name for t in sensitive] + [d.name for d in sensitive_flows])
+            )
+            problems.append(f"sensitive {names} need LEDGER_ENCRYPTION_KEYS (Fernet keys)")
+        derived = [t.name for t in sensitive if t.key_spec() is None]
+        derived += [d.name for d in sensitive_flows if d.key_spec is None]
+        if derived and self.settings.key_secret is None:
+            problems += [KEY_SECRET_NEEDED.format(task=name) for name in sorted(derived)]
+        return problems
 
     def workflow_handle(self, workflow_id: str) -> WorkflowHandle:
         """The handle of a started workflow, by id."""
@@ -294,10 +352,8 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             )
         if options.get("tier") is not None:
             self.tiers.check(options["tier"], where="a task declaration")
-        if options.get("sensitive") and not self.sealer.enabled:
-            raise ConfigurationError(
-                "sensitive=True needs LEDGER_ENCRYPTION_KEYS (a JSON list of Fernet keys)"
-            )
+        # A sensitive task's keys are checked when a worker starts and when it is published,
+        # not here: Flower and the CLI load the app's tasks without them (least privilege).
         return super().task(*args, **options)
 
     # -- the ports the engines publish through ---------------------------------------------------
@@ -313,23 +369,26 @@ class LedgerCelery(Celery):  # type: ignore[misc]
         headers: dict[str, Any],
         retries: int = 0,
         expires: str | None = None,
-        redacted: bool = False,
+        sealed: bool = False,
     ) -> None:
-        """A task message to a tier's queue, bypassing the publish-side checks (a republish)."""
+        """A task message to a tier's queue, bypassing the publish-side checks (a republish);
+        ``sealed``: a sensitive task's (body sealed, no argument reprs)."""
         options: dict[str, Any] = {}
-        if redacted:
+        if sealed:
             options["argsrepr"] = options["kwargsrepr"] = REDACTED
-        self.send_task(
-            task,
-            args,
-            kwargs,
-            task_id=task_id,
-            queue=self.tiers.queue(tier),
-            headers=headers,
-            retries=retries,
-            expires=expires,
-            **options,
-        )
+            options["serializer"] = SEALED_SERIALIZER
+        with sealing(self.sealer):
+            self.send_task(
+                task,
+                args,
+                kwargs,
+                task_id=task_id,
+                queue=self.tiers.queue(tier),
+                headers=headers,
+                retries=retries,
+                expires=expires,
+                **options,
+            )
 
     def _publish_raw(self, queue: str, payload: dict[str, Any], headers: dict[str, Any]) -> None:
         """A plain JSON message (a dead letter's copy) to ``queue``."""
@@ -525,11 +584,12 @@ def create_app(
         publish=app._publish,
         tier_of=app.tier_of,
     )
+    register_sealed_codec(app.runtime.sealer)
     app.conf.update(
         # JSON only: pickle is refused on both sides.
         task_serializer="json",
         result_serializer="json",
-        accept_content=["json"],
+        accept_content=["json", SEALED_CONTENT_TYPE],  # sealed: a sensitive task's body
         result_accept_content=["json"],
         # A message is acknowledged only after its outcome is recorded; a lost worker requeues.
         task_acks_late=True,

@@ -1,17 +1,26 @@
-"""Encryption at rest for sensitive tasks: Fernet tokens, keys rotated with MultiFernet.
+"""Encryption for sensitive tasks: Fernet tokens, keys rotated with MultiFernet.
 
 ``LEDGER_ENCRYPTION_KEYS`` lists Fernet keys, newest first: new data is sealed with the first,
 and any listed key opens old data, so a rotation is "prepend the new key, re-deploy, drop the
-old key once old records have expired".
+old key once old records have expired and old messages have been consumed".
+
+Two uses: the ledger's fields at rest (:class:`Sealer`), and the task message itself (the
+``ledger-sealed`` kombu serializer below), so a sensitive task's arguments are sealed by the
+publisher before they leave its process and are opened only by a worker: the broker's lists,
+its AOF, the delayed set and anything reading messages on the way hold ciphertext.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
+from kombu.serialization import register
+from kombu.utils import json as kombu_json
 
 from .errors import ConfigurationError, StoreError
 
@@ -71,3 +80,77 @@ class RedactSensitive(logging.Filter):
             record.exc_info = None  # a traceback ends with the exception's message
             record.exc_text = None
         return True
+
+
+# -- the sealed message codec -------------------------------------------------------------------
+#
+# A kombu serializer rather than our own wrapping of the arguments: Celery then carries the body
+# opaque through every path it already has (retries, canvas callbacks, the pool's own decoding
+# in the child process), and a worker without the key refuses the message through kombu's
+# DecodeError, which the consumer keeps as a poison message with its reason (replayable once
+# the key is configured).
+
+SEALED_SERIALIZER = "ledger-sealed"
+SEALED_CONTENT_TYPE = "application/x-celery-ledger-sealed"
+
+# The sealer of the publish in progress: kombu's encoder takes no context, and one process may
+# hold apps with different keys.
+_publishing: ContextVar[Sealer | None] = ContextVar("celery_ledger_sealing", default=None)
+# Every sealer of an app in this process: a worker opens what any of its apps' keys open.
+_openers: list[Sealer] = []
+
+
+class SealedMessageError(ValueError):
+    """A sealed message body cannot be opened here (kombu reports it as a DecodeError)."""
+
+
+def register_sealed_codec(sealer: Sealer) -> None:
+    """Make ``sealer`` usable for sealed message bodies in this process (idempotent)."""
+    if sealer.enabled and all(opener is not sealer for opener in _openers):
+        _openers.append(sealer)
+    register(
+        SEALED_SERIALIZER,
+        _encode,
+        _decode,
+        content_type=SEALED_CONTENT_TYPE,
+        content_encoding="utf-8",
+    )
+
+
+@contextlib.contextmanager
+def sealing(sealer: Sealer) -> Iterator[None]:
+    """Seal the bodies of the messages published inside this block with ``sealer``."""
+    token = _publishing.set(sealer)
+    try:
+        yield
+    finally:
+        _publishing.reset(token)
+
+
+def _encode(body: Any) -> str:
+    sealer = _publishing.get()
+    if sealer is None:
+        raise ConfigurationError(
+            f"the {SEALED_SERIALIZER} serializer seals only inside a ledger task's publish"
+            " (publish sensitive tasks through the task, not with serializer= by hand)"
+        )
+    return sealer.seal(kombu_json.dumps(body))
+
+
+def _decode(text: str | bytes) -> Any:
+    token = text.decode() if isinstance(text, bytes) else text
+    if not Sealer.is_sealed(token):
+        raise SealedMessageError(f"a message of type {SEALED_CONTENT_TYPE} is not sealed")
+    if not _openers:
+        raise SealedMessageError(
+            "a sealed task message arrived but LEDGER_ENCRYPTION_KEYS is empty here"
+        )
+    for opener in _openers:
+        try:
+            return kombu_json.loads(opener.open(token))
+        except StoreError:
+            continue
+    raise SealedMessageError(
+        "a sealed task message cannot be opened with LEDGER_ENCRYPTION_KEYS"
+        " (sealed with a key that is not listed, or rotated out too early)"
+    )

@@ -23,7 +23,8 @@ from typing import Any
 import redis
 from kombu.utils.json import dumps, loads
 
-from .errors import PublishError
+from .crypto import Sealer
+from .errors import PublishError, StoreError
 
 # KEYS[1] = the sorted set; ARGV = now, hand-out lease seconds, batch limit.
 _TAKE_DUE = """
@@ -48,16 +49,32 @@ class DelayedDeliveries:
         self._take_due = self._redis.register_script(_TAKE_DUE)
 
     def schedule(
-        self, task_name: str, args: Any, kwargs: Any, options: dict[str, Any], due_at: float
+        self,
+        task_name: str,
+        args: Any,
+        kwargs: Any,
+        options: dict[str, Any],
+        due_at: float,
+        *,
+        sealer: Sealer | None = None,
     ) -> None:
-        """Hold a message until ``due_at`` (unix seconds); ``options`` go to ``send_task``."""
-        envelope = {
+        """Hold a message until ``due_at`` (unix seconds); ``options`` go to ``send_task``.
+
+        With ``sealer`` (a sensitive task) the set holds the arguments sealed, as the body
+        the codec would send: ``[args, kwargs, {}]``.
+        """
+        envelope: dict[str, Any] = {
             "id": uuid.uuid4().hex,
             "task": task_name,
-            "args": args,
-            "kwargs": kwargs,
             "options": options,
         }
+        if sealer is None:
+            envelope.update(args=args, kwargs=kwargs)
+        else:
+            try:
+                envelope["sealed"] = sealer.seal(dumps([args, kwargs, {}]))
+            except TypeError as exc:
+                raise PublishError(f"cannot delay {task_name}: {exc}") from exc
         try:
             member = dumps(envelope)
         except TypeError as exc:
@@ -101,14 +118,25 @@ class DelayedDeliveries:
 
 
 Publish = Callable[[str, Any, Any, dict[str, Any]], None]
+# Keeps an entry whose sealed arguments cannot be opened here: (task, options, sealed, reason).
+KeepUnopenable = Callable[[str, dict[str, Any], str, str], None]
 
 
 class DelayedPublisher:
     """Publishes due delayed messages (run periodically by the worker's housekeeping thread)."""
 
-    def __init__(self, deliveries: DelayedDeliveries, publish: Publish) -> None:
+    def __init__(
+        self,
+        deliveries: DelayedDeliveries,
+        publish: Publish,
+        *,
+        sealer: Sealer | None = None,
+        keep_unopenable: KeepUnopenable | None = None,
+    ) -> None:
         self._deliveries = deliveries
         self._publish = publish
+        self._sealer = sealer
+        self._keep_unopenable = keep_unopenable
 
     def publish_due(self) -> int:
         """Publish every due entry; returns how many were published."""
@@ -118,6 +146,9 @@ class DelayedPublisher:
             for member, envelope in batch:
                 if "raw" in envelope:
                     self._deliveries.push_raw(envelope["queue"], envelope["raw"])
+                elif "sealed" in envelope:
+                    if not self._publish_sealed(envelope):
+                        continue  # left in the set: its hand-out lease brings it back
                 else:
                     self._publish(
                         envelope["task"], envelope["args"], envelope["kwargs"], envelope["options"]
@@ -126,3 +157,20 @@ class DelayedPublisher:
                 published += 1
             if len(batch) < 100:
                 return published
+
+    def _publish_sealed(self, envelope: dict[str, Any]) -> bool:
+        """Publish a sensitive task's entry (the codec seals it again); one whose arguments
+        no key here opens is kept as a poison message with its reason, never retried in a
+        loop. False: it could not be kept either (it stays in the set)."""
+        task, options, sealed = envelope["task"], envelope["options"], envelope["sealed"]
+        try:
+            if self._sealer is None:
+                raise StoreError("no LEDGER_ENCRYPTION_KEYS here to open it")
+            args, kwargs, _embed = loads(self._sealer.open(sealed))
+        except StoreError as exc:
+            if self._keep_unopenable is None:
+                return False
+            self._keep_unopenable(task, options, sealed, f"sealed delayed message: {exc}")
+            return True
+        self._publish(task, args, kwargs, options)
+        return True

@@ -19,5 +19,9 @@ UNRUNNABLE_DEFERRALS = "ledger_unrunnable_deferrals"
 WORKFLOW = "ledger_workflow"
 WORKFLOW_TIER = "ledger_workflow_tier"
 
+# The message's authentication (see celery_ledger.signing): signed at every publish, never
+# carried over (a republish signs again).
+SIGNATURE = "ledger_signature"
+
 # Headers a republish copies from the original message (see KeptMessage).
 CARRIED = (KEY, TIER, ENQUEUED_AT, PREVIOUS_DELAY, DEFERRALS, WORKFLOW, WORKFLOW_TIER)

@@ -10,6 +10,7 @@ an *alias* of the job: the ledger records which job it names, so its result can 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import inspect
 import json
 import uuid
@@ -37,10 +38,23 @@ def canonical_json(value: Any) -> str:
         raise PayloadError(f"not JSON-serialisable: {exc}") from exc
 
 
-def default_key(task_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-    """A stable key for a call: a hash of the task name and the canonical JSON arguments."""
-    body = canonical_json([task_name, list(args), dict(kwargs)])
-    return "h:" + hashlib.sha256(body.encode()).hexdigest()[:32]
+def default_key(
+    task_name: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    secret: bytes | None = None,
+) -> str:
+    """A stable key for a call: a hash of the task name and the canonical JSON arguments.
+
+    With ``secret`` (a sensitive task's) it is a keyed HMAC instead, ``m:...``: a plain hash of
+    low-entropy arguments (a card number, an amount) is reversed by trying them all, and the
+    key is in message headers, logs and the ledger in clear.
+    """
+    body = canonical_json([task_name, list(args), dict(kwargs)]).encode()
+    if secret is not None:
+        return "m:" + hmac.new(secret, body, hashlib.sha256).hexdigest()[:32]
+    return "h:" + hashlib.sha256(body).hexdigest()[:32]
 
 
 def derive_task_id(task_name: str, key: str) -> str:
@@ -72,14 +86,16 @@ def compute_key(
     run: Callable[..., Any],
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
+    secret: bytes | None = None,
 ) -> str:
     """The idempotency key of a call, from the task's ``idempotency_key`` option.
 
     ``spec`` is a callable over the task's arguments, a ``str.format`` template over the
-    arguments by name (``"order-{order_id}"``), or ``None`` for :func:`default_key`.
+    arguments by name (``"order-{order_id}"``), or ``None`` for :func:`default_key` (keyed
+    with ``secret`` if given).
     """
     if spec is None:
-        return default_key(task_name, args, kwargs)
+        return default_key(task_name, args, kwargs, secret=secret)
     if callable(spec):
         try:
             key = spec(*args, **kwargs)

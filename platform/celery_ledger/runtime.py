@@ -27,6 +27,7 @@ from .policies.retry import TIER_RETRY_DEFAULTS, RetryPolicy
 from .policies.throttle import Throttle, ThrottleRule
 from .pressure import Pressure
 from .routing import DEAD_LETTER, Tiers
+from .signing import Signer
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -65,6 +66,14 @@ class Runtime:
     def sealer(self) -> Sealer:
         """Encryption at rest for sensitive tasks (``LEDGER_ENCRYPTION_KEYS``)."""
         return Sealer([key.get_secret_value() for key in self.settings.encryption_keys])
+
+    @cached_property
+    def signer(self) -> Signer:
+        """Message authentication (``LEDGER_SIGNING_KEYS``)."""
+        return Signer(
+            [key.get_secret_value() for key in self.settings.signing_keys],
+            required=self.settings.signatures_required,
+        )
 
     @cached_property
     def redis(self) -> redis.Redis:

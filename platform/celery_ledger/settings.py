@@ -144,6 +144,22 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Fernet keys (JSON list, newest first) sealing sensitive tasks' data at rest.",
     )
+    key_secret: SecretStr | None = Field(
+        None,
+        description="HMAC key of the idempotency keys a sensitive task derives from its"
+        " arguments (32+ random characters). Never rotate it: the keys, and so the jobs'"
+        " identities, would change.",
+    )
+    signing_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="HMAC keys (JSON list, newest first, 32+ characters each) signing every task"
+        " message; workers refuse messages unsigned or badly signed (dead-lettered).",
+    )
+    signatures_required: bool = Field(
+        True,
+        description="With signing keys, refuse unsigned messages (false only while a deploy"
+        " adds the keys to every producer; a signature that is there is always checked).",
+    )
     dead_letter_queue_max: int = Field(
         10_000,
         ge=1,
@@ -350,6 +366,28 @@ class Settings(BaseSettings):
             raise ValueError("metrics auth is user:password, both non-empty")
         return value
 
+    @field_validator("encryption_keys")
+    @classmethod
+    def _encryption_keys(cls, value: list[SecretStr]) -> list[SecretStr]:
+        for key in value:
+            _not_a_placeholder(key.get_secret_value())
+        return value
+
+    @field_validator("key_secret")
+    @classmethod
+    def _key_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None  # unset (compose passes an empty variable)
+        _random_secret(value, "the key secret")
+        return value
+
+    @field_validator("signing_keys")
+    @classmethod
+    def _signing_keys(cls, value: list[SecretStr]) -> list[SecretStr]:
+        for key in value:
+            _random_secret(key, "each signing key")
+        return value
+
     @field_validator("sentry_dsn")
     @classmethod
     def _sentry_dsn(cls, value: str | None) -> str | None:
@@ -382,6 +420,14 @@ def _not_a_placeholder(password: str | None) -> None:
             f"its password is a placeholder ({PLACEHOLDER_PREFIX}...) from .env.example:"
             " set a real secret"
         )
+
+
+def _random_secret(value: SecretStr, what: str) -> None:
+    """An HMAC key: not a placeholder, and long enough to be random (never echoed)."""
+    text = value.get_secret_value()
+    _not_a_placeholder(text)
+    if len(text) < 32:
+        raise ValueError(f"{what} needs 32 or more characters (random)")
 
 
 def _check_tier(tier: str) -> None:

@@ -28,7 +28,7 @@ from celery.worker.request import Request
 from kombu.utils import json as kombu_json
 
 from . import headers
-from .crypto import REDACTED
+from .crypto import REDACTED, SEALED_SERIALIZER, sealing
 from .errors import (
     ConfigurationError,
     IdentityError,
@@ -296,9 +296,17 @@ class LedgerTask(Task):  # type: ignore[misc]
         return spec.__func__ if isinstance(spec, staticmethod) else spec
 
     def key_of(self, args: Any, kwargs: Any) -> str:
-        """The idempotency key of a call with these arguments."""
+        """The idempotency key of a call with these arguments (a sensitive task's derived key
+        is a keyed HMAC, see :func:`celery_ledger.keys.default_key`)."""
+        spec = self.key_spec()
+        secret = None
+        if self.sensitive and spec is None:
+            configured = self.app.settings.key_secret
+            if configured is None:
+                raise ConfigurationError(KEY_SECRET_NEEDED.format(task=self.name))
+            secret = configured.get_secret_value().encode()
         return compute_key(
-            self.key_spec(), task_name=self.name, run=self.run, args=args, kwargs=kwargs
+            spec, task_name=self.name, run=self.run, args=args, kwargs=kwargs, secret=secret
         )
 
     def identity_of_message(
@@ -523,21 +531,33 @@ class LedgerTask(Task):  # type: ignore[misc]
         message_headers[headers.TIER] = tier
         message_headers.setdefault(headers.ENQUEUED_AT, time.time())
         options.setdefault("queue", self.app.tiers.queue(tier))
-        if self.sensitive:  # what monitoring (events, Flower) shows of the arguments
+        # The body sealed here, before it leaves the process: a sensitive task's, and any body
+        # that carries a sensitive task's signature (a chain's rest, a callback) with its
+        # arguments. Monitoring (events, Flower, inspect) shows no repr of sensitive arguments.
+        seal = self.sensitive or self._carries_sensitive(link, link_error, options)
+        if self.sensitive:
             options["argsrepr"] = options["kwargsrepr"] = REDACTED
+        if seal:
+            if not self.app.runtime.sealer.enabled:
+                raise ConfigurationError(
+                    f"{self.name}: a sensitive task's message is sealed with"
+                    " LEDGER_ENCRYPTION_KEYS, which are not set here"
+                )
+            options["serializer"] = SEALED_SERIALIZER
 
         def publish_now() -> AsyncResult:
-            return super(LedgerTask, self).apply_async(
-                args,
-                kwargs,
-                task_id=task_id,
-                producer=producer,
-                link=link,
-                link_error=link_error,
-                shadow=shadow,
-                headers=message_headers,
-                **options,
-            )
+            with sealing(self.app.runtime.sealer):
+                return super(LedgerTask, self).apply_async(
+                    args,
+                    kwargs,
+                    task_id=task_id,
+                    producer=producer,
+                    link=link,
+                    link_error=link_error,
+                    shadow=shadow,
+                    headers=message_headers,
+                    **options,
+                )
 
         if self.app.conf.task_always_eager:
             return publish_now()
@@ -549,6 +569,7 @@ class LedgerTask(Task):  # type: ignore[misc]
                 kwargs,
                 task_id,
                 due_at,
+                seal,
                 link=link,
                 link_error=link_error,
                 shadow=shadow,
@@ -624,6 +645,13 @@ class LedgerTask(Task):  # type: ignore[misc]
         self.app.ledger.bury(record_id, dead, match=Unclaimed(), task=self.name, key=key, tier=tier)
         return True
 
+    def _carries_sensitive(self, *canvases: Any) -> bool:
+        """Whether a signature of a sensitive task of this app is among ``canvases``."""
+        tasks = self.app.tasks
+        return any(
+            getattr(tasks.get(name), "sensitive", False) for name in _signature_tasks(canvases)
+        )
+
     def _kept(self, args: Any, kwargs: Any, message_headers: dict[str, Any]) -> KeptMessage:
         """The message as the ledger keeps it to republish it (sealed if sensitive)."""
         sealer = self.app.runtime.sealer if self.sensitive else None
@@ -635,14 +663,39 @@ class LedgerTask(Task):  # type: ignore[misc]
         kwargs: dict[str, Any],
         task_id: str,
         due_at: float,
+        seal: bool,
         **options: Any,
     ) -> AsyncResult:
         options = {name: value for name, value in options.items() if value is not None}
         options.pop("producer", None)
+        sealer = self.app.runtime.sealer if seal else None
         self.app.runtime.delayed.schedule(
-            self.name, list(args), kwargs, {"task_id": task_id, **options}, due_at
+            self.name, list(args), kwargs, {"task_id": task_id, **options}, due_at, sealer=sealer
         )
         return self.AsyncResult(task_id)
+
+
+KEY_SECRET_NEEDED = (
+    "{task} is sensitive and derives its idempotency key from its arguments: set"
+    " LEDGER_KEY_SECRET (32+ random characters; the key becomes a keyed HMAC), or give the"
+    " task an idempotency_key of fields that are not secret"
+)
+
+
+def _signature_tasks(value: Any, depth: int = 0) -> Iterator[str]:
+    """The task names of the signatures nested in ``value`` (a canvas: signatures are dicts
+    with a ``task`` key; groups, chords and callbacks nest them in lists and options)."""
+    if depth > 32:  # a canvas nests a few levels; this bounds a cyclic or hostile structure
+        return
+    if isinstance(value, dict):
+        name = value.get("task")
+        if isinstance(name, str):
+            yield name
+        for item in value.values():
+            yield from _signature_tasks(item, depth + 1)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _signature_tasks(item, depth + 1)
 
 
 class _Body:

@@ -18,9 +18,10 @@ from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer
 from kombu.exceptions import ContentDisallowed, DecodeError
 
+from .crypto import sealing
 from .delayed import DelayedPublisher
 from .envelope import body_problem
-from .errors import LedgerError
+from .errors import ConfigurationError, LedgerError
 from .policies.unrunnable import unrunnable_delay
 from .progress import shutdown_flag
 
@@ -136,6 +137,9 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         app = worker.app
         runtime = app.runtime
         settings = runtime.settings
+        missing = app.missing_keys()
+        if missing:  # it could open, seal or key none of their jobs: refuse to start
+            raise ConfigurationError("; ".join(missing))
         flag = shutdown_flag(os.getpid())
         flag.unlink(missing_ok=True)
         # On warm shutdown, tell running bodies (in the pool processes) to checkpoint and yield.
@@ -148,10 +152,26 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             logger.warning("could not ensure ledger indexes at start-up: %s", exc)
 
         def send(name: str, args: Any, kwargs: Any, options: dict[str, Any]) -> None:
-            app.send_task(name, args, kwargs, **options)
+            with sealing(runtime.sealer):  # a sensitive task's entry names the sealed codec
+                app.send_task(name, args, kwargs, **options)
+
+        def keep_unopenable(name: str, options: dict[str, Any], sealed: str, reason: str) -> None:
+            found = options.get("headers")
+            app.dead_letters.push_poison(
+                queue=str(options.get("queue") or ""),
+                reason=reason,
+                raw=sealed.encode(),  # the body the codec would send, still sealed
+                message_headers={
+                    **(found if isinstance(found, dict) else {}),
+                    "task": name,
+                    "id": options.get("task_id"),
+                },
+            )
 
         publishers = [
-            DelayedPublisher(deliveries, send)
+            DelayedPublisher(
+                deliveries, send, sealer=runtime.sealer, keep_unopenable=keep_unopenable
+            )
             for deliveries in (runtime.delayed, runtime.legacy_delayed)
             if deliveries is not None
         ]
@@ -212,7 +232,7 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
             body = message.decode()  # memoized: Celery's request reuses it
         except (ContentDisallowed, DecodeError):
             return None  # Celery refuses these itself (on_invalid_task, on_decode_error)
-        return body_problem(body)
+        return body_problem(body) or self.app.runtime.signer.problem(headers, body)
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         reason = f"undecodable or refused content ({message.content_type}): {exc}"

@@ -34,6 +34,13 @@ TEST_ENV = {
     "LEDGER_RECONCILE_IN_WORKERS": "false",
     "LEDGER_BREAKERS": '{"payments": {"failure_threshold": 3, "cooldown_seconds": 3}}',
     "LEDGER_RATE_LIMITS": '{"limited": {"rate_per_second": 4, "burst": 2}}',
+    # Every message is signed and every signature checked, so each publish path (retries,
+    # republishes, workflows, chords) is shown to sign what it sends; unsigned messages stay
+    # accepted for the bad-input suites (test_signed_messages.py requires signatures).
+    "LEDGER_SIGNING_KEYS": (
+        '["test-signing-key-newest-0123456789abcdef", "test-signing-key-older-0123456789abcdef"]'
+    ),
+    "LEDGER_SIGNATURES_REQUIRED": "false",
     # Test-only Fernet keys (newest first): sensitive tasks are sealed at rest.
     "LEDGER_ENCRYPTION_KEYS": (
         '["0qFzQc5xoZQhPWiz7RlXDGRcus0k650e5VRXFgPRCH8=",'

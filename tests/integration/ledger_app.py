@@ -482,6 +482,16 @@ def card_flow(wf: Any, token: str, card_ref: str) -> str:
     return str(stored["last4"])
 
 
+def vault_flow(wf: Any, token: str, card: str, fail: bool = False) -> dict[str, Any]:
+    """A sensitive workflow: its arguments, a signal's payload, its result and its code's
+    exception text never reach the log in clear."""
+    stored = wf.run(store_card, token, card)
+    pin = wf.wait_signal("pin", timeout=60)
+    if fail:
+        raise ValueError(f"card {card} refused with pin {pin}")
+    return {"last4": stored["last4"], "card": card, "pin": pin}
+
+
 @app.task(idempotency_key="{token}")
 def wf_until_fixed(token: str) -> str:
     """Fails for good until the test records a fix in the world."""
@@ -525,6 +535,9 @@ def declare_workflows(target: Any) -> dict[str, Any]:
             parent_flow, name=f"{names}.parent_flow", idempotency_key="{token}"
         ),
         "card": target.workflow(card_flow, name=f"{names}.card_flow", idempotency_key="{token}"),
+        "vault": target.workflow(
+            vault_flow, name=f"{names}.vault_flow", idempotency_key="{token}", sensitive=True
+        ),
         "nesting": target.workflow(
             nesting_flow, name=f"{names}.nesting_flow", idempotency_key="{token}"
         ),

@@ -15,6 +15,7 @@ from celery import Task
 from pydantic import ValidationError
 
 from celery_ledger import ConfigurationError, LedgerCelery, LedgerTask, Settings, create_app
+from celery_ledger.crypto import SEALED_CONTENT_TYPE
 from celery_ledger.errors import LedgerUnavailable
 from celery_ledger.ledger.store import Ledger
 
@@ -72,7 +73,7 @@ def test_conf_is_json_only_and_acks_late(app: LedgerCelery) -> None:
 
     assert conf.task_serializer == "json"
     assert conf.result_serializer == "json"
-    assert list(conf.accept_content) == ["json"]
+    assert list(conf.accept_content) == ["json", SEALED_CONTENT_TYPE]  # JSON, or sealed JSON
     assert list(conf.result_accept_content) == ["json"]
     assert conf.task_acks_late is True
     assert conf.task_reject_on_worker_lost is True

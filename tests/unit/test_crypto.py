@@ -42,3 +42,55 @@ def test_celery_trace_lines_of_sensitive_tasks_are_redacted() -> None:
     record.args = {"name": "secret.task", "return_value": "4111", "id": "1"}
     assert RedactSensitive(lambda name: name == "secret.task").filter(record)
     assert record.getMessage() == f"Task secret.task succeeded: {REDACTED}"
+
+
+# -- the sealed message codec ---------------------------------------------------------------------
+
+
+def test_a_sealed_body_round_trips_through_kombu_and_rotation_still_opens_it() -> None:
+    from kombu.serialization import dumps, loads
+
+    from celery_ledger.crypto import (
+        SEALED_CONTENT_TYPE,
+        SEALED_SERIALIZER,
+        register_sealed_codec,
+        sealing,
+    )
+
+    old, new = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    before = Sealer([old])
+    register_sealed_codec(before)
+    body = ([7, "4111111111111111"], {"cvv": "123"}, {"callbacks": None})
+    with sealing(before):
+        content_type, encoding, data = dumps(body, serializer=SEALED_SERIALIZER)
+    assert content_type == SEALED_CONTENT_TYPE
+    assert "4111" not in str(data) and "cvv" not in str(data)
+    register_sealed_codec(Sealer([new, old]))  # a rotated worker opens the old message
+    opened = loads(data, content_type, encoding, accept={SEALED_CONTENT_TYPE})
+    assert opened == [[7, "4111111111111111"], {"cvv": "123"}, {"callbacks": None}]
+
+
+def test_a_sealed_body_no_key_opens_or_an_unsealed_one_is_a_decode_error() -> None:
+    from kombu.exceptions import DecodeError
+    from kombu.serialization import loads
+
+    from celery_ledger.crypto import SEALED_CONTENT_TYPE, register_sealed_codec
+
+    register_sealed_codec(Sealer([Fernet.generate_key().decode()]))
+    stranger = Sealer([Fernet.generate_key().decode()]).seal("[[1], {}, {}]")
+    with pytest.raises(DecodeError, match="cannot be opened with LEDGER_ENCRYPTION_KEYS"):
+        loads(stranger, SEALED_CONTENT_TYPE, "utf-8", accept={SEALED_CONTENT_TYPE})
+    # plain JSON claiming to be sealed is refused (a sealed task's body is never in clear)
+    with pytest.raises(DecodeError, match="is not sealed"):
+        loads("[[1], {}, {}]", SEALED_CONTENT_TYPE, "utf-8", accept={SEALED_CONTENT_TYPE})
+
+
+def test_the_codec_seals_only_inside_a_ledger_publish() -> None:
+    from kombu.exceptions import EncodeError
+    from kombu.serialization import dumps
+
+    from celery_ledger.crypto import SEALED_SERIALIZER, register_sealed_codec
+
+    register_sealed_codec(Sealer([Fernet.generate_key().decode()]))
+    with pytest.raises(EncodeError, match="only inside a ledger task's publish"):
+        dumps(([1], {}, {}), serializer=SEALED_SERIALIZER)

@@ -53,10 +53,20 @@ class Published:
 class FakeDelayed:
     scheduled: list[tuple[str, Any, Any, dict[str, Any], float]] = field(default_factory=list)
 
+    sealed: list[bool] = field(default_factory=list)  # whether each was held sealed
+
     def schedule(
-        self, task_name: str, args: Any, kwargs: Any, options: dict[str, Any], due_at: float
+        self,
+        task_name: str,
+        args: Any,
+        kwargs: Any,
+        options: dict[str, Any],
+        due_at: float,
+        *,
+        sealer: Any = None,
     ) -> None:
         self.scheduled.append((task_name, args, kwargs, options, due_at))
+        self.sealed.append(sealer is not None)
 
 
 @dataclass
@@ -434,6 +444,145 @@ def test_future_eta_schedules_at_the_eta(
 
     assert published == []
     assert [entry[4] for entry in delayed.scheduled] == [eta.timestamp()] * 2
+
+
+def test_a_sensitive_task_publishes_a_sealed_body_and_holds_its_delayed_entry_sealed(
+    published: list[Published], delayed: FakeDelayed
+) -> None:
+    from cryptography.fernet import Fernet
+
+    from celery_ledger.crypto import REDACTED, SEALED_SERIALIZER
+
+    settings = Settings(
+        broker_url="redis://127.0.0.1:1/0",
+        mongo_uri="mongodb://127.0.0.1:1/",
+        encryption_keys=[Fernet.generate_key().decode()],
+        key_secret=SECRET,
+        dedupe_on_publish=False,
+    )
+    secure = create_app("unit_sensitive", settings=settings, set_as_current=False)
+    secure.runtime.__dict__["delayed"] = delayed
+
+    @secure.task(name="vault.store", shared=False, sensitive=True)
+    def store(card: str) -> None: ...
+
+    @secure.task(name="vault.plain", shared=False)
+    def plain(card: str) -> None: ...
+
+    store.delay("4111")
+    plain.delay("4111")
+    store.apply_async(("4111",), countdown=60)
+    sealed, clear = published
+    assert sealed.options["serializer"] == SEALED_SERIALIZER
+    assert sealed.options["argsrepr"] == sealed.options["kwargsrepr"] == REDACTED
+    assert "serializer" not in clear.options and "argsrepr" not in clear.options
+    assert delayed.sealed == [True]
+    assert delayed.scheduled[0][3]["serializer"] == SEALED_SERIALIZER  # re-sealed when due
+
+    # A body that carries a sensitive task's signature (its arguments) is sealed too
+    published.clear()
+    plain.apply_async(("a",), link=store.s())
+    (plain.s("b") | store.s("4111")).apply_async()
+    plain.apply_async(("c",), link=plain.s())
+    assert [p.options.get("serializer") for p in published] == [
+        SEALED_SERIALIZER,
+        SEALED_SERIALIZER,
+        None,
+    ]
+    assert all("argsrepr" not in p.options for p in published)  # the plain task's own reprs
+
+
+SECRET = "k" * 16 + "0123456789abcdef"
+
+
+def _sensitive_app(**settings: Any) -> LedgerCelery:
+    from cryptography.fernet import Fernet
+
+    settings.setdefault("key_secret", None)  # whatever the environment says
+    return create_app(
+        "unit_keys",
+        settings=Settings(
+            broker_url="redis://127.0.0.1:1/0",
+            mongo_uri="mongodb://127.0.0.1:1/",
+            encryption_keys=[Fernet.generate_key().decode()],
+            **settings,
+        ),
+        set_as_current=False,
+    )
+
+
+def test_a_sensitive_tasks_derived_key_is_a_keyed_hmac_not_a_plain_hash(
+    published: list[Published],
+) -> None:
+    app = _sensitive_app(key_secret=SECRET)
+
+    @app.task(name="vault.keyed", shared=False, sensitive=True)
+    def keyed(card: str) -> None: ...
+
+    keyed.delay("4111111111111111")
+    key = only(published).headers["ledger_key"]
+    assert key.startswith("m:") and len(key) == 34
+    # not the unkeyed hash anyone could recompute from a guessed card number
+    assert key[2:] != default_key("vault.keyed", ["4111111111111111"], {})[2:]
+    assert key == keyed.key_of(("4111111111111111",), {})  # stable: the same call, same job
+    other = _sensitive_app(key_secret="z" * 32)
+    assert other.tasks  # finalized
+    assert default_key("vault.keyed", ["4111111111111111"], {}, secret=b"z" * 32) != key
+
+
+def test_a_sensitive_task_that_would_derive_its_key_needs_a_key_secret(
+    published: list[Published],
+) -> None:
+    app = _sensitive_app()
+
+    # Declared without it (Flower and the CLI load the tasks with no keys at all)...
+    @app.task(name="vault.unkeyed", shared=False, sensitive=True)
+    def unkeyed(card: str) -> None: ...
+
+    @app.task(name="vault.named", shared=False, sensitive=True, idempotency_key="{ref}")
+    def named(ref: str, card: str) -> None: ...  # a key of fields that are not secret
+
+    # ...but never published with a plain hash, and a worker would refuse to start
+    with pytest.raises(ConfigurationError, match="LEDGER_KEY_SECRET"):
+        unkeyed.delay("4111")
+    assert published == []
+    assert [p for p in app.missing_keys() if "vault.unkeyed" in p]
+    assert not [p for p in app.missing_keys() if "vault.named" in p]
+    assert named.key_of(("r-1", "4111"), {}) == "r-1"
+
+
+def test_a_worker_app_without_encryption_keys_reports_its_sensitive_tasks() -> None:
+    app = create_app(
+        "unit_no_keys",
+        settings=Settings(
+            broker_url="redis://127.0.0.1:1/0",
+            mongo_uri="mongodb://127.0.0.1:1/",
+            encryption_keys=[],  # whatever the environment says (the integration suite sets it)
+            key_secret=None,
+        ),
+        set_as_current=False,
+    )
+
+    @app.task(name="vault.keyless", shared=False, sensitive=True, idempotency_key="{ref}")
+    def keyless(ref: str) -> None: ...
+
+    @app.workflow(name="vault.flow", idempotency_key="{ref}", sensitive=True)
+    def flow(wf: Any, ref: str) -> None: ...
+
+    (problem,) = app.missing_keys()
+    assert "vault.flow" in problem and "vault.keyless" in problem
+    assert "LEDGER_ENCRYPTION_KEYS" in problem
+    with pytest.raises(ConfigurationError, match="LEDGER_ENCRYPTION_KEYS"):
+        keyless.delay("r-1")
+
+
+@pytest.mark.parametrize("secret", ["short", "change-me-key-secret-0123456789abcdef"])
+def test_a_weak_or_placeholder_key_secret_is_refused_without_echoing_it(secret: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="key_secret") as refused:
+        _sensitive_app(key_secret=secret)
+    assert secret not in str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 from kombu.utils import json as kombu_json
 
 from .. import headers
-from ..crypto import Sealer
+from ..crypto import PREFIX, Sealer
 from ..errors import StoreError
 from ..untrusted import storable_value
 
@@ -32,7 +32,8 @@ _RAW_KINDS: dict[str, RawKind] = {"body": "body", "envelope": "envelope", "entry
 
 class Publish(Protocol):
     """Sends one task message to a tier's queue (the app's ``send_task``, wired by
-    ``create_app``); ``redacted`` keeps the arguments out of the message's repr headers."""
+    ``create_app``); ``sealed`` seals the body and keeps the arguments out of its repr
+    headers (a sensitive task's message)."""
 
     def __call__(
         self,
@@ -45,7 +46,7 @@ class Publish(Protocol):
         headers: dict[str, Any],
         retries: int = 0,
         expires: str | None = None,
-        redacted: bool = False,
+        sealed: bool = False,
     ) -> None: ...
 
 
@@ -142,10 +143,17 @@ class KeptMessage:
 
     @property
     def sealed(self) -> bool:
-        return any(
+        """A sensitive task's message: its arguments, or its raw body, are sealed."""
+        if any(
             isinstance(value, str) and Sealer.is_sealed(value)
             for value in (self.args_json, self.kwargs_json)
-        )
+        ):
+            return True
+        try:
+            body = self._raw_body()
+        except (UnreplayableMessage, ValueError, TypeError, KeyError, binascii.Error):
+            return False
+        return body is not None and body.startswith(PREFIX.encode())
 
     @property
     def replayable(self) -> bool:
@@ -165,25 +173,34 @@ class KeptMessage:
             args = kombu_json.loads(sealer.open(self.args_json))
             kwargs = kombu_json.loads(sealer.open(self.kwargs_json or "{}"))
         elif self.raw_base64 is not None:
-            args, kwargs = self._raw_arguments()
+            args, kwargs = self._raw_arguments(sealer)
         else:
             raise UnreplayableMessage("no message was kept")
         if not isinstance(args, list) or not isinstance(kwargs, dict):
             raise UnreplayableMessage("the kept arguments are not [args], {kwargs}")
         return args, kwargs
 
-    def _raw_arguments(self) -> tuple[Any, Any]:
-        assert self.raw_base64 is not None
+    def _raw_body(self) -> bytes | None:
+        """The task body of a kept raw message (None: nothing raw is kept)."""
+        if self.raw_base64 is None:
+            return None
         if self.raw_kind == "entry":
             raise UnreplayableMessage("the message was kept as an unreadable entry")
+        raw = base64.b64decode(self.raw_base64)
+        if self.raw_kind == "envelope":
+            envelope = json.loads(raw)
+            body = envelope["body"]
+            if (envelope.get("properties") or {}).get("body_encoding") == "base64":
+                body = base64.b64decode(body)
+            raw = body if isinstance(body, bytes) else str(body).encode()
+        return raw
+
+    def _raw_arguments(self, sealer: Sealer) -> tuple[Any, Any]:
         try:
-            raw = base64.b64decode(self.raw_base64)
-            if self.raw_kind == "envelope":
-                envelope = json.loads(raw)
-                body = envelope["body"]
-                if (envelope.get("properties") or {}).get("body_encoding") == "base64":
-                    body = base64.b64decode(body)
-                raw = body if isinstance(body, bytes) else str(body).encode()
+            raw = self._raw_body()
+            assert raw is not None
+            if raw.startswith(PREFIX.encode()):  # a sensitive task's sealed body
+                raw = sealer.open(raw.decode()).encode()
             triple = kombu_json.loads(raw)
             return triple[0], triple[1]
         except (ValueError, TypeError, KeyError, IndexError, AttributeError, binascii.Error) as exc:
@@ -221,7 +238,7 @@ class KeptMessage:
             headers=carried,
             retries=retries if isinstance(retries, int) and retries >= 0 else 0,
             expires=expires if isinstance(expires, str) else None,
-            redacted=self.sealed,
+            sealed=self.sealed,
         )
 
 
