@@ -204,6 +204,42 @@ def test_a_sensitive_steps_arguments_and_result_stay_sealed_in_the_log(
     )
 
 
+def test_a_sensitive_workflow_keeps_its_arguments_signals_result_and_errors_sealed(
+    stack: EmbeddedStack, app: Any, token: str
+) -> None:
+    from bson import BSON
+
+    from tests.integration.ledger_app import WORKFLOWS
+
+    card, pin = f"5500-{uuid.uuid4().hex}", f"pin-{uuid.uuid4().hex}"
+    # Given a sensitive workflow that completes, and one whose code fails with the card in its
+    # exception's message, each sent the pin as a signal
+    done = WORKFLOWS["vault"].start(token, card)
+    failing = WORKFLOWS["vault"].start(f"{token}-fails", card, fail=True)
+    for handle in (done, failing):
+        handle.signal("pin", pin)
+
+    # Then the owner reads the result as returned, and the failure by its type
+    expected = {"last4": card[-4:], "card": card, "pin": pin}
+    assert done.result(timeout=60) == expected
+    assert done.status().result == expected
+    with pytest.raises(WorkflowFailed):
+        failing.result(timeout=60)
+    error = str(failing.status().error)
+    assert "ValueError" in error and card not in error and pin not in error
+
+    # And no document of the ledger's database holds the card or the pin in clear: the
+    # workflows' states, events and signals, the step's job, the audit trail of the signals
+    database = app.ledger.collection.database
+    held = b"".join(
+        BSON.encode(doc)
+        for name in database.list_collection_names()
+        for doc in database[name].find()
+    )
+    assert done.id.encode() in held and failing.id.encode() in held
+    assert card.encode() not in held and pin.encode() not in held
+
+
 # -- crashes and deploys (a stack of their own) ---------------------------------------------
 
 HEALING = {

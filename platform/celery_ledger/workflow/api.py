@@ -10,6 +10,7 @@ handle.signal("approved", True); handle.status(); handle.history(); handle.resul
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -203,10 +204,17 @@ class WorkflowHandle:
             raise WorkflowError(f"no workflow {self.id}")
         events = self.app.workflow_engine.log.all_events(self.id)
         state = fold(self.id, events)
-        return status_of(doc, state, len(events))
+        return status_of(doc, state, len(events), open_text=self.app.sealer.open)
 
 
-def status_of(doc: dict[str, Any], state: WorkflowState, events: int) -> WorkflowStatus:
+def status_of(
+    doc: dict[str, Any],
+    state: WorkflowState,
+    events: int,
+    *,
+    open_text: Callable[[str], str] = lambda text: text,
+) -> WorkflowStatus:
+    """What ``handle.status()`` shows; ``open_text`` opens a sensitive workflow's result."""
     import json
 
     commands = list(state.commands.values())
@@ -226,7 +234,7 @@ def status_of(doc: dict[str, Any], state: WorkflowState, events: int) -> Workflo
         workflow=str(doc.get("workflow", "")),
         key=str(doc.get("key", "")),
         status=state.status if events else str(doc.get("status")),
-        result=json.loads(state.result) if state.result is not None else None,
+        result=json.loads(open_text(state.result)) if state.result is not None else None,
         error=state.error or doc.get("error"),
         steps_done=sum(1 for c in commands if c.kind in ("step", "child") and c.status == "done"),
         steps_pending=[

@@ -76,8 +76,10 @@ class WorkflowContext:
         decode: Decode,
         emit: Callable[[str, dict[str, Any]], None],
         seal: Callable[[str], str] | None = None,
+        sensitive: bool = False,
     ) -> None:
         self._state = state
+        self._sensitive = sensitive  # a sensitive workflow: every step's arguments sealed
         self._now = now
         self._signals = sorted(signals, key=lambda s: (s.sent_at, s.id))
         self._call_of = call_of
@@ -243,12 +245,13 @@ class WorkflowContext:
         return self._state.commands[pos]
 
     def _arguments(self, call: Call) -> str:
-        """The call's arguments as the log keeps them (sealed for a sensitive task)."""
+        """The call's arguments as the log keeps them (sealed for a sensitive task, and in a
+        sensitive workflow)."""
         try:
             text = canonical_json([list(call.args), call.kwargs])
         except PayloadError as exc:
             raise PayloadError(f"arguments of {call.kind} {call.name}: {exc}") from exc
-        if call.sensitive and self._seal is not None:
+        if (call.sensitive or self._sensitive) and self._seal is not None:
             return self._seal(text)
         return text
 

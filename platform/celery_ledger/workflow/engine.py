@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
+from ..crypto import Sealer
 from ..errors import (
     ConfigurationError,
     PayloadError,
@@ -70,14 +71,24 @@ class Definition:
     key_spec: KeySpec = None
     tier: str | None = None
     snapshot_every: int | None = None
+    # Its arguments, signals' payloads, result and error text sealed or withheld in the log;
+    # a key derived from its arguments is an HMAC under ``key_secret``.
+    sensitive: bool = False
+    key_secret: bytes | None = None
 
     def key_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        if self.sensitive and self.key_spec is None and self.key_secret is None:
+            raise ConfigurationError(
+                f"{self.name} is sensitive and derives its idempotency key from its arguments:"
+                " set LEDGER_KEY_SECRET, or give it an idempotency_key"
+            )
         return compute_key(
             self.key_spec,
             task_name=self.name,
             run=_without_context(self.fn),
             args=args,
             kwargs=kwargs,
+            secret=self.key_secret if self.sensitive else None,
         )
 
 
@@ -175,7 +186,7 @@ class WorkflowEngine:
                 "workflow": definition.name,
                 "key": key,
                 "tier": tier,
-                "args": arguments,
+                "args": self._sealed(arguments) if definition.sensitive else arguments,
                 "parent": parent,
                 "check_at": now + timedelta(seconds=self.check_seconds),
             }
@@ -329,8 +340,9 @@ class WorkflowEngine:
             decode=self._decode,
             emit=emit,
             seal=self.seal_text,
+            sensitive=definition.sensitive,
         )
-        args, kwargs = json.loads(state.args)
+        args, kwargs = json.loads(self.open_text(state.args))
         failure: str | None = None
         cancelled = False
         result: Any = None
@@ -343,7 +355,7 @@ class WorkflowEngine:
         except WorkflowCancelled as exc:
             failure, cancelled = str(exc), True
         except Exception as exc:  # the workflow's code failed: compensations follow
-            failure = _describe(exc)
+            failure = _describe(exc, sensitive=definition.sensitive)
         if context.suspended and context.nondeterminism is None:
             return  # it waits, whatever the code did after swallowing the suspension
         if context.nondeterminism is not None:
@@ -357,6 +369,8 @@ class WorkflowEngine:
                 failure = f"the workflow's result is not JSON: {exc}"
             else:
                 if len(encoded) <= self.max_result_bytes:
+                    if definition.sensitive:
+                        encoded = self._sealed(encoded)
                     emit("finished", {"status": "completed", "result": encoded})
                     return
                 failure = (
@@ -527,6 +541,8 @@ class WorkflowEngine:
             )
         if signal_id in self._consumed_signals(workflow_id):
             return False  # delivered already: its document is gone, its id is in the log
+        if Sealer.is_sealed(str(state.get("args") or "")):  # a sensitive workflow's
+            payload_json = self._sealed(payload_json)
         added = self.log.add_signal(
             workflow_id,
             signal_id,
@@ -684,6 +700,11 @@ class WorkflowEngine:
     def _decode(self, text: str | None) -> Any:
         return None if text is None else json.loads(self.open_text(text))
 
+    def _sealed(self, text: str) -> str:
+        if self.seal_text is None:
+            raise ConfigurationError("a sensitive workflow needs LEDGER_ENCRYPTION_KEYS")
+        return self.seal_text(text)
+
     def _tier(self, state: WorkflowState) -> str:
         return state.tier or self.default_tier
 
@@ -724,9 +745,11 @@ def _job_outcome(
     return None
 
 
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException, *, sensitive: bool = False) -> str:
     if isinstance(exc, StepFailed):
-        return str(exc)
+        return str(exc)  # the step's dead reason (a sensitive task's holds no text)
+    if sensitive:  # an exception's text may hold the workflow's data: its type only
+        return f"{type(exc).__name__} (message withheld: sensitive workflow)"
     return f"{type(exc).__name__}: {exc}"
 
 
