@@ -130,6 +130,7 @@ def run_workload(orders: int, emails: int, reports: int) -> dict[str, Any]:
     )
     backfill_orders(run)
     ok &= fulfil_orders(run)
+    ok &= vault_cards(run)
     sample = app.ledger.get(charge.name, jobs[0][1])
     if sample is not None:
         console.print(
@@ -197,6 +198,52 @@ def fulfil_orders(run: int, n: int = 5) -> bool:
     )
     console.print(f"  inspect: celery -A tasks ledger workflows history {last.id}")
     return ok
+
+
+def vault_cards(run: int, n: int = 10) -> bool:
+    """The sensitive-task example: card numbers sealed from the publisher's process on. Every
+    byte the broker holds and every record of the ledger's database is searched for them."""
+    from tasks import app
+    from tasks.payments import store_card
+
+    cards = [f"4000{run % 10**8:08d}{i:04d}" for i in range(n)]
+    results = [store_card.delay(run * 1000 + i, card) for i, card in enumerate(cards)]
+    vaulted = [result.get(timeout=60) for result in results]
+    held = [*_broker_bytes(app.runtime.redis), *_ledger_bytes(app)]
+    found = sum(1 for card in cards if any(card.encode() in item for item in held))
+    record = app.ledger.get_by_id(results[0].id)
+    console.print(
+        f"sensitive: {len(vaulted)} cards vaulted by payments.store_card (last4"
+        f" {vaulted[0]['last4']}, ...); card numbers found in the broker or the ledger:"
+        f" {found}; a derived key: {record.key if record else '?'} (an HMAC)"
+    )
+    return found == 0 and len(vaulted) == n
+
+
+def _broker_bytes(client: Any) -> list[bytes]:
+    found: list[bytes] = []
+    for key in client.scan_iter(count=1000):
+        kind = client.type(key)
+        if kind == b"list":
+            found += client.lrange(key, 0, -1)
+        elif kind == b"zset":
+            found += client.zrange(key, 0, -1)
+        elif kind == b"hash":
+            found += [b"%s=%s" % item for item in client.hgetall(key).items()]
+        elif kind == b"string":
+            found.append(client.get(key) or b"")
+    return found
+
+
+def _ledger_bytes(app: Any) -> list[bytes]:
+    from bson import BSON
+
+    database = app.ledger.collection.database
+    return [
+        BSON.encode(doc)
+        for name in database.list_collection_names()
+        for doc in database[name].find()
+    ]
 
 
 def backfill_orders(run: int, n: int = 2000) -> None:

@@ -274,6 +274,23 @@ def test_flower_works_as_its_own_user_with_no_ledger_credentials(
             time.sleep(0.5)
             seen = result.id.encode() in get("/api/tasks")
         assert seen
+        # A sensitive job: Flower's task list and the task's page show none of its arguments
+        # or result, while a plain job's are there (the reading sees text)
+        secret = f"pan-{time.time_ns()}"
+        sealed = shared_task(producer, "tests.integration.ledger_app.store_card")
+        stored = sealed.delay(f"flower-card-{time.time_ns()}", secret)
+        assert stored.get(timeout=60)["echo"] == secret
+        plain = shared_task(producer, "tests.integration.ledger_app.echo").delay(secret[::-1])
+        plain.get(timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            listed = get("/api/tasks")
+            if stored.id.encode() in listed and plain.id.encode() in listed:
+                break
+            time.sleep(0.5)
+        pages = listed + get(f"/api/task/info/{stored.id}") + get(f"/api/task/info/{plain.id}")
+        assert stored.id.encode() in listed and secret[::-1].encode() in pages
+        assert secret.encode() not in pages
     finally:
         producer.close()
         flower.stop()

@@ -38,6 +38,9 @@ DUMMY_ENV = {
     "FLOWER_USER": "dummy-flower-user",
     "FLOWER_PASSWORD": "dummy-flower-password",
     "GRAFANA_ADMIN_PASSWORD": "dummy-grafana-password",
+    "LEDGER_SIGNING_KEYS": '["dummy-ledger-signing-key-0123456789abcdef"]',
+    "LEDGER_ENCRYPTION_KEYS": '["AcKyJ2oLnrAAy_LZcIqJcLFxu0NMYeTJnp7JIrpzIs4="]',
+    "LEDGER_KEY_SECRET": "dummy-ledger-key-secret-0123456789abcdef",
 }
 
 SUBPROCESS_TIMEOUT = 120

@@ -7,6 +7,7 @@ in the URLs of ``stack.env``. Flower (optional) binds 127.0.0.1 and requires bas
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shlex
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from celery import Celery
+from cryptography.fernet import Fernet
 
 from ..routing import TIERS, queue_name
 from .flower import FlowerProcess, start_flower
@@ -287,11 +289,24 @@ def running_stack(
     flower_user: str | None = None,
     flower_password: str | None = None,
 ) -> Iterator[EmbeddedStack]:
-    """Start the stack, set ``LEDGER_*`` in this process's environment, stop it all on exit."""
+    """Start the stack, set ``LEDGER_*`` in this process's environment, stop it all on exit.
+
+    The stack also signs its messages and can run sensitive tasks, as production does (with
+    or without ``auth``, which is about the servers' passwords): the keys it needs and the
+    environment does not set come from :func:`stack_keys`.
+    """
     stack = EmbeddedStack(app_module, data_dir, auth=auth, queue_namespace=queue_namespace)
+    private_dir(data_dir)
+    keys = stack_keys(data_dir)
+    stack.extra_env.update({k: v for k, v in keys.items() if k not in os.environ})
     saved = {
         name: os.environ.get(name)
-        for name in ("LEDGER_BROKER_URL", "LEDGER_MONGO_URI", "LEDGER_TTL_INDEX")
+        for name in (
+            "LEDGER_BROKER_URL",
+            "LEDGER_MONGO_URI",
+            "LEDGER_TTL_INDEX",
+            *stack.extra_env,
+        )
     }
     try:
         stack.start_servers(broker_port=broker_port, ledger_port=ledger_port)
@@ -308,6 +323,31 @@ def running_stack(
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+STACK_KEYS = ("LEDGER_SIGNING_KEYS", "LEDGER_ENCRYPTION_KEYS", "LEDGER_KEY_SECRET")
+
+
+def stack_keys(data_dir: Path) -> dict[str, str]:
+    """The stack's message-signing key, Fernet key and key secret, made on its first start and
+    kept in ``<data dir>/stack-keys.json`` (0600): the data they sealed outlives a restart, as
+    the servers' data does. Production sets its own (``.env``, a secret store)."""
+    path = data_dir / "stack-keys.json"
+    try:
+        found = json.loads(path.read_text())
+        if isinstance(found, dict) and all(isinstance(found.get(k), str) for k in STACK_KEYS):
+            return {k: found[k] for k in STACK_KEYS}
+    except (OSError, ValueError):
+        pass
+    keys = {
+        "LEDGER_SIGNING_KEYS": json.dumps([secrets.token_hex(32)]),
+        "LEDGER_ENCRYPTION_KEYS": json.dumps([Fernet.generate_key().decode()]),
+        "LEDGER_KEY_SECRET": secrets.token_hex(32),
+    }
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(json.dumps(keys))
+    return keys
 
 
 def _tail(path: Path, lines: int = 30) -> str:
