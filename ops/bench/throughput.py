@@ -10,6 +10,8 @@ queue and database and a fresh worker (``--concurrency`` prefork processes) per 
     plain-mongo-started the same with task_track_started
     plain-mongo-durable the same with the ledger's write concern (w=majority, journaled)
     ledger              celery_ledger.create_app (LedgerTask, the ledger as result backend)
+    ledger-secured      the same with every message signed and the task sensitive (its body
+                        sealed by the publisher, its result sealed in the ledger)
 
 A run publishes N tiny tasks and waits for every result (``AsyncResult.get``); its time runs from
 the first publish to the last result. Runs are interleaved across configurations (repeat 1 of
@@ -102,6 +104,12 @@ CONFIGURATIONS = (
         "bench_plain_mongo_durable",
     ),
     Configuration("ledger", "ops.bench.apps.ledger", "celery-ledger (LedgerTask)", "bench_ledger"),
+    Configuration(
+        "ledger-secured",
+        "ops.bench.apps.ledger_secured",
+        "celery-ledger, messages signed, task sensitive (sealed)",
+        "bench_ledger_secured",
+    ),
 )
 
 
@@ -247,6 +255,14 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
+    if {"ledger", "ledger-secured"} <= medians.keys():
+        ratios["ledger-secured/ledger"] = medians["ledger-secured"] / medians["ledger"]
+        print(
+            "security's cost: ledger-secured (signed, sealed) / ledger ="
+            f" {ratios['ledger-secured/ledger']:.2f}",
+            flush=True,
+        )
+
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(8, 4))
     names = [c.name for c in chosen]
@@ -257,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     highs = [
         max(r.tasks_per_second for r in runs if r.configuration == n) - medians[n] for n in names
     ]
-    colours = ["#999", "#6a9", "#4a7", "#285", "#36c"][-len(names) :]
+    colours = ["#999", "#6a9", "#4a7", "#285", "#36c", "#639"][-len(names) :]
     axes.bar(names, values, yerr=[lows, highs], capsize=4, color=colours)
     axes.set_ylabel("tasks/s (median, min-max)")
     axes.set_title(f"{args.tasks} tiny tasks, {args.concurrency} prefork processes")
