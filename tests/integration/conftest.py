@@ -133,7 +133,11 @@ def fail_fast_on_dead_workers(request: pytest.FixtureRequest) -> Iterator[None]:
             + "\n\n".join(death.describe() for death in before),
             pytrace=False,
         )
+    logs = _session_log_offsets()
     yield
+    if request.node.stash.get(CALL_FAILED, False):
+        # A failure seen only in a CI run is diagnosed from what the workers logged meanwhile.
+        request.node.add_report_section("teardown", "worker logs", _logged_since(logs))
     after = WATCH.take_pending()
     revive_session_worker()
     if not after:
@@ -143,6 +147,33 @@ def fail_fast_on_dead_workers(request: pytest.FixtureRequest) -> Iterator[None]:
         request.node.add_report_section("teardown", "worker died", report)
     else:
         pytest.fail(f"a worker died during this test:\n\n{report}", pytrace=False)
+
+
+def _session_log_offsets() -> dict[Path, int]:
+    """Where each log of the session stack's workers ends now."""
+    offsets: dict[Path, int] = {}
+    for worker in _session[0].workers if _session else ():
+        try:
+            offsets[worker.log_path] = worker.log_path.stat().st_size
+        except OSError:
+            offsets[worker.log_path] = 0
+    return offsets
+
+
+def _logged_since(offsets: dict[Path, int], *, max_lines: int = 200) -> str:
+    """What those logs gained since ``offsets`` (the last ``max_lines`` lines of each)."""
+    if not offsets and _session:  # the stack started with this test: all of it
+        offsets = dict.fromkeys((worker.log_path for worker in _session[0].workers), 0)
+    parts = []
+    for path, offset in offsets.items():
+        try:
+            with path.open("rb") as log:
+                log.seek(offset)
+                lines = log.read().decode(errors="replace").splitlines()[-max_lines:]
+        except OSError as exc:
+            lines = [f"(unreadable: {exc})"]
+        parts.append(f"--- {path.name}\n" + "\n".join(lines))
+    return "\n".join(parts) or "(no session worker)"
 
 
 @pytest.hookimpl(wrapper=True)
