@@ -33,9 +33,11 @@ class Sealer:
 
     def __init__(self, keys: Sequence[str]) -> None:
         try:
-            self._fernet = MultiFernet([Fernet(key) for key in keys]) if keys else None
+            fernets = [Fernet(key) for key in keys]
         except ValueError as exc:
             raise ConfigurationError(f"LEDGER_ENCRYPTION_KEYS: not a Fernet key: {exc}") from exc
+        self._fernet = MultiFernet(fernets) if fernets else None
+        self._newest = fernets[0] if fernets else None
 
     @staticmethod
     def is_sealed(text: str) -> bool:
@@ -60,6 +62,29 @@ class Sealer:
             raise StoreError("a sealed value was found but LEDGER_ENCRYPTION_KEYS is empty")
         try:
             return self._fernet.decrypt(text[len(PREFIX) :].encode()).decode()
+        except InvalidToken as exc:
+            raise StoreError("a sealed value cannot be opened with LEDGER_ENCRYPTION_KEYS") from exc
+
+    def reseal(self, text: str) -> str | None:
+        """``text`` sealed again with the newest key, or None if it needs no change (it is not
+        sealed, or the newest key sealed it). The token keeps its timestamp, so its age reads
+        the same after a key rotation.
+
+        Raises:
+            StoreError: no listed key opens it.
+        """
+        if not text.startswith(PREFIX):
+            return None
+        if self._fernet is None or self._newest is None:
+            raise StoreError("a sealed value was found but LEDGER_ENCRYPTION_KEYS is empty")
+        token = text[len(PREFIX) :].encode()
+        try:
+            self._newest.decrypt(token)
+            return None
+        except InvalidToken:
+            pass
+        try:
+            return PREFIX + self._fernet.rotate(token).decode()
         except InvalidToken as exc:
             raise StoreError("a sealed value cannot be opened with LEDGER_ENCRYPTION_KEYS") from exc
 

@@ -25,6 +25,7 @@ from kombu.utils.json import dumps, loads
 
 from .crypto import Sealer
 from .errors import PublishError, StoreError
+from .reseal import Reseal, Tally, reseal_tree, resealed_queue_item
 
 # KEYS[1] = the sorted set; ARGV = now, hand-out lease seconds, batch limit.
 _TAKE_DUE = """
@@ -34,6 +35,15 @@ for _, member in ipairs(due) do
   redis.call('ZADD', KEYS[1], 'XX', hold_until, member)
 end
 return due
+"""
+
+# KEYS[1] = the sorted set; ARGV = the member as read, the member to put in its place (same score).
+_REPLACE = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score then return 0 end
+redis.call('ZADD', KEYS[1], score, ARGV[2])
+redis.call('ZREM', KEYS[1], ARGV[1])
+return 1
 """
 
 
@@ -47,6 +57,7 @@ class DelayedDeliveries:
         self.handout_seconds = handout_seconds
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
         self._take_due = self._redis.register_script(_TAKE_DUE)
+        self._replace = self._redis.register_script(_REPLACE)
 
     def schedule(
         self,
@@ -109,6 +120,34 @@ class DelayedDeliveries:
 
     def done(self, member: bytes) -> None:
         self._redis.zrem(self.key, member)
+
+    def reseal(self, reseal: Reseal, *, apply: bool) -> Tally:
+        """Seal the held entries' sealed arguments (and sealed raw messages) again with the
+        newest key (``apply``), or count the ones that need it. An entry is replaced under its
+        score only if it is still there: one published meanwhile is gone, and one a publisher
+        holds is published from the old copy and then again from the new (at least once: the
+        ledger suppresses the repeat)."""
+        tally = Tally()
+        for member, _score in self._redis.zscan_iter(self.key, count=500):
+            try:
+                envelope = loads(member)
+            except ValueError:
+                continue  # not an entry this platform wrote; the publisher reports it
+            if not isinstance(envelope, dict):
+                continue
+            new = dict(envelope)
+            if isinstance(envelope.get("sealed"), str):
+                new["sealed"] = reseal_tree(envelope["sealed"], reseal, tally)
+            if "raw" in envelope:
+                new["raw"] = resealed_queue_item(envelope["raw"], reseal, tally)
+            changed = any(
+                new[name] is not envelope[name] for name in ("sealed", "raw") if name in new
+            )
+            replaced = (
+                changed and apply and self._replace(keys=[self.key], args=[member, dumps(new)])
+            )
+            tally.changed_meanwhile += int(changed and apply and not replaced)
+        return tally
 
     def pending(self) -> int:
         return int(self._redis.zcard(self.key))

@@ -18,6 +18,7 @@ from ..routing import TIER_WORKER_DEFAULTS, TIERS
 from .breakers import breakers
 from .dlq import dlq
 from .health import health
+from .keys import keys
 from .workflows import workflows
 
 console = Console()
@@ -45,6 +46,7 @@ def ledger(ctx: click.Context) -> None:
 ledger.add_command(dlq)
 ledger.add_command(breakers)
 ledger.add_command(health)
+ledger.add_command(keys)
 ledger.add_command(workflows)
 
 
