@@ -1,5 +1,5 @@
 """What every celery-ledger worker runs beside its pool (the Celery adapter of the engines):
-a housekeeping thread (due deliveries, poison drain, retention, the bulk throttle, the
+housekeeping threads (due deliveries, poison drain, retention, the bulk throttle, the
 reconciler) and a consumer that quarantines poison messages."""
 
 from __future__ import annotations
@@ -32,31 +32,43 @@ REAP_EVERY_SECONDS = 30.0  # transactions a dead worker left (Ledger.reap_abando
 
 
 class Housekeeping:
-    """A daemon thread running small periodic jobs (publish due deliveries, move poison)."""
+    """Daemon threads running small periodic jobs, one thread per lane.
 
-    def __init__(self, jobs: list[Callable[[], object]], *, interval: float) -> None:
-        self._jobs = jobs
+    Jobs in one lane run one after another, so a lane is only as prompt as its slowest job.
+    Due deliveries (every retry and countdown of the app) get a lane of their own: a ledger
+    outage (each ledger call waits out its server selection), a long retention pass or a
+    reconciler sweep over a large ledger must not hold back a retry that only needs the broker.
+    """
+
+    def __init__(self, lanes: dict[str, list[Callable[[], object]]], *, interval: float) -> None:
+        self._lanes = {name: jobs for name, jobs in lanes.items() if jobs}
         self._interval = interval
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="ledger-housekeeping", daemon=True)
-        self._thread.start()
+        for name, jobs in self._lanes.items():
+            thread = threading.Thread(
+                target=self._run, args=(jobs,), name=f"ledger-housekeeping-{name}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def terminate(self) -> None:
         self.stop(timeout=1.0)
 
-    def _run(self) -> None:
+    def _run(self, jobs: list[Callable[[], object]]) -> None:
         failing_since: dict[int, float] = {}
         last_warning: dict[int, float] = {}
         while not self._stop.wait(self._interval):
-            for index, job in enumerate(self._jobs):
+            for index, job in enumerate(jobs):
                 try:
                     job()
                 except Exception as exc:  # keep going through broker or ledger outages
@@ -126,9 +138,9 @@ class Every:
 
 
 class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Ensures the ledger's indexes and runs the housekeeping thread.
+    """Ensures the ledger's indexes and runs the housekeeping threads.
 
-    The thread is the step's ``obj``, so Celery's start, stop and terminate reach it.
+    The threads' owner is the step's ``obj``, so Celery's start, stop and terminate reach them.
     """
 
     requires: ClassVar[set[str]] = {"celery.worker.components:Pool"}
@@ -175,22 +187,35 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             for deliveries in (runtime.delayed, runtime.legacy_delayed)
             if deliveries is not None
         ]
-        jobs: list[Callable[[], object]] = [
-            *(publisher.publish_due for publisher in publishers),
+        # Lanes (Housekeeping): the broker-only deliveries; the ledger's upkeep (its calls wait
+        # out an outage); the throttle (a control broadcast may wait for replies); the reconciler.
+        deliveries: list[Callable[[], object]] = [p.publish_due for p in publishers]
+        upkeep: list[Callable[[], object]] = [
             app.dead_letters.drain_poison,
             Every(COPY_PENDING_EVERY_SECONDS, app.dead_letters.copy_pending),
+            Every(EXPIRE_EVERY_SECONDS, app.workflow_engine.log.expire),
+            Every(REAP_EVERY_SECONDS, runtime.ledger.reap_abandoned_transactions),
         ]
         if not settings.ttl_index:
-            jobs.append(Every(EXPIRE_EVERY_SECONDS, runtime.ledger.expire))
-        jobs.append(Every(EXPIRE_EVERY_SECONDS, app.workflow_engine.log.expire))
-        jobs.append(Every(REAP_EVERY_SECONDS, runtime.ledger.reap_abandoned_transactions))
+            upkeep.append(Every(EXPIRE_EVERY_SECONDS, runtime.ledger.expire))
+        throttle: list[Callable[[], object]] = []
         bulk_queue = runtime.tiers.queue("bulk")
         if bulk_queue in app.amqp.queues.consume_from:
             switch = ThrottleSwitch(app, worker.hostname, bulk_queue)
-            jobs.append(Every(settings.throttle_check_seconds, switch.tick))
+            throttle.append(Every(settings.throttle_check_seconds, switch.tick))
+        reconcile: list[Callable[[], object]] = []
         if settings.reconcile_in_workers:
-            jobs.append(Every(settings.reconcile_every_seconds, app.reconciler.sweep_if_leader))
-        return Housekeeping(jobs, interval=settings.defer_poll_seconds)
+            sweep = app.reconciler.sweep_if_leader
+            reconcile.append(Every(settings.reconcile_every_seconds, sweep))
+        return Housekeeping(
+            {
+                "deliveries": deliveries,
+                "upkeep": upkeep,
+                "throttle": throttle,
+                "reconcile": reconcile,
+            },
+            interval=settings.defer_poll_seconds,
+        )
 
 
 class LedgerConsumer(Consumer):  # type: ignore[misc]
