@@ -151,6 +151,28 @@ def test_cancelling_a_waiting_workflow_runs_its_compensations(
     assert step_effects(stack, token) == Counter({"s0": 1, "s1": 1})  # nothing after the wait
 
 
+def test_cancelling_during_a_step_compensates_that_step_once_it_ends(
+    stack: EmbeddedStack, token: str
+) -> None:
+    from tests.integration.ledger_app import WORKFLOWS
+
+    # Given a workflow whose first step is running (its job runs whatever the workflow does)
+    handle = WORKFLOWS["order"].start(token, steps=2, pause=3)
+    wait_for(
+        lambda: step_effects(stack, token) == Counter() and handle.status().steps_pending,
+        timeout=30,
+        what="the step",
+    )
+    handle.cancel("customer changed their mind")
+
+    # Then the step ends, its compensation is registered and runs, and nothing else starts
+    with pytest.raises(WorkflowFailed, match="cancelled"):
+        handle.result(timeout=60)
+    assert handle.status().status == "cancelled"
+    assert step_effects(stack, token) == Counter({"s0": 1})
+    assert step_effects(stack, token, "wf_undo") == Counter({"s0": 1})
+
+
 def test_a_child_workflow_runs_as_a_step_and_starting_twice_at_once_is_one_workflow(
     stack: EmbeddedStack, app: Any, token: str
 ) -> None:

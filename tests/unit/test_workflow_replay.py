@@ -191,6 +191,54 @@ def test_cancellation_is_raised_where_the_code_waits_and_again_there_on_replay()
         run(log, two_steps)
 
 
+def charge_then_ship(wf: WorkflowContext) -> list[Any]:
+    charged = wf.run("charge", 7)
+    wf.compensate("refund", 7)
+    return [charged, wf.run("ship", 7)]
+
+
+def test_a_cancellation_waits_for_the_step_in_flight_so_its_compensation_is_registered() -> None:
+    # Given a cancellation requested while the charge runs (its job runs whatever happens)
+    log = Log()
+    run(log, charge_then_ship)
+    log.emit("cancel_requested", {"reason": "customer", "actor": "ops"})
+
+    # Then the code is not cancelled at the charge: it waits for it
+    assert run(log, charge_then_ship) is Suspend
+    assert log.state.cancel_pos is None and log.events == []
+
+    # And once the charge is done, its refund is registered before the cancellation lands
+    log.complete(0, '"charged"')
+    with pytest.raises(WorkflowCancelled, match="customer"):
+        run(log, charge_then_ship)
+    assert [c.kind for c in log.state.compensations()] == ["compensation"]
+    assert log.state.cancel_pos == 2  # at the ship, never scheduled
+    assert all(c.name != "ship" for c in log.state.commands.values())
+
+
+def test_a_step_that_fails_under_a_pending_cancellation_ends_the_code_cancelled() -> None:
+    # Given a child workflow the cancellation reached (it ends failed)
+    log = Log()
+    run(log, charge_then_ship)
+    log.emit("cancel_requested", {"reason": "customer", "actor": "ops"})
+    log.emit("step_failed", {"pos": 0, "error": "cancelled: parent cancelled"})
+
+    # Then the code sees the cancellation, not the step's failure, and again on replay
+    with pytest.raises(WorkflowCancelled):
+        run(log, charge_then_ship)
+    assert log.state.cancel_pos == 0
+    with pytest.raises(WorkflowCancelled):
+        run(log, charge_then_ship)
+
+
+def test_the_code_reports_how_far_it_came() -> None:
+    log = Log()
+    context = log.context()
+    with contextlib.suppress(Suspend):
+        two_steps(context)
+    assert context.position == 1  # the charge (position 0) suspended it
+
+
 def test_snapshots_restore_the_whole_state_and_time_travel_folds_up_to_a_moment() -> None:
     log = Log()
     run(log, two_steps)
@@ -267,3 +315,35 @@ def test_a_republished_step_waits_longer_each_time_and_old_snapshots_still_load(
     del state["commands"][0]["republished"]
     restored = fold("wf-1", [{"kind": "snapshot", "seq": 20, "at": NOW, "data": {"state": state}}])
     assert restored.commands[0].republished == 0
+
+
+def test_a_resume_reads_to_the_snapshot_of_the_workflow_with_the_widest_interval() -> None:
+    from celery_ledger.workflow.engine import Definition, WorkflowEngine
+
+    definitions = {
+        "a": Definition("a", two_steps),
+        "b": Definition("b", two_steps, snapshot_every=1000),
+    }
+    engine = WorkflowEngine(
+        None,  # type: ignore[arg-type]
+        definitions,
+        None,  # type: ignore[arg-type]
+        default_tier="default",
+        snapshot_every=100,
+        check_seconds=60,
+        max_payload_bytes=1024,
+    )
+    # One read reaches the latest snapshot of either: past 1,000 events, not 100
+    assert engine._tail_limit() >= 1000
+    assert (
+        WorkflowEngine(
+            None,  # type: ignore[arg-type]
+            {"a": definitions["a"]},
+            None,  # type: ignore[arg-type]
+            default_tier="default",
+            snapshot_every=100,
+            check_seconds=60,
+            max_payload_bytes=1024,
+        )._tail_limit()
+        < 1000
+    )

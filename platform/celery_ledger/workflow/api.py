@@ -157,20 +157,23 @@ class WorkflowHandle:
         return added
 
     def cancel(self, reason: str = "", *, actor: str | None = None) -> None:
-        """Cancel: raised into the code where it waits; its compensations run, and it ends
-        ``cancelled``. Audited, as :meth:`signal`."""
+        """Cancel: raised into the code at its next wait or new step, once the steps in flight
+        have ended (so each step that ran has its compensation registered); child workflows
+        are cancelled at once. Its compensations run, and it ends ``cancelled``. Audited, as
+        :meth:`signal`."""
         who = audit.current_actor(actor)
         with audit.action(self.app.ledger, "workflow cancel", self.id, actor=who, reason=reason):
             self.app.workflow_engine.cancel(self.id, reason=reason, actor=who)
 
-    def retry(self, from_step: int | None = None, *, actor: str | None = None) -> None:
+    def retry(self, from_step: int | None = None, *, actor: str | None = None) -> dict[str, Any]:
         """Resume a stuck workflow, or run an ended one again from position ``from_step``
-        (default: its first failed step). Audited, as :meth:`signal`."""
+        (default: its first failed step). Audited, as :meth:`signal`. Returns the event the
+        log recorded (``data.from_pos``: where it runs again from; None: resumed)."""
         who = audit.current_actor(actor)
         with audit.action(
             self.app.ledger, "workflow retry", self.id, actor=who, from_step=from_step
         ):
-            self.app.workflow_engine.retry(self.id, from_step=from_step, actor=who)
+            return self.app.workflow_engine.retry(self.id, from_step=from_step, actor=who)
 
     def result(self, timeout: float | None = None, *, propagate: bool = True) -> Any:
         """Wait for the end; its result, or :class:`WorkflowFailed` (with ``propagate``)."""

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import NonDeterminism, PayloadError, StepFailed, WorkflowCancelled
 from ..keys import canonical_json
-from .history import Command, WorkflowState
+from .history import JOB_KINDS, Command, WorkflowState
 
 
 class Suspend(BaseException):
@@ -93,6 +93,11 @@ class WorkflowContext:
         self.suspended = False
         self.nondeterminism: NonDeterminism | None = None
         self.waiting_until: list[float] = []  # timers and signal timeouts this wake waits for
+
+    @property
+    def position(self) -> int:
+        """The position of the code's next command (how far this run of the code came)."""
+        return self._pos
 
     @property
     def id(self) -> str:
@@ -235,6 +240,12 @@ class WorkflowContext:
         if command.status == "done":
             return self._decode(command.result)
         if command.status == "failed":
+            state = self._state
+            if state.cancel is not None and state.cancel_pos is None:
+                # A step that ended failed under a pending cancellation (a child workflow the
+                # cancellation reached): the cancellation, not the failure, ends the code.
+                self._emit("cancel_delivered", {"pos": command.pos})
+                raise WorkflowCancelled(f"cancelled: {state.cancel.get('reason', '')}")
             raise StepFailed(command.name, command.pos, command.error or "failed")
         raise self._suspend()
 
@@ -257,13 +268,21 @@ class WorkflowContext:
 
     def _cancel_point(self, pos: int, command: Command | None) -> None:
         """Raise the cancellation where the code waits (recorded, so a replay raises it at the
-        same position)."""
+        same position).
+
+        Not at a step or child workflow in flight: its job runs whatever the workflow does, so
+        the code waits for its outcome, registers the compensation that follows it, and meets
+        the cancellation at its next new command or wait; cancelling there would leave the
+        step's effect without its compensation.
+        """
         state = self._state
         if state.cancel_pos is not None:
             if pos == state.cancel_pos:
                 raise WorkflowCancelled(f"cancelled: {(state.cancel or {}).get('reason', '')}")
             return
         if state.cancel is None or (command is not None and command.resolved):
+            return
+        if command is not None and command.kind in JOB_KINDS:
             return
         self._emit("cancel_delivered", {"pos": pos})
         raise WorkflowCancelled(f"cancelled: {state.cancel.get('reason', '')}")
