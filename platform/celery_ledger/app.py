@@ -39,7 +39,7 @@ from .crypto import (
     sealing,
 )
 from .deadletter import DeadLetters, poison_key
-from .errors import Backpressure, ConfigurationError
+from .errors import Backpressure, ConfigurationError, PayloadError
 from .events import Observers
 from .guard import Guard
 from .ledger.store import Ledger
@@ -418,6 +418,9 @@ class _Definitions(dict):  # type: ignore[type-arg]
     def __contains__(self, name: object) -> bool:
         return name in self._workflows
 
+    def values(self) -> Any:
+        return [declared.definition for declared in self._workflows.values()]
+
 
 class _WorkflowPorts:
     """How the workflow engine publishes: steps as ledger jobs, wakes as small messages."""
@@ -452,6 +455,14 @@ class _WorkflowPorts:
             )
         if tier is not None:
             self.app.tiers.check(tier, where=f"the step {name}")
+        header = getattr(task, "__header__", None)
+        if task is not None and task.typing and callable(header):
+            # Celery checks this at publish, which for a step comes after its decision is in
+            # the log: every wake would fail on it. Raised here, into the workflow's code.
+            try:
+                header(*args, **kwargs)
+            except TypeError as exc:
+                raise PayloadError(f"step {name} cannot take these arguments: {exc}") from exc
         sensitive = bool(getattr(task, "sensitive", False))
         return Call("step", name, tuple(args), dict(kwargs), tier, sensitive=sensitive)
 

@@ -131,6 +131,15 @@ class WorkflowLog:
         with translate_errors("workflow check time"):
             self.states.update_one({"_id": workflow_id, "status": {"$in": list(ACTIVE)}}, update)
 
+    def wait_until(self, workflow_id: str, timer_at: datetime, *, check_by: datetime) -> None:
+        """Keep the time of the timer (or signal timeout) the workflow waits for, and check it
+        by ``check_by`` at the latest: the reconciler's spaced checks never pass a due timer."""
+        with translate_errors("workflow timer"):
+            self.states.update_one(
+                {"_id": workflow_id, "status": {"$in": list(ACTIVE)}},
+                {"$set": {"timer_at": timer_at}, "$min": {"check_at": check_by}},
+            )
+
     def last_event_at(self, workflow_id: str) -> datetime | None:
         """When the log's newest event was written (one read on the (wf, seq) index)."""
         with translate_errors("workflow log read"):

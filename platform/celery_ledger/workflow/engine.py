@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from ..crypto import Sealer
 from ..errors import (
     ConfigurationError,
+    NonDeterminism,
     PayloadError,
     StepFailed,
     WorkflowCancelled,
@@ -46,6 +47,7 @@ from ..ledger.record import State
 from ..ledger.workflow_log import (
     ACTIVE,
     CANCEL_REQUEST,
+    EVENT_SCHEMA,
     PENDING_SIGNAL,
     WorkflowLog,
     is_event,
@@ -60,6 +62,9 @@ MAX_CONFLICTS = 5  # appends lost to a concurrent wake before this wake gives wa
 MAX_CHECK_DOUBLINGS = 4  # a still workflow is checked at least every 16 check times
 REPUBLISH_AFTER_SECONDS = 30.0  # a step with no ledger record this long after it was scheduled
 UNKNOWN_WORKFLOW_RETRY_SECONDS = 30.0  # a wake for a workflow this worker does not define
+# A timer's wake found the timer not quite due (the waking host's clock is behind the one that
+# published the wake): within this many seconds of it, the wake is published again for then.
+EARLY_WAKE_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -209,9 +214,32 @@ class WorkflowEngine:
                 return outcome
         return "conflict"  # another wake keeps winning: it does the work
 
+    def _tail_limit(self) -> int:
+        """One read reaches the latest snapshot: the largest snapshot interval in use, plus
+        room for the documents beside the events (signals, a cancel request)."""
+        declared = [d.snapshot_every for d in self.definitions.values() if d.snapshot_every]
+        return max([self.snapshot_every, *declared]) + 64
+
     def _wake_once(self, workflow_id: str) -> str:
-        limit = self.snapshot_every + 64
-        docs = self.log.tail(workflow_id, limit=limit)
+        docs = self.log.tail(workflow_id, limit=self._tail_limit())
+        newer = max((int(d.get("v") or 1) for d in docs if is_event(d)), default=1)
+        if newer > EVENT_SCHEMA:
+            # Written by a newer release (a rollback is under way): folding past events this
+            # one does not know would silently drop what they say. The newer workers run it.
+            logger.warning(
+                "workflow %s has events of schema %s (this worker knows %s); woken again in %ss",
+                workflow_id,
+                newer,
+                EVENT_SCHEMA,
+                UNKNOWN_WORKFLOW_RETRY_SECONDS,
+            )
+            state_doc = self.log.get_state(workflow_id) or {}
+            self.ports.publish_wake(
+                workflow_id,
+                str(state_doc.get("tier") or self.default_tier),
+                delay=UNKNOWN_WORKFLOW_RETRY_SECONDS,
+            )
+            return "newer schema"
         events = sorted((d for d in docs if is_event(d)), key=lambda d: int(d["seq"]))
         starts = [i for i, e in enumerate(events) if e.get("kind") in ("snapshot", "started")]
         events = events[starts[-1] :] if starts else []
@@ -261,8 +289,9 @@ class WorkflowEngine:
                 {"reason": cancel.get("reason", ""), "actor": cancel.get("actor", "")},
             )
         signals = [signal_of(d) for d in docs if d.get("kind") == PENDING_SIGNAL]
+        waiting: list[float] = []
         if state.status == "running":
-            self._run_code(state, definition, signals, emit, now)
+            waiting = self._run_code(state, definition, signals, emit, now)
         if state.status == "compensating":
             self._compensate(state, emit)
         every = definition.snapshot_every or self.snapshot_every
@@ -285,7 +314,29 @@ class WorkflowEngine:
             self._publish_command(
                 state, command.pos, command.kind, command.name, command.args, command.tier
             )
+        if waiting:
+            self._keep_timer(state, min(waiting), new, now)
         return state.status if state.status != "running" else "suspended"
+
+    def _keep_timer(
+        self, state: WorkflowState, until: float, new: list[dict[str, Any]], now: float
+    ) -> None:
+        """The code waits for a timer (or a signal's timeout) due at ``until``. The wake that
+        scheduled it published its wake for then; the state document keeps the time, so the
+        reconciler's checks of a still workflow never pass it by (a lost wake costs at most a
+        check time). A wake that finds it due soon, not due yet, is most likely that wake,
+        early by the clocks' skew: it is published again for then."""
+        scheduled = any(
+            e["kind"] == "scheduled" and e["data"].get("until") is not None for e in new
+        )
+        if scheduled or until - now <= EARLY_WAKE_SECONDS:
+            self.log.wait_until(
+                state.id,
+                datetime.fromtimestamp(until, UTC),
+                check_by=datetime.fromtimestamp(until + self.check_seconds, UTC),
+            )
+        if not scheduled and until - now <= EARLY_WAKE_SECONDS:
+            self.ports.publish_wake(state.id, self._tier(state), delay=until - now + 0.05)
 
     def _observe(
         self,
@@ -330,7 +381,9 @@ class WorkflowEngine:
         signals: list[Any],
         emit: Callable[[str, dict[str, Any]], None],
         now: float,
-    ) -> None:
+    ) -> list[float]:
+        """Run the code as far as it goes; returns the times of the timers and signal timeouts
+        it suspended at (empty if it did not suspend at one)."""
         context = WorkflowContext(
             state,
             now=now,
@@ -357,11 +410,23 @@ class WorkflowEngine:
         except Exception as exc:  # the workflow's code failed: compensations follow
             failure = _describe(exc, sensitive=definition.sensitive)
         if context.suspended and context.nondeterminism is None:
-            return  # it waits, whatever the code did after swallowing the suspension
+            return context.waiting_until  # it waits, whatever the code did after the suspension
+        recorded_past = state.next_position()
+        if context.nondeterminism is None and not cancelled and context.position < recorded_past:
+            # The code ended (returned or raised) before commands its log recorded: they were
+            # removed or moved under a running workflow. Ending here would leave a recorded
+            # step running unawaited, or compensations skipping steps that ran.
+            last = state.commands[recorded_past - 1]
+            context.nondeterminism = NonDeterminism(
+                f"workflow {state.workflow} ({state.id}) position {context.position}: the log"
+                f" recorded commands up to {last.kind} {last.name!r} at position {last.pos},"
+                " the code now ends before them (a change under running workflows: gate it"
+                " with wf.version)"
+            )
         if context.nondeterminism is not None:
             emit("stuck", {"error": str(context.nondeterminism)})
             logger.error("%s", context.nondeterminism)
-            return
+            return []
         if finished:
             try:
                 encoded = canonical_json(result)
@@ -372,13 +437,14 @@ class WorkflowEngine:
                     if definition.sensitive:
                         encoded = self._sealed(encoded)
                     emit("finished", {"status": "completed", "result": encoded})
-                    return
+                    return []
                 failure = (
                     f"the workflow's result is {len(encoded)} bytes of JSON; the limit is"
                     f" {self.max_result_bytes} (LEDGER_MAX_RESULT_BYTES)"
                 )
         if failure is not None:
             emit("code_failed", {"error": storable(failure)[:4000], "cancelled": cancelled})
+        return []
 
     def _compensate(
         self, state: WorkflowState, emit: Callable[[str, dict[str, Any]], None]
@@ -439,6 +505,10 @@ class WorkflowEngine:
                 )
             elif kind == "signal":
                 self.log.delete([_signal_doc_id(state.id, data.get("signal_id"))])
+            elif kind == "cancel_requested":
+                # At once: the code waits for its children to end before it meets the
+                # cancellation (WorkflowContext._cancel_point), and a child may wait forever.
+                self._cancel_children(state)
             elif kind == "code_failed":
                 self.log.set_status(state.id, "compensating", error=data.get("error"))
                 if data.get("cancelled"):
@@ -552,7 +622,7 @@ class WorkflowEngine:
         return added
 
     def _consumed_signals(self, workflow_id: str) -> set[str]:
-        docs = self.log.tail(workflow_id, limit=self.snapshot_every + 64)
+        docs = self.log.tail(workflow_id, limit=self._tail_limit())
         events = sorted((d for d in docs if is_event(d)), key=lambda d: int(d["seq"]))
         starts = [i for i, e in enumerate(events) if e.get("kind") in ("snapshot", "started")]
         return set(fold(workflow_id, events[starts[-1] :] if starts else []).consumed_signals)
@@ -662,15 +732,28 @@ class WorkflowEngine:
             last = self.log.last_event_at(workflow_id)
             if last is not None and (now - last).total_seconds() < self.check_seconds:
                 self.log.check_by(
-                    workflow_id, last + timedelta(seconds=self.check_seconds), checks=0
+                    workflow_id,
+                    self._capped(doc, last + timedelta(seconds=self.check_seconds)),
+                    checks=0,
                 )
                 continue
             checks = int(doc.get("checks") or 0)
             wait = self.check_seconds * 2 ** min(checks, MAX_CHECK_DOUBLINGS)
-            self.log.check_by(workflow_id, now + timedelta(seconds=wait), checks=checks + 1)
+            self.log.check_by(
+                workflow_id, self._capped(doc, now + timedelta(seconds=wait)), checks=checks + 1
+            )
             self.ports.publish_wake(workflow_id, str(doc.get("tier") or self.default_tier))
             woken += 1
         return woken
+
+    def _capped(self, doc: Mapping[str, Any], check_at: datetime) -> datetime:
+        """``check_at``, or a check time after the timer the workflow waits for, if earlier."""
+        timer = doc.get("timer_at")
+        if isinstance(timer, datetime):
+            timer = timer if timer.tzinfo else timer.replace(tzinfo=UTC)
+            if timer >= self.log.now():
+                return min(check_at, timer + timedelta(seconds=self.check_seconds))
+        return check_at
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -682,8 +765,16 @@ class WorkflowEngine:
                 f"arguments of step {call.name} are {size} bytes of JSON; the limit is"
                 f" {self.max_payload_bytes} (LEDGER_MAX_PAYLOAD_BYTES)"
             )
-        if call.kind == "child" and call.name not in self.definitions:
-            raise ConfigurationError(f"{call.name} is not a workflow of this app")
+        if call.kind == "child":
+            definition = self.definitions.get(call.name)
+            if definition is None:
+                raise ConfigurationError(f"{call.name} is not a workflow of this app")
+            try:  # here, into the parent's code, not later where its start would fail forever
+                inspect.signature(_without_context(definition.fn)).bind(*call.args, **call.kwargs)
+            except TypeError as exc:
+                raise PayloadError(
+                    f"child workflow {call.name} cannot take these arguments: {exc}"
+                ) from exc
         return call
 
     def _republish_after(self, command: Any) -> float:

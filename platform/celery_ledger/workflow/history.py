@@ -19,10 +19,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-SCHEMA_VERSION = 1  # of the event documents and of a snapshot's state
-
+# The events' schema version is the log's (ledger.workflow_log.EVENT_SCHEMA): a wake refuses a
+# log with events newer than it knows before folding it.
 TERMINAL = ("completed", "failed", "compensated", "cancelled", "dead")
-ACTIVE = ("running", "compensating", "stuck")
 # Command kinds, and which of them are ledger jobs (their outcome is read from the ledger).
 JOB_KINDS = ("step", "child")
 

@@ -1,0 +1,200 @@
+"""The workflow engine's edges on a real ledger and broker, its wakes run in this process.
+
+Each test's app has a ledger database and queue namespace of its own, so no session worker
+wakes its workflows: the test runs every wake itself and reads what the engine wrote.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+import redis
+
+from celery_ledger.embedded.stack import EmbeddedStack
+from celery_ledger.ledger.workflow_log import EVENT_SCHEMA, event_id
+
+from .conftest import producer_app
+
+CHECK_SECONDS = 1.0
+
+
+@pytest.fixture
+def engine_app(stack: EmbeddedStack) -> Iterator[Any]:
+    run = uuid.uuid4().hex[:8]
+    app = producer_app(
+        stack,
+        f"wf_edges_{run}",
+        mongo_db=f"wf_edges_{run}",
+        queue_namespace=f"wfedges{run}",
+        workflow_check_seconds=CHECK_SECONDS,
+    )
+    app.workflow_engine.log.ensure_indexes()
+    try:
+        yield app
+    finally:
+        app.close()
+
+
+def state_doc(app: Any, workflow_id: str) -> dict[str, Any]:
+    doc = app.workflow_engine.log.get_state(workflow_id)
+    assert doc is not None
+    return dict(doc)
+
+
+def aware(value: datetime) -> datetime:
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def test_code_that_ends_before_its_recorded_commands_is_stopped_not_completed(
+    engine_app: Any,
+) -> None:
+    code = ["v1"]
+
+    def shipping(wf: Any, order: int) -> str:
+        wf.sleep(0.01)
+        if code[0] == "v1":
+            wf.wait_signal("go")  # removed by the next deploy, under running workflows
+        return code[0]
+
+    flow = engine_app.workflow(shipping, name="edges.shipping", idempotency_key="{order}")
+    handle = flow.start(1)
+    engine = engine_app.workflow_engine
+    assert engine.wake(handle.id) == "suspended"  # the timer
+    time.sleep(0.05)
+    assert engine.wake(handle.id) == "suspended"  # fired; the signal wait is recorded
+
+    # When a deploy removes the wait and the workflow is resumed
+    code[0] = "v2"
+    assert engine.wake(handle.id) == "stuck"
+
+    # Then it stops with a non-determinism error naming the recorded command, never "completed"
+    status = handle.status()
+    assert status.status == "stuck"
+    assert "signal 'go' at position 1" in (status.error or "")
+    assert "ends before them" in (status.error or "")
+
+
+def test_a_timer_is_kept_on_the_state_so_the_reconcilers_checks_never_pass_it(
+    engine_app: Any,
+) -> None:
+    def waits(wf: Any, order: int) -> str:
+        wf.sleep(8)  # soon enough that spaced checks would pass it (16 check times at most)
+        return "woke"
+
+    flow = engine_app.workflow(waits, name="edges.waits", idempotency_key="{order}")
+    handle = flow.start(2)
+    engine = engine_app.workflow_engine
+    assert engine.wake(handle.id) == "suspended"
+    timer = next(c for c in handle.state().commands.values() if c.kind == "timer")
+    until = datetime.fromtimestamp(timer.until, UTC)
+    doc = state_doc(engine_app, handle.id)
+    assert abs((aware(doc["timer_at"]) - until).total_seconds()) < 0.01
+    latest = until + timedelta(seconds=CHECK_SECONDS + 0.01)
+    assert aware(doc["check_at"]) <= latest
+
+    # When every check finds it still (its wake lost, say), the checks space out, but the
+    # next check is never later than just after the timer is due
+    states = engine.log.states
+    time.sleep(CHECK_SECONDS + 0.1)  # its log has been still for a check time
+    for _ in range(8):
+        states.update_one({"_id": handle.id}, {"$set": {"check_at": engine.log.now()}})
+        engine.wake_overdue()
+        assert aware(state_doc(engine_app, handle.id)["check_at"]) <= latest
+    assert state_doc(engine_app, handle.id)["checks"] >= 5
+
+
+def test_a_timers_wake_that_comes_early_is_published_again_for_when_it_is_due(
+    engine_app: Any,
+) -> None:
+    def waits(wf: Any, order: int) -> str:
+        wf.sleep(20)
+        return "woke"
+
+    flow = engine_app.workflow(waits, name="edges.early", idempotency_key="{order}")
+    handle = flow.start(3)
+    engine = engine_app.workflow_engine
+    delayed = engine_app.runtime.delayed
+    assert engine.wake(handle.id) == "suspended"
+    held = delayed.pending()
+    assert held == 1  # the timer's wake
+
+    # When a wake comes before the timer is due (the waking host's clock is behind)
+    assert engine.wake(handle.id) == "suspended"
+
+    # Then its wake is held again, for when the timer is due: a lost or early wake costs nothing
+    assert delayed.pending() == held + 1
+    broker = redis.Redis.from_url(engine_app.settings.broker_url)
+    scores = [score for _, score in broker.zrange(delayed.key, 0, -1, withscores=True)]
+    timer = next(c for c in handle.state().commands.values() if c.kind == "timer")
+    assert all(abs(score - (timer.until + 0.05)) < 1.0 for score in scores)
+    broker.close()
+
+
+def test_a_log_written_by_a_newer_release_is_left_to_it(engine_app: Any) -> None:
+    def waits(wf: Any, order: int) -> Any:
+        return wf.wait_signal("go")
+
+    flow = engine_app.workflow(waits, name="edges.newer", idempotency_key="{order}")
+    handle = flow.start(4)
+    engine = engine_app.workflow_engine
+    assert engine.wake(handle.id) == "suspended"
+    before = len(handle.history())
+    # Given an event of a schema this release does not know (a rollback is under way)
+    seq = max(e.seq for e in handle.history()) + 1
+    engine.log.events.insert_one(
+        {
+            "_id": event_id(handle.id, seq),
+            "wf": handle.id,
+            "seq": seq,
+            "v": EVENT_SCHEMA + 1,
+            "at": engine.log.now(),
+            "kind": "a_newer_kind",
+            "data": {},
+        }
+    )
+    handle.signal("go", 1)
+    held = engine_app.runtime.delayed.pending()
+
+    # Then this release's wake neither folds past it nor appends: it hands the wake back
+    assert engine.wake(handle.id) == "newer schema"
+    assert len(handle.history()) == before + 1  # only the newer event
+    assert engine_app.runtime.delayed.pending() == held + 1
+    assert state_doc(engine_app, handle.id)["status"] == "running"
+
+
+@pytest.mark.parametrize("target", ["child", "step"])
+def test_a_call_with_arguments_its_target_cannot_take_fails_the_code_at_the_call(
+    engine_app: Any, target: str
+) -> None:
+    from tests.integration.ledger_app import wf_step
+
+    def child(wf: Any, order: int) -> int:
+        return order
+
+    child_flow = engine_app.workflow(
+        child, name=f"edges.child_{target}", idempotency_key="c-{order}"
+    )
+
+    def parent(wf: Any, order: int) -> str:
+        try:
+            if target == "child":
+                wf.run(child_flow, order, colour="red")  # no such parameter
+            else:
+                wf.run(wf_step, f"t-{order}")  # its name is missing
+        except Exception as exc:
+            return f"refused: {type(exc).__name__}: {exc}"
+        return "published"
+
+    flow = engine_app.workflow(parent, name=f"edges.parent_{target}", idempotency_key="{order}")
+    handle = flow.start(5)
+    # The refusal is raised into the code at the call (which may handle it), never later
+    # where publishing the recorded call would fail at every wake
+    assert engine_app.workflow_engine.wake(handle.id) == "completed"
+    result = handle.state().result or ""
+    assert "refused: PayloadError" in result and "cannot take these arguments" in result
+    assert not handle.state().commands  # nothing was recorded
