@@ -181,6 +181,7 @@ def state(ctx: click.Context, workflow_id: str, as_of: str | None, as_json: bool
 @click.argument("name")
 @click.option("--payload", default="null", help="The signal's payload, as JSON.")
 @click.option("--signal-id", help="Makes the send idempotent: a repeat of this id counts once.")
+@click.option("--json", "as_json", is_flag=True)
 @actor_option
 @click.pass_context
 @_acting
@@ -190,6 +191,7 @@ def signal(
     name: str,
     payload: str,
     signal_id: str | None,
+    as_json: bool,
     actor_name: str | None,
 ) -> None:
     """Send signal NAME (kept until a wait for it consumes it; delivered once)."""
@@ -198,31 +200,52 @@ def signal(
     except ValueError as exc:
         raise click.BadParameter(f"--payload is not JSON: {exc}") from exc
     added = _handle(ctx, workflow_id).signal(name, value, signal_id=signal_id, actor=actor_name)
+    if as_json:
+        _echo_json({"id": workflow_id, "action": "signal", "signal": name, "added": added})
+        return
     console.print(f"signal {name} " + ("sent" if added else "was sent before (not repeated)"))
 
 
 @workflows.command()
 @click.argument("workflow_id")
 @click.option("--reason", default="", help="Why (kept in the log and the audit trail).")
+@click.option("--json", "as_json", is_flag=True)
 @actor_option
 @click.pass_context
 @_acting
-def cancel(ctx: click.Context, workflow_id: str, reason: str, actor_name: str | None) -> None:
-    """Cancel: raised into the code where it waits; its compensations run."""
+def cancel(
+    ctx: click.Context, workflow_id: str, reason: str, as_json: bool, actor_name: str | None
+) -> None:
+    """Cancel: raised into the code at its next wait or new step, once the steps in flight
+    have ended (each step that ran is compensated); child workflows are cancelled at once."""
     _handle(ctx, workflow_id).cancel(reason, actor=actor_name)
+    if as_json:
+        _echo_json({"id": workflow_id, "action": "cancel", "reason": reason})
+        return
     console.print(f"cancel requested for {workflow_id}")
 
 
 @workflows.command()
 @click.argument("workflow_id")
 @click.option("--from-step", type=int, default=None, help="Run again from this position.")
+@click.option("--json", "as_json", is_flag=True)
 @actor_option
 @click.pass_context
 @_acting
 def retry(
-    ctx: click.Context, workflow_id: str, from_step: int | None, actor_name: str | None
+    ctx: click.Context,
+    workflow_id: str,
+    from_step: int | None,
+    as_json: bool,
+    actor_name: str | None,
 ) -> None:
     """Resume a stuck workflow, or run an ended one again from a step (default: its first
     failed step), under a new generation of step jobs."""
-    _handle(ctx, workflow_id).retry(from_step, actor=actor_name)
-    console.print(f"{workflow_id} resumed" + (f" from step {from_step}" if from_step else ""))
+    event = _handle(ctx, workflow_id).retry(from_step, actor=actor_name)
+    if as_json:
+        _echo_json({"id": workflow_id, "action": "retry", "event": event})
+        return
+    resumed_from = (event.get("data") or {}).get("from_pos")
+    console.print(
+        f"{workflow_id} resumed" + ("" if resumed_from is None else f" from step {resumed_from}")
+    )
