@@ -111,7 +111,20 @@ class LedgerRequest(Request):  # type: ignore[misc]
     exception message and no traceback: Celery puts ``repr(result)`` and the exception's text
     in them, which hold what the arguments held. The exception's type stays (what failed,
     not on what).
+
+    Nor does what the worker says about the message when asked (``inspect active``,
+    ``reserved``, ``scheduled``, ``query_task``, which Flower's worker page calls): Celery puts
+    the opened arguments in that reply, and the reply is a list on the broker, kept in its
+    append-only file. The arguments are the redaction marker there, as in ``argsrepr``.
     """
+
+    def info(self, safe: bool = False) -> dict[str, Any]:
+        described: dict[str, Any] = super().info(safe=safe)
+        if getattr(self.task, "sensitive", False):
+            # Whatever ``safe`` asks: argsrepr is the publisher's text, and a publisher that
+            # is not ours may have put the arguments there.
+            described["args"] = described["kwargs"] = REDACTED
+        return described
 
     def send_event(self, type: str, **fields: Any) -> None:
         if getattr(self.task, "sensitive", False):
