@@ -8,8 +8,8 @@ A rotation, end to end (the README's "Rotating encryption keys"):
 2. ``celery -A APP ledger keys reseal``: every value sealed with an older key is sealed again
    with the new one: ledger records (their messages, raw poison, results, checkpoints, step
    results), groups, workflows (arguments, events, signals), delayed deliveries, the messages
-   waiting in the tier queues and the dead letters' queue, and kombu's delivered, unacknowledged
-   messages;
+   waiting in the tier queues and the dead letters' queue, kombu's delivered, unacknowledged
+   messages, and poison the transport kept that is not drained into the ledger yet;
 3. ``celery -A APP ledger keys check``: nothing left means the old key can go (a value written
    under the pass by an older process, or a message a worker took meanwhile, is counted; run the
    reseal again);
@@ -24,8 +24,9 @@ key opens are counted, never rewritten: they were sealed with a key dropped too 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 from kombu.transport.redis import PRIORITY_STEPS
@@ -33,7 +34,7 @@ from kombu.transport.redis import PRIORITY_STEPS
 from .crypto import Sealer
 from .delayed import DelayedDeliveries
 from .ledger.store import Ledger
-from .reseal import Tally, resealed_queue_item
+from .reseal import Reseal, Tally, reseal_tree, resealed_queue_item
 
 # kombu's Redis transport keeps priority n of queue q in the list "q\x06\x16n" (0: q itself).
 _PRIORITY_SEPARATOR = "\x06\x16"
@@ -68,6 +69,7 @@ def rotate_keys(
     broker: redis.Redis,
     queues: Sequence[str],
     unacked_key: str,
+    poison_key: str,
     apply: bool,
 ) -> RotationReport:
     """Seal every stored value again with ``sealer``'s newest key (``apply``), or survey what
@@ -85,6 +87,11 @@ def rotate_keys(
             if tally != Tally() or priority == 0:
                 report.places[f"queue {name}"] = tally
     report.places[f"unacked {unacked_key}"] = lists.reseal_unacked(unacked_key, sealer, apply=apply)
+    # Poison kept by the transport, not drained into the ledger yet (its raw message may be a
+    # sensitive task's sealed body).
+    report.places[f"poison {poison_key}"] = lists.reseal_list(
+        poison_key, sealer, apply=apply, entry=_resealed_poison
+    )
     return report
 
 
@@ -114,15 +121,24 @@ class _BrokerLists:
         self._set_item = broker.register_script(_SET_LIST_ITEM)
         self._set_value = broker.register_script(_SET_HASH_VALUE)
 
-    def reseal_list(self, key: str, sealer: Sealer, *, apply: bool, chunk: int = 500) -> Tally:
+    def reseal_list(
+        self,
+        key: str,
+        sealer: Sealer,
+        *,
+        apply: bool,
+        chunk: int = 500,
+        entry: Callable[[Any, Reseal, Tally], Any] = resealed_queue_item,
+    ) -> Tally:
         """Items are addressed from the tail (negative indices), where consumers pop: a
-        push at the head, the common change, moves no item read so far."""
+        push at the head, the common change, moves no item read so far. Each item is JSON,
+        resealed by ``entry`` (a queue item by default)."""
         tally = Tally()
         end = -1
         while True:
             items = self._broker.lrange(key, end - chunk + 1, end)
             for offset, item in enumerate(reversed(items)):
-                new = _resealed_item(item, sealer, tally)
+                new = _resealed_item(item, sealer, tally, entry)
                 if new is not None and apply:
                     index = end - offset
                     done = self._set_item(keys=[key], args=[index, item, new])
@@ -150,14 +166,24 @@ class _BrokerLists:
         return tally
 
 
-def _resealed_item(item: bytes | str, sealer: Sealer, tally: Tally) -> str | None:
-    """The queue item sealed again, or None if nothing in it changed."""
+def _resealed_item(
+    item: bytes | str,
+    sealer: Sealer,
+    tally: Tally,
+    entry: Callable[[Any, Reseal, Tally], Any],
+) -> str | None:
+    """The list item sealed again, or None if nothing in it changed."""
     try:
         decoded = json.loads(item)
     except ValueError:
         return None  # the transport keeps an unreadable item as poison when it pops it
-    new = resealed_queue_item(decoded, sealer.reseal, tally)
+    new = entry(decoded, sealer.reseal, tally)
     return None if new is decoded else json.dumps(new)
+
+
+def _resealed_poison(entry: Any, reseal: Reseal, tally: Tally) -> Any:
+    """A poison entry (its raw message base64 in ``raw_base64``, as a dead record keeps it)."""
+    return reseal_tree(entry, reseal, tally) if isinstance(entry, dict) else entry
 
 
 __all__ = ["RotationReport", "rotate_keys"]

@@ -4,6 +4,7 @@ every job, dead letter, delayed delivery, queued message and workflow still open
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from argparse import Namespace
@@ -76,8 +77,15 @@ def test_after_a_reseal_the_old_key_can_be_dropped_and_nothing_is_lost(
         later = store.apply_async((f"{token}-later", card), countdown=3600)
         queued = store.delay(f"{token}-queued", card)
 
-        # When the operator prepends a new key, checks, reseals and checks again
+        # When the operator prepends a new key, checks, reseals and checks again (with a
+        # sensitive message the transport kept as poison, not drained into the ledger yet)
         rotated = producer_app(running, "rotation_ops", encryption_keys=[new, old])
+        poison = rotated.dead_letters.poison_key
+        rotated.dead_letters.push_poison(
+            queue="ledger_tests.default",
+            reason="test poison",
+            raw=Sealer([old]).seal(json.dumps([[card], {}])).encode(),
+        )
         first = keys_cli(rotated, "check", "--json")
         assert first.exit_code == 1, first.output
         found = json.loads(first.output)
@@ -91,6 +99,12 @@ def test_after_a_reseal_the_old_key_can_be_dropped_and_nothing_is_lost(
         # the state holds the arguments; the result lives in the workflow's own ledger record
         assert places["ledger ledger_workflows"]["stale"] == 1
         assert places["ledger ledger_workflow_events"]["stale"] >= 2  # the step and the signal
+        assert places[f"poison {poison}"]["stale"] == 1
+        broker_client = redis.Redis.from_url(running.broker.url)  # type: ignore[union-attr]
+        (entry,) = broker_client.lrange(poison, 0, -1)
+        raw = base64.b64decode(json.loads(entry)["raw_base64"]).decode()
+        assert json.loads(Sealer([new]).open(raw)) == [[card], {}]
+        broker_client.close()
         done = keys_cli(rotated, "check")
         assert done.exit_code == 0, done.output
         again = json.loads(keys_cli(rotated, "reseal", "--json").output)

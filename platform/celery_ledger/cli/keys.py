@@ -72,6 +72,7 @@ def _rotate(ctx: click.Context, *, apply: bool) -> RotationReport:
         broker=runtime.redis,
         queues=[*runtime.tiers.queues, runtime.tiers.queue(DEAD_LETTER)],
         unacked_key=unacked_keys(runtime.tiers.namespace).get("unacked_key", "unacked"),
+        poison_key=app.dead_letters.poison_key,
         apply=apply,
     )
 
