@@ -432,7 +432,15 @@ class _WorkflowPorts:
         if isinstance(target, WorkflowCall):
             target, args, kwargs = target.workflow, target.args + args, {**target.kwargs, **kwargs}
         if isinstance(target, Workflow):
-            return Call("child", target.name, tuple(args), dict(kwargs), target.definition.tier)
+            definition = target.definition
+            return Call(
+                "child",
+                target.name,
+                tuple(args),
+                dict(kwargs),
+                definition.tier,
+                sensitive=definition.sensitive,
+            )
         tier = None
         if isinstance(target, Signature):
             name = str(target.task)

@@ -547,6 +547,15 @@ class LedgerTask(Task):  # type: ignore[misc]
         # The body sealed here, before it leaves the process: a sensitive task's, and any body
         # that carries a sensitive task's signature (a chain's rest, a callback) with its
         # arguments. Monitoring (events, Flower, inspect) shows no repr of sensitive arguments.
+        if self.sensitive:
+            exposed = self._clear_successors(link, options)
+            if exposed:
+                raise ConfigurationError(
+                    f"{self.name} is sensitive, and its result would reach"
+                    f" {', '.join(sorted(exposed))} as an argument in clear (a chain's next"
+                    " task or a callback gets it): make them sensitive=True"
+                    " too, or publish them from the body with what they need"
+                )
         seal = self.sensitive or self._carries_sensitive(link, link_error, options)
         if self.sensitive:
             options["argsrepr"] = options["kwargsrepr"] = REDACTED
@@ -664,6 +673,20 @@ class LedgerTask(Task):  # type: ignore[misc]
         return any(
             getattr(tasks.get(name), "sensitive", False) for name in _signature_tasks(canvases)
         )
+
+    def _clear_successors(self, link: Any, options: dict[str, Any]) -> set[str]:
+        """The tasks that would receive this task's result and are not sensitive: its
+        callbacks and the rest of its chain (and what they carry on, which gets what they
+        derive from it). Celery's own canvas tasks only pass it along. A chord's body is not
+        checked here: Celery publishes the chord's unlock before its header, so a refusal here
+        would leave that unlock polling for a header never sent."""
+        canvases = (link, options.get("chain"))
+        tasks = self.app.tasks
+        return {
+            name
+            for name in _signature_tasks(canvases)
+            if not name.startswith("celery.") and not getattr(tasks.get(name), "sensitive", False)
+        }
 
     def _kept(self, args: Any, kwargs: Any, message_headers: dict[str, Any]) -> KeptMessage:
         """The message as the ledger keeps it to republish it (sealed if sensitive)."""

@@ -492,6 +492,47 @@ def test_a_sensitive_task_publishes_a_sealed_body_and_holds_its_delayed_entry_se
     assert all("argsrepr" not in p.options for p in published)  # the plain task's own reprs
 
 
+def test_a_sensitive_tasks_result_never_reaches_a_task_that_is_not_in_clear(
+    published: list[Published],
+) -> None:
+    from cryptography.fernet import Fernet
+
+    settings = Settings(
+        broker_url="redis://127.0.0.1:1/0",
+        mongo_uri="mongodb://127.0.0.1:1/",
+        encryption_keys=[Fernet.generate_key().decode()],
+        key_secret=SECRET,
+        dedupe_on_publish=False,
+    )
+    secure = create_app("unit_successors", settings=settings, set_as_current=False)
+
+    @secure.task(name="vault.store", shared=False, sensitive=True)
+    def store(card: str) -> str: ...
+
+    @secure.task(name="vault.mask", shared=False, sensitive=True)
+    def mask(token: str) -> str: ...
+
+    @secure.task(name="shop.notify", shared=False)
+    def notify(token: str) -> None: ...
+
+    # Every way its result becomes another task's argument is refused, before publishing
+    attempts = {
+        "link": lambda: store.apply_async(("4111",), link=notify.s()),
+        "chain": lambda: (store.s("4111") | notify.s()).apply_async(),
+        "later in the chain": lambda: (store.s("4111") | mask.s() | notify.s()).apply_async(),
+    }
+    for how, attempt in attempts.items():
+        with pytest.raises(ConfigurationError, match=r"shop\.notify.*sensitive=True"):
+            attempt()
+        assert published == [], how
+
+    # A sensitive successor, a callback on failure and a plain task's chain go ahead
+    (store.s("4111") | mask.s()).apply_async()
+    store.apply_async(("4111",), link_error=notify.si("failed"))
+    (notify.s("a") | notify.s()).apply_async()
+    assert len(published) == 3
+
+
 SECRET = "k" * 16 + "0123456789abcdef"
 
 

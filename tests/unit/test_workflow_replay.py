@@ -347,3 +347,35 @@ def test_a_resume_reads_to_the_snapshot_of_the_workflow_with_the_widest_interval
         )._tail_limit()
         < 1000
     )
+
+
+def sensitive_context(log: Log) -> WorkflowContext:
+    """A sensitive workflow's ``wf``: only the task "vault" is sensitive."""
+    return WorkflowContext(
+        log.state,
+        now=NOW,
+        signals=(),
+        call_of=lambda target, args, kwargs: Call(
+            "step", str(target), args, kwargs, sensitive=target == "vault"
+        ),
+        job_id_of=lambda call, pos: f"job-{pos}",
+        decode=lambda text: text,
+        emit=log.emit,
+        seal=lambda text: f"sealed:{text}",
+        sensitive=True,
+    )
+
+
+def test_a_sensitive_workflow_refuses_a_step_that_would_hold_its_data_in_clear() -> None:
+    from celery_ledger.errors import ConfigurationError
+
+    log = Log()
+    with pytest.raises(Suspend):
+        sensitive_context(log).run("vault", "4111")  # recorded sealed, then waited for
+    assert log.state.commands[0].args == 'sealed:[["4111"],{}]'
+
+    for command in ("run", "compensate"):
+        fresh = Log()
+        with pytest.raises(ConfigurationError, match="not sensitive"):
+            getattr(sensitive_context(fresh), command)("notify", "4111")
+        assert fresh.state.commands == {}  # nothing recorded

@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from ..errors import NonDeterminism, PayloadError, StepFailed, WorkflowCancelled
+from ..errors import (
+    ConfigurationError,
+    NonDeterminism,
+    PayloadError,
+    StepFailed,
+    WorkflowCancelled,
+)
 from ..keys import canonical_json
 from .history import JOB_KINDS, Command, WorkflowState
 
@@ -257,7 +263,19 @@ class WorkflowContext:
 
     def _arguments(self, call: Call) -> str:
         """The call's arguments as the log keeps them (sealed for a sensitive task, and in a
-        sensitive workflow)."""
+        sensitive workflow).
+
+        Raises:
+            ConfigurationError: a sensitive workflow calls a task or workflow that is not
+                sensitive (its message, ledger record and result would hold the workflow's
+                data in clear).
+        """
+        if self._sensitive and not call.sensitive:
+            raise ConfigurationError(
+                f"{call.kind} {call.name} is not sensitive, and workflow {self._state.workflow}"
+                " is: its message, record and result would hold the workflow's data in clear"
+                " (declare it sensitive=True)"
+            )
         try:
             text = canonical_json([list(call.args), call.kwargs])
         except PayloadError as exc:
