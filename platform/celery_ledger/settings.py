@@ -12,7 +12,7 @@ import redis.connection
 from pydantic import Field, SecretStr, TypeAdapter, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from pymongo import uri_parser
-from pymongo.errors import PyMongoError
+from pymongo.errors import InvalidURI, PyMongoError
 
 from .policies.backpressure import DEFAULT_TIER_LIMITS, TierLimit
 from .policies.breaker import BreakerConfig
@@ -265,13 +265,25 @@ class Settings(BaseSettings):
             )
         return value
 
+    # A parser's own message quotes the part it could not read, and in a URL whose password is
+    # not percent-encoded that part is the password's ("Port could not be cast to integer value
+    # as 's3cr3t'"). So no parser's message is ever shown: each refusal says what is expected,
+    # where (see _located), and is raised outside the ``except`` so no exception chain keeps
+    # the parser's text either.
+
     @field_validator("broker_url")
     @classmethod
     def _redis_url(cls, value: str) -> str:
         try:
             parsed = redis.connection.parse_url(value)  # what breakers and shared state use
-        except ValueError as exc:
-            raise ValueError(f"not a Redis URL: {exc}") from None
+        except Exception:
+            parsed = None
+        if parsed is None:
+            raise ValueError(
+                f"not a Redis URL ({_located(value)}): expected"
+                " redis://[user:password@]host[:port][/db][?options] (rediss:// for TLS, or"
+                f" unix://path), {_ENCODED}"
+            )
         _not_a_placeholder(parsed.get("password"))
         return value
 
@@ -283,11 +295,24 @@ class Settings(BaseSettings):
             _not_a_placeholder(unquote_plus(userinfo.partition(":")[2]))
             if host and ":" not in host:
                 return value
-            raise ValueError("a mongodb+srv:// URI names one host, without a port")
+            raise ValueError(
+                f"not a MongoDB URI ({_located(value)}): a mongodb+srv:// URI names one host,"
+                f" without a port, {_ENCODED}"
+            )
+        problem = None
         try:
             parsed = uri_parser.parse_uri(value)
-        except PyMongoError as exc:
-            raise ValueError(f"not a MongoDB URI: {exc}") from None
+        except InvalidURI:
+            problem = (
+                "expected mongodb://[user:password@]host[:port][,host...][/database][?options]"
+                f" or mongodb+srv://, {_ENCODED}"
+            )
+        except PyMongoError:
+            problem = "an option in its query is unknown or has a value it does not take"
+        except Exception:  # a port or an option's value (pymongo raises ValueError for them)
+            problem = f"a port or an option's value is not valid, {_ENCODED}"
+        if problem is not None:
+            raise ValueError(f"not a MongoDB URI ({_located(value)}): {problem}")
         _not_a_placeholder(parsed.get("password"))
         return value
 
@@ -394,20 +419,55 @@ class Settings(BaseSettings):
         if not value:
             return value
         try:
-            from sentry_sdk.utils import BadDsn, Dsn
+            from sentry_sdk.utils import Dsn
         except ImportError:  # create_app says that the sentry extra is missing
             return value
         try:
             Dsn(value)
-        except BadDsn as exc:
-            raise ValueError(f"not a Sentry DSN: {exc}") from None
-        return value
+        except Exception:  # BadDsn, or urllib's ValueError about its port (which quotes it)
+            pass
+        else:
+            return value
+        raise ValueError(
+            f"not a Sentry DSN ({_located(value)}): expected https://PUBLIC_KEY@HOST/PROJECT_ID,"
+            " as the Sentry project's settings give it"
+        )
 
 
 _SRV = "mongodb+srv://"
 _QUEUE_NAME = re.compile(r"[A-Za-z0-9._:-]{1,100}")
 _BAD_DATABASE_CHARS = frozenset(' ./\\"$\x00')
 Options = TypeVar("Options", BreakerConfig, RetryPolicy, TierLimit, RateLimit)
+
+
+_ENCODED = "with / @ : % ? # percent-encoded in the user name and password"
+_URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+_ADDRESS = re.compile(r"(?P<host>[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\])(?::[0-9]{1,5})?")
+
+
+def _located(url: str) -> str:
+    """Where a refused URL points (its scheme and hosts), and nothing of its credentials.
+
+    The user name and password end at the URL's *last* ``@`` (a password that is not
+    percent-encoded may hold ``@``, ``/`` or ``:`` itself). Hosts are shown only if what follows
+    reads as ``host[:digits][,host[:digits]...]``: when an ``@`` could be in the query or the
+    fragment, or an address does not read as one, no host is shown, as it could be a piece of
+    the password.
+    """
+    scheme = _URL_SCHEME.match(url)
+    if scheme is None:
+        return "no scheme://"
+    where = f"scheme {scheme.group(1).lower()}://"
+    userinfo, at, rest = url[scheme.end() :].rpartition("@")
+    if at and not {"?", "#"}.isdisjoint(userinfo):
+        return f"{where}, host not shown"
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    if not authority:
+        return f"{where}, no host"
+    addresses = [_ADDRESS.fullmatch(address) for address in authority.split(",")]
+    if not all(addresses):
+        return f"{where}, host not shown"
+    return f"{where}, host {','.join(a['host'] for a in addresses if a)}"
 
 
 # The prefix of every secret in .env.example: a deployment that kept one has no secret at all.
