@@ -28,7 +28,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 from pymongo import MongoClient
-from pymongo.errors import OperationFailure
+from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from celery_ledger.embedded.flower import start_flower
 from celery_ledger.embedded.servers import ServerProcess, start_secantus, start_valkey
@@ -222,6 +222,11 @@ def test_the_app_user_may_not_rewrite_the_audit_trail_or_reach_beyond_the_ledger
             assert denied.value.code == 13  # Unauthorized
         db["ledger"].insert_one({"_id": "probe"})  # the records: read and written
         assert db["ledger"].find_one({"_id": "probe"}) is not None
+        # An action has one outcome: a second, written before or after, is refused
+        action = db["ledger_audit"].insert_one({"action": "purge", "actor": "a"}).inserted_id
+        db["ledger_audit"].insert_one({"of": action, "outcome": "done"})
+        with pytest.raises(DuplicateKeyError):
+            db["ledger_audit"].insert_one({"of": action, "outcome": "failed"})
 
     assert running.ledger is not None
     with MongoClient(running.ledger.url) as admin:
@@ -232,7 +237,12 @@ def test_the_app_user_may_not_rewrite_the_audit_trail_or_reach_beyond_the_ledger
     }
     audit = grants[("ledger_tests", "ledger_audit")]
     assert "insert" in audit and "find" in audit
-    assert not audit & {"update", "remove", "dropCollection", "collMod"}  # append-only
+    # append-only, and no index (a TTL index would have the server delete the trail): the
+    # provisioning step made its indexes with the administrator's connection
+    assert not audit & {"update", "remove", "dropCollection", "collMod", "createIndex"}
+    with MongoClient(running.ledger.url) as admin:
+        indexes = admin["ledger_tests"]["ledger_audit"].index_information()
+    assert indexes["one_outcome"]["unique"] is True
     # No grant on a whole database reads or writes (MongoDB adds grants up: it would reach
     # the audit trail), and no grant outside the ledger's database
     assert grants[("ledger_tests", "")] == {"listCollections"}

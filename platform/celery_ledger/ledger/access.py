@@ -22,6 +22,7 @@ from pymongo import MongoClient
 from pymongo.errors import OperationFailure, PyMongoError
 
 from ..errors import ConfigurationError, StoreError
+from .store import Ledger
 
 ROLE = "celery_ledger_app"
 # Collections beside the records (``<collection>_<suffix>``), and what the app does with them.
@@ -31,8 +32,9 @@ COMPANIONS: dict[str, tuple[str, ...]] = {
     "groups": READ_WRITE + INDEXES,
     "workflows": READ_WRITE + INDEXES,
     "workflow_events": READ_WRITE + INDEXES,
-    # Append-only: read and add entries, never change or remove one.
-    "audit": ("find", "insert", "createIndex", "listIndexes", "createCollection", "killCursors"),
+    # Append-only: read and add entries, never change or remove one, and no index either (a
+    # TTL index would have the server delete the trail): :func:`provision` makes its indexes.
+    "audit": ("find", "insert", "listIndexes", "createCollection", "killCursors"),
 }
 
 
@@ -88,6 +90,7 @@ def provision(
             {"createUser": user, "pwd": password, "roles": roles},
             {"updateUser": user, "pwd": password, "roles": roles},
         )
+        Ledger.ensure_audit_indexes(client[database][f"{collection}_audit"])
     except OperationFailure as exc:
         if exc.code == 13:  # Unauthorized
             raise ConfigurationError(

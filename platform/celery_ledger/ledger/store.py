@@ -139,6 +139,13 @@ class Unclaimed:
 BuryMatch = Fenced | HeldBy | Unchanged | Unclaimed
 
 
+# (name, keys, options) of the audit trail's indexes (Ledger.ensure_audit_indexes).
+AUDIT_INDEXES: list[tuple[str, Any, dict[str, Any]]] = [
+    ("one_outcome", "of", {"unique": True, "sparse": True}),
+    ("at", "at", {}),
+]
+
+
 @contextlib.contextmanager
 def translate_errors(what: str) -> Iterator[None]:
     """Turn pymongo's errors into the platform's: transient ones (and writes whose outcome is
@@ -310,6 +317,21 @@ class Ledger:
                 [("state", ASCENDING), ("claimable_at", ASCENDING)], name="state_claimable"
             )
             self.collection.create_index("copy_due_at", name="copy_due")
+        self.ensure_audit_indexes(self._companion("audit"))
+
+    @staticmethod
+    def ensure_audit_indexes(audit: Collection[dict[str, Any]]) -> None:
+        """The audit trail's indexes: one outcome per action (a unique index on ``of``, which
+        actions leave out), and its time. Where the app's role may not create indexes on the
+        trail (``ledger.access``: a TTL index would delete it), the provisioning step made
+        them with the administrator's connection, and this is a no-op."""
+        try:
+            with translate_errors("audit index creation"):
+                for name, keys, options in AUDIT_INDEXES:
+                    audit.create_index(keys, name=name, **options)
+        except StoreError as exc:
+            if not isinstance(exc.__cause__, OperationFailure) or exc.__cause__.code != 13:
+                raise  # 13: Unauthorized (a least-privilege deployment)
 
     def expire(self) -> int:
         """Delete records past their ``expires_at`` (what the TTL index does when it is on).
@@ -1006,9 +1028,12 @@ class Ledger:
         reason: str | None = None,
         limit: int = 1000,
         include_purged: bool = False,
+        after: tuple[datetime | None, str] | None = None,
     ) -> list[dict[str, Any]]:
-        """Dead records, newest first; every filter (``reason``: a case-insensitive
-        substring) applies before the limit, so a listing is never cut short by what it hides."""
+        """Dead records, newest first (by death time, then id); every filter (``reason``: a
+        case-insensitive substring) applies before the limit, so a listing is never cut short
+        by what it hides. ``after``: only the records after this ``(finished_at, _id)`` in that
+        order (the last of the page before: see ``DeadLetters.each``)."""
         query: dict[str, Any] = {"state": State.DEAD.value}
         if task:
             query["task"] = task
@@ -1018,8 +1043,21 @@ class Ledger:
             query["dead_reason"] = {"$regex": re.escape(reason), "$options": "i"}
         if not include_purged:
             query["purged_at"] = None  # absent
+        if after is not None:
+            at, last_id = after
+            # A comparison matches values of its own type only: records without a death time
+            # come last in the order, so they follow any page that ends with a dated one.
+            later: list[dict[str, Any]] = [{"finished_at": None, "_id": {"$lt": last_id}}]
+            if at is not None:
+                later = [
+                    {"finished_at": {"$lt": at}},
+                    {"finished_at": at, "_id": {"$lt": last_id}},
+                    {"finished_at": None},
+                ]
+            query = {"$and": [query, {"$or": later}]}
+        order = [("finished_at", DESCENDING), ("_id", DESCENDING)]
         with translate_errors("dead-letter query"):
-            return list(self.collection.find(query).sort("finished_at", DESCENDING).limit(limit))
+            return list(self.collection.find(query).sort(order).limit(limit))
 
     def find_dead_by_key(self, key: str, *, task: str | None = None) -> dict[str, Any] | None:
         query: dict[str, Any] = {"state": State.DEAD.value, "key": key}
@@ -1093,15 +1131,25 @@ class Ledger:
             )
 
     def purge(self, record_ids: Sequence[str], *, actor: str) -> int:
+        """:meth:`purge_dead`, returning how many records it removed."""
+        return len(self.purge_dead(record_ids, actor=actor))
+
+    def purge_dead(self, record_ids: Sequence[str], *, actor: str) -> list[str]:
         """Drop dead records from triage, keeping each as a tombstone until its retention ends:
         it still stops a late copy of the job from running. Its message, result, errors and
-        traceback are deleted."""
-        now = self.now()
+        traceback are deleted.
+
+        Returns the ids this call removed. A record that is no longer dead (replayed since it
+        was listed) or already purged is left as it is and not returned: each removal is
+        marked with this call's operation id and read back by it.
+        """
+        now, op = self.now(), new_op()
+        ids = list(record_ids)
         with translate_errors("purge"):
-            result = self.collection.update_many(
-                {"_id": {"$in": list(record_ids)}, "state": State.DEAD.value},
+            self.collection.update_many(
+                {"_id": {"$in": ids}, "state": State.DEAD.value, "purged_at": None},
                 {
-                    "$set": {"purged_at": now, "purged_by": actor},
+                    "$set": {"purged_at": now, "purged_by": actor, "purge_op": op},
                     "$unset": {
                         "message": "",
                         "result": "",
@@ -1111,7 +1159,8 @@ class Ledger:
                     },
                 },
             )
-        return int(result.modified_count)
+            removed = self.collection.find({"_id": {"$in": ids}, "purge_op": op}, {"_id": 1})
+            return [str(doc["_id"]) for doc in removed]
 
     # -- key rotation --------------------------------------------------------------------------
 
@@ -1261,8 +1310,16 @@ class Ledger:
         second entry pointing at the first (``of``), as the trail is append-only (the app's
         database role may add entries, never change one: ``ledger.access``)."""
         fields = {"of": entry_id, "outcome": outcome, "at": self.now(), **details}
-        with translate_errors("audit"):
-            self._companion("audit").insert_one(fields)
+        try:
+            with translate_errors("audit"):
+                self._companion("audit").insert_one(fields)
+        except DuplicateKeyError:
+            # One outcome per action (AUDIT_INDEXES): an outcome already there was written by
+            # someone else before this one, which is evidence of tampering, never overwritten.
+            raise StoreError(
+                f"the audit trail already holds an outcome for action {entry_id}: written by"
+                f" another writer before this one ({outcome}); the trail keeps the first"
+            ) from None
 
     def audit_entries(self, *, limit: int = 100) -> list[dict[str, Any]]:
         """The newest actions, each with its outcome's fields (``ended_at``, details) merged
