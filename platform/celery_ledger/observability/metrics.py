@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Container
@@ -26,8 +27,10 @@ from pymongo import monitoring
 from .. import headers
 from ..events import Job, Observer
 from ..locks import ForkSafeLock
+from ..policies.breaker import BreakerState
 from ..routing import TIERS
 from ..untrusted import float_or_none
+from ..workflow.history import TERMINAL
 
 if TYPE_CHECKING:
     from ..ledger.dead import DeadLetter
@@ -172,6 +175,38 @@ def _tier(tier: Any) -> str:
     return tier if tier in TIERS else "unknown"
 
 
+# A reason is text for people, and may quote a message ("arguments do not bind: got an
+# unexpected keyword argument 'x'" names a keyword the message chose): as a label it would put
+# message content in the metrics and make a series of each new text. Labels from reasons and
+# other event strings are categories from fixed sets instead; anything else is "other".
+OTHER = "other"
+DEFERRAL_REASONS = frozenset(
+    {
+        "leased by another delivery",
+        "circuit open",
+        "circuit open (inside the body)",
+        "ledger unavailable",
+        "ledger unavailable (in the body)",
+        "ledger lost a commit",
+        "rate limited",
+        "arguments do not bind",
+    }
+)
+UNAVAILABLE_WHERE = frozenset({"claim", "body"})
+BREAKER_STATES = frozenset(state.value for state in BreakerState)
+WORKFLOW_ENDS = frozenset(TERMINAL)
+
+
+def category(text: Any, known: Container[str]) -> str:
+    """``text`` if it is one of ``known``; else its head (before the first ``:`` or `` (``,
+    where a reason's details start) if that is; else ``other``."""
+    given = str(text or "")
+    if given in known:
+        return given
+    head = re.split(r":| \(", given, maxsplit=1)[0].strip()
+    return head if head in known else OTHER
+
+
 class _Starts:
     """When each running body started (per process, bounded), for the duration histogram."""
 
@@ -197,7 +232,9 @@ class MetricsObserver(Observer):
 
     Labels come from the app, never from a message: a task label is the name of a task the
     app registers (else ``unregistered``: a poison message may name anything, and each name
-    would be a series of its own), a tier label one of the tiers (else ``unknown``).
+    would be a series of its own), a tier label one of the tiers (else ``unknown``), and a
+    reason, a place or a state one of a fixed set of categories (else ``other``): see
+    :func:`category`.
     """
 
     def __init__(self, known_tasks: Callable[[], Container[str]] = tuple) -> None:
@@ -246,7 +283,8 @@ class MetricsObserver(Observer):
 
     @_safe
     def deferred(self, job: Job, reason: str, delay_seconds: float) -> None:
-        _m().deferred.labels(self._task(job.task), _tier(job.tier), reason or "unknown").inc()
+        label = category(reason, DEFERRAL_REASONS)
+        _m().deferred.labels(self._task(job.task), _tier(job.tier), label).inc()
         self._ended(job, "deferred")
 
     @_safe
@@ -255,11 +293,11 @@ class MetricsObserver(Observer):
 
     @_safe
     def ledger_unavailable(self, job: Job, where: str) -> None:
-        _m().ledger_unavailable.labels(where).inc()
+        _m().ledger_unavailable.labels(category(where, UNAVAILABLE_WHERE)).inc()
 
     @_safe
     def breaker(self, name: str, old: str, new: str) -> None:
-        _m().breaker_transitions.labels(name, new).inc()
+        _m().breaker_transitions.labels(name, category(new, BREAKER_STATES)).inc()
 
     @_safe
     def shed(self, tier: str) -> None:
@@ -276,7 +314,7 @@ class MetricsObserver(Observer):
 
     @_safe
     def workflow_ended(self, workflow: str, status: str) -> None:
-        _m().workflows_ended.labels(workflow, status).inc()
+        _m().workflows_ended.labels(workflow, category(status, WORKFLOW_ENDS)).inc()
 
 
 def instrument(
