@@ -39,9 +39,12 @@ tmp="$out.tmp.$$"
   # server (@dangerous: FLUSHALL, CONFIG, KEYS, MONITOR, DEBUG, SHUTDOWN, CLIENT KILL, ...).
   echo "user ledger on #$worker ~* &* +@all -@dangerous -@admin"
   # Flower: a Celery client for events and inspect/control. It may read every key
-  # but write only kombu's own bookkeeping and the control replies: it cannot
-  # put a job on a queue, touch the delayed set or a breaker, and nothing dangerous.
-  echo "user flower on #$flower resetkeys %R~* ~_kombu.* ~*.reply.celery.pidbox* ~celeryev* ~*unacked* &* +@all -@dangerous -@admin"
+  # but write only kombu's bindings, the control replies and events: it cannot put a
+  # job on a queue, take one off kombu's unacknowledged bookkeeping (it runs with
+  # LEDGER_RESTORE_UNACKED=false), touch the delayed set or a breaker, and nothing
+  # dangerous. It can still send control commands (revoke, shutdown): its web UI's
+  # authentication guards that.
+  echo "user flower on #$flower resetkeys %R~* ~_kombu.* ~*.reply.celery.pidbox* ~celeryev* &* +@all -@dangerous -@admin"
   echo "user health on #$health resetkeys resetchannels -@all +ping"
   if [ -n "$admin" ]; then echo "user admin on #$admin ~* &* +@all"; fi
 } > "$tmp"

@@ -622,6 +622,7 @@ def create_app(
             "unacked_mutex_expire": _UNACKED_MUTEX_EXPIRE_SECONDS,
             **unacked_keys(namespace),
             "ledger_poison_key": poison_key(name),
+            "ledger_restore_visible": settings.restore_unacked,
         },
         broker_connection_retry_on_startup=True,
         result_backend_always_retry=True,

@@ -206,6 +206,11 @@ class Settings(BaseSettings):
     visibility_timeout_seconds: int = Field(
         3600, ge=10, description="Redis transport: unacked messages are redelivered after this."
     )
+    restore_unacked: bool = Field(
+        True,
+        description="Whether this process puts back messages left unacknowledged past the"
+        " visibility timeout (workers: on; Flower: off, its broker user may not write queues).",
+    )
     default_tier: str = Field("default", description="Tier of tasks that do not name one.")
     queue_namespace: str | None = Field(
         None,

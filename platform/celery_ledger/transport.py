@@ -29,11 +29,30 @@ from .envelope import envelope_problem
 logger = logging.getLogger("celery_ledger.transport")
 
 
+class QoS(kombu_redis.QoS):
+    """kombu's QoS, whose sweep of messages left unacknowledged past the visibility timeout
+    can be turned off for a process that must not do it (``ledger_restore_visible``).
+
+    The sweep takes an entry out of kombu's bookkeeping and then pushes it back on its queue.
+    Flower consumes too (control replies), so kombu sweeps in it; but its broker user may not
+    write the queues, so the push would fail after the entry was taken out: the message would
+    be lost. Workers sweep; Flower (``LEDGER_RESTORE_UNACKED=false``) does not.
+    """
+
+    def restore_visible(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.channel.ledger_restore_visible:
+            return None
+        return super().restore_visible(*args, **kwargs)
+
+
 class Channel(kombu_redis.Channel):
+    QoS = QoS
     ledger_poison_key = "celery_ledger:poison"
+    ledger_restore_visible = True
     from_transport_options = (  # type: ignore[assignment]
         *kombu_redis.Channel.from_transport_options,
         "ledger_poison_key",
+        "ledger_restore_visible",
     )
 
     def _brpop_read(self, **options: Any) -> bool | None:

@@ -30,6 +30,7 @@ from click.testing import CliRunner
 from pymongo import MongoClient
 from pymongo.errors import DuplicateKeyError, OperationFailure
 
+from celery_ledger.app import unacked_keys
 from celery_ledger.embedded.flower import start_flower
 from celery_ledger.embedded.servers import ServerProcess, start_secantus, start_valkey
 from celery_ledger.ledger.access import ROLE, privileges
@@ -305,12 +306,15 @@ def test_flower_works_as_its_own_user_with_no_ledger_credentials(
         producer.close()
         flower.stop()
     assert [e for e in broker.refusals() if e["username"] == "flower"] == []
-    # Flower cannot put a job on a queue, touch the delayed set, or anything dangerous
+    # Flower cannot put a job on a queue, take one off kombu's unacknowledged bookkeeping
+    # (restoring one there would drop it: it may not push it back), touch the delayed set, or
+    # anything dangerous; and it never tried (no refusal above)
     with broker.client("flower") as client:
         assert client.llen(running.queues_of("default")) == 0  # it reads every key
         for command in (
             ("LPUSH", running.queues_of("default"), "{}"),
             ("ZADD", f"{NAMESPACE}:ledger:delayed", "0", "x"),
+            ("HDEL", unacked_keys(NAMESPACE)["unacked_key"], "a-delivery-tag"),
             ("FLUSHALL",),
             ("CONFIG", "GET", "*"),
         ):

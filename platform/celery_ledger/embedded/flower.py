@@ -59,6 +59,7 @@ def start_flower(
         raise ConfigurationError("Flower credentials may not contain ',' (nor ':' in the user)")
     child_env = {k: v for k, v in {**os.environ, **env}.items() if not k.startswith("FLOWER_")}
     child_env["FLOWER_BASIC_AUTH"] = f"{user}:{password}"
+    child_env["LEDGER_RESTORE_UNACKED"] = "false"  # as in compose: the workers restore
     child_env["PYTHONPATH"] = os.pathsep.join(
         [os.getcwd(), *filter(None, [child_env.get("PYTHONPATH")])]
     )
