@@ -2,6 +2,10 @@
 
 A republished message (a retry, a deferral, the reconciler's or a replay's copy) carries the
 ledger's headers of the original, so the job keeps its key, tier, age and retry state.
+
+Each header is either bound by the message's signature (``celery_ledger.signing.BOUND_HEADERS``:
+it decides what happens to the job) or listed in ``UNBOUND_HEADERS`` there with the reason it
+may change unsigned; a header added here needs its place in one of the two.
 """
 
 KEY = "ledger_key"  # the idempotency key: with the task name, the job's identity

@@ -1,17 +1,30 @@
 """Message authentication: an HMAC over what makes a task message a job (pure functions).
 
 With ``LEDGER_SIGNING_KEYS`` every task message an app publishes carries a ``ledger_signature``
-header, an HMAC-SHA256 over the task name, the message id, the idempotency key, the workflow a
-step wakes, ``eta``, ``expires``, ``retries`` and the whole body (arguments, keyword arguments,
-and the embedded callbacks, errbacks, chain and chord). A worker verifies it before Celery
-unpacks the message, so whoever can write to the broker cannot make a worker run a registered
-task with arguments (or callbacks) of their choosing, nor give a captured message a new
-identity. A captured message sent again unchanged is the same job, which the ledger already
-runs once.
+header, an HMAC-SHA256 over the whole body (arguments, keyword arguments, and the embedded
+callbacks, errbacks, chain and chord) and over every header that decides what happens to the
+job (:data:`BOUND_HEADERS`): its identity (task name, message id, idempotency key), its
+schedule (``eta``, ``expires``), its tier, its age (``ledger_enqueued_at``, which its max age is
+measured from), its retry and deferral state, its time limits, its group, the workflow a step
+wakes, and the nested ``headers`` a republish copies. A worker verifies it before Celery unpacks
+the message, so whoever can write to the broker cannot make a worker run a registered task with
+arguments (or callbacks) of their choosing, give a captured message a new identity, nor make a
+job expire, die of a time limit or run under another tier's policy by changing a header. A
+captured message sent again unchanged is the same job, which the ledger already runs once.
+
+The few headers left out (:data:`UNBOUND_HEADERS`) each say why: none of them can change what
+happens to a job beyond a bound that does not depend on the message. Every republish of ours
+that changes a bound header (a retry, a deferral, a replay) is a new publish, signed again.
 
 Keys are listed newest first: messages are signed with the first, and any listed key verifies
 (each signature names its key by a short digest), so a rotation is "add the new key second on
 every worker, then first everywhere, then drop the old key once its messages are consumed".
+
+Versions: ``v2`` binds the headers above; ``v1`` (older releases) bound only the identity, the
+schedule, the workflow and the body, so a v1 message's age or tier could be changed under its
+signature. A v1 signature is accepted only while unsigned messages are too
+(``LEDGER_SIGNATURES_REQUIRED=false``, an upgrade in progress), never when signatures are
+required.
 
 Why our own and not kombu's ``auth`` serializer: that one signs with X.509 certificates and a
 private key per producer, signs only the body (a header such as the task name or the
@@ -33,9 +46,11 @@ from . import headers as ledger_headers
 from .errors import ConfigurationError
 
 HEADER = ledger_headers.SIGNATURE
-VERSION = "v1"
-# Headers bound by the signature besides the body (a republish under a new identity re-signs).
-BOUND_HEADERS = (
+VERSION = "v2"
+LEGACY_VERSION = "v1"
+
+# What a v1 signature (older releases) bound besides the body.
+V1_BOUND_HEADERS = (
     "task",
     "id",
     ledger_headers.KEY,
@@ -44,6 +59,61 @@ BOUND_HEADERS = (
     "expires",
     "retries",
 )
+# Headers bound by a v2 signature besides the body: everything Celery and the ledger set when a
+# message is published that a worker reads to decide what happens to the job. Each is set before
+# the message is signed (Celery's as_task_v2, the ledger's apply_async), so none changes between
+# the signature and the worker.
+BOUND_HEADERS = (
+    *V1_BOUND_HEADERS,
+    # the ledger's: its tier's policy (lease, retries, time limit), its max age, the backoff
+    # of its retries and deferrals, where its workflow's wake goes
+    ledger_headers.TIER,
+    ledger_headers.ENQUEUED_AT,
+    ledger_headers.DEFERRALS,
+    ledger_headers.PREVIOUS_DELAY,
+    ledger_headers.WORKFLOW_TIER,
+    # Celery's: time limits, chord and group bookkeeping, whether a result is stored, how
+    # deep a replacement nests, revocation by stamp, result lineage
+    "timelimit",
+    "group",
+    "group_index",
+    "ignore_result",
+    "replaced_task_nesting",
+    "stamped_headers",
+    "stamps",
+    "root_id",
+    "parent_id",
+    "shadow",
+    "lang",
+    "origin",
+    "argsrepr",
+    "kwargsrepr",
+    # Celery reads these from the headers when the body's embed leaves them out
+    "callbacks",
+    "errbacks",
+    "chain",
+    "chord",
+    # The request's ``headers``: what a retry or deferral copies into its message, and where a
+    # ledger header absent at the top level is looked up (Sentry's integration fills it before
+    # the publish, so it is signed as it was sent).
+    "headers",
+)
+# Headers a signature leaves out, and why that is safe. Any other header (tracing's
+# ``sentry-trace``, ``baggage``, ``traceparent``; kombu's ``redelivered``) is not read by the
+# platform or Celery to decide anything.
+UNBOUND_HEADERS: dict[str, str] = {
+    HEADER: "the signature itself",
+    ledger_headers.SENT_AT: "stamped after the signature (before_task_publish); queue-wait"
+    " metrics only",
+    ledger_headers.UNRUNNABLE_SINCE: "changed in flight when a worker puts off a message it"
+    " cannot run yet (an unknown task, arguments that do not bind), which goes back as it was"
+    " sent, signature included; changing it only ends that put-off window early (the message"
+    " is dead-lettered, replayable) or starts it again, for a message no worker here can run",
+    ledger_headers.UNRUNNABLE_DEFERRALS: "changed in flight with ledger_unrunnable_since; only"
+    " the put-off's backoff, capped at 10 s",
+    "compression": "added by kombu after the signature; it only says how the body is encoded,"
+    " and the body the signature covers is the decoded one",
+}
 
 
 def key_id(key: bytes) -> str:
@@ -51,13 +121,17 @@ def key_id(key: bytes) -> str:
     return hashlib.sha256(b"celery-ledger-signing:" + key).hexdigest()[:12]
 
 
-def signed_text(message_headers: Mapping[str, Any], body: Any) -> bytes:
+def signed_text(message_headers: Mapping[str, Any], body: Any, *, version: str = VERSION) -> bytes:
     """The bytes a signature covers: the bound headers and the body, as canonical kombu JSON.
 
     The producer's values go through one kombu JSON round trip first, so a tuple, a datetime
     or an integer dictionary key gives the text the worker computes from the decoded message.
+    A v2 text starts with its version, so it can never be read as a v1 text.
     """
-    fields = [{name: message_headers.get(name) for name in BOUND_HEADERS}, body]
+    if version == LEGACY_VERSION:
+        fields: list[Any] = [{name: message_headers.get(name) for name in V1_BOUND_HEADERS}, body]
+    else:
+        fields = [version, {name: message_headers.get(name) for name in BOUND_HEADERS}, body]
     decoded = kombu_json.loads(kombu_json.dumps(fields))
     text: str = kombu_json.dumps(decoded, sort_keys=True, separators=(",", ":"))
     return text.encode()
@@ -84,27 +158,36 @@ class Signer:
         mac = hmac.new(key, signed_text(message_headers, body), hashlib.sha256).hexdigest()
         return f"{VERSION}:{kid}:{mac}"
 
-    def problem(self, message_headers: Mapping[str, Any], body: Any) -> str | None:
+    def problem(
+        self, message_headers: Mapping[str, Any], body: Any, *, strict: bool = False
+    ) -> str | None:
         """Why a received message must not run (unsigned, or badly signed), or None.
 
         A message without a signature is refused only when signatures are required (turn that
         off while the producers' deploy that adds the keys rolls out); a signature that is
-        there is always checked.
+        there is always checked. ``strict``: as if they were required (a message another
+        process already refused is vouched for by its signature only).
         """
+        required = self.required or (strict and self.enabled)
         signature = message_headers.get(HEADER)
         if signature is None:
-            return "unsigned message (LEDGER_SIGNING_KEYS requires one)" if self.required else None
+            return "unsigned message (LEDGER_SIGNING_KEYS requires one)" if required else None
         if not self._keys:
             return None  # signatures are not checked here (no keys)
         version, _, rest = str(signature).partition(":")
         kid, _, mac = rest.partition(":")
-        if version != VERSION or not kid or not mac:
+        if version not in (VERSION, LEGACY_VERSION) or not kid or not mac:
             return "malformed message signature"
+        if version == LEGACY_VERSION and required:
+            return (
+                "message signed by an older release (v1 signature, which leaves its age and"
+                " tier headers out): refused while LEDGER_SIGNATURES_REQUIRED is on"
+            )
         key = self._keys.get(kid)
         if key is None:
             return f"message signed with key {kid[:12]!r}, not listed in LEDGER_SIGNING_KEYS"
         try:
-            text = signed_text(message_headers, body)
+            text = signed_text(message_headers, body, version=version)
         except (TypeError, ValueError) as exc:
             return f"message signature cannot be checked: {type(exc).__name__}"
         expected = hmac.new(key, text, hashlib.sha256).hexdigest()
