@@ -12,24 +12,36 @@ housekeeping thread moves them into the ledger (:meth:`DeadLetters.drain_poison`
 message of a known job is recorded under that job's identity, so a late copy of it never runs
 and its replay runs the job at most once; storing an entry is idempotent, so two workers
 draining the same entry make one record and one announcement.
+
+Only a signature vouches for a message's headers. A poison message that fails it (unsigned
+while signatures are required, badly signed, or unreadable so that it cannot be checked) is
+never filed under the identity its headers claim: a dead record under a job's id refuses every
+later delivery of that job, so anyone who can write to the broker could stop any job whose key
+they can guess. It is filed under a digest of its bytes instead (``poison-<digest>``), with the
+identity it claims kept as information only, and it is not replayed (which would sign it)
+unless its signature checks by then or an operator forces it.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from kombu.utils import json as kombu_json
+
 from . import headers
+from .crypto import PREFIX
 from .errors import LedgerError, LedgerUnavailable, StoreError
 from .events import Job
-from .keys import identity_of
+from .keys import Identity, identity_of
 from .ledger.dead import DeadJob, DeadLetter, Death
 from .ledger.message import KeptMessage, UnreplayableMessage
 from .ledger.record import State
@@ -37,6 +49,7 @@ from .ledger.store import Unclaimed
 from .untrusted import storable, storable_value
 
 if TYPE_CHECKING:
+    from .crypto import Sealer
     from .runtime import Runtime
 
 logger = logging.getLogger("celery_ledger.deadletter")
@@ -54,6 +67,8 @@ class ReplayOutcome:
     record_id: str
     replayed: bool
     detail: str
+    # published although its message failed authentication (``force_unsigned``)
+    forced: bool = False
 
 
 class DeadLetters:
@@ -227,29 +242,67 @@ class DeadLetters:
         )
         tiers = self._runtime.tiers
         alias = None
-        if (
-            isinstance(task, str)
-            and task
-            and isinstance(ident, str)
-            and ident
-            and _utf8(task + ident)
-        ):
-            identity = identity_of(task, ident, key_header=found.get(headers.KEY))
+        claimed = _claimed(task, ident, found.get(headers.KEY))
+        distrust = None if claimed is None else self._authentication_problem(message)
+        death: Death = "unknown-task" if reason.startswith("unknown task") else "poison"
+        if claimed is not None and distrust is None:
+            identity = identity_of(claimed["task"], claimed["id"], key_header=claimed["key"])
             record_id, key, alias = identity.record_id, identity.key, identity.alias
+            task = identity.task
             tier = self._runtime.tier_of(task) or tiers.tier_of_queue(queue) or tiers.default
+            dead = DeadJob.of_reason(death, reason, task=task, message=message)
+        elif claimed is not None:
+            # Filed under its own bytes: the identity it claims is information, not a record id.
+            task = storable(claimed["task"])
+            digest = hashlib.sha256(
+                raw + json.dumps(message.document()["headers"], sort_keys=True).encode()
+            ).hexdigest()
+            record_id = key = f"poison-{digest[:32]}"
+            tier = tiers.tier_of_queue(queue) or tiers.default
+            dead = dataclasses.replace(
+                DeadJob.of_reason(death, reason, task=task, message=message),
+                unauthenticated=storable(distrust or ""),
+                claimed=storable_value(claimed),
+            )
         else:  # no usable identity: one record per distinct entry
             task = storable(str(task)) if isinstance(task, str) and task else "(unknown)"
             digest = hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()
             record_id = key = f"poison-{digest[:32]}"
             tier = tiers.tier_of_queue(queue) or tiers.default
-        death: Death = "unknown-task" if reason.startswith("unknown task") else "poison"
-        dead = DeadJob.of_reason(death, reason, task=task, message=message)
+            dead = DeadJob.of_reason(death, reason, task=task, message=message)
         if alias is not None:  # the message's own id finds the job (AsyncResult, dlq show)
             self._ledger.alias(alias, record_id=record_id, task=task, key=key)
         inserted = self._ledger.bury(
             record_id, dead, match=Unclaimed(), task=task, key=key, tier=tier
         )
         return record_id, inserted
+
+    def _authentication_problem(self, message: KeptMessage, *, strict: bool = False) -> str | None:
+        """Why the headers of a raw kept message cannot be trusted, or None.
+
+        As a worker decides whether the message may run: without keys nothing is checked, and
+        while unsigned messages are accepted (a rollout) an unsigned or unreadable one is taken
+        as it is (stripping its signature would make it acceptable anyway). Otherwise its
+        signature must check against its body, so a body that cannot be read (undecodable, or
+        sealed with a key not listed here) leaves it unauthenticated. ``strict``: as if
+        signatures were required here (for a message a worker that required them refused).
+        """
+        signer = self._runtime.signer
+        if not signer.enabled:
+            return None
+        required = signer.required or strict
+        found = message.headers
+        if found.get(headers.SIGNATURE) is None and not required:
+            return None
+        try:
+            body = _task_body(message, self._runtime.sealer)
+        except Exception as exc:  # kombu's decoder can raise anything on hostile bytes
+            if not required:
+                return None
+            return (
+                f"its signature cannot be checked: its body cannot be read ({type(exc).__name__})"
+            )
+        return signer.problem(found, body, strict=strict)
 
     # -- triage ----------------------------------------------------------------------------------
 
@@ -306,9 +359,20 @@ class DeadLetters:
     # -- replay and purge ------------------------------------------------------------------------
 
     def replay(
-        self, doc: dict[str, Any], *, dry_run: bool = False, actor: str = ""
+        self,
+        doc: dict[str, Any],
+        *,
+        dry_run: bool = False,
+        actor: str = "",
+        force_unsigned: bool = False,
     ) -> ReplayOutcome:
-        """Publish a dead job again under its own identity, attempts reset: it runs once."""
+        """Publish a dead job again under its own identity, attempts reset: it runs once.
+
+        The publish signs the message, so a message that failed authentication (see the module
+        docstring) is replayed only if its signature checks now (its key was listed since) or
+        with ``force_unsigned``, an operator's word for it. One that was filed under its own
+        digest runs as the job it claims to be, and its quarantine record is purged.
+        """
         record_id = doc["_id"]
         if doc.get("state") != State.DEAD.value:
             return ReplayOutcome(
@@ -326,7 +390,8 @@ class DeadLetters:
         message = KeptMessage.from_document(doc.get("message"))
         if message is None or not message.replayable:
             return ReplayOutcome(record_id, False, "no original message kept: cannot replay")
-        task = str(doc.get("task"))
+        target = _replay_identity(doc)
+        task = target.task
         task_tier = self._runtime.tier_of(task)
         if task_tier is None:
             return ReplayOutcome(record_id, False, f"task {task} is not registered here")
@@ -337,8 +402,30 @@ class DeadLetters:
             message.arguments(self._runtime.sealer)
         except (UnreplayableMessage, StoreError, ValueError) as exc:
             return ReplayOutcome(record_id, False, f"cannot rebuild the arguments: {exc}")
+        # Only a raw message can be unauthenticated: the other kept messages were built by a
+        # worker from a delivery it had verified. One that a worker requiring signatures
+        # refused needs a signature that checks, whatever this process accepts unsigned.
+        strict = bool(doc.get("unauthenticated"))
+        problem = (
+            None
+            if message.raw_base64 is None
+            else self._authentication_problem(message, strict=strict)
+        )
+        if problem is not None and not force_unsigned:
+            return ReplayOutcome(
+                record_id,
+                False,
+                f"not replayed: its message failed authentication ({problem}), and a replay"
+                " would sign it as it is; check it (`ledger dlq show`), then replay it with"
+                " --force-unsigned if it is genuine",
+            )
+        forced = problem is not None
+        elsewhere = target.record_id != record_id
+        where = f"{tier} as job {target.record_id}" if elsewhere else tier
         if dry_run:
-            return ReplayOutcome(record_id, True, f"would replay to {tier} (dry run)")
+            return ReplayOutcome(record_id, True, f"would replay to {where} (dry run)", forced)
+        if elsewhere:
+            return self._replay_elsewhere(record_id, message, target, tier, actor, forced)
         reopened = self._ledger.reopen(record_id, actor=actor)
         if reopened is None:
             return ReplayOutcome(record_id, False, "no longer dead: nothing to do")
@@ -354,7 +441,43 @@ class DeadLetters:
         except Exception as exc:
             self._ledger.undo_reopen(record_id, reopened)
             return ReplayOutcome(record_id, False, f"publish failed, left dead: {exc}")
-        return ReplayOutcome(record_id, True, f"replayed to {tier}")
+        if forced:
+            logger.warning("%s replayed unauthenticated (by %s): %s", record_id, actor, problem)
+        return ReplayOutcome(record_id, True, f"replayed to {tier}", forced)
+
+    def _replay_elsewhere(
+        self,
+        record_id: str,
+        message: KeptMessage,
+        target: Identity,
+        tier: str,
+        actor: str,
+        forced: bool,
+    ) -> ReplayOutcome:
+        """Replay a message kept under its own digest as the job it names, then purge the
+        quarantine record (a tombstone, out of triage): the job's own record runs it once, and
+        replaying the quarantine record again finds nothing to do."""
+        try:
+            message.republish(
+                self._runtime.publish,
+                self._runtime.sealer,
+                task=target.task,
+                record_id=target.record_id,
+                key=target.key,
+                tier=tier,
+            )
+        except Exception as exc:
+            return ReplayOutcome(record_id, False, f"publish failed, left dead: {exc}")
+        if forced:
+            logger.warning(
+                "%s replayed unauthenticated as job %s (by %s)", record_id, target.record_id, actor
+            )
+        detail = f"replayed to {tier} as job {target.record_id}; quarantine record purged"
+        try:
+            self._ledger.purge([record_id], actor=actor)
+        except LedgerError as exc:  # replaying it again publishes a duplicate the ledger drops
+            detail = f"replayed to {tier} as job {target.record_id}; not purged here: {exc}"
+        return ReplayOutcome(record_id, True, detail, forced)
 
     def purge(self, docs: Iterable[dict[str, Any]], *, actor: str = "") -> int:
         """Drop dead records from triage. Each stays as a tombstone until its retention ends,
@@ -365,6 +488,50 @@ class DeadLetters:
         purged = self._ledger.purge(ids, actor=actor)
         logger.warning("purged %d dead records (by %s)", purged, actor or "?")
         return purged
+
+
+def _replay_identity(doc: Mapping[str, Any]) -> Identity:
+    """The job a dead record's replay runs as: the record's own, or, for a poison message kept
+    under its digest, the job its headers name (or, naming none, a job keyed by the digest)."""
+    record_id, task, key = str(doc["_id"]), str(doc.get("task")), str(doc.get("key"))
+    claimed = doc.get("claimed")
+    if isinstance(claimed, Mapping) and _claimed(claimed.get("task"), claimed.get("id"), None):
+        return identity_of(str(claimed["task"]), str(claimed["id"]), key_header=claimed.get("key"))
+    if record_id.startswith("poison-") and key == record_id:
+        # The digest alone is not the id of a job of this task: it would be replayed into a
+        # record no delivery claims, which the reconciler would then republish for ever.
+        return identity_of(task, record_id, key_header=key)
+    return Identity(task, key, record_id, record_id)
+
+
+def _claimed(task: Any, ident: Any, key: Any) -> dict[str, Any] | None:
+    """The identity a message's headers claim (task, message id, key header), if usable."""
+    if not (isinstance(task, str) and task and isinstance(ident, str) and ident):
+        return None
+    if not _utf8(task + ident):
+        return None
+    return {"task": task, "id": ident, "key": key if isinstance(key, str) else None}
+
+
+def _task_body(message: KeptMessage, sealer: Sealer) -> Any:
+    """The decoded body of a raw kept message: what its signature covers (the worker's decode:
+    kombu's JSON, opened first if sealed).
+
+    Raises:
+        Exception: the bytes are not a task body this app can read.
+    """
+    if message.raw_base64 is None or message.raw_kind not in ("body", "envelope"):
+        raise UnreplayableMessage("no message body was kept")
+    raw = base64.b64decode(message.raw_base64)
+    if message.raw_kind == "envelope":  # the queue item as the transport stores it
+        envelope = json.loads(raw)
+        body = envelope["body"]
+        if (envelope.get("properties") or {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        raw = body if isinstance(body, bytes) else str(body).encode()
+    if raw.startswith(PREFIX.encode()):  # a sensitive task's sealed body
+        raw = sealer.open(raw.decode()).encode()
+    return kombu_json.loads(raw)
 
 
 def _jsonable(value: Any) -> Any:

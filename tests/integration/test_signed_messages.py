@@ -1,7 +1,9 @@
 """Message authentication on real servers: a worker that requires signatures runs what its
 producers signed (with either key of a rotation, sealed or not, and what it publishes itself:
 retries and callbacks) and dead-letters, with its reason, what someone who can write to the
-broker sent: unsigned messages, changed arguments, a new identity for a captured message."""
+broker sent: unsigned messages, changed arguments or headers, a new identity for a captured
+message. Such a message is filed under its own digest, never under the job it names, so it
+never stops that job."""
 
 from __future__ import annotations
 
@@ -31,14 +33,22 @@ def _effects(running: Any, kind: str, key: str) -> int:
         return int(client.reference_world.effects.count_documents({"kind": kind, "key": key}))
 
 
-def _dead_reason(app: Any, record_id: str) -> str:
-    def dead() -> bool:
-        app.dead_letters.drain_poison()
-        raw = app.ledger.find_raw(record_id)
-        return raw is not None and raw.get("state") == State.DEAD.value
+def _quarantined(app: Any, message_id: str) -> dict[str, Any]:
+    """The dead record of a refused message that named ``message_id``: filed under its own
+    digest (the job it names has no dead record because of it)."""
 
-    wait_for(dead, what=f"{record_id} dead-lettered", timeout=60)
-    return str(app.ledger.find_raw(record_id)["dead_reason"])
+    def found() -> dict[str, Any] | None:
+        app.dead_letters.drain_poison()
+        doc: dict[str, Any] | None = app.ledger.collection.find_one(
+            {"state": State.DEAD.value, "claimed.id": message_id}
+        )
+        return doc
+
+    doc = wait_for(found, what=f"{message_id} dead-lettered", timeout=60)
+    assert doc["_id"].startswith("poison-") and doc["unauthenticated"]
+    job = app.ledger.find_raw(message_id)
+    assert job is None or job.get("state") != State.DEAD.value
+    return doc
 
 
 def _rewrite_queued(broker: redis.Redis, queue: str, message_id: str, change: Any) -> None:
@@ -122,11 +132,15 @@ def test_a_worker_requiring_signatures_runs_signed_jobs_and_dead_letters_forgeri
         assert _effects(running, "record", f"{token}-captured") == 1
 
         # And each forgery is dead with its reason, its effect never happened
-        assert "unsigned message" in _dead_reason(after, unsigned.id)
-        assert "bad message signature" in _dead_reason(after, changed.id)
+        forged = _quarantined(after, unsigned.id)
+        assert "unsigned message" in forged["dead_reason"]
+        assert "bad message signature" in _quarantined(after, changed.id)["dead_reason"]
         assert _effects(running, "record", f"{token}-unsigned") == 0
         assert _effects(running, "record", f"{token}-changed") == 0
         assert _effects(running, "record", f"{token}-captured-again") == 0
+        # and a replay would sign it: refused without an operator's --force-unsigned
+        refused = after.dead_letters.replay(forged, actor="test")
+        assert not refused.replayed and "failed authentication" in refused.detail
         for app in (before, after, stranger):
             app.close()
     finally:
@@ -148,11 +162,81 @@ def test_a_signature_made_with_a_key_no_worker_lists_is_refused(
             env={"LEDGER_SIGNING_KEYS": json.dumps([NEW]), "LEDGER_SIGNATURES_REQUIRED": required},
         )
         probe = producer_app(running, "probe", signing_keys=[NEW])
-        assert "not listed in LEDGER_SIGNING_KEYS" in _dead_reason(probe, job.id)
+        assert "not listed in LEDGER_SIGNING_KEYS" in _quarantined(probe, job.id)["dead_reason"]
         assert _effects(running, "record", token) == 0
         again = shared_task(probe, TASKS + "record").delay(f"{token}-after")
         assert again.get(timeout=60)["token"] == f"{token}-after"  # the worker is still up
         stray.close()
         probe.close()
+    finally:
+        running.stop()
+
+
+def _tampered(name: str) -> Any:
+    """What a writer to the broker changes a bound header to (see tests/unit/test_signing.py),
+    for a task this worker runs, so that the signature check is what refuses it."""
+    from tests.unit.test_signing import TAMPERED
+
+    if name == "task":
+        return TASKS + "add"
+    return TAMPERED.get(name, {"changed": name})
+
+
+def test_changing_any_bound_header_dead_letters_the_copy_and_never_stops_its_job(
+    tmp_path: Path, stack: Any, token: str
+) -> None:
+    from celery_ledger.keys import derive_task_id
+    from celery_ledger.signing import BOUND_HEADERS
+
+    running = make_isolated_stack(tmp_path)
+    try:
+        assert running.broker is not None
+        broker = redis.Redis.from_url(running.broker.url)
+        producer = producer_app(running, "tampering", signing_keys=[NEW])
+        record = shared_task(producer, TASKS + "record")
+        queue = producer.tiers.queue("default")
+        # Given one signed job per bound header, each with that header changed in the queue
+        tokens = {name: f"{token}-{index}" for index, name in enumerate(BOUND_HEADERS)}
+        for name, job_token in tokens.items():
+            sent = record.delay(job_token)
+
+            def change(headers: dict[str, Any], body: list[Any], name: str = name) -> None:
+                headers[name] = _tampered(name)
+
+            _rewrite_queued(broker, queue, sent.id, change)
+        # and a message forged for a job not yet published (its key guessed)
+        future = f"{token}-future"
+        future_id = derive_task_id(TASKS + "record", future)
+        forged = json.loads(broker.lrange(queue, 0, 0)[0])
+        forged["headers"].update(task=TASKS + "record", id=future_id, ledger_key=future)
+        forged["body"] = base64.b64encode(json.dumps([[future], {}, {}]).encode()).decode()
+        broker.lpush(queue, json.dumps(forged))
+
+        # When a worker that requires signatures consumes them
+        running.start_worker(
+            running.queues_of(),
+            concurrency=2,
+            env={"LEDGER_SIGNING_KEYS": json.dumps([NEW]), "LEDGER_SIGNATURES_REQUIRED": "true"},
+        )
+
+        # Then every changed copy is dead under its own digest, and none of them ran
+        def quarantined() -> list[dict[str, Any]] | None:
+            producer.dead_letters.drain_poison()
+            docs = list(producer.ledger.collection.find({"unauthenticated": {"$exists": True}}))
+            return docs if len(docs) == len(tokens) + 1 else None
+
+        docs = wait_for(quarantined, what="every changed copy dead-lettered", timeout=90)
+        assert all(doc["_id"].startswith("poison-") for doc in docs)
+        for name, job_token in tokens.items():
+            assert _effects(running, "record", job_token) == 0, name
+        assert _effects(running, "record", future) == 0
+        # And no job was stopped: each one published now runs, once
+        for name, job_token in [*tokens.items(), ("future", future)]:
+            job_id = derive_task_id(TASKS + "record", job_token)
+            job = producer.ledger.find_raw(job_id)
+            assert job is None or job.get("state") != State.DEAD.value, name
+            assert record.delay(job_token).get(timeout=60)["token"] == job_token, name
+            assert _effects(running, "record", job_token) == 1, name
+        producer.close()
     finally:
         running.stop()

@@ -21,6 +21,7 @@ from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import State
 from celery_ledger.ledger.store import COPY_GRACE, Unclaimed
 from celery_ledger.routing import TIERS, Tiers
+from celery_ledger.signing import Signer
 from tests.fakes import Clock, MemoryLedger, MemoryRedis, Outbox
 
 TASK = "shop.charge"
@@ -28,7 +29,7 @@ KEYS = ["0qFzQc5xoZQhPWiz7RlXDGRcus0k650e5VRXFgPRCH8="]
 
 
 class World:
-    def __init__(self) -> None:
+    def __init__(self, signer: Signer | None = None) -> None:
         self.ledger = MemoryLedger(clock=Clock())
         self.redis = MemoryRedis()
         self.outbox = Outbox()
@@ -38,6 +39,7 @@ class World:
             redis=self.redis,
             settings=Settings(),
             sealer=Sealer(KEYS),
+            signer=signer or Signer([]),  # no keys: nothing is authenticated
             tiers=Tiers(TIERS, default="default"),
             publish=self.outbox.publish,
             tier_of=lambda name: "bulk" if name == TASK else None,

@@ -166,6 +166,9 @@ def show(ctx: click.Context, ident: str, task_name: str | None, as_json: bool) -
         "replays",
     ):
         table.add_row(name, str(doc.get(name, "")))
+    if doc.get("unauthenticated"):  # filed under its digest: what it claims is not trusted
+        table.add_row("unauthenticated", str(doc["unauthenticated"]))
+        table.add_row("claims to be", json.dumps(doc.get("claimed"), default=str))
     message = doc.get("message") or {}
     table.add_row("args", str(message.get("args_json", "(raw message)")))
     table.add_row("kwargs", str(message.get("kwargs_json", "")))
@@ -188,6 +191,12 @@ def show(ctx: click.Context, ident: str, task_name: str | None, as_json: bool) -
 @click.argument("ident", required=False)
 @with_filters
 @click.option("--dry-run", is_flag=True, help="Say what would be replayed; change nothing.")
+@click.option(
+    "--force-unsigned",
+    is_flag=True,
+    help="Also replay messages that failed authentication (unsigned or badly signed): the"
+    " replay signs them as they are, so check each first (`dlq show`). Audited.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @actor_option
 @click.pass_context
@@ -198,6 +207,7 @@ def replay(
     reason: str | None,
     since: str | None,
     dry_run: bool,
+    force_unsigned: bool,
     as_json: bool,
     actor_name: str | None,
 ) -> None:
@@ -212,24 +222,37 @@ def replay(
         docs = dead.find(task=task_name, reason=reason, since=parse_since(since))
     else:
         raise click.UsageError("name a record (ID or KEY) or a filter (--task/--reason/--since)")
+    if force_unsigned:
+        click.echo(
+            "--force-unsigned: messages that failed authentication are signed and run as the"
+            " jobs they claim to be; each replay is audited as forced",
+            err=True,
+        )
     outcomes = []
     actor = audit.current_actor(actor_name)
     with Progress(console=console, transient=True, disable=as_json or len(docs) < 2) as progress:
         bar = progress.add_task("replaying", total=len(docs))
         for doc in docs:
             if dry_run:
-                outcomes.append(dead.replay(doc, dry_run=True, actor=actor))
+                outcome = dead.replay(doc, dry_run=True, actor=actor, force_unsigned=force_unsigned)
             else:  # audited before it runs, its outcome after
-                with audit.action(ctx.obj.app.ledger, "replay", str(doc["_id"]), actor=actor) as e:
-                    outcome = dead.replay(doc, dry_run=False, actor=actor)
-                    e.note(replayed=outcome.replayed, detail=outcome.detail)
-                outcomes.append(outcome)
+                details = {"force_unsigned": True} if force_unsigned else {}
+                with audit.action(
+                    ctx.obj.app.ledger, "replay", str(doc["_id"]), actor=actor, **details
+                ) as e:
+                    outcome = dead.replay(
+                        doc, dry_run=False, actor=actor, force_unsigned=force_unsigned
+                    )
+                    e.note(replayed=outcome.replayed, detail=outcome.detail, forced=outcome.forced)
+            outcomes.append(outcome)
             progress.advance(bar)
     if as_json:
         _echo_json([o.__dict__ for o in outcomes])
         return
     for outcome in outcomes:
         done_label = "would replay" if dry_run else "replayed"
+        if outcome.forced:
+            done_label += " (forced, unauthenticated)"
         mark = f"[green]{done_label}[/]" if outcome.replayed else "[yellow]skipped[/]"
         console.print(f"{mark} {outcome.record_id}: {outcome.detail}")
     done = sum(o.replayed for o in outcomes)

@@ -40,6 +40,10 @@ class DeadJob:
     message: KeptMessage | None = None
     error: ErrorEntry | None = None
     traceback: str = ""
+    # A poison message whose headers no signature vouches for: why not, and the identity its
+    # headers claim (information only: it is filed under its own digest, never under that job).
+    unauthenticated: str | None = None
+    claimed: Mapping[str, Any] | None = None
 
     @classmethod
     def of_exception(
@@ -99,6 +103,10 @@ class DeadJob:
             fields["message"] = self.message.document()
         if self.traceback:
             fields["traceback"] = self.traceback
+        if self.unauthenticated is not None:
+            fields["unauthenticated"] = self.unauthenticated
+        if self.claimed is not None:
+            fields["claimed"] = dict(self.claimed)
         return fields
 
 
@@ -118,6 +126,7 @@ class DeadLetter:
     message: Any
     errors: Any
     at: str
+    unauthenticated: str | None = None  # why its headers are not trusted (see DeadJob)
 
     @classmethod
     def of_record(cls, record: Mapping[str, Any]) -> DeadLetter:
@@ -133,6 +142,7 @@ class DeadLetter:
             message=_jsonable(record.get("message")),
             errors=_jsonable(record.get("errors", [])),
             at=datetime.now(UTC).isoformat(),
+            unauthenticated=record.get("unauthenticated"),
         )
 
     @classmethod
@@ -150,6 +160,7 @@ class DeadLetter:
             message=None if dead.message is None else _jsonable(dead.message.document()),
             errors=[] if dead.error is None else [_jsonable(dead.error.model_dump())],
             at=datetime.now(UTC).isoformat(),
+            unauthenticated=dead.unauthenticated,
         )
 
     @property
