@@ -573,7 +573,13 @@ class MemoryLedger:
         reason: str | None = None,
         limit: int = 1000,
         include_purged: bool = False,
+        after: tuple[datetime | None, str] | None = None,
     ) -> list[dict[str, Any]]:
+        def order(doc: dict[str, Any]) -> tuple[bool, datetime, str]:
+            # newest first by death time, then id; without a death time last (as MongoDB)
+            at = doc.get("finished_at")
+            return (at is not None, at or datetime.min, str(doc["_id"]))
+
         docs = [
             copy.deepcopy(d)
             for d in self.docs.values()
@@ -582,8 +588,9 @@ class MemoryLedger:
             and (since is None or d["finished_at"] >= since)
             and (not reason or reason.lower() in str(d.get("dead_reason", "")).lower())
             and (include_purged or not d.get("purged_at"))
+            and (after is None or order(d) < order({"finished_at": after[0], "_id": after[1]}))
         ]
-        return sorted(docs, key=lambda d: d["finished_at"], reverse=True)[:limit]
+        return sorted(docs, key=order, reverse=True)[:limit]
 
     def find_dead_by_key(self, key: str, *, task: str | None = None) -> dict[str, Any] | None:
         for doc in self.docs.values():
@@ -648,14 +655,18 @@ class MemoryLedger:
             )
 
     def purge(self, record_ids: Sequence[str], *, actor: str) -> int:
-        purged = 0
+        return len(self.purge_dead(record_ids, actor=actor))
+
+    def purge_dead(self, record_ids: Sequence[str], *, actor: str) -> list[str]:
+        self._enter("purge")
+        purged = []
         for record_id in record_ids:
             doc = self.docs.get(record_id)
-            if doc is not None and doc.get("state") == State.DEAD:
+            if doc is not None and doc.get("state") == State.DEAD and not doc.get("purged_at"):
                 doc.update(purged_at=self.now(), purged_by=actor)
                 for name in ("message", "result", "errors", "traceback", "copy_due_at"):
                     doc.pop(name, None)
-                purged += 1
+                purged.append(record_id)
         return purged
 
     # -- the reconciler's view -------------------------------------------------------------------

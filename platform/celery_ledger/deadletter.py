@@ -30,7 +30,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -55,6 +55,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("celery_ledger.deadletter")
 
 PublishRaw = Callable[[str, dict[str, Any], dict[str, Any]], None]
+
+# Dead records read per ledger query when every match is wanted (a replay by filter).
+PAGE_SIZE = 500
 
 
 def poison_key(app_name: str) -> str:
@@ -318,6 +321,30 @@ class DeadLetters:
         (every filter before the limit)."""
         return self._ledger.find_dead(task=task, since=since, reason=reason, limit=limit)
 
+    def each(
+        self,
+        *,
+        task: str | None = None,
+        reason: str | None = None,
+        since: datetime | None = None,
+        page_size: int = PAGE_SIZE,
+    ) -> Iterator[dict[str, Any]]:
+        """Every dead record that matches (not purged), newest first, ``page_size`` per ledger
+        query. Each page starts after the last record of the one before (by death time and
+        id), so a record replayed or purged while the pages are read moves none of the others,
+        and one that dies again meanwhile (now newer than the pages) is not read twice."""
+        if page_size < 1:
+            raise ValueError("page_size must be at least 1")
+        after: tuple[Any, str] | None = None
+        while True:
+            page = self._ledger.find_dead(
+                task=task, since=since, reason=reason, limit=page_size, after=after
+            )
+            yield from page
+            if len(page) < page_size:
+                return
+            after = (page[-1].get("finished_at"), page[-1]["_id"])
+
     @staticmethod
     def groups(docs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         """Dead records grouped by error fingerprint, biggest group first."""
@@ -480,13 +507,20 @@ class DeadLetters:
         return ReplayOutcome(record_id, True, detail, forced)
 
     def purge(self, docs: Iterable[dict[str, Any]], *, actor: str = "") -> int:
+        """Drop dead records from triage (see :meth:`purge_ids`); returns how many."""
+        return len(self.purge_ids(docs, actor=actor))
+
+    def purge_ids(self, docs: Iterable[dict[str, Any]], *, actor: str = "") -> list[str]:
         """Drop dead records from triage. Each stays as a tombstone until its retention ends,
-        so a late copy of the job still cannot run; its message and errors are deleted."""
+        so a late copy of the job still cannot run; its message and errors are deleted.
+
+        Returns the ids of the records this call removed: one replayed (no longer dead) or
+        purged by someone else since it was read is left as it is and not listed."""
         ids = [d["_id"] for d in docs if d.get("state") == State.DEAD.value]
         if not ids:
-            return 0
-        purged = self._ledger.purge(ids, actor=actor)
-        logger.warning("purged %d dead records (by %s)", purged, actor or "?")
+            return []
+        purged = self._ledger.purge_dead(ids, actor=actor)
+        logger.warning("purged %d dead records (by %s)", len(purged), actor or "?")
         return purged
 
 

@@ -182,3 +182,72 @@ def test_filters_apply_before_the_limit_and_a_purge_is_audited_with_its_ids(
     assert entry["record_ids"] == [older_id] and entry["purged"] == 1
     assert app.dead_letters.find(reason=older) == []
     assert app.dead_letters.find(reason=newer) != []
+
+
+def _bury_records(app: Any, token: str, count: int) -> list[str]:
+    """``count`` dead jobs of ``record`` (keys ``<token>-<n>``), their messages kept."""
+    from celery_ledger.keys import derive_task_id
+    from celery_ledger.ledger.dead import DeadJob
+    from celery_ledger.ledger.message import KeptMessage
+    from celery_ledger.ledger.store import Unclaimed
+    from tests.integration.ledger_app import record
+
+    ids = []
+    for n in range(count):
+        key = f"{token}-{n}"
+        kept = KeptMessage.of_call([key], {}, message_headers={"ledger_key": key})
+        reason = f"permanent error: declined ({token})"
+        dead = DeadJob.of_reason("failed", reason, task=record.name, message=kept)
+        record_id = derive_task_id(record.name, key)
+        app.ledger.bury(
+            record_id, dead, match=Unclaimed(), task=record.name, key=key, tier="default"
+        )
+        ids.append(record_id)
+    return ids
+
+
+def test_a_replay_by_filter_takes_every_match_page_after_page(app: Any, token: str) -> None:
+    from argparse import Namespace
+
+    from click.testing import CliRunner
+
+    from celery_ledger.cli.dlq import dlq
+
+    # Given seven dead jobs, four of them dead in the same instant (their order is by id)
+    ids = _bury_records(app, token, 7)
+    tie = app.ledger.find_raw(ids[0])["finished_at"]
+    app.ledger.collection.update_many({"_id": {"$in": ids[3:]}}, {"$set": {"finished_at": tie}})
+
+    # Then reading them two per query finds each one once
+    read = [doc["_id"] for doc in app.dead_letters.each(reason=token, page_size=2)]
+    assert sorted(read) == sorted(ids)
+
+    # And a replay by that filter, two per query, runs every one of them, once
+    result = CliRunner().invoke(
+        dlq,
+        ["replay", "--reason", token, "--page-size", "2", "--actor", "test"],
+        obj=Namespace(app=app),
+    )
+    assert result.exit_code == 0, result.output
+    assert "7 of 7 replayed" in result.output
+    for n in range(7):
+        wait_for(
+            lambda n=n: effect_count("record", f"{token}-{n}") == 1,
+            what=f"replayed job {n} ran",
+        )
+
+
+def test_a_purge_removes_and_names_only_what_is_still_dead(app: Any, token: str) -> None:
+    # Given two dead jobs, one of which is replayed after the purge listed them
+    first, second = _bury_records(app, token, 2)
+    listed = [app.ledger.find_raw(first), app.ledger.find_raw(second)]
+    assert app.ledger.reopen(first, actor="someone else") is not None
+
+    # When the purge runs on what it listed
+    removed = app.dead_letters.purge_ids(listed, actor="test")
+
+    # Then only the job still dead is removed, and named
+    assert removed == [second]
+    assert app.ledger.find_raw(first)["state"] == State.QUEUED.value
+    assert app.ledger.find_raw(second)["purged_at"] is not None
+    assert app.dead_letters.purge_ids(listed, actor="test") == []  # purged already

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -13,6 +14,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from .. import audit
+from ..deadletter import PAGE_SIZE
 from .options import actor_option
 
 console = Console(soft_wrap=True)
@@ -66,7 +68,7 @@ def dlq() -> None:
 
 @dlq.command(name="list")
 @with_filters
-@click.option("--limit", type=int, default=1000, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--records", is_flag=True, help="One row per record instead of per fingerprint.")
 @click.pass_context
@@ -81,7 +83,19 @@ def list_(
 ) -> None:
     """Dead jobs grouped by error fingerprint (exception type and the frame that raised it)."""
     dead = _dead_letters(ctx)
-    docs = dead.find(task=task_name, reason=reason, since=parse_since(since), limit=limit)
+    # One more than asked for: whether the listing is all there is, or its newest part.
+    docs = dead.find(task=task_name, reason=reason, since=parse_since(since), limit=limit + 1)
+    more = len(docs) > limit
+    docs = docs[:limit]
+    if more:  # on stderr, so that --json output stays one document
+        click.echo(
+            f"showing the newest {limit} dead jobs; more exist: raise --limit, or narrow with"
+            " --task, --reason or --since (replay and purge by filter take every match)",
+            err=True,
+        )
+    shown = (
+        f"{len(docs)} dead jobs (newest {limit}; more exist)" if more else f"{len(docs)} dead jobs"
+    )
     if records:
         rows = [
             {
@@ -98,7 +112,7 @@ def list_(
         if as_json:
             _echo_json(rows)
             return
-        table = Table("id", "task", "key", "reason", "dead at", title=f"{len(rows)} dead jobs")
+        table = Table("id", "task", "key", "reason", "dead at", title=shown)
         for row in rows:
             table.add_row(
                 row["id"],
@@ -122,7 +136,7 @@ def list_(
         "first",
         "last",
         "example key",
-        title=f"{len(docs)} dead jobs in {len(groups)} groups",
+        title=f"{shown} in {len(groups)} groups",
     )
     for group in groups:
         table.add_row(
@@ -197,6 +211,13 @@ def show(ctx: click.Context, ident: str, task_name: str | None, as_json: bool) -
     help="Also replay messages that failed authentication (unsigned or badly signed): the"
     " replay signs them as they are, so check each first (`dlq show`). Audited.",
 )
+@click.option(
+    "--page-size",
+    type=click.IntRange(min=1),
+    default=PAGE_SIZE,
+    show_default=True,
+    help="Dead records read per ledger query (a filter replays every match).",
+)
 @click.option("--json", "as_json", is_flag=True)
 @actor_option
 @click.pass_context
@@ -208,18 +229,24 @@ def replay(
     since: str | None,
     dry_run: bool,
     force_unsigned: bool,
+    page_size: int,
     as_json: bool,
     actor_name: str | None,
 ) -> None:
-    """Republish dead jobs to their tier, attempts reset, same key (so nothing runs twice)."""
+    """Republish dead jobs to their tier, attempts reset, same key (so nothing runs twice).
+
+    A filter replays every dead record that matches, however many."""
     dead = _dead_letters(ctx)
+    docs: Iterable[dict[str, Any]]
     if ident:
         doc = dead.get(ident, task=task_name)
         if doc is None:
             raise click.ClickException(f"no record {ident!r}")
         docs = [doc]
     elif task_name or reason or since:
-        docs = dead.find(task=task_name, reason=reason, since=parse_since(since))
+        docs = dead.each(
+            task=task_name, reason=reason, since=parse_since(since), page_size=page_size
+        )
     else:
         raise click.UsageError("name a record (ID or KEY) or a filter (--task/--reason/--since)")
     if force_unsigned:
@@ -230,8 +257,8 @@ def replay(
         )
     outcomes = []
     actor = audit.current_actor(actor_name)
-    with Progress(console=console, transient=True, disable=as_json or len(docs) < 2) as progress:
-        bar = progress.add_task("replaying", total=len(docs))
+    with Progress(console=console, transient=True, disable=as_json or bool(ident)) as progress:
+        bar = progress.add_task("replaying", total=None)
         for doc in docs:
             if dry_run:
                 outcome = dead.replay(doc, dry_run=True, actor=actor, force_unsigned=force_unsigned)
@@ -272,7 +299,7 @@ def purge(
     yes: bool,
     actor_name: str | None,
 ) -> None:
-    """Delete dead records (after asking; the audit entry lists every record id)."""
+    """Delete dead records (after asking; the audit entry lists every record id removed)."""
     dead = _dead_letters(ctx)
     docs = dead.find(task=task_name, reason=reason, since=parse_since(since), limit=PURGE_LIMIT)
     if not docs:
@@ -284,18 +311,26 @@ def purge(
         what = "every dead record" if not (task_name or reason or since) else "dead records"
         click.confirm(f"Delete {len(docs)} {what} for good?", abort=True)
     actor = audit.current_actor(actor_name)
-    record_ids = [str(d["_id"]) for d in docs]
+    selected = [str(d["_id"]) for d in docs]
     with audit.action(
         ctx.obj.app.ledger,
         "purge",
-        f"{len(record_ids)} dead records",
+        f"{len(selected)} dead records",
         actor=actor,
         filters={"task": task_name, "reason": reason, "since": since},
-        record_ids=record_ids,
+        selected_ids=selected,
     ) as entry:
-        purged = dead.purge(docs, actor=actor)
-        entry.note(purged=purged)
-    console.print(f"purged {purged} dead records")
+        # A record replayed since it was listed is no longer dead and stays: the outcome lists
+        # the ids actually removed, and those selected but left.
+        removed = dead.purge_ids(docs, actor=actor)
+        left = sorted(set(selected) - set(removed))
+        entry.note(purged=len(removed), record_ids=removed, left_ids=left)
+    console.print(f"purged {len(removed)} dead records")
+    if left:
+        console.print(
+            f"{len(left)} of the {len(selected)} selected were no longer dead (replayed or"
+            " purged meanwhile) and were left as they are"
+        )
 
 
 def _when(value: Any) -> str:
