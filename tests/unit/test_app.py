@@ -88,6 +88,8 @@ def test_conf_is_json_only_and_acks_late(app: LedgerCelery) -> None:
         "unacked_index_key": "unit.unacked_index",
         "unacked_mutex_key": "unit.unacked_mutex",
         "ledger_poison_key": "unit:ledger:poison",
+        # workers put back messages abandoned past the visibility timeout (Flower does not)
+        "ledger_restore_visible": True,
     }
     assert conf.enable_utc is True
 
