@@ -11,6 +11,11 @@ due entries atomically, pushing their score forward by a hand-out lease, so one 
 time holds an entry; the publisher publishes the message, then removes the entry. A publisher
 that dies in between leaves the entry to be handed out again when that lease ends: delivery is
 at least once, and the ledger turns a repeat into a suppressed duplicate.
+
+With ``LEDGER_SIGNING_KEYS`` an entry is signed by the process that schedules it, and the
+publisher checks it before it publishes (and so signs) the message: a writer to the broker who
+adds or changes an entry must not get a task run by a worker's signature. An entry that fails
+the check is kept as a dead letter with its reason, never published.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from kombu.utils.json import dumps, loads
 
 from .crypto import Sealer
 from .errors import PublishError, StoreError
+from .headers import SIGNATURE
 from .reseal import Reseal, Tally, reseal_tree, resealed_queue_item
+from .signing import Signer
 
 # KEYS[1] = the sorted set; ARGV = now, hand-out lease seconds, batch limit.
 _TAKE_DUE = """
@@ -51,10 +58,16 @@ class DelayedDeliveries:
     """The sorted set of delayed messages, shared by every producer and worker of an app."""
 
     def __init__(
-        self, redis_url: str, *, key: str = "celery_ledger:delayed", handout_seconds: float = 30.0
+        self,
+        redis_url: str,
+        *,
+        key: str = "celery_ledger:delayed",
+        handout_seconds: float = 30.0,
+        signer: Signer | None = None,
     ) -> None:
         self.key = key
         self.handout_seconds = handout_seconds
+        self._signer = signer
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
         self._take_due = self._redis.register_script(_TAKE_DUE)
         self._replace = self._redis.register_script(_REPLACE)
@@ -87,6 +100,7 @@ class DelayedDeliveries:
             except TypeError as exc:
                 raise PublishError(f"cannot delay {task_name}: {exc}") from exc
         try:
+            self._sign(envelope)
             member = dumps(envelope)
         except TypeError as exc:
             raise PublishError(
@@ -143,6 +157,8 @@ class DelayedDeliveries:
             changed = any(
                 new[name] is not envelope[name] for name in ("sealed", "raw") if name in new
             )
+            if changed and "sig" in envelope:
+                self._sign(new)  # its signature covered the old sealed text
             replaced = (
                 changed and apply and self._replace(keys=[self.key], args=[member, dumps(new)])
             )
@@ -152,12 +168,36 @@ class DelayedDeliveries:
     def pending(self) -> int:
         return int(self._redis.zcard(self.key))
 
+    def _sign(self, envelope: dict[str, Any]) -> None:
+        """Sign a task entry in place (``sig``), if this process signs."""
+        if self._signer is not None and self._signer.enabled:
+            envelope.pop("sig", None)
+            envelope["sig"] = self._signer.sign(*_signed(envelope))
+
+    def entry_problem(self, envelope: dict[str, Any]) -> str | None:
+        """Why a held task entry must not be published (unsigned where signatures are required,
+        or badly signed), or None."""
+        if self._signer is None:
+            return None
+        found = dict(envelope)
+        signature = found.pop("sig", None)
+        headers, body = _signed(found)
+        problem = self._signer.problem({**headers, SIGNATURE: signature}, body)
+        return None if problem is None else f"delayed entry: {problem}"
+
     def close(self) -> None:
         self._redis.close()
 
 
+def _signed(envelope: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """What an entry's signature covers, as (headers, body) for :class:`Signer`: the whole
+    entry but its signature (its id, task, options, and arguments, sealed or not)."""
+    return {"task": envelope.get("task")}, ["delayed", envelope]
+
+
 Publish = Callable[[str, Any, Any, dict[str, Any]], None]
-# Keeps an entry whose sealed arguments cannot be opened here: (task, options, sealed, reason).
+# Keeps an entry that must not be published as a dead letter: (task, options, raw text, reason);
+# the raw text is the body the codec would send (still sealed), or the entry itself.
 KeepUnopenable = Callable[[str, dict[str, Any], str, str], None]
 
 
@@ -183,7 +223,13 @@ class DelayedPublisher:
         while True:
             batch = self._deliveries.take_due()
             for member, envelope in batch:
-                if "raw" in envelope:
+                refused = None if "raw" in envelope else self._deliveries.entry_problem(envelope)
+                if refused is not None:
+                    if not self._keep(envelope, member, refused):
+                        continue  # left in the set: its hand-out lease brings it back
+                elif "raw" in envelope:
+                    # A message as the transport held it: its own signature is checked when a
+                    # worker consumes it, so this entry vouches for nothing.
                     self._deliveries.push_raw(envelope["queue"], envelope["raw"])
                 elif "sealed" in envelope:
                     if not self._publish_sealed(envelope):
@@ -196,6 +242,20 @@ class DelayedPublisher:
                 published += 1
             if len(batch) < 100:
                 return published
+
+    def _keep(self, envelope: dict[str, Any], member: bytes, reason: str) -> bool:
+        """Keep a refused entry as a dead letter (its text as held); False if it cannot be."""
+        if self._keep_unopenable is None:
+            return False
+        task = envelope.get("task")
+        options = envelope.get("options")
+        self._keep_unopenable(
+            task if isinstance(task, str) else "?",
+            options if isinstance(options, dict) else {},
+            member.decode("utf-8", "replace"),
+            reason,
+        )
+        return True
 
     def _publish_sealed(self, envelope: dict[str, Any]) -> bool:
         """Publish a sensitive task's entry (the codec seals it again); one whose arguments

@@ -132,7 +132,9 @@ class Runtime:
         memory). One set per queue namespace, like the queues whose messages it holds: a
         producer app of another name that publishes to these queues (LEDGER_QUEUE_NAMESPACE)
         shares it with their workers, which drain it."""
-        return DelayedDeliveries(self.settings.broker_url, key=delayed_key(self.tiers.namespace))
+        return DelayedDeliveries(
+            self.settings.broker_url, key=delayed_key(self.tiers.namespace), signer=self.signer
+        )
 
     @cached_property
     def legacy_delayed(self) -> DelayedDeliveries | None:
@@ -141,7 +143,7 @@ class Runtime:
         old = f"{self.name}:ledger:delayed"
         if old == delayed_key(self.tiers.namespace):
             return None
-        return DelayedDeliveries(self.settings.broker_url, key=old)
+        return DelayedDeliveries(self.settings.broker_url, key=old, signer=self.signer)
 
     def retry_policy_for(self, tier: str) -> RetryPolicy:
         """The tier's retry default: built-in, replaced by ``LEDGER_RETRY_POLICIES``."""

@@ -111,6 +111,16 @@ def test_a_worker_requiring_signatures_runs_signed_jobs_and_dead_letters_forgeri
 
         _rewrite_queued(broker, queue, changed.id, new_args)
         _copy_queued(broker, queue, captured.id, new_identity)
+        # ...and in the delayed set, which a worker publishes (and signs) when due: an entry
+        # added by hand, and a copy of a signed countdown's entry with other arguments
+        held = after.runtime.delayed.key
+        later = shared_task(after, TASKS + "record").apply_async((f"{token}-later",), countdown=1)
+        forged_id = f"forged-{token}"
+        added = {"task": TASKS + "record", "args": [f"{token}-added"], "kwargs": {}}
+        added.update(id="added", options={"task_id": forged_id, "queue": queue})
+        (signed_entry,) = [m for m in broker.zrange(held, 0, -1) if later.id.encode() in m]
+        tampered = {**json.loads(signed_entry), "id": "tampered", "args": [f"{token}-tampered"]}
+        broker.zadd(held, {json.dumps(added): 0, json.dumps(tampered): 0})
 
         # When a worker that lists [new, old] and requires signatures runs the queue
         running.start_worker(
@@ -129,6 +139,7 @@ def test_a_worker_requiring_signatures_runs_signed_jobs_and_dead_letters_forgeri
         assert retried.get(timeout=60) == "ok after 2 failures"
         assert chained.get(timeout=60) == 7
         assert captured.get(timeout=60)["token"] == f"{token}-captured"
+        assert later.get(timeout=60)["token"] == f"{token}-later"
         assert _effects(running, "record", f"{token}-captured") == 1
 
         # And each forgery is dead with its reason, its effect never happened
@@ -138,6 +149,13 @@ def test_a_worker_requiring_signatures_runs_signed_jobs_and_dead_letters_forgeri
         assert _effects(running, "record", f"{token}-unsigned") == 0
         assert _effects(running, "record", f"{token}-changed") == 0
         assert _effects(running, "record", f"{token}-captured-again") == 0
+        added_reason = _quarantined(after, forged_id)["dead_reason"]
+        assert "delayed entry: unsigned message" in added_reason
+        tampered_reason = _quarantined(after, later.id)["dead_reason"]
+        assert "delayed entry: bad message signature" in tampered_reason
+        assert _effects(running, "record", f"{token}-added") == 0
+        assert _effects(running, "record", f"{token}-tampered") == 0
+        assert _effects(running, "record", f"{token}-later") == 1
         # and a replay would sign it: refused without an operator's --force-unsigned
         refused = after.dead_letters.replay(forged, actor="test")
         assert not refused.replayed and "failed authentication" in refused.detail

@@ -29,6 +29,9 @@ class _Due:
     def push_raw(self, queue: str, envelope: dict[str, Any]) -> None:
         raise AssertionError("no raw entries here")
 
+    def entry_problem(self, envelope: dict[str, Any]) -> str | None:
+        return None  # unsigned here (tests/unit/test_delayed_signed.py checks signatures)
+
 
 KEY = Fernet.generate_key().decode()
 OPTIONS = {"task_id": "id-1", "queue": "app.default", "headers": {"ledger_key": "k"}}
