@@ -27,7 +27,7 @@ from .ledger.dead import DeadJob
 from .ledger.message import KeptMessage
 from .ledger.record import State
 from .ledger.store import Ledger, Unclaimed
-from .task import LedgerTask
+from .task import LedgerTask, refuse_clear_successors
 
 logger = logging.getLogger("celery_ledger.backend")
 
@@ -59,6 +59,14 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
     def ledger(self) -> Ledger:
         ledger: Ledger = self.app.ledger
         return ledger
+
+    def apply_chord(self, header_result_args: Any, body: Any, **kwargs: Any) -> Any:
+        """Celery's chord (its unlock task polls the header's results), refused first, before
+        anything is published, if a sensitive task of the header would hand its result to a
+        body that is not sensitive."""
+        _group_id, results = header_result_args
+        refuse_clear_successors(self.app, _task_names(results), body)
+        return super().apply_chord(header_result_args, body, **kwargs)
 
     def exception_safe_to_retry(self, exc: Exception) -> bool:
         return isinstance(exc, ConnectionFailure | LedgerUnavailable)
@@ -226,3 +234,16 @@ def _exception_payload(doc: dict[str, Any]) -> dict[str, Any]:
         "exc_message": [last.get("message", "")],
         "exc_module": module or "builtins",
     }
+
+
+def _task_names(results: Any, depth: int = 0) -> list[str]:
+    """The tasks of a chord header's frozen results (a nested group holds more of them)."""
+    if depth > 32:
+        return []
+    names: list[str] = []
+    for result in results or ():
+        name = getattr(result, "ledger_task", None)
+        if isinstance(name, str):
+            names.append(name)
+        names += _task_names(getattr(result, "results", None), depth + 1)
+    return names

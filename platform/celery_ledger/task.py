@@ -15,9 +15,9 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeAlias
 
 import redis
 from celery import Task
@@ -59,6 +59,8 @@ if TYPE_CHECKING:
     from .app import LedgerCelery
 
 logger = logging.getLogger("celery_ledger.task")
+# Celery's result handle, by a name the class body's own AsyncResult method does not shadow.
+_Result: TypeAlias = AsyncResult
 
 # Options a call may not pass through to the broker: the ledger owns them.
 _LEDGER_OWNED_OPTIONS = ("ignore_result",)
@@ -475,6 +477,13 @@ class LedgerTask(Task):  # type: ignore[misc]
         sig.delay()
         raise Replaced(replacement.id)
 
+    def AsyncResult(self, task_id: str, **kwargs: Any) -> _Result:
+        """Celery's result handle, naming its task (``ledger_task``): a chord's header is
+        frozen into these, and the chord's check of its body reads which tasks they are."""
+        result: _Result = super().AsyncResult(task_id, **kwargs)
+        result.ledger_task = self.name
+        return result
+
     def map(self, it: Any) -> NoReturn:
         raise _no_direct_runs(self.name, "map")
 
@@ -496,7 +505,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         link_error: Any = None,
         shadow: str | None = None,
         **options: Any,
-    ) -> AsyncResult:
+    ) -> _Result:
         """Publish the task; see :meth:`celery.app.task.Task.apply_async`.
 
         Extra options: ``idempotency_key`` (this call's key) and ``tier`` (this call's tier).
@@ -548,14 +557,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         # that carries a sensitive task's signature (a chain's rest, a callback) with its
         # arguments. Monitoring (events, Flower, inspect) shows no repr of sensitive arguments.
         if self.sensitive:
-            exposed = self._clear_successors(link, options)
-            if exposed:
-                raise ConfigurationError(
-                    f"{self.name} is sensitive, and its result would reach"
-                    f" {', '.join(sorted(exposed))} as an argument in clear (a chain's next"
-                    " task or a callback gets it): make them sensitive=True"
-                    " too, or publish them from the body with what they need"
-                )
+            refuse_clear_successors(self.app, [self.name], (link, options.get("chain")))
         seal = self.sensitive or self._carries_sensitive(link, link_error, options)
         if self.sensitive:
             options["argsrepr"] = options["kwargsrepr"] = REDACTED
@@ -567,7 +569,7 @@ class LedgerTask(Task):  # type: ignore[misc]
                 )
             options["serializer"] = SEALED_SERIALIZER
 
-        def publish_now() -> AsyncResult:
+        def publish_now() -> _Result:
             with sealing(self.app.runtime.sealer):
                 return super(LedgerTask, self).apply_async(
                     args,
@@ -674,20 +676,6 @@ class LedgerTask(Task):  # type: ignore[misc]
             getattr(tasks.get(name), "sensitive", False) for name in _signature_tasks(canvases)
         )
 
-    def _clear_successors(self, link: Any, options: dict[str, Any]) -> set[str]:
-        """The tasks that would receive this task's result and are not sensitive: its
-        callbacks and the rest of its chain (and what they carry on, which gets what they
-        derive from it). Celery's own canvas tasks only pass it along. A chord's body is not
-        checked here: Celery publishes the chord's unlock before its header, so a refusal here
-        would leave that unlock polling for a header never sent."""
-        canvases = (link, options.get("chain"))
-        tasks = self.app.tasks
-        return {
-            name
-            for name in _signature_tasks(canvases)
-            if not name.startswith("celery.") and not getattr(tasks.get(name), "sensitive", False)
-        }
-
     def _kept(self, args: Any, kwargs: Any, message_headers: dict[str, Any]) -> KeptMessage:
         """The message as the ledger keeps it to republish it (sealed if sensitive)."""
         sealer = self.app.runtime.sealer if self.sensitive else None
@@ -701,7 +689,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         due_at: float,
         seal: bool,
         **options: Any,
-    ) -> AsyncResult:
+    ) -> _Result:
         options = {name: value for name, value in options.items() if value is not None}
         options.pop("producer", None)
         sealer = self.app.runtime.sealer if seal else None
@@ -716,6 +704,35 @@ KEY_SECRET_NEEDED = (
     " LEDGER_KEY_SECRET (32+ random characters; the key becomes a keyed HMAC), or give the"
     " task an idempotency_key of fields that are not secret"
 )
+
+
+def refuse_clear_successors(app: Any, sources: Iterable[str], canvases: Any) -> None:
+    """Refuse a canvas that hands a sensitive task's result on in clear.
+
+    ``sources`` are the tasks whose results the ``canvases`` receive (a task's callbacks and
+    the rest of its chain; a chord's body). Every task in the canvases that is not sensitive
+    would get a sensitive result, or what is derived from it, as an argument in clear (its
+    message, its record, Flower). Celery's own canvas tasks only pass it along.
+
+    Raises:
+        ConfigurationError: a source is sensitive and the canvases hold such a task.
+    """
+    tasks = app.tasks
+    sensitive = sorted(name for name in sources if getattr(tasks.get(name), "sensitive", False))
+    if not sensitive:
+        return
+    exposed = {
+        name
+        for name in _signature_tasks(canvases)
+        if not name.startswith("celery.") and not getattr(tasks.get(name), "sensitive", False)
+    }
+    if exposed:
+        raise ConfigurationError(
+            f"{', '.join(sensitive)} is sensitive, and its result would reach"
+            f" {', '.join(sorted(exposed))} as an argument in clear (a chain's next task, a"
+            " callback or a chord's body gets it): make them sensitive=True too, or publish"
+            " them from the body with what they need"
+        )
 
 
 def _signature_tasks(value: Any, depth: int = 0) -> Iterator[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import redis
 from celery import chain, group
 
@@ -49,6 +50,30 @@ def test_chain_and_group_of_ledger_tasks(app: Any) -> None:
         other + 2,
     ]
     assert all(effect_count("add", f"{other}+{i}") == 1 for i in range(3))
+
+
+def test_a_chord_of_ledger_tasks_and_a_sensitive_header_needs_a_sensitive_body(
+    app: Any, token: str
+) -> None:
+    from celery import chord
+
+    from celery_ledger.errors import ConfigurationError
+    from tests.integration.ledger_app import add, echo, store_card
+
+    base = int(time.time() * 1000) % 1_000_000 + 2_000_000
+    # A chord: its body runs once, with every header result, in order
+    result = chord([add.s(base, i) for i in range(3)], echo.s("all")).apply_async()
+    assert result.get(timeout=60) == [[[base, base + 1, base + 2], "all"], {}]
+    assert all(effect_count("add", f"{base}+{i}") == 1 for i in range(3))
+
+    # A sensitive header member's result would reach a plain body in clear: refused before
+    # anything is published (its unlock task included), so nothing waits for it
+    with redis.Redis.from_url(app.settings.broker_url) as broker:
+        before = {q: broker.llen(q) for q in app.tiers.queues}
+        with pytest.raises(ConfigurationError, match="sensitive"):
+            chord([store_card.s(token, "4111"), add.s(base, 9)], echo.s()).apply_async()
+        assert {q: broker.llen(q) for q in app.tiers.queues} == before
+    assert effect_count("card", token) == 0
 
 
 def test_a_delayed_retry_waits_in_redis_not_in_worker_memory(

@@ -495,6 +495,7 @@ def test_a_sensitive_task_publishes_a_sealed_body_and_holds_its_delayed_entry_se
 def test_a_sensitive_tasks_result_never_reaches_a_task_that_is_not_in_clear(
     published: list[Published],
 ) -> None:
+    from celery import chord, group
     from cryptography.fernet import Fernet
 
     settings = Settings(
@@ -520,6 +521,10 @@ def test_a_sensitive_tasks_result_never_reaches_a_task_that_is_not_in_clear(
         "link": lambda: store.apply_async(("4111",), link=notify.s()),
         "chain": lambda: (store.s("4111") | notify.s()).apply_async(),
         "later in the chain": lambda: (store.s("4111") | mask.s() | notify.s()).apply_async(),
+        "chord body": lambda: chord([store.s("4111"), notify.s("x")], notify.s()).apply_async(),
+        "nested chord body": lambda: chord(
+            [group(mask.s("a"), store.s("4111"))], notify.s()
+        ).apply_async(),
     }
     for how, attempt in attempts.items():
         with pytest.raises(ConfigurationError, match=r"shop\.notify.*sensitive=True"):
