@@ -446,12 +446,9 @@ def test_future_eta_schedules_at_the_eta(
     assert [entry[4] for entry in delayed.scheduled] == [eta.timestamp()] * 2
 
 
-def test_a_sensitive_task_publishes_a_sealed_body_and_holds_its_delayed_entry_sealed(
-    published: list[Published], delayed: FakeDelayed
-) -> None:
+def _secure_app(name: str) -> LedgerCelery:
+    """An app with encryption keys and a key secret (it publishes sensitive tasks)."""
     from cryptography.fernet import Fernet
-
-    from celery_ledger.crypto import REDACTED, SEALED_SERIALIZER
 
     settings = Settings(
         broker_url="redis://127.0.0.1:1/0",
@@ -460,7 +457,15 @@ def test_a_sensitive_task_publishes_a_sealed_body_and_holds_its_delayed_entry_se
         key_secret=SECRET,
         dedupe_on_publish=False,
     )
-    secure = create_app("unit_sensitive", settings=settings, set_as_current=False)
+    return create_app(name, settings=settings, set_as_current=False)
+
+
+def test_a_sensitive_task_publishes_a_sealed_body_and_holds_its_delayed_entry_sealed(
+    published: list[Published], delayed: FakeDelayed
+) -> None:
+    from celery_ledger.crypto import REDACTED, SEALED_SERIALIZER
+
+    secure = _secure_app("unit_sensitive")
     secure.runtime.__dict__["delayed"] = delayed
 
     @secure.task(name="vault.store", shared=False, sensitive=True)
@@ -496,16 +501,8 @@ def test_a_sensitive_tasks_result_never_reaches_a_task_that_is_not_in_clear(
     published: list[Published],
 ) -> None:
     from celery import chord, group
-    from cryptography.fernet import Fernet
 
-    settings = Settings(
-        broker_url="redis://127.0.0.1:1/0",
-        mongo_uri="mongodb://127.0.0.1:1/",
-        encryption_keys=[Fernet.generate_key().decode()],
-        key_secret=SECRET,
-        dedupe_on_publish=False,
-    )
-    secure = create_app("unit_successors", settings=settings, set_as_current=False)
+    secure = _secure_app("unit_successors")
 
     @secure.task(name="vault.store", shared=False, sensitive=True)
     def store(card: str) -> str: ...
