@@ -286,6 +286,9 @@ class DirectPorts:
     def call_of(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         return self.app.workflow_ports.call_of(target, args, kwargs)
 
+    def check_arguments(self, call: Call) -> None:
+        self.app.workflow_ports.check_arguments(call)
+
     def publish_step(
         self, call: Call, *, job_id: str, key: str, workflow_id: str, workflow_tier: str
     ) -> None:

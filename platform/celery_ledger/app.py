@@ -463,16 +463,21 @@ class _WorkflowPorts:
             )
         if tier is not None:
             self.app.tiers.check(tier, where=f"the step {name}")
-        header = getattr(task, "__header__", None)
-        if task is not None and task.typing and callable(header):
-            # Celery checks this at publish, which for a step comes after its decision is in
-            # the log: every wake would fail on it. Raised here, into the workflow's code.
-            try:
-                header(*args, **kwargs)
-            except TypeError as exc:
-                raise PayloadError(f"step {name} cannot take these arguments: {exc}") from exc
         sensitive = bool(getattr(task, "sensitive", False))
         return Call("step", name, tuple(args), dict(kwargs), tier, sensitive=sensitive)
+
+    def check_arguments(self, call: Call) -> None:
+        """Refuse a new step whose task cannot take its arguments. Celery checks this at
+        publish, which for a step comes after its decision is in the log: every wake would
+        fail on it. Raised here instead, into the workflow's code, before it is recorded."""
+        task = self.app.tasks.get(call.name)
+        header = getattr(task, "__header__", None)
+        if call.kind != "step" or task is None or not task.typing or not callable(header):
+            return
+        try:
+            header(*call.args, **call.kwargs)
+        except TypeError as exc:
+            raise PayloadError(f"step {call.name} cannot take these arguments: {exc}") from exc
 
     def publish_step(
         self, call: Call, *, job_id: str, key: str, workflow_id: str, workflow_tier: str

@@ -29,7 +29,7 @@ import redis
 from kombu.utils.json import dumps, loads
 
 from .crypto import Sealer
-from .errors import PublishError, StoreError
+from .errors import ConfigurationError, PublishError, StoreError
 from .headers import SIGNATURE
 from .reseal import Reseal, Tally, reseal_tree, resealed_queue_item
 from .signing import Signer
@@ -140,7 +140,17 @@ class DelayedDeliveries:
         newest key (``apply``), or count the ones that need it. An entry is replaced under its
         score only if it is still there: one published meanwhile is gone, and one a publisher
         holds is published from the old copy and then again from the new (at least once: the
-        ledger suppresses the repeat)."""
+        ledger suppresses the repeat).
+
+        Signatures rotate with it: an entry signed with an older signing key, or unsigned
+        while signatures are not required yet, is signed again with the newest (and counted),
+        so an old signing key can go once nothing is left to do here either (a timer or a
+        countdown may wait in the set for days).
+
+        Raises:
+            ConfigurationError: a signed entry must be rewritten, and this process has no
+                signing keys to sign it again (it would be refused when due).
+        """
         tally = Tally()
         for member, _score in self._redis.zscan_iter(self.key, count=500):
             try:
@@ -157,8 +167,16 @@ class DelayedDeliveries:
             changed = any(
                 new[name] is not envelope[name] for name in ("sealed", "raw") if name in new
             )
-            if changed and "sig" in envelope:
-                self._sign(new)  # its signature covered the old sealed text
+            if "task" in envelope and self._resign_needed(envelope, changed):
+                if self._signer is None or not self._signer.enabled:
+                    raise ConfigurationError(
+                        "the delayed set holds signed entries to reseal: run it with"
+                        " LEDGER_SIGNING_KEYS set, so they are signed again"
+                    )
+                if not changed:
+                    tally.stale += 1  # only its signature is old
+                changed = True
+                self._sign(new)
             replaced = (
                 changed and apply and self._replace(keys=[self.key], args=[member, dumps(new)])
             )
@@ -167,6 +185,19 @@ class DelayedDeliveries:
 
     def pending(self) -> int:
         return int(self._redis.zcard(self.key))
+
+    def _resign_needed(self, envelope: dict[str, Any], changed: bool) -> bool:
+        """Whether a task entry must be signed again: its content changed under a signature,
+        or it is signed with an older key, or unsigned while signatures are not required."""
+        signer = self._signer
+        signature = envelope.get("sig")
+        if changed:
+            return signature is not None or bool(signer and signer.enabled and not signer.required)
+        if signer is None or not signer.enabled:
+            return False
+        if signature is None:
+            return not signer.required  # once required, an unsigned entry is refused when due
+        return Signer.key_id_of(signature) != signer.newest_key_id
 
     def _sign(self, envelope: dict[str, Any]) -> None:
         """Sign a task entry in place (``sig``), if this process signs."""

@@ -151,6 +151,20 @@ class Signer:
     def enabled(self) -> bool:
         return self._signing is not None
 
+    @property
+    def newest_key_id(self) -> str | None:
+        """The id of the key this process signs with (the first listed), or None."""
+        return None if self._signing is None else self._signing[0]
+
+    @staticmethod
+    def key_id_of(signature: Any) -> str | None:
+        """The id of the key a signature names, or None (unsigned, or not a signature)."""
+        if not isinstance(signature, str):
+            return None
+        _version, _, rest = signature.partition(":")
+        kid, _, _mac = rest.partition(":")
+        return kid or None
+
     def sign(self, message_headers: Mapping[str, Any], body: Any) -> str:
         if self._signing is None:
             raise ConfigurationError("signing needs LEDGER_SIGNING_KEYS")

@@ -11,13 +11,16 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from click.testing import CliRunner
 from cryptography.fernet import Fernet
+from kombu.utils.json import loads
 
 from celery_ledger import State
 from celery_ledger.cli.keys import keys
 from celery_ledger.crypto import Sealer
+from celery_ledger.errors import ConfigurationError
 from celery_ledger.ledger.message import KeptMessage
 
 from .conftest import make_isolated_stack, producer_app
@@ -151,3 +154,42 @@ def test_after_a_reseal_the_old_key_can_be_dropped_and_nothing_is_lost(
             producer.close()
     finally:
         running.stop()
+
+
+def test_a_signing_key_rotation_signs_held_delayed_entries_again(stack: Any, token: str) -> None:
+    from celery_ledger.delayed import DelayedDeliveries
+    from celery_ledger.signing import Signer
+
+    old, new = "old-signing-key-0123456789abcdef01234567", "new-signing-key-0123456789abcdef0123"
+    key = f"rotation-test:{token}:delayed"
+    url = stack.broker.url
+
+    def held(signer: Signer | None) -> DelayedDeliveries:
+        return DelayedDeliveries(url, key=key, signer=signer)
+
+    # Given a countdown signed with the old key, and one from before signing was on
+    held(Signer([old], required=False)).schedule("shop.ship", [7], {}, {"task_id": "a"}, 1e10)
+    held(None).schedule("shop.ship", [8], {}, {"task_id": "b"}, 1e10)
+    rotated = held(Signer([new, old], required=False))
+    try:
+        # When the operator reseals with the new key first
+        assert rotated.reseal(lambda text: None, apply=False).stale == 2
+        assert rotated.reseal(lambda text: None, apply=True).stale == 2
+
+        # Then both are signed with the new key, and only it is needed from now on
+        entries = [loads(m) for m in redis.Redis.from_url(url).zrange(key, 0, -1)]
+        assert {Signer.key_id_of(e["sig"]) for e in entries} == {Signer([new]).newest_key_id}
+        only_new = held(Signer([new], required=True))
+        assert [only_new.entry_problem(e) for e in entries] == [None, None]
+        assert rotated.reseal(lambda text: None, apply=False).stale == 0
+
+        # And a process without signing keys refuses to reseal a signed entry it cannot sign
+        # again (it would be refused when due)
+        before, after = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+        held(Signer([new])).schedule(
+            "shop.vault", ["4111"], {}, {"task_id": "c"}, 1e10, sealer=Sealer([before])
+        )
+        with pytest.raises(ConfigurationError, match="LEDGER_SIGNING_KEYS"):
+            held(None).reseal(Sealer([after, before]).reseal, apply=True)
+    finally:
+        redis.Redis.from_url(url).delete(key)

@@ -231,6 +231,73 @@ def test_a_step_that_fails_under_a_pending_cancellation_ends_the_code_cancelled(
         run(log, charge_then_ship)
 
 
+def test_a_step_that_failed_before_the_cancellation_is_the_codes_to_handle() -> None:
+    def with_fallback(wf: WorkflowContext) -> Any:
+        try:
+            return wf.run("reserve", 7)
+        except StepFailed:
+            return wf.run("reserve_elsewhere", 7)
+
+    # Given a step that failed, then a cancellation requested later
+    log = Log()
+    run(log, with_fallback)
+    log.emit("step_failed", {"pos": 0, "error": "out of stock"})
+    log.state.apply({"kind": "cancel_requested", "at": NOW + 5, "data": {"reason": "customer"}})
+
+    # Then the code sees the failure (its fallback runs), and the cancellation lands at the
+    # fallback's new step, which is never scheduled
+    with pytest.raises(WorkflowCancelled):
+        run(log, with_fallback)
+    assert log.state.cancel_pos == 1
+    assert [c.name for c in log.state.commands.values()] == ["reserve"]
+
+
+def test_a_refused_call_takes_no_position_and_a_recorded_one_is_not_checked_again() -> None:
+    from celery_ledger.errors import PayloadError
+
+    refused: set[str] = set()
+
+    def check(call: Call) -> None:
+        if call.name in refused:
+            raise PayloadError(f"{call.name} cannot take these arguments")
+
+    def flow(wf: WorkflowContext) -> Any:
+        with contextlib.suppress(PayloadError):
+            wf.run("notify", 7)
+        return wf.run("charge", 7)
+
+    log = Log()
+    refused.add("notify")
+    context = WorkflowContext(
+        log.state,
+        now=NOW,
+        signals=(),
+        call_of=lambda target, args, kwargs: Call("step", str(target), args, kwargs),
+        check_call=check,
+        job_id_of=lambda call, pos: f"job-{pos}",
+        decode=lambda text: None if text is None else __import__("json").loads(text),
+        emit=log.emit,
+    )
+    with pytest.raises(Suspend):
+        flow(context)
+    assert [(c.pos, c.name) for c in log.state.commands.values()] == [(0, "charge")]
+
+    # A deploy that changes charge's signature: its recorded step replays, unchecked
+    log.complete(0, '"charged"')
+    refused.update({"charge"})
+    replay = WorkflowContext(
+        log.state,
+        now=NOW,
+        signals=(),
+        call_of=lambda target, args, kwargs: Call("step", str(target), args, kwargs),
+        check_call=check,
+        job_id_of=lambda call, pos: f"job-{pos}",
+        decode=lambda text: None if text is None else __import__("json").loads(text),
+        emit=log.emit,
+    )
+    assert flow(replay) == "charged"
+
+
 def test_the_code_reports_how_far_it_came() -> None:
     log = Log()
     context = log.context()

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from .. import audit
 from ..app import unacked_keys
+from ..errors import ConfigurationError
 from ..rotation import RotationReport, rotate_keys
 from ..routing import DEAD_LETTER
 from .options import actor_option
@@ -21,7 +22,8 @@ console = Console(soft_wrap=True)
 
 @click.group(name="keys")
 def keys() -> None:
-    """Encryption keys: seal stored values again with the newest key; say when an old key can go."""
+    """Encryption and signing keys: seal stored values again with the newest encryption key,
+    sign held delayed entries again with the newest signing key; say when an old key can go."""
 
 
 @keys.command()
@@ -63,18 +65,23 @@ def reseal(ctx: click.Context, as_json: bool, actor_name: str | None) -> None:
 def _rotate(ctx: click.Context, *, apply: bool) -> RotationReport:
     app = ctx.obj.app
     runtime = app.runtime
-    if not runtime.sealer.enabled:
-        raise click.ClickException("LEDGER_ENCRYPTION_KEYS is empty here: nothing can be opened")
-    return rotate_keys(
-        sealer=runtime.sealer,
-        ledger=app.ledger,
-        delayed=[d for d in (runtime.delayed, runtime.legacy_delayed) if d is not None],
-        broker=runtime.redis,
-        queues=[*runtime.tiers.queues, runtime.tiers.queue(DEAD_LETTER)],
-        unacked_key=unacked_keys(runtime.tiers.namespace).get("unacked_key", "unacked"),
-        poison_key=app.dead_letters.poison_key,
-        apply=apply,
-    )
+    if not runtime.sealer.enabled and not runtime.signer.enabled:
+        raise click.ClickException(
+            "LEDGER_ENCRYPTION_KEYS and LEDGER_SIGNING_KEYS are empty here: nothing to rotate"
+        )
+    try:
+        return rotate_keys(
+            sealer=runtime.sealer,
+            ledger=app.ledger,
+            delayed=[d for d in (runtime.delayed, runtime.legacy_delayed) if d is not None],
+            broker=runtime.redis,
+            queues=[*runtime.tiers.queues, runtime.tiers.queue(DEAD_LETTER)],
+            unacked_key=unacked_keys(runtime.tiers.namespace).get("unacked_key", "unacked"),
+            poison_key=app.dead_letters.poison_key,
+            apply=apply,
+        )
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 def _show(report: RotationReport, as_json: bool, *, verb: str) -> None:

@@ -78,6 +78,7 @@ class WorkflowContext:
         now: float,
         signals: Sequence[Signal],
         call_of: CallOf,
+        check_call: Callable[[Call], None] = lambda call: None,
         job_id_of: Callable[[Call, int], str],
         decode: Decode,
         emit: Callable[[str, dict[str, Any]], None],
@@ -89,6 +90,7 @@ class WorkflowContext:
         self._now = now
         self._signals = sorted(signals, key=lambda s: (s.sent_at, s.id))
         self._call_of = call_of
+        self._check_call = check_call
         self._job_id_of = job_id_of
         self._decode = decode
         self._emit = emit
@@ -139,6 +141,7 @@ class WorkflowContext:
         """Register a compensation (saga): if the workflow fails for good or is cancelled
         later, registered compensations run newest first, each once, each recorded."""
         call = self._call_of(target, args, kwargs)
+        self._check_if_new(call, "compensation")
         pos, recorded = self._next("compensation", call.name)
         if recorded is None:
             self._new(pos, "compensation", call.name, args=self._arguments(call), tier=call.tier)
@@ -228,7 +231,20 @@ class WorkflowContext:
             raise self.nondeterminism
         return pos, recorded
 
+    def _check_if_new(self, call: Call, kind: str) -> None:
+        """Check a call the log has not recorded at the next position (its arguments, its
+        target's signature), before the position is taken: a refused call records nothing, and
+        is refused again on replay (the position holds what came after it, not this call). A
+        call the log recorded there replays its outcome unchecked, whatever a later deploy
+        changed in its target's signature or the limits."""
+        if self.suspended:
+            return
+        recorded = self._state.commands.get(self._pos)
+        if recorded is None or (recorded.kind, recorded.name) != (kind, call.name):
+            self._check_call(call)
+
     def _command(self, call: Call) -> Command:
+        self._check_if_new(call, call.kind)
         pos, command = self._next(call.kind, call.name)
         self._cancel_point(pos, command)
         if command is None:
@@ -247,11 +263,17 @@ class WorkflowContext:
             return self._decode(command.result)
         if command.status == "failed":
             state = self._state
-            if state.cancel is not None and state.cancel_pos is None:
-                # A step that ended failed under a pending cancellation (a child workflow the
-                # cancellation reached): the cancellation, not the failure, ends the code.
+            cancel = state.cancel
+            if (
+                cancel is not None
+                and state.cancel_pos is None
+                and (command.finished_at or 0.0) >= float(cancel.get("at") or 0.0)
+            ):
+                # A step that ended failed after a cancellation was requested (a child
+                # workflow the cancellation reached): the cancellation, not the failure, ends
+                # the code. One that failed before it is the code's to handle (a fallback).
                 self._emit("cancel_delivered", {"pos": command.pos})
-                raise WorkflowCancelled(f"cancelled: {state.cancel.get('reason', '')}")
+                raise WorkflowCancelled(f"cancelled: {cancel.get('reason', '')}")
             raise StepFailed(command.name, command.pos, command.error or "failed")
         raise self._suspend()
 

@@ -102,6 +102,8 @@ class Ports(Protocol):
 
     def call_of(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call: ...
 
+    def check_arguments(self, call: Call) -> None: ...
+
     def publish_step(
         self, call: Call, *, job_id: str, key: str, workflow_id: str, workflow_tier: str
     ) -> None: ...
@@ -389,6 +391,7 @@ class WorkflowEngine:
             now=now,
             signals=signals,
             call_of=self._call_of,
+            check_call=self._check_call,
             job_id_of=lambda call, pos: self._job_id(state, call, pos),
             decode=self._decode,
             emit=emit,
@@ -759,23 +762,29 @@ class WorkflowEngine:
 
     def _call_of(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         call = self.ports.call_of(target, args, kwargs)
+        if call.kind == "child" and call.name not in self.definitions:
+            raise ConfigurationError(f"{call.name} is not a workflow of this app")
+        return call
+
+    def _check_call(self, call: Call) -> None:
+        """Refuse a new command's arguments (size, the target's signature): raised into the
+        code before the command is recorded. Only for new commands: a recorded one replays
+        its outcome whatever a later deploy changed in its target's signature or the limits."""
         size = len(canonical_json([list(call.args), call.kwargs]))
         if size > self.max_payload_bytes:
             raise PayloadError(
                 f"arguments of step {call.name} are {size} bytes of JSON; the limit is"
                 f" {self.max_payload_bytes} (LEDGER_MAX_PAYLOAD_BYTES)"
             )
-        if call.kind == "child":
-            definition = self.definitions.get(call.name)
-            if definition is None:
-                raise ConfigurationError(f"{call.name} is not a workflow of this app")
+        definition = self.definitions.get(call.name) if call.kind == "child" else None
+        if definition is not None:
             try:  # here, into the parent's code, not later where its start would fail forever
                 inspect.signature(_without_context(definition.fn)).bind(*call.args, **call.kwargs)
             except TypeError as exc:
                 raise PayloadError(
                     f"child workflow {call.name} cannot take these arguments: {exc}"
                 ) from exc
-        return call
+        self.ports.check_arguments(call)
 
     def _republish_after(self, command: Any) -> float:
         """How long a step's job may have no record before its message counts as lost: three
