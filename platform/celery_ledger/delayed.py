@@ -124,13 +124,12 @@ class DelayedDeliveries:
         """Put a held raw message back on its queue (kombu's Redis transport: LPUSH)."""
         self._redis.lpush(queue, dumps(envelope))
 
-    def take_due(
-        self, *, limit: int = 100, now: float | None = None
-    ) -> list[tuple[bytes, dict[str, Any]]]:
-        """Hand out up to ``limit`` due entries to this caller (see the module docstring)."""
+    def take_due(self, *, limit: int = 100, now: float | None = None) -> list[tuple[bytes, Any]]:
+        """Hand out up to ``limit`` due entries to this caller (see the module docstring):
+        each as (member, its decoded JSON, or None if it is not JSON)."""
         now = time.time() if now is None else now
         members = self._take_due(keys=[self.key], args=[now, self.handout_seconds, limit])
-        return [(member, loads(member)) for member in members]
+        return [(member, _decoded(member)) for member in members]
 
     def done(self, member: bytes) -> None:
         self._redis.zrem(self.key, member)
@@ -220,6 +219,30 @@ class DelayedDeliveries:
         self._redis.close()
 
 
+def _decoded(member: bytes) -> Any:
+    try:
+        return loads(member)
+    except ValueError:
+        return None
+
+
+def entry_shape_problem(envelope: Any) -> str | None:
+    """Why a held member is not an entry this platform writes, or None: one entry a writer to
+    the broker (or a bug) made unreadable must not hold back the others handed out with it."""
+    if not isinstance(envelope, dict):
+        return "unreadable delayed entry (not a JSON object)"
+    if "raw" in envelope:
+        ok = isinstance(envelope.get("raw"), dict) and isinstance(envelope.get("queue"), str)
+        return None if ok else "unreadable delayed entry (a raw message without its queue)"
+    if not isinstance(envelope.get("task"), str) or not isinstance(envelope.get("options"), dict):
+        return "unreadable delayed entry (no task name or options)"
+    if "sealed" in envelope:
+        return None if isinstance(envelope["sealed"], str) else "unreadable delayed entry"
+    if not isinstance(envelope.get("args"), list) or not isinstance(envelope.get("kwargs"), dict):
+        return "unreadable delayed entry (no arguments)"
+    return None
+
+
 def _signed(envelope: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     """What an entry's signature covers, as (headers, body) for :class:`Signer`: the whole
     entry but its signature (its id, task, options, and arguments, sealed or not)."""
@@ -254,7 +277,9 @@ class DelayedPublisher:
         while True:
             batch = self._deliveries.take_due()
             for member, envelope in batch:
-                refused = None if "raw" in envelope else self._deliveries.entry_problem(envelope)
+                refused = entry_shape_problem(envelope)
+                if refused is None and "raw" not in envelope:
+                    refused = self._deliveries.entry_problem(envelope)
                 if refused is not None:
                     if not self._keep(envelope, member, refused):
                         continue  # left in the set: its hand-out lease brings it back
@@ -274,12 +299,13 @@ class DelayedPublisher:
             if len(batch) < 100:
                 return published
 
-    def _keep(self, envelope: dict[str, Any], member: bytes, reason: str) -> bool:
+    def _keep(self, envelope: Any, member: bytes, reason: str) -> bool:
         """Keep a refused entry as a dead letter (its text as held); False if it cannot be."""
         if self._keep_unopenable is None:
             return False
-        task = envelope.get("task")
-        options = envelope.get("options")
+        found = envelope if isinstance(envelope, dict) else {}
+        task = found.get("task")
+        options = found.get("options")
         self._keep_unopenable(
             task if isinstance(task, str) else "?",
             options if isinstance(options, dict) else {},

@@ -64,3 +64,47 @@ def test_an_unsigned_entry_is_refused_only_where_signatures_are_required() -> No
 def test_a_key_no_worker_lists_is_refused() -> None:
     found = entry(held(Signer(["another-key-0123456789abcdef0123456789"])))
     assert "not listed" in (held(Signer([KEY])).entry_problem(json.loads(dumps(found))) or "")
+
+
+def test_unreadable_members_are_kept_as_dead_letters_and_never_hold_back_the_rest() -> None:
+    from celery_ledger.delayed import DelayedPublisher
+
+    good = {"id": "g", "task": "shop.ship", "options": {}, "args": [7], "kwargs": {}}
+    batch: dict[bytes, Any] = {
+        b"not json": None,
+        b"[1, 2]": [1, 2],
+        b'{"task": "shop.ship"}': {"task": "shop.ship"},
+        b'{"raw": {}}': {"raw": {}},
+        dumps(good).encode(): good,
+    }
+
+    class Due:
+        handed = 0
+
+        def take_due(self) -> list[tuple[bytes, Any]]:
+            self.handed += 1
+            return list(batch.items()) if self.handed == 1 else []
+
+        def done(self, member: bytes) -> None:
+            del batch[member]
+
+        def entry_problem(self, envelope: dict[str, Any]) -> str | None:
+            return None
+
+    sent: list[Any] = []
+    kept: list[tuple[str, str]] = []
+    publisher = DelayedPublisher(
+        Due(),  # type: ignore[arg-type]
+        lambda *call: sent.append(call),
+        keep_unopenable=lambda task, options, raw, reason: kept.append((raw, reason)),
+    )
+    assert publisher.publish_due() == 5
+    assert sent == [("shop.ship", [7], {}, {})]
+    assert batch == {}  # every member left the set: none comes back to block a batch
+    assert len(kept) == 4 and all("unreadable delayed entry" in reason for _, reason in kept)
+    assert {raw for raw, _ in kept} == {
+        "not json",
+        "[1, 2]",
+        '{"task": "shop.ship"}',
+        '{"raw": {}}',
+    }
