@@ -477,6 +477,19 @@ class LedgerTask(Task):  # type: ignore[misc]
         sig.delay()
         raise Replaced(replacement.id)
 
+    def _refuse_exposed_canvas(self, link: Any, chain: Any) -> None:
+        """Refuse, before anything is published, a canvas in which a sensitive task's result
+        reaches a task that is not sensitive: this task's callbacks and the rest of its chain,
+        and for each task of the chain, its callbacks and the tasks after it (a chain that
+        starts with a plain task would otherwise fail later, inside a worker, half run)."""
+        steps = list(reversed(chain)) if isinstance(chain, list | tuple) else []  # next first
+        refuse_clear_successors(self.app, [self.name], (link, steps))
+        for i, step in enumerate(steps):
+            if isinstance(step, dict) and isinstance(step.get("task"), str):
+                found = step.get("options")
+                callbacks = found.get("link") if isinstance(found, dict) else None
+                refuse_clear_successors(self.app, [step["task"]], (callbacks, steps[i + 1 :]))
+
     def AsyncResult(self, task_id: str, **kwargs: Any) -> _Result:
         """Celery's result handle, naming its task (``ledger_task``): a chord's header is
         frozen into these, and the chord's check of its body reads which tasks they are."""
@@ -556,8 +569,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         # The body sealed here, before it leaves the process: a sensitive task's, and any body
         # that carries a sensitive task's signature (a chain's rest, a callback) with its
         # arguments. Monitoring (events, Flower, inspect) shows no repr of sensitive arguments.
-        if self.sensitive:
-            refuse_clear_successors(self.app, [self.name], (link, options.get("chain")))
+        self._refuse_exposed_canvas(link, options.get("chain"))
         seal = self.sensitive or self._carries_sensitive(link, link_error, options)
         if self.sensitive:
             options["argsrepr"] = options["kwargsrepr"] = REDACTED

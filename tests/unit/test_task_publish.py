@@ -518,6 +518,7 @@ def test_a_sensitive_tasks_result_never_reaches_a_task_that_is_not_in_clear(
         "link": lambda: store.apply_async(("4111",), link=notify.s()),
         "chain": lambda: (store.s("4111") | notify.s()).apply_async(),
         "later in the chain": lambda: (store.s("4111") | mask.s() | notify.s()).apply_async(),
+        "a chain that starts plain": lambda: (notify.s("a") | store.s() | notify.s()).apply_async(),
         "chord body": lambda: chord([store.s("4111"), notify.s("x")], notify.s()).apply_async(),
         "nested chord body": lambda: chord(
             [group(mask.s("a"), store.s("4111"))], notify.s()
@@ -532,7 +533,8 @@ def test_a_sensitive_tasks_result_never_reaches_a_task_that_is_not_in_clear(
     (store.s("4111") | mask.s()).apply_async()
     store.apply_async(("4111",), link_error=notify.si("failed"))
     (notify.s("a") | notify.s()).apply_async()
-    assert len(published) == 3
+    (notify.s("a") | notify.s() | store.s()).apply_async()  # nothing after the sensitive task
+    assert len(published) == 4
 
 
 SECRET = "k" * 16 + "0123456789abcdef"
