@@ -90,7 +90,7 @@ def provision(
             {"createUser": user, "pwd": password, "roles": roles},
             {"updateUser": user, "pwd": password, "roles": roles},
         )
-        Ledger.ensure_audit_indexes(client[database][f"{collection}_audit"])
+        Ledger.ensure_audit_indexes(client[database][f"{collection}_audit"], strict=True)
     except OperationFailure as exc:
         if exc.code == 13:  # Unauthorized
             raise ConfigurationError(

@@ -320,18 +320,30 @@ class Ledger:
         self.ensure_audit_indexes(self._companion("audit"))
 
     @staticmethod
-    def ensure_audit_indexes(audit: Collection[dict[str, Any]]) -> None:
+    def ensure_audit_indexes(audit: Collection[dict[str, Any]], *, strict: bool = False) -> None:
         """The audit trail's indexes: one outcome per action (a unique index on ``of``, which
         actions leave out), and its time. Where the app's role may not create indexes on the
         trail (``ledger.access``: a TTL index would delete it), the provisioning step made
-        them with the administrator's connection, and this is a no-op."""
+        them with the administrator's connection, and this is a no-op; ``strict`` (that
+        step): it is not.
+
+        Raises:
+            StoreError: the indexes could not be made (the trail holds two outcomes of one
+                action, or, with ``strict``, this connection may not create indexes).
+        """
         try:
             with translate_errors("audit index creation"):
                 for name, keys, options in AUDIT_INDEXES:
                     audit.create_index(keys, name=name, **options)
+        except DuplicateKeyError as exc:
+            raise StoreError(
+                "the audit trail holds two outcomes of one action (a second writer's): its"
+                f" one-outcome index cannot be made until an operator reviews them: {exc}"
+            ) from exc
         except StoreError as exc:
-            if not isinstance(exc.__cause__, OperationFailure) or exc.__cause__.code != 13:
-                raise  # 13: Unauthorized (a least-privilege deployment)
+            unauthorized = isinstance(exc.__cause__, OperationFailure) and exc.__cause__.code == 13
+            if strict or not unauthorized:
+                raise
 
     def expire(self) -> int:
         """Delete records past their ``expires_at`` (what the TTL index does when it is on).
