@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 LIBRARY = Path(__file__).resolve().parents[2] / "platform" / "celery_ledger"
+_CACHES = shutil.ignore_patterns("__pycache__", "*.pyc")
 
 
 def test_every_directory_of_the_library_is_a_package() -> None:
@@ -31,10 +33,16 @@ def test_every_directory_of_the_library_is_a_package() -> None:
     reason="pip is not available",
 )
 def test_the_wheel_holds_every_module(tmp_path: Path) -> None:
+    # Built from a copy: setuptools writes its build/ directory beside the sources.
+    source = tmp_path / "source"
+    root = LIBRARY.parents[1]
+    shutil.copytree(LIBRARY, source / "platform" / "celery_ledger", ignore=_CACHES)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
     built = subprocess.run(
         [
             *(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"),
-            *("-w", str(tmp_path), str(LIBRARY.parents[1])),
+            *("-w", str(tmp_path), str(source)),
         ],
         capture_output=True,
         text=True,
