@@ -521,7 +521,60 @@ class DeadLetters:
             return []
         purged = self._ledger.purge_dead(ids, actor=actor)
         logger.warning("purged %d dead records (by %s)", len(purged), actor or "?")
+        try:
+            self.drop_copies(purged)
+        except Exception as exc:  # the copies then leave with their age (trim_copies)
+            logger.warning("could not drop the queue copies of purged records: %s", exc)
         return purged
+
+    # -- the queue copies' lifetime -----------------------------------------------------------
+    # A copy never outlives its record: a purge drops the purged records' copies, and the
+    # workers' housekeeping drops copies older than the dead records' retention (the ledger
+    # has deleted their records by then). The queue is capped, so both scans are bounded.
+
+    def drop_copies(self, record_ids: Iterable[str]) -> int:
+        """Remove the queue copies of these records; returns how many."""
+        wanted = set(record_ids)
+        if not wanted:
+            return 0
+        queue, redis = self._runtime.tiers.dead_letter_queue, self._runtime.redis
+        dropped = 0
+        for item in redis.lrange(queue, 0, -1):
+            copy = _copy_of(item)
+            if copy is not None and copy[0] in wanted:  # (gone already if consumed meanwhile)
+                dropped += int(redis.lrem(queue, 1, item))  # type: ignore[arg-type]
+        return dropped
+
+    def trim_copies(self, limit: int = 100) -> int:
+        """Remove queue copies older than ``LEDGER_DEAD_RETENTION_SECONDS``, oldest first (at
+        the tail, where the queue is consumed); returns how many."""
+        queue, redis = self._runtime.tiers.dead_letter_queue, self._runtime.redis
+        cutoff = time.time() - self._runtime.settings.dead_retention_seconds
+        dropped = 0
+        for item in reversed(redis.lrange(queue, -limit, -1)):  # oldest first
+            copy = _copy_of(item)
+            if copy is None:
+                continue  # not a copy this platform wrote: its consumer's to take
+            if copy[1] > cutoff:
+                break
+            dropped += int(redis.lrem(queue, -1, item))  # type: ignore[arg-type]
+        return dropped
+
+
+def _copy_of(item: bytes | str) -> tuple[str, float] | None:
+    """(record id, when it was copied) of a dead-letter queue item this platform wrote (kombu's
+    Redis transport: a JSON envelope whose body is the copy's JSON, maybe base64), or None."""
+    try:
+        envelope = json.loads(item)
+        body = envelope["body"]
+        properties = envelope.get("properties") or {}
+        if properties.get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        copy = json.loads(body)
+        at = datetime.fromisoformat(copy["at"]).timestamp()
+        return str(copy["record_id"]), at
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def _replay_identity(doc: Mapping[str, Any]) -> Identity:

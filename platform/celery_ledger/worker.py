@@ -193,6 +193,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         upkeep: list[Callable[[], object]] = [
             app.dead_letters.drain_poison,
             Every(COPY_PENDING_EVERY_SECONDS, app.dead_letters.copy_pending),
+            Every(COPY_PENDING_EVERY_SECONDS, app.dead_letters.trim_copies),
             Every(EXPIRE_EVERY_SECONDS, app.workflow_engine.log.expire),
             Every(REAP_EVERY_SECONDS, runtime.ledger.reap_abandoned_transactions),
         ]

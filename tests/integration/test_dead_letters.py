@@ -149,6 +149,46 @@ def test_the_dead_letters_queue_keeps_only_its_newest_copies(stack: Any) -> None
     client.delete(queue)
 
 
+def test_a_queue_copy_never_outlives_its_record(stack: Any) -> None:
+    import base64
+    import uuid
+    from datetime import UTC, datetime, timedelta
+
+    from celery_ledger.ledger.dead import DeadLetter
+
+    from .conftest import producer_app
+
+    # Given copies in the dead letters' queue: two from before the retention, three newer
+    namespace = f"life-{uuid.uuid4().hex[:8]}"
+    app = producer_app(stack, "copies", queue_namespace=namespace, dead_retention_seconds=3600)
+    queue = app.tiers.dead_letter_queue
+    now = datetime.now(UTC)
+    for i, age in enumerate([7200, 4000, 60, 30, 0]):
+        at = (now - timedelta(seconds=age)).isoformat()
+        fields = ("billing.charge", f"k-{i}", "default", "boom", "failed", "f", "t", None, [])
+        app.dead_letters.announce(DeadLetter(f"r-{i}", *fields, at))
+    client = redis.Redis.from_url(stack.broker.url)
+    client.lpush(queue, "not a copy of ours")  # a consumer's business, left alone
+
+    def ids() -> list[str]:
+        found = []
+        for raw in client.lrange(queue, 0, -1):
+            try:
+                found.append(json.loads(base64.b64decode(json.loads(raw)["body"]))["record_id"])
+            except ValueError:
+                found.append(raw.decode())
+        return found
+
+    # When the housekeeping trims them: the copies past the retention go (their records too)
+    assert app.dead_letters.trim_copies() == 2
+    assert ids() == ["not a copy of ours", "r-4", "r-3", "r-2"]
+    # And a purge takes its records' copies with it
+    assert app.dead_letters.drop_copies(["r-3", "r-9"]) == 1
+    assert ids() == ["not a copy of ours", "r-4", "r-2"]
+    client.delete(queue)
+    app.close()
+
+
 def test_filters_apply_before_the_limit_and_a_purge_is_audited_with_its_ids(
     app: Any, token: str
 ) -> None:
