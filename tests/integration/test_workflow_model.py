@@ -112,13 +112,21 @@ class Broker:
 
     wakes: list[str] = field(default_factory=list)
     steps: list[tuple[str, str]] = field(default_factory=list)
+    held: list[tuple[float, str]] = field(default_factory=list)  # delayed wakes: (due, id)
+
+    def release_due(self, now: float) -> None:
+        """The delayed set: wakes whose time came go to the queue."""
+        due = [(at, wake) for at, wake in self.held if at <= now]
+        self.held = [(at, wake) for at, wake in self.held if at > now]
+        self.wakes += [wake for _, wake in sorted(due)]
 
 
 class Ports:
     """The engine's ports: messages go to the model's broker; a crash can be armed."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, clock: Any) -> None:
         self.broker = broker
+        self.clock = clock
         self.die_after: int | None = None  # publishes before this wake's process dies
 
     def _publish(self) -> None:
@@ -141,7 +149,10 @@ class Ports:
 
     def publish_wake(self, workflow_id: str, tier: str, *, delay: float = 0.0) -> None:
         self._publish()
-        self.broker.wakes.append(workflow_id)
+        if delay > 0:  # held until due, as the delayed set holds it
+            self.broker.held.append((self.clock().timestamp() + delay, workflow_id))
+        else:
+            self.broker.wakes.append(workflow_id)
 
 
 class DyingLog(WorkflowLog):
@@ -185,7 +196,7 @@ class WorkflowModel(RuleBasedStateMachine):
         self.log = DyingLog(self.ledger, retention_seconds=3600)
         self.log.ensure_indexes()
         self.broker = Broker()
-        self.ports = Ports(self.broker)
+        self.ports = Ports(self.broker, self.clock)
         self.engine = WorkflowEngine(
             self.log,
             {FLOW: Definition(FLOW, flow, snapshot_every=10)},
@@ -220,6 +231,7 @@ class WorkflowModel(RuleBasedStateMachine):
             self.engine.wake(workflow_id)
         except Died:
             SEEN[f"wake died {death}"] += 1
+
         finally:
             self.log.die = None
             self.ports.die_after = None
@@ -267,6 +279,7 @@ class WorkflowModel(RuleBasedStateMachine):
     def deliver_wake(self, data: st.DataObject, death: str | None) -> None:
         index = data.draw(st.integers(0, len(self.broker.wakes) - 1))
         workflow_id = self.broker.wakes.pop(index)
+        SEEN[f"wake delivered ({death or 'it lives'})"] += 1
         self.run_wake(workflow_id, death)
 
     @precondition(lambda self: self.broker.steps)
@@ -297,6 +310,7 @@ class WorkflowModel(RuleBasedStateMachine):
     @rule(seconds=st.sampled_from([1, 40, 200]))
     def time_passes(self, seconds: float) -> None:
         self.clock.advance(seconds)
+        self.broker.release_due(self.clock().timestamp())
 
     @rule()
     def reconcile(self) -> None:
@@ -388,6 +402,7 @@ class WorkflowModel(RuleBasedStateMachine):
             if all(state.finished for state in states.values()):
                 break
             self.clock.advance(CHECK_SECONDS + 1)
+            self.broker.release_due(self.clock().timestamp())
             self.engine.wake_overdue()
         for workflow in self.workflows:
             state = fold(workflow.id, self.log.all_events(workflow.id))

@@ -65,6 +65,7 @@ UNKNOWN_WORKFLOW_RETRY_SECONDS = 30.0  # a wake for a workflow this worker does 
 # A timer's wake found the timer not quite due (the waking host's clock is behind the one that
 # published the wake): within this many seconds of it, the wake is published again for then.
 EARLY_WAKE_SECONDS = 60.0
+MIN_REHELD_WAKE_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -338,7 +339,9 @@ class WorkflowEngine:
                 check_by=datetime.fromtimestamp(until + self.check_seconds, UTC),
             )
         if not scheduled and until - now <= EARLY_WAKE_SECONDS:
-            self.ports.publish_wake(state.id, self._tier(state), delay=until - now + 0.05)
+            # At least a second on: clocks that disagree never make wakes chase each other.
+            delay = max(until - now, MIN_REHELD_WAKE_SECONDS) + 0.05
+            self.ports.publish_wake(state.id, self._tier(state), delay=delay)
 
     def _observe(
         self,
