@@ -268,34 +268,27 @@ def test_a_refused_call_takes_no_position_and_a_recorded_one_is_not_checked_agai
 
     log = Log()
     refused.add("notify")
-    context = WorkflowContext(
-        log.state,
-        now=NOW,
-        signals=(),
-        call_of=lambda target, args, kwargs: Call("step", str(target), args, kwargs),
-        check_call=check,
-        job_id_of=lambda call, pos: f"job-{pos}",
-        decode=lambda text: None if text is None else __import__("json").loads(text),
-        emit=log.emit,
-    )
+
+    def checked() -> WorkflowContext:
+        return WorkflowContext(
+            log.state,
+            now=NOW,
+            signals=(),
+            call_of=lambda target, args, kwargs: Call("step", str(target), args, kwargs),
+            check_call=check,
+            job_id_of=lambda call, pos: f"job-{pos}",
+            decode=lambda text: None if text is None else __import__("json").loads(text),
+            emit=log.emit,
+        )
+
     with pytest.raises(Suspend):
-        flow(context)
+        flow(checked())
     assert [(c.pos, c.name) for c in log.state.commands.values()] == [(0, "charge")]
 
     # A deploy that changes charge's signature: its recorded step replays, unchecked
     log.complete(0, '"charged"')
     refused.update({"charge"})
-    replay = WorkflowContext(
-        log.state,
-        now=NOW,
-        signals=(),
-        call_of=lambda target, args, kwargs: Call("step", str(target), args, kwargs),
-        check_call=check,
-        job_id_of=lambda call, pos: f"job-{pos}",
-        decode=lambda text: None if text is None else __import__("json").loads(text),
-        emit=log.emit,
-    )
-    assert flow(replay) == "charged"
+    assert flow(checked()) == "charged"
 
 
 def test_the_code_reports_how_far_it_came() -> None:
