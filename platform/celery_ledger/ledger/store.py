@@ -4,18 +4,19 @@ Op shapes are chosen for both real MongoDB and SecantusDB: every write is an ``u
 filtered on ``_id`` (never ``findAndModify``, which scans the whole collection on SecantusDB),
 and a read happens only on the rare paths.
 
-A claim is one unordered bulk write of up to three conditional updates:
+A claim is one conditional update (the common case is a claim that succeeds, so it is the one
+operation on that path):
 
 1. the claim itself: an upsert on ``_id`` that matches only while the record is claimable
    (``claimable_at <= now``), names the same job (task and key) and its fencing token is older
    than ours. It inserts a new record, or takes a queued, retrying or lease-expired one. When the
    record exists but is not claimable, the upsert collides with it on ``_id`` (duplicate key),
-   which is the signal.
-2. a duplicate marker: ``$inc duplicates`` on the same ``_id`` if it already ``succeeded``.
-3. for a message whose own id is not the record's (an alias), the alias document.
+   which is the signal. A message whose own id is not the record's (an alias) writes its alias
+   document in the same unordered bulk write.
+2. only when the claim did not match, a duplicate marker: ``$inc duplicates`` on the same
+   ``_id`` if it already ``succeeded`` (a suppressed duplicate: two operations).
 
-So a claim costs one round trip, and so does a suppressed duplicate. Only a record held by a
-live lease or a dead record needs a second round trip (a read) to say why.
+Only a record held by a live lease or a dead record needs a third operation (a read) to say why.
 
 Fencing tokens are nanosecond timestamps: known to the claimer without a read, and the claim
 filter (``fence < token``) guarantees they only grow. A claimer whose clock lags falls back to
@@ -445,7 +446,7 @@ class Ledger:
                 return Claim(ClaimOutcome.CONFLICT)
             state = doc.get("state")
             if state == State.SUCCEEDED:
-                continue  # it finished between our two calls: the claim bulk now counts it
+                continue  # it finished between our two calls: the next claim counts the duplicate
             if state == State.DEAD:
                 return Claim(ClaimOutcome.DEAD)
             claimable_at: datetime = doc.get("claimable_at") or EPOCH
@@ -537,11 +538,7 @@ class Ledger:
                     "$unset": {"unpublished_at": ""},
                 },
                 upsert=True,
-            ),
-            UpdateOne(
-                {"_id": record_id, "task": task, "key": key, "state": State.SUCCEEDED.value},
-                {"$inc": {"duplicates": 1}, "$set": {"last_duplicate_at": now}},
-            ),
+            )
         ]
         if alias is not None:
             ops.append(
@@ -564,10 +561,14 @@ class Ledger:
             errors = details.get("writeErrors", [])
             if any(e.get("index") != 0 or e.get("code") != DUPLICATE_KEY for e in errors):
                 raise StoreError(f"ledger claim of {record_id} failed: {errors}") from exc
-            # Not claimable. The duplicate marker modified the record iff it succeeded.
-            if details.get("nModified", 0) >= 1:
-                return Claim(ClaimOutcome.DUPLICATE)
-            return None
+            # Not claimable. A duplicate of a finished job is the common reason: count it
+            # (the marker modifies the record iff it succeeded); anything else needs a read.
+            with translate_errors("claim"):
+                marked = self.collection.update_one(
+                    {"_id": record_id, "task": task, "key": key, "state": State.SUCCEEDED.value},
+                    {"$inc": {"duplicates": 1}, "$set": {"last_duplicate_at": now}},
+                )
+            return Claim(ClaimOutcome.DUPLICATE) if marked.modified_count == 1 else None
         return Claim(ClaimOutcome.CLAIMED, fence=fence)
 
     # -- outcomes of an attempt (fenced; each recognises its own applied write) --------------
