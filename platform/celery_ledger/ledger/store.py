@@ -18,6 +18,10 @@ operation on that path):
 
 Only a record held by a live lease or a dead record needs a third operation (a read) to say why.
 
+Claims and the writes that end an attempt go through :class:`GroupCommit`: when several tasks of
+one process (a threads or gevent pool) write at once, their updates share one unordered bulk
+write, so one journal flush; a process running one task at a time sends each at once.
+
 Fencing tokens are nanosecond timestamps: known to the claimer without a read, and the claim
 filter (``fence < token``) guarantees they only grow. A claimer whose clock lags falls back to
 ``stored token + 1``.
@@ -61,6 +65,7 @@ from ..errors import CommitLost, LeaseLost, LedgerUnavailable, StoreError
 from ..locks import ForkSafeLock
 from ..reseal import Reseal, Tally, reseal_tree
 from .dead import DeadJob
+from .group_commit import GroupCommit, Statement
 from .message import KeptMessage
 from .record import SCHEMA_VERSION, ErrorEntry, LedgerRecord, State
 
@@ -237,6 +242,8 @@ class Ledger:
         self._pid = -1
         self._client: MongoClient[dict[str, Any]] | None = None
         self._collection: Collection[dict[str, Any]] | None = None
+        # Claims and attempt endings of this process's concurrent tasks share bulk writes.
+        self.writes = GroupCommit(lambda: self.collection)
 
     # -- connection -------------------------------------------------------------------------
 
@@ -529,7 +536,7 @@ class Ledger:
         if message is not None:
             fields["message"] = message.document()
         ops = [
-            UpdateOne(
+            Statement(
                 claim_filter,
                 {
                     "$set": fields,
@@ -542,25 +549,18 @@ class Ledger:
         ]
         if alias is not None:
             ops.append(
-                UpdateOne(
+                Statement(
                     {"_id": alias},
                     {"$setOnInsert": self._alias(record_id, task, key, now)},
                     upsert=True,
                 )
             )
-        try:
-            with translate_errors("claim"):
-                self.collection.bulk_write(ops, ordered=False)
-        except BulkWriteError as exc:
-            details = exc.details
-            if details.get("writeConcernErrors"):
-                raise LedgerUnavailable(
-                    f"claim of {record_id}: write concern not confirmed, outcome unknown:"
-                    f" {details['writeConcernErrors']}"
-                ) from exc
-            errors = details.get("writeErrors", [])
-            if any(e.get("index") != 0 or e.get("code") != DUPLICATE_KEY for e in errors):
-                raise StoreError(f"ledger claim of {record_id} failed: {errors}") from exc
+        with translate_errors("claim"):
+            claim, *others = self.writes.write(ops)
+        errors = [o.error for o in (claim, *others) if o.error is not None]
+        if any(e is not claim.error or e.get("code") != DUPLICATE_KEY for e in errors):
+            raise StoreError(f"ledger claim of {record_id} failed: {errors}")
+        if claim.error is not None:
             # Not claimable. A duplicate of a finished job is the common reason: count it
             # (the marker modifies the record iff it succeeded); anything else needs a read.
             with translate_errors("claim"):
@@ -712,8 +712,10 @@ class Ledger:
         # not the effect (measured on the embedded server without --sync-on-commit).
         match.update({f"steps.{name}": {"$exists": True} for name in atomic_steps})
         with translate_errors(what):
-            result = self.collection.update_one(match, update)
-        if result.matched_count == 1 or self._applied(record_id, fence, op, what):
+            (outcome,) = self.writes.write([Statement(match, update)])
+        if outcome.error is not None:
+            raise StoreError(f"ledger {what} of {record_id} failed: {outcome.error}")
+        if outcome.matched or self._applied(record_id, fence, op, what):
             return
         if atomic_steps:
             with translate_errors(what):
