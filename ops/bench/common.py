@@ -76,12 +76,14 @@ def start_worker(
     concurrency: int,
     name: str,
     env: Mapping[str, str] | None = None,
+    pool: str = "prefork",
 ) -> WorkerProcess:
     """A ``celery worker`` subprocess of ``app_module`` on ``queue``, ready when returned."""
     worker_env = {"PYTHONPATH": str(REPO), "BENCH_QUEUE": queue, **(env or {})}
     return servers.stack(app_module).start_worker(
         queue,
         concurrency=concurrency,
+        pool=pool,
         name=f"{name}@127.0.0.1",
         env=worker_env,
         extra_args=("--loglevel", "WARNING"),
