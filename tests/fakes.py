@@ -375,10 +375,9 @@ class MemoryLedger:
         doc.update(
             {
                 "state": State.DEAD.value,
-                **self._ended(now, FOREVER),
+                **self._ended(now, now + COPY_GRACE),  # the queue copy's due time
                 "finished_at": now,
                 "expires_at": now + self.dead_retention,
-                "copy_due_at": now + COPY_GRACE,
                 **copy.deepcopy(dead.fields()),
             }
         )
@@ -394,7 +393,7 @@ class MemoryLedger:
             now = self.now()
             fields = {
                 "state": State.DEAD.value,
-                **self._ended(now, FOREVER),
+                **self._ended(now, now + COPY_GRACE),  # the queue copy's due time
                 "finished_at": now,
                 "expires_at": now + self.dead_retention,
                 **dead.fields(),
@@ -602,19 +601,14 @@ class MemoryLedger:
     def mark_copy_pending(self, record_id: str, pending: bool) -> None:
         self._enter("mark_copy_pending")
         doc = self.docs.get(record_id)
-        if doc is not None:
-            if pending:
-                doc["copy_due_at"] = self.now()
-            else:
-                doc.pop("copy_due_at", None)
+        if doc is not None and doc.get("state") == State.DEAD and not doc.get("purged_at"):
+            doc["claimable_at"] = self.now() if pending else FOREVER
 
     def copies_pending(self, *, limit: int = 100) -> list[dict[str, Any]]:
         return [
             copy.deepcopy(d)
             for d in self.docs.values()
-            if d.get("state") == State.DEAD
-            and d.get("copy_due_at") is not None
-            and d["copy_due_at"] <= self.now()
+            if d.get("state") == State.DEAD and d["claimable_at"] <= self.now()
         ][:limit]
 
     def count_dead(self) -> int:
@@ -636,7 +630,6 @@ class MemoryLedger:
             replays=doc.get("replays", 0) + 1,
         )
         doc.pop("expires_at", None)
-        doc.pop("copy_due_at", None)
         return now
 
     def undo_reopen(self, record_id: str, reopened_at: datetime) -> None:
@@ -663,8 +656,8 @@ class MemoryLedger:
         for record_id in record_ids:
             doc = self.docs.get(record_id)
             if doc is not None and doc.get("state") == State.DEAD and not doc.get("purged_at"):
-                doc.update(purged_at=self.now(), purged_by=actor)
-                for name in ("message", "result", "errors", "traceback", "copy_due_at"):
+                doc.update(purged_at=self.now(), purged_by=actor, claimable_at=FOREVER)
+                for name in ("message", "result", "errors", "traceback"):
                     doc.pop(name, None)
                 purged.append(record_id)
         return purged

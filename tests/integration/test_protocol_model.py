@@ -66,7 +66,7 @@ from celery_ledger.keys import Identity, derive_task_id
 from celery_ledger.ledger import ClaimOutcome, Ledger
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import State
-from celery_ledger.ledger.store import EnqueueOutcome, Fenced, utcnow
+from celery_ledger.ledger.store import FOREVER, EnqueueOutcome, Fenced, utcnow
 from celery_ledger.policies.retry import RetryPolicy
 from celery_ledger.reconciler import Reconciler
 from celery_ledger.routing import TIERS, Tiers
@@ -662,6 +662,11 @@ class ProtocolModel(RuleBasedStateMachine):
     @rule(job=jobs)
     def replay(self, job: str) -> None:
         doc = self.store.find_raw(self.record_of(job))
+        if doc is None or doc.get("state") != State.DEAD.value:
+            # An operator replays what is dead: any dead job, so that replays are reached
+            # whatever the drawn job (the search would otherwise rarely pick a dead one).
+            dead = (self.store.find_raw(self.record_of(key)) for key in sorted(self.accepted))
+            doc = next((d for d in dead if d and d.get("state") == State.DEAD.value), doc)
         if doc is not None:
             # An operator who sees the ledger's error tries again.
             with contextlib.suppress(LedgerError):
@@ -757,8 +762,9 @@ class ProtocolModel(RuleBasedStateMachine):
             if doc["state"] == State.SUCCEEDED.value and doc.get("outcome") is None:
                 assert self.effects[(key, "final")] >= 1, f"{key}: succeeded without its effect"
             if doc["state"] == State.DEAD.value and not doc.get("purged_at"):
-                assert any(c.get("record_id") == doc["_id"] for c in self.copies) or doc.get(
-                    "copy_due_at"
+                # a dead record's claimable_at is its pending copy's due time
+                assert any(c.get("record_id") == doc["_id"] for c in self.copies) or (
+                    doc["claimable_at"] < FOREVER
                 ), f"{key}: dead without a copy in the dead letters' queue"
 
     def settled(self) -> bool:

@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from celery_ledger.ledger.dead import DeadJob
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import ErrorEntry
 from celery_ledger.ledger.store import (
+    COPY_GRACE,
     EnqueueOutcome,
     Fenced,
     HeldBy,
@@ -469,3 +471,60 @@ time.sleep(600)
     store.complete(record_id, fence, '"done"', op=new_op())
     assert store.get_by_id(record_id).result == "done"  # type: ignore[union-attr]
     assert "steps" not in store.find_raw(record_id)  # the abandoned write was rolled back
+
+
+def test_a_dead_job_is_never_claimed_while_its_queue_copy_falls_due(
+    world: tuple[Any, Clock],
+) -> None:
+    ledger, clock = world
+    record_id = new_id()
+    first = claim(ledger, record_id)
+    ledger.bury(
+        record_id,
+        dead(),
+        match=Fenced(first.fence, new_op()),
+        task=TASK,
+        key=record_id,
+        tier="default",
+    )
+    # Its copy falls due (nobody confirmed it), and it is still dead to every claim
+    clock.advance(COPY_GRACE.total_seconds() + 1)
+
+    def due() -> list[str]:  # (the store's database is shared with other tests)
+        return [d["_id"] for d in ledger.copies_pending(limit=10_000) if d["_id"] == record_id]
+
+    assert due() == [record_id]
+    assert claim(ledger, record_id).outcome is ClaimOutcome.DEAD
+    # Once copied, it is no longer due; a purge never makes it due again
+    ledger.mark_copy_pending(record_id, False)
+    assert due() == []
+    ledger.mark_copy_pending(record_id, True)
+    ledger.purge([record_id], actor="test")
+    assert due() == []
+    assert claim(ledger, record_id).outcome is ClaimOutcome.DEAD
+
+
+def test_indexes_made_by_an_earlier_release_are_brought_up_to_date(stack: Any) -> None:
+    # Given a ledger whose dead record's pending copy was noted in ``copy_due_at``, indexed
+    database = f"upgrade_{uuid.uuid4().hex[:8]}"
+    store = Ledger(uri=stack.ledger.url, database=database)
+    store.collection.create_index("copy_due_at", name="copy_due")
+    due = utcnow() - timedelta(seconds=5)
+    store.collection.insert_one(
+        {
+            "_id": "old-dead",
+            "task": TASK,
+            "key": "k",
+            "state": State.DEAD.value,
+            "fence": 1,
+            "claimable_at": datetime(9999, 12, 31, tzinfo=UTC),
+            "copy_due_at": due,
+        }
+    )
+    # When this release makes its indexes
+    store.ensure_indexes()
+    # Then the old index is gone (one index fewer written by every job) and the copy is due
+    assert "copy_due" not in store.collection.index_information()
+    assert [doc["_id"] for doc in store.copies_pending()] == ["old-dead"]
+    assert "copy_due_at" not in (store.find_raw("old-dead") or {})
+    store.client.drop_database(database)

@@ -271,7 +271,7 @@ def test_a_copy_the_broker_refused_is_published_later(world: World) -> None:
     world.poison(ledger_key="order-7")
     world.letters.drain_poison()
     record_id = derive_task_id(TASK, "order-7")
-    assert world.ledger.docs[record_id]["copy_due_at"] <= world.ledger.now()  # due at once
+    assert world.ledger.docs[record_id]["claimable_at"] <= world.ledger.now()  # due at once
     assert len(world.dead) == 1  # observers were told at once
     # When the broker is back, the housekeeping publishes it, once
     world.letters._publish_raw = world.outbox.publish_raw  # type: ignore[method-assign]

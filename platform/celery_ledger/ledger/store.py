@@ -324,7 +324,15 @@ class Ledger:
             self.collection.create_index(
                 [("state", ASCENDING), ("claimable_at", ASCENDING)], name="state_claimable"
             )
-            self.collection.create_index("copy_due_at", name="copy_due")
+            # Dead records' pending queue copies were found by an index of their own; they
+            # are found by ``state_claimable`` now (one index fewer to write on every job).
+            # Records buried before carry their due time in ``copy_due_at``: move it over.
+            self.collection.update_many(
+                {"state": State.DEAD.value, "copy_due_at": {"$exists": True}},
+                [{"$set": {"claimable_at": "$copy_due_at"}}, {"$unset": "copy_due_at"}],
+            )
+            if "copy_due" in self.collection.index_information():
+                self.collection.drop_index("copy_due")
         self.ensure_audit_indexes(self._companion("audit"))
 
     @staticmethod
@@ -517,6 +525,8 @@ class Ledger:
             "task": task,
             "key": key,
             "claimable_at": {"$lte": now},
+            # A dead record's claimable_at is its queue copy's due time (see bury): never a claim.
+            "state": {"$ne": State.DEAD.value},
             "fence": {"$lt": fence},
             "inflight": {"$lt": self.max_deliveries},
         }
@@ -760,10 +770,12 @@ class Ledger:
         now = self.now()
         fields = {
             "state": State.DEAD.value,
-            **self._ended(now, FOREVER),
+            # On a dead record, the time its queue copy falls due (copies_pending): dead
+            # records are never claimable whatever it says, and the state-and-time index
+            # finds due copies without an index of their own.
+            **self._ended(now, now + COPY_GRACE),
             "finished_at": now,
             "expires_at": now + self.dead_retention,
-            "copy_due_at": now + COPY_GRACE,
             **dead.fields(),
         }
         push = (
@@ -1083,22 +1095,23 @@ class Ledger:
 
     def mark_copy_pending(self, record_id: str, pending: bool) -> None:
         """The dead letter's copy to its queue is due now (its publish failed), or is done."""
+        due = self.now() if pending else FOREVER
         with translate_errors("dead-letter copy mark"):
-            update: dict[str, Any]
-            if pending:
-                update = {"$set": {"copy_due_at": self.now()}}
-            else:
-                update = {"$unset": {"copy_due_at": ""}}
-            self.collection.update_one({"_id": record_id}, update)
+            self.collection.update_one(
+                {"_id": record_id, "state": State.DEAD.value, "purged_at": None},
+                {"$set": {"claimable_at": due}},
+            )
 
     def copies_pending(self, *, limit: int = 100) -> list[dict[str, Any]]:
         """Dead records whose queue copy is due and was not confirmed (its publish failed, or
         the process that buried the job died before it; see ``COPY_GRACE``)."""
-        # One indexed field only (a filter on several fields can scan on some servers); only
-        # dead records carry ``copy_due_at`` (a replay and a purge unset it).
+        # A dead record's claimable_at is its copy's due time (FOREVER once copied or purged).
         with translate_errors("dead-letter copy query"):
-            docs = self.collection.find({"copy_due_at": {"$lte": self.now()}}).limit(limit)
-            return [doc for doc in docs if doc.get("state") == State.DEAD.value]
+            return list(
+                self.collection.find(
+                    {"state": State.DEAD.value, "claimable_at": {"$lte": self.now()}}
+                ).limit(limit)
+            )
 
     def count_dead(self) -> int:
         with translate_errors("dead-letter count"):
@@ -1122,7 +1135,7 @@ class Ledger:
                     },
                     # A replayed job is live again: the dead record's retention no longer applies
                     # (the TTL sweep would delete it under its new holder).
-                    "$unset": {"expires_at": "", "copy_due_at": ""},
+                    "$unset": {"expires_at": ""},
                     "$inc": {"replays": 1},
                     "$push": {"audit": {"action": "replay", "by": actor, "at": now}},
                 },
@@ -1164,14 +1177,13 @@ class Ledger:
             self.collection.update_many(
                 {"_id": {"$in": ids}, "state": State.DEAD.value, "purged_at": None},
                 {
-                    "$set": {"purged_at": now, "purged_by": actor, "purge_op": op},
-                    "$unset": {
-                        "message": "",
-                        "result": "",
-                        "errors": "",
-                        "traceback": "",
-                        "copy_due_at": "",
+                    "$set": {
+                        "purged_at": now,
+                        "purged_by": actor,
+                        "purge_op": op,
+                        "claimable_at": FOREVER,  # no queue copy is due any more
                     },
+                    "$unset": {"message": "", "result": "", "errors": "", "traceback": ""},
                 },
             )
             removed = self.collection.find({"_id": {"$in": ids}, "purge_op": op}, {"_id": 1})
