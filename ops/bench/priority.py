@@ -1,6 +1,7 @@
 """Critical latency under a bulk flood: tiers against a naive single-queue setup, in one run.
 
-    python -m ops.bench.priority [--bulk 20000] [--critical 60] [--rate 4]
+    python -m ops.bench.priority [--bulk 20000] [--critical 60] [--rate 4] [--repeats 3]
+                                 [--throttle-ms 60]
 
 Scenarios, each with fresh workers on the same valkey and SecantusDB servers and the same
 number of worker processes (3):
@@ -13,6 +14,12 @@ number of worker processes (3):
 Critical latency runs from publish to the moment its body ran (its return value), so result
 polling does not blur it. Bulk throughput is bulk tasks per second from the first publish to the
 last bulk result.
+
+The latency-driven throttle is engaged as a real app engages it: the producer reports each
+critical latency it observes with ``pressure.report_latency`` (as a web tier reports its
+requests), and the workers run with ``LEDGER_THROTTLE_LATENCY_MS`` at ``--throttle-ms``, so bulk
+workers pause while the reported p95 is above it. Scenarios are interleaved over ``--repeats``
+runs (idle, tiers, naive; then again) and each figure is the median over the runs.
 """
 
 from __future__ import annotations
@@ -23,11 +30,12 @@ import time
 import uuid
 from typing import Any
 
-from celery_ledger import LedgerCelery
+from celery_ledger import LedgerCelery, pressure
 
 from .apps.priority import build
 from .common import (
     Servers,
+    median,
     percentile,
     print_header,
     print_table,
@@ -41,15 +49,25 @@ APP = "ops.bench.apps.priority"
 
 
 def scenario(
-    servers: Servers, name: str, *, bulk: int, critical: int, rate: float
+    servers: Servers,
+    name: str,
+    *,
+    bulk: int,
+    critical: int,
+    rate: float,
+    throttle_ms: float,
+    repeat: int = 0,
 ) -> dict[str, Any]:
     naive = name == "naive"
     env = {
         "LEDGER_BROKER_URL": servers.broker.url,
         "LEDGER_MONGO_URI": servers.ledger.url,
-        "LEDGER_MONGO_DB": f"bench_priority_{name}",
+        "LEDGER_MONGO_DB": f"bench_priority_{name}_{repeat}",
         "BENCH_NAIVE": "1" if naive else "0",
+        "BENCH_THROTTLE_MS": str(throttle_ms),
     }
+    reporter = pressure.configure(servers.broker.url)
+    reporter.client.delete(reporter.key)  # no samples from the scenario before
     app: LedgerCelery = build(env)
     workers = (
         [start_worker(servers, APP, queue="default", concurrency=3, name=f"{name}-all", env=env)]
@@ -76,10 +94,23 @@ def scenario(
         flooding.start()
         time.sleep(2.0 if bulk else 0.0)  # let the flood build a backlog first
         sent: list[tuple[float, Any]] = []
+        latencies: list[float] = []
+
+        def observe() -> None:  # the foreground's own view, reported as an app reports it
+            for i in range(critical):
+                while len(sent) <= i:
+                    time.sleep(0.005)
+                at, result = sent[i]
+                latency = result.get(timeout=600) - at
+                latencies.append(latency)
+                reporter.report_latency(max(0.0, latency * 1000))
+
+        observer = threading.Thread(target=observe)
+        observer.start()
         for i in range(critical):
             sent.append((time.time(), critical_task.delay(run, i)))
             time.sleep(1.0 / rate)
-        latencies = [result.get(timeout=600) - at for at, result in sent]
+        observer.join()
         flooding.join()
         for result in bulk_results:
             result.get(timeout=1800)
@@ -87,7 +118,14 @@ def scenario(
     finally:
         for worker in workers:
             worker.stop()
+    # How often the bulk workers paused for the foreground (they log each pause).
+    engagements = sum(
+        worker.log_path.read_text(errors="replace").count("throttling ")
+        for worker in workers
+        if worker.log_path.exists()
+    )
     return {
+        "throttle_engagements": engagements,
         "scenario": name,
         "critical_p50_ms": percentile(latencies, 50) * 1000,
         "critical_p95_ms": percentile(latencies, 95) * 1000,
@@ -96,20 +134,57 @@ def scenario(
     }
 
 
+SCENARIOS = ("idle", "tiers", "naive")
+METRICS = ("critical_p50_ms", "critical_p95_ms", "critical_p99_ms", "bulk_tasks_per_second")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bulk", type=int, default=20000)
     parser.add_argument("--critical", type=int, default=60)
     parser.add_argument("--rate", type=float, default=4.0)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each scenario (3)")
+    parser.add_argument(
+        "--throttle-ms",
+        type=float,
+        default=60.0,
+        help="the foreground latency budget bulk workers pause above (LEDGER_THROTTLE_LATENCY_MS)",
+    )
     args = parser.parse_args()
     config = print_header("priority: critical latency under a bulk flood", vars(args))
+    runs: list[dict[str, Any]] = []
     with running_servers("priority") as servers:
-        rows = [scenario(servers, "idle", bulk=0, critical=args.critical, rate=args.rate)]
-        for name in ("tiers", "naive"):
-            rows.append(
-                scenario(servers, name, bulk=args.bulk, critical=args.critical, rate=args.rate)
-            )
+        for repeat in range(args.repeats):
+            for name in SCENARIOS:
+                row = scenario(
+                    servers,
+                    name,
+                    bulk=0 if name == "idle" else args.bulk,
+                    critical=args.critical,
+                    rate=args.rate,
+                    throttle_ms=args.throttle_ms,
+                    repeat=repeat,
+                )
+                runs.append(row)
+                print(
+                    f"  run {repeat + 1}/{args.repeats} {name:<6} p99"
+                    f" {row['critical_p99_ms']:8.0f} ms,"
+                    f" bulk {row['bulk_tasks_per_second'] or 0:.0f}/s,"
+                    f" throttle engaged {row['throttle_engagements']} times",
+                    flush=True,
+                )
+    rows = []
+    for name in SCENARIOS:
+        mine = [r for r in runs if r["scenario"] == name]
+        rows.append(
+            {"scenario": name}
+            | {m: None if mine[0][m] is None else median([r[m] for r in mine]) for m in METRICS}
+        )
     idle, tiers, naive = rows
+    per_run = [
+        t["critical_p99_ms"] / i["critical_p99_ms"]
+        for i, t in zip(runs[0::3], runs[1::3], strict=True)
+    ]
     print_table(
         "critical latency (ms) and bulk throughput",
         ["scenario", "p50", "p95", "p99", "bulk tasks/s"],
@@ -126,14 +201,17 @@ def main() -> None:
     )
     ratios = {
         "tiers_p99_over_idle_p99": tiers["critical_p99_ms"] / idle["critical_p99_ms"],
+        "tiers_p99_over_idle_p99_per_run_median": median(per_run),
         "naive_p99_over_idle_p99": naive["critical_p99_ms"] / idle["critical_p99_ms"],
         "tiers_bulk_over_naive_bulk": tiers["bulk_tasks_per_second"]
         / naive["bulk_tasks_per_second"],
     }
     print_table(
-        "ratios (targets: tiers p99 <= 2x idle; tiers bulk >= 0.8x naive)",
+        f"ratios of the medians of {args.repeats} runs"
+        " (targets: tiers p99 <= 2x idle; tiers bulk >= 0.8x naive)",
         ["ratio", "value"],
-        [[k, f"{v:.2f}"] for k, v in ratios.items()],
+        [[k, f"{v:.2f}"] for k, v in ratios.items()]
+        + [["tiers p99 / idle p99, each run", " / ".join(f"{v:.2f}" for v in per_run)]],
     )
     plt = pyplot()
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -145,8 +223,15 @@ def main() -> None:
     left.legend()
     right.bar(names[1:], [r["bulk_tasks_per_second"] for r in rows[1:]])
     right.set_ylabel("bulk tasks/s")
-    figure.suptitle(f"{args.bulk} bulk tasks, critical at {args.rate}/s")
-    write_results("priority", {"config": config, "rows": rows, "ratios": ratios}, figure)
+    figure.suptitle(
+        f"{args.bulk} bulk tasks, critical at {args.rate}/s, throttle at {args.throttle_ms:g} ms,"
+        f" median of {args.repeats}"
+    )
+    write_results(
+        "priority",
+        {"config": config, "runs": runs, "medians": rows, "ratios": ratios, "per_run": per_run},
+        figure,
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ def build(env: Mapping[str, str]) -> LedgerCelery:
         routing_rules={"bench.*": "default"} if naive else {},
         tier_limits={"bulk": {"high_water": 1_000_000}},
         queue_namespace="",  # the benchmark's workers consume the bare tier names
+        # The latency-driven throttle, as an app with a foreground budget would set it
+        # (the benchmark's producer reports the critical latency it sees).
+        throttle_latency_ms=float(env.get("BENCH_THROTTLE_MS", "500")),
+        throttle_check_seconds=float(env.get("BENCH_THROTTLE_CHECK_SECONDS", "1.0")),
     )
     app = create_app("bench_priority", settings=settings, set_as_current=False)
 
