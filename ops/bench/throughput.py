@@ -16,6 +16,8 @@ queue and database and a fresh worker per run: ``--concurrency`` prefork process
     plain-redis-threads, plain-mongo-threads, ledger-threads
                         the same on the threads pool (where group commit coalesces the
                         ledger's writes of tasks running at once)
+    ledger-threads-alone
+                        ledger-threads with group commit off (each write sent alone)
     plain-mongo-gevent, ledger-gevent
                         the same on the gevent pool; only with --only (and gevent installed:
                         the bench extra): on 2026-11-25 plain Celery itself ran 37 tasks/s
@@ -78,6 +80,7 @@ class Configuration:
     database: str | None = None  # the MongoDB database it writes (dropped before each run)
     redis_db: int | None = None  # the Redis database of its results (flushed before each run)
     pool: str = "prefork"
+    extra_env: tuple[tuple[str, str], ...] = ()
 
     @property
     def queue(self) -> str:
@@ -92,6 +95,7 @@ class Configuration:
             "LEDGER_MONGO_URI": servers.ledger.url,
             "LEDGER_MONGO_DB": self.database or "bench_unused",
             "BENCH_QUEUE": self.queue,
+            **dict(self.extra_env),
         }
 
     def reset(self, servers: Servers) -> None:
@@ -156,6 +160,14 @@ CONFIGURATIONS = (
         pool="threads",
     ),
     Configuration(
+        "ledger-threads-alone",
+        "ops.bench.apps.ledger",
+        "celery-ledger, threads pool, every write alone (LEDGER_GROUP_COMMIT_MAX=1)",
+        "bench_ledger_threads_alone",
+        pool="threads",
+        extra_env=(("BENCH_GROUP_COMMIT_MAX", "1"),),
+    ),
+    Configuration(
         "plain-mongo-gevent",
         "ops.bench.apps.plain_mongo",
         "plain Celery, MongoDB result backend, gevent pool",
@@ -170,6 +182,15 @@ CONFIGURATIONS = (
         pool="gevent",
     ),
 )
+
+
+def ledger_commands(servers: Servers) -> dict[str, int]:
+    """The ledger server's command counters (SecantusDB counts a command, a bulk write of
+    many statements once: so these are round trips, the producer's result reads included)."""
+    client: MongoClient[dict[str, Any]]
+    with MongoClient(servers.ledger.url) as client:
+        counters = client.admin.command("serverStatus").get("opcounters", {})
+    return {k: int(counters.get(k, 0)) for k in ("insert", "query", "update", "delete")}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -189,6 +210,7 @@ class RunResult:
     pool_rss_kib: list[int]
     worker_rss_kib: int
     cpu_ms_per_task: dict[str, float]
+    ledger_commands_per_task: dict[str, float]
 
     @property
     def tasks_per_second(self) -> float:
@@ -232,6 +254,7 @@ def run_once(
             "producer": [os.getpid()],
         }
         cpu_before = {k: sum(map(cpu_seconds, pids)) for k, pids in processes.items()}
+        commands_before = ledger_commands(servers)
         started = time.perf_counter()
         results = [task.apply_async((run, i), queue=configuration.queue) for i in range(tasks)]
         for i, result in enumerate(results):
@@ -243,8 +266,14 @@ def run_once(
             k: 1000 * (sum(map(cpu_seconds, pids)) - cpu_before[k]) / tasks
             for k, pids in processes.items()
         }
+        commands_after = ledger_commands(servers)
+        commands = {
+            k: (commands_after[k] - commands_before.get(k, 0)) / tasks for k in commands_after
+        }
         pool = [rss_kib(pid) for pid in worker.pool_pids()]
-        result_obj = RunResult(configuration.name, tasks, seconds, pool, rss_kib(worker.pid), cpu)
+        result_obj = RunResult(
+            configuration.name, tasks, seconds, pool, rss_kib(worker.pid), cpu, commands
+        )
         if after is not None:
             after(app)
         return result_obj
@@ -327,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, numerator, denominator in (
         ("same durability: ledger / plain-mongo-durable", "ledger", "plain-mongo-durable"),
         ("security's cost: ledger-secured / ledger", "ledger-secured", "ledger"),
-        ("group commit: ledger-threads / ledger (prefork)", "ledger-threads", "ledger"),
+        (
+            "group commit: ledger-threads / ledger-threads-alone",
+            "ledger-threads",
+            "ledger-threads-alone",
+        ),
     ):
         if {numerator, denominator} <= medians.keys():
             ratios[label] = medians[numerator] / medians[denominator]
@@ -342,6 +375,19 @@ def main(argv: list[str] | None = None) -> int:
         mine = [r.cpu_ms_per_task for r in runs if r.configuration == configuration.name]
         profile[configuration.name] = {part: median([m[part] for m in mine]) for part in parts}
         profile[configuration.name]["total"] = sum(profile[configuration.name].values())
+    commands: dict[str, dict[str, float]] = {}
+    for configuration in chosen:
+        mine = [r.ledger_commands_per_task for r in runs if r.configuration == configuration.name]
+        commands[configuration.name] = {k: median([m[k] for m in mine]) for k in mine[0]}
+    print_table(
+        "ledger server commands (round trips) per task, median; reads are mostly the"
+        " producer's AsyncResult.get",
+        ["configuration", "update", "insert", "delete", "query"],
+        [
+            [name, *(f"{values[k]:.2f}" for k in ("update", "insert", "delete", "query"))]
+            for name, values in commands.items()
+        ],
+    )
     print_table(
         "CPU ms per task by process (median): where the time goes",
         ["configuration", *parts, "total"],
@@ -379,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             "ratios": ratios,
             "goals": {label: goal for label, _, _, goal in GOALS},
             "cpu_ms_per_task": profile,
+            "ledger_commands_per_task": commands,
         },
         figure,
     )

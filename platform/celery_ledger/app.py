@@ -598,6 +598,7 @@ def create_app(
         error_history_limit=settings.error_history_limit,
         max_deliveries=settings.max_deliveries,
         ttl_index=settings.ttl_index,
+        group_commit_max=settings.group_commit_max,
         event_listeners=[*ledger_listeners(settings), *command_listeners],
     )
     app.runtime = Runtime(

@@ -71,6 +71,13 @@ class Settings(BaseSettings):
     error_history_limit: int = Field(
         20, ge=1, le=500, description="Errors kept per record (oldest dropped first)."
     )
+    group_commit_max: int = Field(
+        128,
+        ge=1,
+        le=1000,
+        description="Most ledger writes of one worker process's concurrent tasks sent as one"
+        " bulk write (group commit; threads and gevent pools); 1 sends each alone.",
+    )
 
     max_deliveries: int = Field(
         5, ge=1, description="Deliveries without an outcome (lost workers) before a job is poison."

@@ -14,6 +14,7 @@ def build(env: Mapping[str, str]) -> LedgerCelery:
         broker_url=env["LEDGER_BROKER_URL"],
         mongo_uri=env["LEDGER_MONGO_URI"],
         mongo_db=env.get("LEDGER_MONGO_DB", "bench_ledger"),
+        group_commit_max=int(env.get("BENCH_GROUP_COMMIT_MAX", "128")),
     )
     app = create_app("bench_ledger", settings=settings, set_as_current=False)
     app.conf.task_default_queue = env.get("BENCH_QUEUE", "bench")

@@ -65,7 +65,7 @@ from ..errors import CommitLost, LeaseLost, LedgerUnavailable, StoreError
 from ..locks import ForkSafeLock
 from ..reseal import Reseal, Tally, reseal_tree
 from .dead import DeadJob
-from .group_commit import GroupCommit, Statement
+from .group_commit import MAX_BATCH, GroupCommit, Statement
 from .message import KeptMessage
 from .record import SCHEMA_VERSION, ErrorEntry, LedgerRecord, State
 
@@ -217,6 +217,7 @@ class Ledger:
         error_history_limit: int = 20,
         max_deliveries: int = 5,
         ttl_index: bool = True,
+        group_commit_max: int = MAX_BATCH,
         event_listeners: Sequence[CommandListener] = (),
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
@@ -243,7 +244,7 @@ class Ledger:
         self._client: MongoClient[dict[str, Any]] | None = None
         self._collection: Collection[dict[str, Any]] | None = None
         # Claims and attempt endings of this process's concurrent tasks share bulk writes.
-        self.writes = GroupCommit(lambda: self.collection)
+        self.writes = GroupCommit(lambda: self.collection, max_batch=group_commit_max)
 
     # -- connection -------------------------------------------------------------------------
 

@@ -1,0 +1,79 @@
+"""A threads-pool worker (what teams run for I/O-bound tasks), where group commit coalesces the
+ledger writes of the tasks running at once: duplicates delivered together still run each body
+once, and every job ends with its own outcome."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pymongo import MongoClient
+
+from celery_ledger import State
+from celery_ledger.embedded.stack import EmbeddedStack
+
+from .conftest import make_isolated_stack, producer_app
+from .helpers import shared_task, wait_for
+
+JOBS = 60
+COPIES = 3
+
+
+@pytest.fixture
+def isolated(tmp_path: Path, stack: Any) -> Iterator[EmbeddedStack]:
+    running = make_isolated_stack(tmp_path)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_duplicates_on_a_threads_pool_run_each_body_once(isolated: EmbeddedStack) -> None:
+    assert isolated.ledger is not None
+    isolated.start_worker(
+        isolated.queues_of("default"), concurrency=16, pool="threads", name="threads@127.0.0.1"
+    )
+    producer = producer_app(isolated, "threads_producer")
+    record = shared_task(producer, "tests.integration.ledger_app.record")
+    flaky = shared_task(producer, "tests.integration.ledger_app.flaky")
+    run = uuid.uuid4().hex[:8]
+    tokens = [f"{run}-{i}" for i in range(JOBS)]
+
+    # Given every job published three times at once (a retrying producer), and jobs that fail
+    # once and retry, all on one worker of 16 threads
+    def publish(token: str) -> None:
+        record.apply_async((token, 0.05))
+
+    threads = [threading.Thread(target=publish, args=(t,)) for t in tokens for _ in range(COPIES)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    retried = [flaky.delay(f"{run}-flaky-{i}", 1) for i in range(10)]
+
+    # Then every job succeeds with one effect, and the two other copies count as duplicates
+    def ended() -> bool:
+        records = [producer.ledger.get(record.name, t) for t in tokens]
+        return all(r is not None and r.duplicates == COPIES - 1 for r in records)
+
+    wait_for(ended, timeout=120, what="every job done and its copies suppressed")
+    world = MongoClient(isolated.ledger.url).get_database("reference_world")
+    counts = {
+        doc["_id"]: doc["n"]
+        for doc in world.effects.aggregate(
+            [
+                {"$match": {"kind": "record", "key": {"$in": tokens}}},
+                {"$group": {"_id": "$key", "n": {"$sum": 1}}},
+            ]
+        )
+    }
+    assert counts == dict.fromkeys(tokens, 1)
+    for token in tokens:
+        done = producer.ledger.get(record.name, token)
+        assert done is not None and done.state is State.SUCCEEDED and done.attempts == 1
+    assert [r.get(timeout=60) for r in retried] == ["ok after 1 failures"] * 10
+    producer.close()
