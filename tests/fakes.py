@@ -21,6 +21,7 @@ from celery_ledger.ledger.dead import DeadJob
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import LedgerRecord, State
 from celery_ledger.ledger.store import (
+    COPY_DUE_SHIFT,
     COPY_GRACE,
     EPOCH,
     FOREVER,
@@ -375,7 +376,7 @@ class MemoryLedger:
         doc.update(
             {
                 "state": State.DEAD.value,
-                **self._ended(now, now + COPY_GRACE),  # the queue copy's due time
+                **self._ended(now, now + COPY_GRACE + COPY_DUE_SHIFT),  # the copy's due time
                 "finished_at": now,
                 "expires_at": now + self.dead_retention,
                 **copy.deepcopy(dead.fields()),
@@ -393,7 +394,7 @@ class MemoryLedger:
             now = self.now()
             fields = {
                 "state": State.DEAD.value,
-                **self._ended(now, now + COPY_GRACE),  # the queue copy's due time
+                **self._ended(now, now + COPY_GRACE + COPY_DUE_SHIFT),  # the copy's due time
                 "finished_at": now,
                 "expires_at": now + self.dead_retention,
                 **dead.fields(),
@@ -602,13 +603,13 @@ class MemoryLedger:
         self._enter("mark_copy_pending")
         doc = self.docs.get(record_id)
         if doc is not None and doc.get("state") == State.DEAD and not doc.get("purged_at"):
-            doc["claimable_at"] = self.now() if pending else FOREVER
+            doc["claimable_at"] = self.now() + COPY_DUE_SHIFT if pending else FOREVER
 
     def copies_pending(self, *, limit: int = 100) -> list[dict[str, Any]]:
         return [
             copy.deepcopy(d)
             for d in self.docs.values()
-            if d.get("state") == State.DEAD and d["claimable_at"] <= self.now()
+            if d.get("state") == State.DEAD and d["claimable_at"] <= self.now() + COPY_DUE_SHIFT
         ][:limit]
 
     def count_dead(self) -> int:

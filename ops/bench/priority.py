@@ -69,16 +69,22 @@ def scenario(
     reporter = pressure.configure(servers.broker.url)
     reporter.client.delete(reporter.key)  # no samples from the scenario before
     app: LedgerCelery = build(env)
+    tag = f"{name}-{repeat}"  # worker logs are per name: each run counts its own throttling
     workers = (
-        [start_worker(servers, APP, queue="default", concurrency=3, name=f"{name}-all", env=env)]
+        [start_worker(servers, APP, queue="default", concurrency=3, name=f"{tag}-all", env=env)]
         if naive
         else [
             start_worker(
-                servers, APP, queue="critical", concurrency=1, name=f"{name}-critical", env=env
+                servers,
+                APP,
+                queue="critical",
+                concurrency=1,
+                name=f"{tag}-critical",
+                env=env,
             )
         ]
         + (
-            [start_worker(servers, APP, queue="bulk", concurrency=2, name=f"{name}-bulk", env=env)]
+            [start_worker(servers, APP, queue="bulk", concurrency=2, name=f"{tag}-bulk", env=env)]
             if bulk
             else []
         )

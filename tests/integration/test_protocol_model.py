@@ -665,6 +665,8 @@ class ProtocolModel(RuleBasedStateMachine):
         if doc is None or doc.get("state") != State.DEAD.value:
             # An operator replays what is dead: any dead job, so that replays are reached
             # whatever the drawn job (the search would otherwise rarely pick a dead one).
+            # The first dead one: replaying a different one each time would leave few jobs to
+            # end dead, which the search must reach too.
             dead = (self.store.find_raw(self.record_of(key)) for key in sorted(self.accepted))
             doc = next((d for d in dead if d and d.get("state") == State.DEAD.value), doc)
         if doc is not None:

@@ -495,6 +495,18 @@ def test_a_dead_job_is_never_claimed_while_its_queue_copy_falls_due(
 
     assert due() == [record_id]
     assert claim(ledger, record_id).outcome is ClaimOutcome.DEAD
+    if isinstance(ledger, Ledger):
+        # and the claim filter of an earlier release (which did not refuse dead records by
+        # their state) matches it no more than this one's: a fleet in a rolling deploy
+        earlier = {
+            "_id": record_id,
+            "task": TASK,
+            "key": record_id,
+            "claimable_at": {"$lte": utcnow()},
+            "fence": {"$lt": 2**62},
+            "inflight": {"$lt": 3},
+        }
+        assert ledger.collection.count_documents(earlier) == 0
     # Once copied, it is no longer due; a purge never makes it due again
     ledger.mark_copy_pending(record_id, False)
     assert due() == []
@@ -527,4 +539,7 @@ def test_indexes_made_by_an_earlier_release_are_brought_up_to_date(stack: Any) -
     assert "copy_due" not in store.collection.index_information()
     assert [doc["_id"] for doc in store.copies_pending()] == ["old-dead"]
     assert "copy_due_at" not in (store.find_raw("old-dead") or {})
+    # and so is a second worker's start, at the same time or later
+    store.ensure_indexes()
+    Ledger(uri=stack.ledger.url, database=database).ensure_indexes()
     store.client.drop_database(database)

@@ -1,6 +1,7 @@
-"""A threads-pool worker (what teams run for I/O-bound tasks), where group commit coalesces the
-ledger writes of the tasks running at once: duplicates delivered together still run each body
-once, and every job ends with its own outcome."""
+"""A threads-pool worker (what teams run for I/O-bound tasks), end to end: with group commit
+coalescing the ledger writes of the tasks running at once (its batching and per-writer outcomes
+are tested in test_group_commit.py), duplicates delivered together still run each body once and
+every job ends with its own outcome."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from bson.errors import InvalidDocument
-from pymongo.errors import AutoReconnect, BulkWriteError, WriteConcernError
+from pymongo.errors import AutoReconnect, BulkWriteError, ConnectionFailure, WriteConcernError
 
 from celery_ledger.ledger.group_commit import GroupCommit, Outcome, Statement, _outcomes
 
@@ -78,6 +78,8 @@ def run_writers(group: GroupCommit, scripted: Scripted, n: int) -> list[Any]:
             results[i] = group.write([END if i % 2 else CLAIM])
         except Exception as exc:
             results[i] = exc
+        except BaseException:
+            pass  # an interruption ends the writer's thread (results[i] stays None)
 
     first = threading.Thread(target=writer, args=(0,))
     first.start()
@@ -137,7 +139,8 @@ def test_one_writers_bad_document_fails_only_that_writer() -> None:
     fine = threading.Thread(target=writer, args=("fine", END))
     huge.start()
     fine.start()
-    while len(group._queue.entries) < 2:
+    deadline = time.monotonic() + 5
+    while len(group._queue.entries) < 2 and time.monotonic() < deadline:
         time.sleep(0.001)
     scripted.release.set()
     for thread in (lead, huge, fine):
@@ -162,6 +165,60 @@ def test_a_batch_whose_outcome_is_unknown_tells_every_writer_so(failure: Excepti
     assert all(isinstance(r, expected) for r in results), results
     # each writer raises its own exception object
     assert len({id(r) for r in results}) == len(results)
+
+
+def test_an_interrupted_leader_leaves_the_writers_it_carried_unknown() -> None:
+    class Interrupted(BaseException):
+        pass
+
+    scripted = Scripted(fail=lambda requests: Interrupted())
+    group = GroupCommit(lambda: scripted)  # type: ignore[arg-type,return-value]
+    results = run_writers(group, scripted, 3)
+    # every flush is interrupted: each leader raises the interruption itself (its thread ends
+    # with it, leaving no result), and every writer a leader carried learns that its outcome
+    # is unknown; nothing is left waiting
+    leaders = [r for r in results if r is None]
+    carried = [r for r in results if r is not None]
+    assert len(leaders) == len(scripted.calls) >= 2, results
+    assert carried and all(isinstance(r, ConnectionFailure) for r in carried), results
+    assert not group._queue.entries and not group._queue.flushing
+
+
+def test_a_writer_interrupted_while_it_waits_is_never_sent() -> None:
+    class Interrupted(BaseException):
+        pass
+
+    scripted = Scripted()
+    group = GroupCommit(lambda: scripted)  # type: ignore[arg-type,return-value]
+    lead = threading.Thread(target=group.write, args=([END],))
+    lead.start()
+    assert scripted.first.wait(5)
+    queue = group._queue
+    original_wait = queue.cond.wait
+
+    def interrupted_wait(timeout: float | None = None) -> bool:
+        queue.cond.wait = original_wait  # type: ignore[method-assign]
+        raise Interrupted
+
+    queue.cond.wait = interrupted_wait  # type: ignore[method-assign]
+    with pytest.raises(Interrupted):
+        group.write([CLAIM])
+    scripted.release.set()
+    lead.join(5)
+    assert [len(call) for call in scripted.calls] == [1]  # the interrupted claim never went
+    assert not queue.entries
+
+
+def test_with_group_commit_off_writers_do_not_wait_for_each_other() -> None:
+    scripted = Scripted()
+    group = GroupCommit(lambda: scripted, max_batch=1)  # type: ignore[arg-type,return-value]
+    first = threading.Thread(target=group.write, args=([END],))
+    first.start()
+    assert scripted.first.wait(5)
+    # while the first write is held by the server, a second one goes at once
+    assert group.write([CLAIM]) == [Outcome(matched=False, upserted=True)]
+    scripted.release.set()
+    first.join(5)
 
 
 def test_an_interrupted_leader_leaves_the_others_unknown_and_its_own_write_unsent() -> None:

@@ -106,51 +106,63 @@ class GroupCommit:
         Raises what ``Collection.bulk_write`` raises for the whole batch (a connection failure,
         or ``WriteConcernError`` when the write concern was not confirmed: outcome unknown).
         """
-        queue = self._here()
         entry = _Entry(ops)
-        with queue.cond:
-            queue.entries.append(entry)
-            while queue.flushing and not entry.done:
-                queue.cond.wait()
-            if not entry.done:
-                queue.flushing = True  # this writer leads until its own write is sent
-        if not entry.done:
-            try:
-                while not entry.done:
-                    with queue.cond:
-                        batch: list[_Entry] = []
-                        size = 0
-                        while queue.entries and (
-                            not batch or size + len(queue.entries[0].ops) <= self._max_batch
-                        ):
-                            taken = queue.entries.pop(0)
-                            batch.append(taken)
-                            size += len(taken.ops)
-                    self._flush(batch)
-                    with queue.cond:
-                        queue.cond.notify_all()
-            finally:
-                with queue.cond:
-                    if not entry.done and entry in queue.entries:
-                        queue.entries.remove(entry)  # interrupted: its write is never sent
-                    queue.flushing = False
-                    queue.cond.notify_all()
+        if self._max_batch == 1:  # group commit off: each writer sends its own, concurrently
+            self._flush([entry])
+        else:
+            self._write_in_turn(entry, self._here())
         if entry.error is not None:
             raise entry.error
         return entry.outcomes
 
+    def _write_in_turn(self, entry: _Entry, queue: _Queue) -> None:
+        with queue.cond:
+            queue.entries.append(entry)
+            try:
+                while queue.flushing and not entry.done:
+                    queue.cond.wait()
+            except BaseException:
+                # Interrupted while waiting (a timeout, a shutdown): unless a flush has taken
+                # it already, its write is never sent.
+                if entry in queue.entries:
+                    queue.entries.remove(entry)
+                raise
+            if entry.done:
+                return
+            queue.flushing = True  # this writer leads until its own write is sent
+        try:
+            while not entry.done:
+                with queue.cond:
+                    batch: list[_Entry] = []
+                    size = 0
+                    while queue.entries and (
+                        not batch or size + len(queue.entries[0].ops) <= self._max_batch
+                    ):
+                        taken = queue.entries.pop(0)
+                        batch.append(taken)
+                        size += len(taken.ops)
+                self._flush(batch)
+                with queue.cond:
+                    queue.cond.notify_all()
+        finally:
+            with queue.cond:
+                if not entry.done and entry in queue.entries:
+                    queue.entries.remove(entry)  # interrupted: its write is never sent
+                queue.flushing = False
+                queue.cond.notify_all()
+
     def _flush(self, batch: list[_Entry]) -> None:
         try:
             self._send(batch)
-        except BaseException as exc:
-            if not isinstance(exc, Exception):
-                # The leader itself was interrupted (a soft time limit, a shutdown) mid-flush:
-                # the others' outcomes are unknown, as after a lost connection.
-                self._fail(batch, ConnectionFailure(f"the batch was interrupted: {exc!r}"))
-                raise
+        except Exception as exc:
             self._flush_failed(batch, exc)
         finally:
+            # Whatever stopped this flush (the leader interrupted by a time limit or a
+            # shutdown, even while retrying writers one by one), no writer is left without
+            # an answer: one that has none has an unknown outcome, as after a lost connection.
             for entry in batch:
+                if entry.error is None and len(entry.outcomes) != len(entry.ops):
+                    entry.error = ConnectionFailure("the batch's flush was interrupted")
                 entry.done = True
 
     def _flush_failed(self, batch: list[_Entry], exc: Exception) -> None:
@@ -160,7 +172,9 @@ class GroupCommit:
         elif len(batch) == 1:
             self._fail(batch, exc)
         else:
-            # It may be one writer's doing (a document too large): each on its own.
+            # It may be one writer's doing (a document too large): each on its own. (A claim
+            # whose statement had applied before the failure is recognised by its fence when
+            # sent again: see ``Ledger.claim``.)
             for entry in batch:
                 try:
                     self._send([entry])
@@ -171,7 +185,10 @@ class GroupCommit:
         for i, entry in enumerate(batch):
             # Each writer raises its own copy: one exception object raised in several threads
             # would gather all their tracebacks.
-            entry.error = exc if i == 0 else copy.copy(exc).with_traceback(None)
+            try:
+                entry.error = exc if i == 0 else copy.copy(exc).with_traceback(None)
+            except Exception:  # an exception that cannot be copied: the outcome is unknown
+                entry.error = ConnectionFailure(f"ledger write failed: {exc!r}")
 
     def _send(self, batch: list[_Entry]) -> None:
         ops = [op for entry in batch for op in entry.ops]

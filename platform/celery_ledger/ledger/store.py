@@ -72,6 +72,7 @@ from .record import SCHEMA_VERSION, ErrorEntry, LedgerRecord, State
 FOREVER = datetime(9999, 12, 31, tzinfo=UTC)
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 DUPLICATE_KEY = 11000
+INDEX_NOT_FOUND = 27
 RECENT_OPS = 4  # operation ids a record keeps (see Ledger._end_attempt)
 T = TypeVar("T")
 
@@ -80,6 +81,11 @@ T = TypeVar("T")
 # process that buried it confirms the copy (it may die between the two): then the workers'
 # housekeeping publishes it.
 COPY_GRACE = timedelta(seconds=30)
+# A dead record's ``claimable_at`` holds its queue copy's due time moved this far ahead (FOREVER
+# once the copy is done), so that the index the sweepers use finds due copies, and no claim
+# filter ever matches a dead record (``claimable_at <= now``), that of an earlier release
+# included, whose claim did not refuse dead records otherwise: a fleet in a rolling deploy.
+COPY_DUE_SHIFT = datetime(5000, 1, 1, tzinfo=UTC) - EPOCH
 
 
 def utcnow() -> datetime:
@@ -325,16 +331,31 @@ class Ledger:
             self.collection.create_index(
                 [("state", ASCENDING), ("claimable_at", ASCENDING)], name="state_claimable"
             )
-            # Dead records' pending queue copies were found by an index of their own; they
-            # are found by ``state_claimable`` now (one index fewer to write on every job).
-            # Records buried before carry their due time in ``copy_due_at``: move it over.
-            self.collection.update_many(
-                {"state": State.DEAD.value, "copy_due_at": {"$exists": True}},
-                [{"$set": {"claimable_at": "$copy_due_at"}}, {"$unset": "copy_due_at"}],
-            )
-            if "copy_due" in self.collection.index_information():
-                self.collection.drop_index("copy_due")
+            self._retire_copy_due_index()
         self.ensure_audit_indexes(self._companion("audit"))
+
+    def _retire_copy_due_index(self) -> None:
+        """Dead records' pending queue copies had an index of their own (``copy_due_at``);
+        ``state_claimable`` finds them now, one index fewer to write on every job. While the
+        old index exists (the first start of this release), the records buried before carry
+        their due time in ``copy_due_at``: it moves to ``claimable_at``, then the index goes.
+        Several workers may do this at once: each move is conditional, a second drop is fine."""
+        if "copy_due" not in self.collection.index_information():
+            return
+        for doc in self.collection.find(
+            {"copy_due_at": {"$exists": True}}, {"copy_due_at": 1, "state": 1}
+        ):
+            update: dict[str, Any] = {"$unset": {"copy_due_at": ""}}
+            if doc.get("state") == State.DEAD.value:
+                update["$set"] = {"claimable_at": doc["copy_due_at"] + COPY_DUE_SHIFT}
+            self.collection.update_one(
+                {"_id": doc["_id"], "copy_due_at": doc["copy_due_at"]}, update
+            )
+        try:
+            self.collection.drop_index("copy_due")
+        except OperationFailure as exc:
+            if exc.code != INDEX_NOT_FOUND:  # another worker dropped it first
+                raise
 
     @staticmethod
     def ensure_audit_indexes(audit: Collection[dict[str, Any]], *, strict: bool = False) -> None:
@@ -458,6 +479,14 @@ class Ledger:
             doc = self.find_raw(record_id)  # the rare path: why was it not claimable?
             if doc is None:
                 continue  # expired between the two calls: claim afresh
+            if (
+                doc.get("fence") == fence
+                and doc.get("lease_owner") == owner
+                and doc.get("state") == State.RUNNING.value
+            ):
+                # Our own claim, applied by a bulk write whose outcome we did not learn and
+                # sent again (see GroupCommit): fences are unique, so the lease is ours.
+                return Claim(ClaimOutcome.CLAIMED, fence=fence)
             if doc.get("task") != task or doc.get("key") != key:
                 return Claim(ClaimOutcome.CONFLICT)
             state = doc.get("state")
@@ -771,10 +800,9 @@ class Ledger:
         now = self.now()
         fields = {
             "state": State.DEAD.value,
-            # On a dead record, the time its queue copy falls due (copies_pending): dead
-            # records are never claimable whatever it says, and the state-and-time index
-            # finds due copies without an index of their own.
-            **self._ended(now, now + COPY_GRACE),
+            # On a dead record, when its queue copy falls due (see COPY_DUE_SHIFT): the
+            # state-and-time index finds due copies without an index of their own.
+            **self._ended(now, now + COPY_GRACE + COPY_DUE_SHIFT),
             "finished_at": now,
             "expires_at": now + self.dead_retention,
             **dead.fields(),
@@ -1096,7 +1124,7 @@ class Ledger:
 
     def mark_copy_pending(self, record_id: str, pending: bool) -> None:
         """The dead letter's copy to its queue is due now (its publish failed), or is done."""
-        due = self.now() if pending else FOREVER
+        due = self.now() + COPY_DUE_SHIFT if pending else FOREVER
         with translate_errors("dead-letter copy mark"):
             self.collection.update_one(
                 {"_id": record_id, "state": State.DEAD.value, "purged_at": None},
@@ -1106,11 +1134,12 @@ class Ledger:
     def copies_pending(self, *, limit: int = 100) -> list[dict[str, Any]]:
         """Dead records whose queue copy is due and was not confirmed (its publish failed, or
         the process that buried the job died before it; see ``COPY_GRACE``)."""
-        # A dead record's claimable_at is its copy's due time (FOREVER once copied or purged).
+        # A dead record's claimable_at is its copy's due time, shifted (FOREVER once copied).
+        due = self.now() + COPY_DUE_SHIFT
         with translate_errors("dead-letter copy query"):
             return list(
                 self.collection.find(
-                    {"state": State.DEAD.value, "claimable_at": {"$lte": self.now()}}
+                    {"state": State.DEAD.value, "claimable_at": {"$lte": due}}
                 ).limit(limit)
             )
 
