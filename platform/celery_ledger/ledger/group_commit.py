@@ -5,7 +5,7 @@ single-document update on ``_id``. Sent one by one, every update pays its own ro
 its own journal flush (``j=True``, ``w=majority``); sent together as one unordered
 ``bulk_write``, they pay one. Databases call this group commit.
 
-The batching is *natural* (leader and followers, as in MySQL's binlog group commit): the first
+The batching is *natural* (a leader and its followers, the usual group-commit shape): the first
 writer to arrive while nothing is being flushed becomes the leader and sends at once what is
 queued, its own write included; writers that arrive while that flush is in flight queue up and
 go together in the next one. So a process running one task at a time (a prefork child, solo)
