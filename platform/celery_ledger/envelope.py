@@ -364,6 +364,11 @@ def envelope_problem(envelope: object, codecs: Mapping[str, BodyCodec]) -> str |
     if "headers" in envelope and not isinstance(headers, dict):  # kombu's restore sets a field
         return f"headers is {_kind(headers)}, not an object"
     if headers is None or "task" not in headers:
+        # Not a task message Celery runs; the ledger still reads its own headers of it (it
+        # files the message as poison by them), so they must be values it can read.
+        problem = _named_problem(headers or {}, LEDGER_HEADER_CHECKS, (), "header {!r}")
+        if problem is not None:
+            return problem
         return _protocol_1_problem(envelope, body, properties.get("body_encoding"), codecs)
     if body == "":
         return "task message with an empty body"
