@@ -213,6 +213,17 @@ def make_isolated_stack(base: Path) -> WatchedStack:
     return running
 
 
+@pytest.fixture
+def isolated(tmp_path: Path, stack: Any) -> Iterator[EmbeddedStack]:
+    """A stack of its own with no worker (the test starts the workers it needs); modules whose
+    tests all want the same worker define their own ``isolated``."""
+    running = make_isolated_stack(tmp_path)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
 def producer_app(stack: EmbeddedStack, name: str, **settings: Any) -> Any:
     """An app named ``name`` publishing to ``stack`` (a producer, or a probe of the records);
     its tier queues are the test app's unless ``queue_namespace`` says otherwise."""

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 from pymongo import MongoClient
 
 from celery_ledger import State
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 
-from .conftest import make_isolated_stack, producer_app
+from .conftest import producer_app
 from .helpers import shared_task, wait_for
 
 LEASE = 3.0
@@ -35,15 +32,6 @@ HEALING = {
     "LEDGER_VISIBILITY_TIMEOUT_SECONDS": "3600",
     "LEDGER_RECONCILE_IN_WORKERS": "true",
 }
-
-
-@pytest.fixture
-def isolated(tmp_path: Path, stack: Any) -> Iterator[EmbeddedStack]:
-    running = make_isolated_stack(tmp_path)
-    try:
-        yield running
-    finally:
-        running.stop()
 
 
 def worker(isolated: EmbeddedStack, name: str) -> WorkerProcess:

@@ -7,30 +7,17 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
-import pytest
 from pymongo import MongoClient
 
 from celery_ledger import State
 from celery_ledger.embedded.stack import EmbeddedStack
 
-from .conftest import make_isolated_stack, producer_app
+from .conftest import producer_app
 from .helpers import shared_task, wait_for
 
 JOBS = 60
 COPIES = 3
-
-
-@pytest.fixture
-def isolated(tmp_path: Path, stack: Any) -> Iterator[EmbeddedStack]:
-    running = make_isolated_stack(tmp_path)
-    try:
-        yield running
-    finally:
-        running.stop()
 
 
 def test_duplicates_on_a_threads_pool_run_each_body_once(isolated: EmbeddedStack) -> None:
