@@ -8,7 +8,9 @@ the tests after it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,8 +138,12 @@ def fail_fast_on_dead_workers(request: pytest.FixtureRequest) -> Iterator[None]:
     logs = _session_log_offsets()
     yield
     if request.node.stash.get(CALL_FAILED, False):
-        # A failure seen only in a CI run is diagnosed from what the workers logged meanwhile.
-        request.node.add_report_section("teardown", "worker logs", _logged_since(logs))
+        # A failure seen only in a CI run is diagnosed from what the workers logged meanwhile,
+        # and from where each of their processes is now (a job that never ran: a hang).
+        stacks = _dump_session_stacks()
+        request.node.add_report_section(
+            "teardown", "worker logs", stacks + "\n" + _logged_since(logs, max_lines=1500)
+        )
     after = WATCH.take_pending()
     revive_session_worker()
     if not after:
@@ -158,6 +164,24 @@ def _session_log_offsets() -> dict[Path, int]:
         except OSError:
             offsets[worker.log_path] = 0
     return offsets
+
+
+def _dump_session_stacks() -> str:
+    """Have the session worker's processes write their threads' stacks to its log, one after
+    another; says which processes, in the order their stacks appear."""
+    from tests.integration.ledger_app import DUMP_STACKS
+
+    asked = []
+    for worker in _session[0].workers if _session else ():
+        # Only the session worker runs the test app, whose processes handle the signal.
+        if worker.name != SESSION_WORKER or not worker.alive():
+            continue
+        for role, pid in [("main", worker.pid), *(("pool", p) for p in worker.pool_pids())]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, DUMP_STACKS)
+                asked.append(f"{role} {pid}")
+                time.sleep(0.3)  # written at once from the handler: keep the dumps apart
+    return "stacks below, in this order: " + ", ".join(asked) if asked else "no stacks"
 
 
 def _logged_since(offsets: dict[Path, int], *, max_lines: int = 200) -> str:

@@ -3,16 +3,33 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from celery import signals
+
 from celery_ledger import PermanentError, create_app
 from tasks.effects import effects, record_effect, record_effect_in
 
 app = create_app("ledger_tests")
+
+# A test that fails because a job never ran asks the session worker's processes for their
+# stacks (conftest.py sends SIGUSR2 to the main process and each pool process): they go to the
+# worker's log, which the failure report quotes, so a hang seen only in CI shows where it hung.
+DUMP_STACKS = signal.SIGUSR2
+
+
+@signals.worker_init.connect
+@signals.worker_process_init.connect
+def _dump_stacks_on_request(**_: Any) -> None:
+    if sys.__stderr__ is not None:
+        faulthandler.register(DUMP_STACKS, file=sys.__stderr__, all_threads=True)
 
 
 class FlakyError(ConnectionError):
