@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 from pymongo.monitoring import CommandListener
 
-from . import headers
+from . import headers, tracecontext
 from .broker import RedisBroker, SweepLock
 from .crypto import (
     REDACTED,
@@ -92,24 +92,27 @@ class LedgerAMQP(AMQP):  # type: ignore[misc]
     """Celery's message factory, with every task message signed (``LEDGER_SIGNING_KEYS``).
 
     The one place every task message passes (``apply_async``, ``send_task``, republishes,
-    retries, Celery's own chord tasks) once its headers are final, so each is signed once.
+    retries, Celery's own chord tasks) once its headers are final, so each is signed once,
+    and (tracing on) a publish with no span current continues the trace its message carries.
     """
 
     @cached_property
     def send_task_message(self) -> Callable[..., Any]:
         send: Callable[..., Any] = self._create_task_sender()
         signer = self.app.runtime.signer
-        if not signer.enabled:
+        if not signer.enabled and not tracecontext.enabled():
             return send
 
-        def send_signed(producer: Any, name: str, message: Any, **options: Any) -> Any:
+        def send_ledger(producer: Any, name: str, message: Any, **options: Any) -> Any:
             message_headers, _properties, body, _sent_event = message
             message_headers.update(options.pop("headers", None) or {})
-            message_headers.pop(headers.SIGNATURE, None)  # a republish is signed again
-            message_headers[headers.SIGNATURE] = signer.sign(message_headers, body)
-            return send(producer, name, message, **options)
+            if signer.enabled:
+                message_headers.pop(headers.SIGNATURE, None)  # a republish is signed again
+                message_headers[headers.SIGNATURE] = signer.sign(message_headers, body)
+            with tracecontext.continuing(message_headers):
+                return send(producer, name, message, **options)
 
-        return send_signed
+        return send_ledger
 
 
 class LedgerCelery(Celery):  # type: ignore[misc]

@@ -28,6 +28,7 @@ from typing import Any
 import redis
 from kombu.utils.json import dumps, loads
 
+from . import tracecontext
 from .crypto import Sealer
 from .errors import ConfigurationError, PublishError, StoreError
 from .headers import SIGNATURE
@@ -87,6 +88,11 @@ class DelayedDeliveries:
         With ``sealer`` (a sensitive task) the set holds the arguments sealed, as the body
         the codec would send: ``[args, kwargs, {}]``.
         """
+        if tracecontext.enabled():
+            # Published later by a thread with no span current: the message carries the span
+            # that scheduled it (a retry's is the failed attempt), or its trace would fork.
+            options = {**options, "headers": dict(options.get("headers") or {})}
+            tracecontext.stamp(options["headers"])
         envelope: dict[str, Any] = {
             "id": uuid.uuid4().hex,
             "task": task_name,

@@ -35,7 +35,7 @@ import redis
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 from kombu.utils import json as kombu_json
 
-from . import headers
+from . import headers, tracecontext
 from .deadletter import DeadLetters
 from .errors import (
     CircuitOpen,
@@ -120,6 +120,10 @@ class Delivery:
         """The message's headers for a copy of it, with the validated key and tier."""
         updated = dict(self.headers)
         updated.update({headers.KEY: self.identity.key, headers.TIER: self.tier, **changes})
+        for name in tracecontext.HEADERS:  # only valid ones travel on
+            updated.pop(name, None)
+        updated.update(tracecontext.carried(self.headers))
+        tracecontext.stamp(updated)  # made inside an attempt: the copy is its child
         return updated
 
     def kept(self, sealer: Any) -> KeptMessage:
@@ -597,7 +601,8 @@ class Attempt:
 
     def _run_body(self) -> Verdict:
         try:
-            retval = self.body.run()
+            with tracecontext.span("body", **{"ledger.fence": self.fence}):
+                retval = self.body.run()
         except Interrupted:
             return self.interrupted()
         except SoftTimeLimitExceeded as exc:

@@ -8,6 +8,8 @@ it decides what happens to the job) or listed in ``UNBOUND_HEADERS`` there with 
 may change unsigned; a header added here needs its place in one of the two.
 """
 
+from . import tracecontext
+
 KEY = "ledger_key"  # the idempotency key: with the task name, the job's identity
 TIER = "ledger_tier"  # the tier the message was routed to
 DEFERRALS = "ledger_deferrals"  # how often the job was put off (no attempt used)
@@ -28,4 +30,15 @@ WORKFLOW_TIER = "ledger_workflow_tier"
 SIGNATURE = "ledger_signature"
 
 # Headers a republish copies from the original message (see KeptMessage).
-CARRIED = (KEY, TIER, ENQUEUED_AT, PREVIOUS_DELAY, DEFERRALS, WORKFLOW, WORKFLOW_TIER)
+CARRIED = (
+    KEY,
+    TIER,
+    ENQUEUED_AT,
+    PREVIOUS_DELAY,
+    DEFERRALS,
+    WORKFLOW,
+    WORKFLOW_TIER,
+    # The job's W3C trace context (OpenTelemetry's headers, not ours: unsigned, and read by
+    # nothing that decides what happens to the job; a malformed one is dropped, never checked).
+    *tracecontext.HEADERS,
+)

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from bson import json_util
 from pymongo.client_session import ClientSession
 
+from . import tracecontext
 from .crypto import Sealer
 from .errors import ConfigurationError, Interrupted, LeaseLost, LedgerError
 from .ledger.store import Ledger
@@ -291,9 +292,13 @@ class Step:
 
     def run(self, func: Callable[[], T]) -> T:
         """Run ``func`` unless the step is done; either way return its (recorded) result."""
-        if not self.done:
-            self.complete(func())
-        return self.result  # type: ignore[no-any-return]
+        with tracecontext.span(f"step {self.name}", **self._attributes()):
+            if not self.done:
+                self.complete(func())
+            return self.result  # type: ignore[no-any-return]
+
+    def _attributes(self) -> dict[str, Any]:
+        return {"ledger.step": self.name, "ledger.step.recorded_before": self.done}
 
     def atomic(self, func: Callable[[ClientSession], T]) -> T:
         """Run ``func(session)`` and record the step in one MongoDB transaction: exactly once.
@@ -305,6 +310,10 @@ class Step:
         more than once within one attempt when a transient error aborts the transaction
         (every run but the committed one is rolled back), so it must not act outside it.
         """
+        with tracecontext.span(f"step {self.name}", atomic=True, **self._attributes()):
+            return self._atomic(func)
+
+    def _atomic(self, func: Callable[[ClientSession], T]) -> T:
         execution = self._execution
         if self.done:
             execution.used_atomic(self.name)

@@ -260,6 +260,16 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = Field(
         "text", description="Worker log lines: text, or one JSON object per line with task fields."
     )
+    tracing: bool = Field(
+        False,
+        description="OpenTelemetry traces of every job (extra tracing; exporters from the"
+        " standard OTEL_* variables, OTLP by default).",
+    )
+    tracing_dir: str | None = Field(
+        None,
+        description="With tracing on: also write every span as a JSON line to"
+        " <dir>/spans-<pid>.jsonl.",
+    )
 
     @field_validator("default_tier")
     @classmethod

@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol
 
 from kombu.utils import json as kombu_json
 
-from .. import headers
+from .. import headers, tracecontext
 from ..crypto import PREFIX, Sealer
 from ..errors import StoreError
 from ..untrusted import storable_value
@@ -245,7 +245,12 @@ class KeptMessage:
 def carried_headers(message_headers: Mapping[str, Any]) -> dict[str, Any]:
     """What a republish must carry of a message's headers (BSON-safe): the ledger's own,
     Celery's ``retries`` and ``expires``."""
-    kept = {name: message_headers[name] for name in headers.CARRIED if name in message_headers}
+    kept = {
+        name: message_headers[name]
+        for name in headers.CARRIED
+        if name in message_headers and name not in tracecontext.HEADERS
+    }
+    kept.update(tracecontext.carried(message_headers))
     retries = message_headers.get("retries")
     if isinstance(retries, int) and not isinstance(retries, bool) and retries >= 0:
         kept["retries"] = retries

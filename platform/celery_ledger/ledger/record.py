@@ -12,7 +12,9 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..tracecontext import trace_id_of
 
 SCHEMA_VERSION = 2
 
@@ -72,6 +74,19 @@ class LedgerRecord(BaseModel):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     expires_at: datetime | None = None
+    # The trace of the job's last claimed attempt (``LEDGER_TRACING``), from the message the
+    # ledger keeps for it: where its spans are.
+    trace_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trace_of_kept_message(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "trace_id" not in data:
+            message = data.get("message")
+            trace_id = trace_id_of(message.get("headers")) if isinstance(message, dict) else None
+            if trace_id is not None:
+                data = {**data, "trace_id": trace_id}
+        return data
 
     @property
     def result(self) -> Any:

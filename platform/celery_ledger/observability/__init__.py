@@ -7,6 +7,7 @@ and Sentry are observers of the platform's events (:mod:`celery_ledger.events`):
   (:mod:`.metrics`) and serve ``/metrics`` from their main process (:mod:`.exporter`).
 - ``LEDGER_SENTRY_DSN``: Sentry with its Celery integration, scrubbed (:mod:`.sentry`).
 - ``LEDGER_LOG_FORMAT=json``: one JSON object per log line with the task's fields (:mod:`.logs`).
+- ``LEDGER_TRACING=true``: OpenTelemetry traces of every job, one trace per job (:mod:`.tracing`).
 
 Every producer stamps the messages it publishes with ``ledger_sent_at`` (unix seconds), from
 which workers measure how long a message waited in its queue.
@@ -37,10 +38,14 @@ def stamp_sent_at(headers: dict[str, Any] | None = None, **_: Any) -> None:
 
 
 def ledger_listeners(settings: Settings) -> list[CommandListener]:
-    """The pymongo command listeners the ledger's client gets (ledger latency metrics)."""
-    if settings.metrics_port is None:
-        return []
-    return [_metrics_module().LEDGER_COMMANDS]
+    """The pymongo command listeners the ledger's client gets (ledger latency metrics, ledger
+    spans)."""
+    listeners = []
+    if settings.metrics_port is not None:
+        listeners.append(_metrics_module().LEDGER_COMMANDS)
+    if settings.tracing:
+        listeners.append(_tracing_module().LEDGER_COMMANDS)
+    return listeners
 
 
 def install(app: Celery, runtime: Runtime) -> None:
@@ -49,6 +54,10 @@ def install(app: Celery, runtime: Runtime) -> None:
         stamp_sent_at, weak=False, dispatch_uid=ledger_headers.SENT_AT
     )
     settings = runtime.settings
+
+    def sensitive(name: str) -> bool:
+        return bool(getattr(app.tasks.get(name), "sensitive", False))
+
     if settings.metrics_port is not None:
         from .exporter import MetricsStep
 
@@ -57,13 +66,25 @@ def install(app: Celery, runtime: Runtime) -> None:
     if settings.sentry_dsn:
         from .sentry import install as install_sentry
 
-        install_sentry(
-            runtime, sensitive=lambda name: bool(getattr(app.tasks.get(name), "sensitive", False))
-        )
+        install_sentry(runtime, sensitive=sensitive)
+    if settings.tracing:
+        _tracing_module().install(app, runtime, sensitive=sensitive)
     if settings.log_format == "json":
         from .logs import install as install_json_logs
 
         install_json_logs()
+
+
+def _tracing_module() -> Any:
+    try:
+        from . import tracing
+    except ModuleNotFoundError as exc:
+        if not str(exc.name).startswith("opentelemetry"):
+            raise
+        raise ConfigurationError(
+            "LEDGER_TRACING needs OpenTelemetry: pip install 'celery-ledger[tracing]'"
+        ) from exc
+    return tracing
 
 
 def _metrics_module() -> Any:

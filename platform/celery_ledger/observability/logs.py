@@ -1,9 +1,10 @@
 """JSON log lines with the running task's fields (``LEDGER_LOG_FORMAT=json``).
 
 :class:`JsonFormatter` writes one JSON object per record. :class:`TaskContextFilter` adds
-``task_id``, ``task_name``, ``key``, ``tier``, ``attempt`` and ``fence`` to every record emitted
-while a task runs in this thread (from Celery's current task: its message headers and the
-fencing token the guard sets on the request). :func:`install` puts both on the handlers Celery
+``task_id``, ``task_name``, ``key``, ``tier``, ``attempt`` and ``fence`` (and, tracing on,
+``trace_id`` and ``span_id``) to every record emitted while a task runs in this thread (from
+Celery's current task: its message headers and the fencing token the guard sets on the
+request). :func:`install` puts both on the handlers Celery
 sets up for the worker (``after_setup_logger`` and ``after_setup_task_logger``).
 """
 
@@ -17,7 +18,10 @@ from typing import Any
 from celery import signals
 from celery._state import get_current_task
 
+from .. import tracecontext
+
 TASK_FIELDS = ("task_id", "task_name", "key", "tier", "attempt", "fence")
+TRACE_FIELDS = ("trace_id", "span_id")  # with LEDGER_TRACING on, while a span is current
 
 # Attributes every LogRecord has; anything else came from ``extra=`` or a filter.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
@@ -46,7 +50,10 @@ def task_fields() -> dict[str, Any]:
     request = getattr(task, "request", None)
     if task is None or request is None or not getattr(request, "id", None):
         return {}
+    ids = tracecontext.current_ids()
     return {
+        "trace_id": ids[0] if ids else None,
+        "span_id": ids[1] if ids else None,
         "task_id": request.id,
         "task_name": task.name,
         "key": _header(request, "ledger_key"),
