@@ -20,7 +20,8 @@ WORKDIR /app
 
 COPY pyproject.toml README.md ./
 COPY platform/ platform/
-RUN pip install . "flower>=2.0,<3" && rm -rf build platform/*.egg-info
+# The extras the compose file turns on: worker metrics, Sentry, OpenTelemetry traces.
+RUN pip install ".[metrics,sentry,tracing]" "flower>=2.0,<3" && rm -rf build platform/*.egg-info
 
 COPY tasks/ tasks/
 

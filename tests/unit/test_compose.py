@@ -465,3 +465,31 @@ def test_with_the_tls_override_every_connection_is_verified_tls(
     for server in ("redis", "mongo"):
         probe = " ".join(_command({"command": tls_services[server]["healthcheck"]["test"]}))
         assert "/certs/ca.pem" in probe, server
+
+
+def test_the_image_installs_every_extra_the_compose_file_turns_on(
+    services: dict[str, Any],
+) -> None:
+    # A worker whose setting needs an extra the image lacks refuses to start ("pip install
+    # 'celery-ledger[metrics]'"): the image must carry what the compose environment enables.
+    env = services["worker-default"]["environment"]
+    needed = {"metrics"} if env.get("LEDGER_METRICS_PORT") else set()
+    needed |= {"sentry"} if "LEDGER_SENTRY_DSN" in env else set()
+    needed |= {"tracing"} if "LEDGER_TRACING" in env else set()
+    installed = re.search(r'pip install "\.\[([a-z,]+)\]"', (ROOT / "Dockerfile").read_text())
+    assert installed is not None, "the Dockerfile installs the library without extras"
+    assert needed <= set(installed.group(1).split(",")), needed
+
+
+def test_the_trace_collector_forwards_to_the_trace_viewer(services: dict[str, Any]) -> None:
+    import yaml
+
+    collector = yaml.safe_load((ROOT / "ops" / "otel" / "collector.yaml").read_text())
+    pipeline = collector["service"]["pipelines"]["traces"]
+    assert pipeline["receivers"] == ["otlp"]
+    [exporter] = pipeline["exporters"]
+    assert collector["exporters"][exporter]["endpoint"].startswith("jaeger:")
+    assert services["otel-collector"]["profiles"] == ["monitoring"]
+    assert services["jaeger"]["profiles"] == ["monitoring"]
+    endpoint = services["worker-default"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    assert endpoint.startswith("http://otel-collector:4318")
