@@ -5,10 +5,20 @@ It holds the settings, the ledger store, the tiers, the sealer, the observers an
 function (the app's ``send_task``), and builds on first use, per process, what needs a
 connection: the broker's Redis client, breakers, rate limits, queue depths, the backpressure gate,
 the throttle and the delayed deliveries.
+
+Per process, because a forked child must never use a connection pool of its parent's: the
+worker's main process uses these clients from its own threads (the housekeeping lanes), and a
+pool lock one of them holds at the moment of a fork stays held for ever in the child. redis-py
+takes that lock when it first resets the inherited pool in the child, so the child would hang on
+its first Redis call (seen: a pool process started to replace a killed one, stuck in
+``ConnectionPool.reset`` on its first dead-letter copy, its job held for good). After a fork the
+child forgets every such service (:data:`PER_PROCESS`) and builds its own on first use.
 """
 
 from __future__ import annotations
 
+import os
+import weakref
 from collections.abc import Callable
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -38,6 +48,32 @@ def delayed_key(namespace: str) -> str:
     return f"{namespace}:ledger:delayed" if namespace else "ledger:delayed"
 
 
+# The services that hold a Redis connection pool (see the module docstring).
+PER_PROCESS = (
+    "redis",
+    "breakers",
+    "rate_limits",
+    "queue_depths",
+    "gate",
+    "throttle",
+    "delayed",
+    "legacy_delayed",
+)
+
+
+# What a forked child inherited and forgot: kept, never collected, because a client's
+# finalizer closes its pool under the very lock that may be held (the child would hang there).
+_INHERITED: list[object] = []
+
+
+def _forget_connections(ref: weakref.ref[Runtime]) -> None:
+    runtime = ref()
+    if runtime is not None:
+        for name in PER_PROCESS:
+            if name in runtime.__dict__:
+                _INHERITED.append(runtime.__dict__.pop(name))
+
+
 class Runtime:
     """The services of one app (see the module docstring)."""
 
@@ -61,6 +97,8 @@ class Runtime:
         self.tier_of = tier_of
         self.observers = observers or Observers()
         ledger.open_text = self.sealer.open
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _forget_connections(ref))
 
     @cached_property
     def sealer(self) -> Sealer:

@@ -39,7 +39,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,6 +60,7 @@ from pymongo import monitoring
 from .. import tracecontext
 from ..errors import ConfigurationError
 from ..events import Job, Observer
+from ..locks import ForkSafeLock
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -79,23 +79,20 @@ class JsonLinesExporter(SpanExporter):
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()  # fresh in a forked child (see celery_ledger.locks)
         self._pid: int | None = None
         self._file: Any = None
 
     def _out(self) -> Any:
-        if self._pid != os.getpid():
-            # A forked child has its own file (and its own lock: one held by a parent's
-            # thread at the fork would stay held here).
-            self._lock = threading.Lock()
+        if self._pid != os.getpid():  # a forked child writes a file of its own
             self.directory.mkdir(parents=True, exist_ok=True)
             self._file = (self.directory / f"spans-{os.getpid()}.jsonl").open("a")
             self._pid = os.getpid()
         return self._file
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        out = self._out()
         with self._lock:
+            out = self._out()
             for span in spans:
                 out.write(span.to_json(indent=None) + "\n")
             out.flush()
@@ -261,7 +258,9 @@ class LedgerCommandSpans(monitoring.CommandListener):
 
     def __init__(self) -> None:
         self._spans: dict[tuple[int, int], trace.Span] = {}
-        self._lock = threading.Lock()
+        # The worker's main process sends commands from its housekeeping threads: a plain lock
+        # held by one of them at a fork would hang the pool process's first command.
+        self._lock = ForkSafeLock()
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
         if not trace.get_current_span().get_span_context().is_valid:

@@ -1,0 +1,113 @@
+"""A prefork pool process is forked from a main process whose threads use the same services:
+the child must never inherit a connection pool (or a lock) that one of those threads held at the
+fork. Found by a CI run: a pool process forked to replace a killed one hung on its first Redis
+call (redis-py resets an inherited pool under the pool's own lock), and its job with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from celery_ledger import Settings, create_app
+from celery_ledger.runtime import PER_PROCESS, Runtime
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port  # nothing listens: every call fails at once with a connection error
+
+
+@pytest.fixture
+def runtime() -> Iterator[Runtime]:
+    settings = Settings(broker_url=f"redis://127.0.0.1:{closed_port()}/0")
+    app = create_app("fork_safety", settings=settings, set_as_current=False)
+    yield app.runtime
+
+
+def held_during_fork(pools: list[Any]) -> tuple[threading.Event, threading.Thread]:
+    """A parent thread inside each pool (holding its lock), as housekeeping is at times."""
+    release, holding = threading.Event(), threading.Barrier(2)
+
+    def hold() -> None:
+        for pool in pools:
+            pool._lock.acquire()
+        holding.wait()
+        release.wait(30)
+        for pool in pools:
+            pool._lock.release()
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    holding.wait()
+    return release, thread
+
+
+def in_child(check: Any, seconds: int = 10) -> int:
+    """Run ``check`` in a forked child; its exit status (0: passed; SIGALRM: it hung)."""
+    pid = os.fork()
+    if pid == 0:  # the child: report by exit code only
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not the test runner's timeout handler
+        signal.alarm(seconds)
+        try:
+            os._exit(0 if check() else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    return status
+
+
+def test_every_connection_holding_service_is_rebuilt_in_a_forked_child(
+    runtime: Runtime,
+) -> None:
+    built = {name: getattr(runtime, name) for name in PER_PROCESS}  # the parent uses them all
+    assert all(isinstance(getattr(Runtime, name), property | type(Runtime.redis)) for name in built)
+
+    def rebuilt() -> bool:
+        return all(
+            getattr(runtime, name) is not parents
+            for name, parents in built.items()
+            if parents is not None
+        )
+
+    assert in_child(rebuilt) == 0
+
+
+def test_a_child_forked_while_a_parent_thread_holds_a_redis_pool_does_not_hang(
+    runtime: Runtime,
+) -> None:
+    import redis
+
+    from celery_ledger.errors import LedgerError
+
+    # Given the parent's threads inside the broker client's pool and the delayed set's
+    pools = [runtime.redis.connection_pool, runtime.delayed._redis.connection_pool]
+    release, thread = held_during_fork(pools)
+
+    # When a pool process is forked then, and makes its first Redis calls (no server: each
+    # must fail at once with a connection error, not wait for a lock nobody will release)
+    def first_calls_fail_fast() -> bool:
+        for call in (runtime.redis.ping, runtime.delayed.pending):
+            try:
+                call()
+            except (redis.ConnectionError, LedgerError):
+                continue
+            return False
+        return True
+
+    try:
+        status = in_child(first_calls_fail_fast)
+    finally:
+        release.set()
+        thread.join()
+
+    # Then it does not hang (SIGALRM) and its calls fail as they would in any process
+    assert not (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM), "hung"
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
