@@ -195,6 +195,32 @@ def test_a_replayed_dead_job_continues_its_trace(traced: dict[str, Any]) -> None
     assert runs[0]["span_id"] in _chain(runs[-1], by_id)
 
 
+def test_a_workflow_its_steps_and_its_timer_are_one_trace(traced: dict[str, Any]) -> None:
+    token = f"trace-wf-{uuid.uuid4().hex[:8]}"
+    probe = producer_app(traced["stack"], "traced_probe")
+
+    # Given a workflow started by a web request: two steps, a timer, a fan-out of two
+    sent = publish_traced(traced, "workflow:order", [[token], {"steps": 2, "sleep": 0.3}])
+    wait_for(
+        lambda: (r := probe.ledger.get_by_id(sent["task_id"])) and r.state is State.SUCCEEDED,
+        timeout=60,
+        what="the workflow completed",
+    )
+
+    # Then every step's run is in the request's trace, under the request
+    step = "run/tests.integration.ledger_app.wf_step"
+
+    def steps_exported() -> list[dict[str, Any]] | None:
+        spans = spans_of(traced["spans"], sent["trace_id"])
+        return spans if sum(s["name"] == step for s in spans) == 4 else None
+
+    spans = wait_for(steps_exported, timeout=30, what="the steps' spans")
+    by_id = {s["span_id"]: s for s in spans}
+    assert [s["name"] for s in spans if s["parent"] is None] == ["POST /checkout"]
+    for run in (s for s in spans if s["name"] == step):
+        assert ancestors(run, by_id)[-1] == "POST /checkout"
+
+
 def test_a_malformed_trace_header_costs_the_job_nothing(traced: dict[str, Any]) -> None:
     probe = producer_app(traced["stack"], "traced_probe")
     record = shared_task(probe, "tests.integration.ledger_app.record")
