@@ -49,7 +49,7 @@ from .observability import ledger_listeners
 from .policies.breaker import Breakers
 from .reconciler import Reconciler
 from .routing import DEAD_LETTER, TIERS, Tiers
-from .runtime import Runtime
+from .runtime import Runtime, forget_after_fork
 from .settings import Settings
 from .task import ADMITTED, KEY_SECRET_NEEDED, LedgerTask
 from .worker import LedgerWorkerStep
@@ -612,6 +612,9 @@ def create_app(
         publish=app._publish,
         tier_of=app.tier_of,
     )
+    # The reconciler holds the broker's Redis client and a sweep lock owned by this process:
+    # a pool process that runs a sweep (the beat task) builds its own (see runtime.py).
+    forget_after_fork(app, ("reconciler",))
     register_sealed_codec(app.runtime.sealer)
     app.conf.update(
         # JSON only: pickle is refused on both sides.

@@ -66,12 +66,19 @@ PER_PROCESS = (
 _INHERITED: list[object] = []
 
 
-def _forget_connections(ref: weakref.ref[Runtime]) -> None:
-    runtime = ref()
-    if runtime is not None:
-        for name in PER_PROCESS:
-            if name in runtime.__dict__:
-                _INHERITED.append(runtime.__dict__.pop(name))
+def forget_after_fork(owner: object, names: tuple[str, ...]) -> None:
+    """In every forked child, drop ``owner``'s cached ``names`` (``cached_property`` values
+    holding a connection pool), so that the child builds its own on first use."""
+    ref = weakref.ref(owner)
+
+    def forget() -> None:
+        alive = ref()
+        if alive is not None:
+            for name in names:
+                if name in alive.__dict__:
+                    _INHERITED.append(alive.__dict__.pop(name))
+
+    os.register_at_fork(after_in_child=forget)
 
 
 class Runtime:
@@ -97,8 +104,7 @@ class Runtime:
         self.tier_of = tier_of
         self.observers = observers or Observers()
         ledger.open_text = self.sealer.open
-        ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: _forget_connections(ref))
+        forget_after_fork(self, PER_PROCESS)
 
     @cached_property
     def sealer(self) -> Sealer:

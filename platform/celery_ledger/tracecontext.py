@@ -50,13 +50,15 @@ def enabled() -> bool:
 
 
 def carried(message_headers: Mapping[str, Any]) -> dict[str, str]:
-    """The trace headers of a message worth carrying: strings of a sane length, else none (a
-    malformed or hostile value is dropped, never an error: tracing must not cost a job)."""
-    kept: dict[str, str] = {}
-    for name in HEADERS:
-        value = message_headers.get(name)
-        if isinstance(value, str) and len(value) <= MAX_HEADER:
-            kept[name] = value
+    """The trace headers of a message worth carrying: a W3C ``traceparent`` and, with it, a
+    ``tracestate`` string of a sane length; else none (a malformed or hostile value is
+    dropped, never an error: tracing must not cost a job)."""
+    if trace_id_of(message_headers) is None:
+        return {}
+    kept = {TRACEPARENT: str(message_headers[TRACEPARENT]).strip()}
+    state = message_headers.get(TRACESTATE)
+    if isinstance(state, str) and len(state) <= MAX_HEADER:
+        kept[TRACESTATE] = state
     return kept
 
 

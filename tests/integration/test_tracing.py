@@ -133,7 +133,7 @@ def test_a_request_publish_retry_and_success_are_one_trace(traced: dict[str, Any
 
     # And no span carries the card number; the key of a sensitive task is a digest
     assert CARD not in json.dumps(spans)
-    assert second["attributes"]["ledger.key"].startswith("sha256:")
+    assert second["attributes"]["ledger.key"].startswith(("hmac:", "sha256:"))
 
     # And the record names the trace; the worker's log lines of the job carry it
     record = probe.ledger.get(name, token)
@@ -154,6 +154,36 @@ def _chain(span: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> list[str]:
         ids.append(span["parent"])
         span = by_id[span["parent"]]
     return ids
+
+
+def test_a_sensitive_jobs_error_text_is_on_no_span(traced: dict[str, Any]) -> None:
+    token = f"trace-card-{uuid.uuid4().hex[:8]}"
+    name = "tests.integration.ledger_app.reject_card"
+    probe = producer_app(traced["stack"], "traced_probe")
+
+    # Given a sensitive job whose error quotes the card it failed on
+    sent = publish_traced(traced, name, [token, CARD])
+    wait_for(
+        lambda: (r := probe.ledger.get(name, token)) and r.state is State.DEAD,
+        timeout=60,
+        what="the job dead",
+    )
+
+    def run_exported() -> list[dict[str, Any]] | None:
+        spans = spans_of(traced["spans"], sent["trace_id"])
+        return spans if any(s["name"] == f"run/{name}" for s in spans) else None
+
+    # Then its spans say it failed, and how (the exception's type), never with what
+    spans = wait_for(run_exported, timeout=30, what="the job's spans")
+    [run] = [s for s in spans if s["name"] == f"run/{name}"]
+    assert run["attributes"]["ledger.outcome"] == "dead"
+    assert run["status"]["status_code"] == "ERROR"
+    exceptions = [e for s in spans for e in s["events"] if e["name"] == "exception"]
+    assert exceptions and all(
+        set(e["attributes"]) <= {"exception.type", "exception.escaped"} for e in exceptions
+    )
+    assert CARD not in json.dumps(spans)
+    assert "celery.retry.reason" not in json.dumps(spans)
 
 
 def test_a_replayed_dead_job_continues_its_trace(traced: dict[str, Any]) -> None:

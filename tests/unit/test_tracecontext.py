@@ -20,12 +20,17 @@ VALID = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 @pytest.mark.parametrize(
     "value",
-    [None, 12, ["00-x"], {"a": 1}, b"00-", "x" * (tracecontext.MAX_HEADER + 1)],
+    [None, 12, ["00-x"], {"a": 1}, b"00-", "garbage", "x" * (tracecontext.MAX_HEADER + 1)],
 )
 def test_a_trace_header_that_is_not_a_short_string_is_not_carried(value: Any) -> None:
     kept = carried_headers({"traceparent": value, "tracestate": value, "ledger_key": "k"})
     assert "traceparent" not in kept and "tracestate" not in kept
     assert kept["ledger_key"] == "k"  # the rest of the message's headers still travel
+
+
+def test_a_tracestate_travels_only_with_a_valid_traceparent() -> None:
+    assert carried_headers({"traceparent": "garbage", "tracestate": "vendor=1"}) == {}
+    assert carried_headers({"traceparent": VALID, "tracestate": ["x"]}) == {"traceparent": VALID}
 
 
 def test_a_valid_trace_context_is_carried_with_the_ledger_headers() -> None:

@@ -37,16 +37,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from celery import signals
 from opentelemetry import context as context_api
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
@@ -104,8 +106,95 @@ class JsonLinesExporter(SpanExporter):
             self._pid = None
 
 
-def provider_for(service_name: str, directory: str | None) -> TracerProvider:
-    """A tracer provider exporting as the ``OTEL_*`` variables and ``directory`` say."""
+class Redacting(SpanExporter):
+    """Exports through ``inner`` with the error text of a sensitive task's spans removed.
+
+    Celery's instrumentation records a failed task's exception (its message and traceback, whose
+    last line repeats the message) and a retry's reason on the task's span; a sensitive task's
+    exception often quotes the arguments it failed on. As with Sentry, such a span keeps the
+    exception's type, never its text. (The ledger's own spans never record exception text.)
+    """
+
+    def __init__(self, inner: SpanExporter, sensitive: Callable[[str], bool]) -> None:
+        self.inner = inner
+        self._sensitive = sensitive
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return self.inner.export([self._redacted(span) for span in spans])
+
+    def _redacted(self, span: ReadableSpan) -> ReadableSpan:
+        attributes = dict(span.attributes or {})
+        task = attributes.get("ledger.task") or attributes.get("celery.task_name")
+        if not isinstance(task, str) or not self._sensitive(task):
+            return span
+        attributes.pop("celery.retry.reason", None)
+        events = [
+            Event(
+                event.name,
+                {k: v for k, v in (event.attributes or {}).items() if k in _SAFE_EXCEPTION_FIELDS}
+                if event.name == "exception"
+                else event.attributes,
+                event.timestamp,
+            )
+            for event in span.events
+        ]
+        return ReadableSpan(
+            name=span.name,
+            context=span.context,
+            parent=span.parent,
+            resource=span.resource,
+            attributes=attributes,
+            events=events,
+            links=span.links,
+            kind=span.kind,
+            status=Status(span.status.status_code),  # no description: it is the error's text
+            start_time=span.start_time,
+            end_time=span.end_time,
+            instrumentation_scope=span.instrumentation_scope,
+        )
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+_SAFE_EXCEPTION_FIELDS = frozenset({"exception.type", "exception.escaped"})
+
+
+class PerProcess(SpanExporter):
+    """An exporter made anew in each process (``factory()`` on a process's first export): a
+    pool process must not share its parent's HTTP connection to the collector."""
+
+    def __init__(self, factory: Callable[[], SpanExporter]) -> None:
+        self._factory = factory
+        self._pid: int | None = None
+        self._inner: SpanExporter | None = None
+
+    def _here(self) -> SpanExporter:
+        if self._inner is None or self._pid != os.getpid():
+            self._inner, self._pid = self._factory(), os.getpid()
+        return self._inner
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return self._here().export(spans)
+
+    def shutdown(self) -> None:
+        if self._inner is not None and self._pid == os.getpid():
+            self._inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        if self._inner is not None and self._pid == os.getpid():
+            return self._inner.force_flush(timeout_millis)
+        return True
+
+
+def provider_for(
+    service_name: str, directory: str | None, sensitive: Callable[[str], bool] = lambda _: False
+) -> TracerProvider:
+    """A tracer provider exporting as the ``OTEL_*`` variables and ``directory`` say, a
+    sensitive task's error text removed from its spans (:class:`Redacting`)."""
     resource = Resource.create(
         {} if os.environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: service_name}
     )
@@ -121,11 +210,17 @@ def provider_for(service_name: str, directory: str | None) -> TracerProvider:
                     "OTEL_TRACES_EXPORTER=otlp needs the OTLP exporter:"
                     " pip install 'celery-ledger[tracing]'"
                 ) from exc
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            provider.add_span_processor(
+                BatchSpanProcessor(Redacting(PerProcess(OTLPSpanExporter), sensitive))
+            )
         elif name == "console":
-            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+            provider.add_span_processor(
+                BatchSpanProcessor(Redacting(PerProcess(ConsoleSpanExporter), sensitive))
+            )
     if directory:
-        provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(directory)))
+        provider.add_span_processor(
+            SimpleSpanProcessor(Redacting(JsonLinesExporter(directory), sensitive))
+        )
     return provider
 
 
@@ -154,14 +249,20 @@ def _inject(message_headers: MutableMapping[str, Any]) -> None:
 
 @contextlib.contextmanager
 def _continuing(message_headers: Mapping[str, Any]) -> Iterator[None]:
-    if trace.get_current_span().get_span_context().is_valid:
-        yield  # inside a span already: the publish is its child
-        return
+    # A message that carries a context is a copy of a job (a retry, a deferral, a republish by
+    # the reconciler, a replay): it continues that job's trace, whatever span is current (a
+    # sweep run as a task is not the jobs' parent). A copy made inside an attempt carries the
+    # attempt's own context (``stamp``), so that is the same thing there.
     carried = propagate.extract(tracecontext.carried(message_headers))
-    token = context_api.attach(carried)
+    if trace.get_current_span(carried).get_span_context().is_valid:
+        token = context_api.attach(carried)
+    else:
+        token = context_api.attach(context_api.get_current())
     try:
         yield
     finally:
+        # Restores the context as it was, even if the publish failed between the
+        # instrumentation's before- and after-publish hooks (its span left current).
         context_api.detach(token)
 
 
@@ -175,8 +276,16 @@ def _current_ids() -> tuple[str, str] | None:
 class TracingObserver(Observer):
     """The platform's events on the span of the delivery they happen in."""
 
-    def __init__(self, sensitive: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        sensitive: Callable[[str], bool],
+        *,
+        key_secret: bytes | None = None,
+        sentry: bool = False,
+    ) -> None:
         self._sensitive = sensitive
+        self._key_secret = key_secret
+        self._sentry = sentry
 
     def _span(self, job: Job) -> trace.Span:
         span = trace.get_current_span()
@@ -190,17 +299,22 @@ class TracingObserver(Observer):
         return span
 
     def _key(self, job: Job) -> str:
-        if self._sensitive(job.task):
-            # Never a sensitive key's value (it may be an account number): a digest that
-            # matches the same key across spans and nothing else.
-            return "sha256:" + hashlib.sha256(str(job.key).encode()).hexdigest()[:16]
-        return str(job.key)
+        if not self._sensitive(job.task):
+            return str(job.key)
+        # Never a sensitive key's value (it may be an account number): a digest that matches
+        # the same key across spans. Keyed with LEDGER_KEY_SECRET when set, since a plain hash
+        # of a value with few possibilities is found by trying them all.
+        key = str(job.key).encode()
+        if self._key_secret is not None:
+            return "hmac:" + hmac.new(self._key_secret, key, hashlib.sha256).hexdigest()[:16]
+        return "sha256:" + hashlib.sha256(key).hexdigest()[:16]
 
     def claimed(self, job: Job, fence: int) -> None:
         span = self._span(job)
         span.set_attribute("ledger.fence", fence)
         span.add_event("claimed", {"ledger.fence": fence})
-        _sentry_tag()
+        if self._sentry:
+            _sentry_tag()
 
     def duplicate(self, job: Job) -> None:
         self._span(job).set_attribute("ledger.outcome", "duplicate")
@@ -250,6 +364,13 @@ def _sentry_tag() -> None:
         import sentry_sdk
 
         sentry_sdk.set_tag("trace_id", ids[0])
+
+
+def _flush(**_: Any) -> None:
+    with contextlib.suppress(Exception):
+        flush = getattr(trace.get_tracer_provider(), "force_flush", None)
+        if flush is not None:
+            flush(2000)
 
 
 class LedgerCommandSpans(monitoring.CommandListener):
@@ -304,20 +425,44 @@ def install(app: Celery, runtime: Runtime, *, sensitive: Callable[[str], bool]) 
 
     current = trace.get_tracer_provider()
     if isinstance(current, trace.ProxyTracerProvider):  # the app has set up none of its own
-        trace.set_tracer_provider(provider_for(app.main or "celery", runtime.settings.tracing_dir))
+        directory = runtime.settings.tracing_dir
+        trace.set_tracer_provider(provider_for(app.main or "celery", directory, sensitive))
     instrumentor = CeleryInstrumentor()
     if not instrumentor.is_instrumented_by_opentelemetry:
         instrumentor.instrument()
     tracer = trace.get_tracer(TRACER_NAME)
 
-    def span(name: str, attributes: Mapping[str, Any]) -> Any:
-        return tracer.start_as_current_span(name, attributes=dict(attributes))
+    @contextlib.contextmanager
+    def span(name: str, attributes: Mapping[str, Any]) -> Iterator[trace.Span]:
+        # An exception's text may quote a sensitive task's arguments: the span records its
+        # type only (the task's own span says how the job ended).
+        with tracer.start_as_current_span(
+            name,
+            attributes=dict(attributes),
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as current:
+            try:
+                yield current
+            except BaseException as exc:
+                current.set_attribute("error.type", type(exc).__name__)
+                raise
 
     tracecontext.HOOKS.inject = _inject
     tracecontext.HOOKS.continuing = _continuing
     tracecontext.HOOKS.span = span
     tracecontext.HOOKS.current_ids = _current_ids
-    runtime.observers.add(TracingObserver(sensitive))
+    secret = runtime.settings.key_secret
+    runtime.observers.add(
+        TracingObserver(
+            sensitive,
+            key_secret=secret.get_secret_value().encode() if secret is not None else None,
+            sentry=bool(runtime.settings.sentry_dsn),
+        )
+    )
+    # A pool process ends with os._exit (no atexit): what its batch processor still holds
+    # (often the last attempt's run span) is sent first.
+    signals.worker_process_shutdown.connect(_flush, weak=False, dispatch_uid="ledger-tracing")
 
 
 __all__ = ["LEDGER_COMMANDS", "JsonLinesExporter", "TracingObserver", "install", "provider_for"]
