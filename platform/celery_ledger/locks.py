@@ -43,3 +43,14 @@ class ForkSafeLock:
         tb: TracebackType | None,
     ) -> None:
         self.release()
+
+
+# What a forked child inherited and replaced (a client whose pool a parent's thread may hold):
+# kept, never collected, because such a client's finalizer closes its pool under that very
+# lock, and the child would hang there.
+_INHERITED: list[object] = []
+
+
+def keep_inherited(obj: object) -> None:
+    """Keep ``obj`` (inherited from the parent, replaced in this child) from being finalized."""
+    _INHERITED.append(obj)

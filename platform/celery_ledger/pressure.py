@@ -21,7 +21,7 @@ from collections import deque
 import redis
 
 from .errors import ConfigurationError
-from .locks import ForkSafeLock
+from .locks import ForkSafeLock, keep_inherited
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +58,28 @@ class Pressure:
         self._pending: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)  # (ms, monotonic)
         self._flusher: threading.Thread | None = None
         self._pid = os.getpid()
+        self._client_pid = os.getpid()
         self._last_warning: float | None = None
         self._closed = threading.Event()
 
+    def _here(self) -> None:
+        """In a forked child, a client of its own (never its parent's pool: see runtime.py)."""
+        if self._client_pid != os.getpid():
+            inherited = self.client
+            keep_inherited(inherited)
+            pool = inherited.connection_pool
+            self.client = redis.Redis(
+                connection_pool=type(pool)(
+                    connection_class=pool.connection_class,
+                    max_connections=pool.max_connections,
+                    **pool.connection_kwargs,
+                )
+            )
+            self._client_pid = os.getpid()
+
     def server_now(self) -> float:
         """The Redis server's clock, in unix seconds."""
+        self._here()
         with self._lock:
             base = self._clock_base
             if base is None or time.monotonic() - base[1] >= self._resync_seconds:
@@ -97,7 +114,7 @@ class Pressure:
             self._pending.clear()
         if not samples:
             return 0
-        now, now_monotonic = self.server_now(), time.monotonic()
+        now, now_monotonic = self.server_now(), time.monotonic()  # (a client of this process)
         members = {
             f"{ms!r}:{uuid.uuid4().hex[:16]}": now - (now_monotonic - at) for ms, at in samples
         }
@@ -125,6 +142,7 @@ class Pressure:
 
     def close(self) -> None:
         """Send what is buffered, stop the flusher and close the client."""
+        self._here()
         self._closed.set()
         self.flush_quietly()
         self.client.close()

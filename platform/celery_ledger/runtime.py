@@ -30,6 +30,7 @@ from .delayed import DelayedDeliveries
 from .events import Observers
 from .ledger.message import Publish
 from .ledger.store import Ledger
+from .locks import keep_inherited
 from .policies.backpressure import BackpressureGate, QueueDepths
 from .policies.breaker import Breakers, BreakerState
 from .policies.rate_limit import RateLimits
@@ -61,11 +62,6 @@ PER_PROCESS = (
 )
 
 
-# What a forked child inherited and forgot: kept, never collected, because a client's
-# finalizer closes its pool under the very lock that may be held (the child would hang there).
-_INHERITED: list[object] = []
-
-
 def forget_after_fork(owner: object, names: tuple[str, ...]) -> None:
     """In every forked child, drop ``owner``'s cached ``names`` (``cached_property`` values
     holding a connection pool), so that the child builds its own on first use."""
@@ -76,7 +72,7 @@ def forget_after_fork(owner: object, names: tuple[str, ...]) -> None:
         if alive is not None:
             for name in names:
                 if name in alive.__dict__:
-                    _INHERITED.append(alive.__dict__.pop(name))
+                    keep_inherited(alive.__dict__.pop(name))
 
     os.register_at_fork(after_in_child=forget)
 

@@ -120,3 +120,27 @@ def test_a_child_forked_while_a_parent_thread_holds_a_redis_pool_does_not_hang(
     # Then it does not hang (SIGALRM) and its calls fail as they would in any process
     assert not (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM), "hung"
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def test_a_forked_child_reports_latency_through_a_client_of_its_own() -> None:
+    import redis
+
+    from celery_ledger.pressure import Pressure
+
+    # Given a web process's latency reporter, its flusher inside the client's pool at the fork
+    pressure = Pressure(redis.Redis.from_url(f"redis://127.0.0.1:{closed_port()}/0"))
+    release, thread = held_during_fork([pressure.client.connection_pool])
+
+    def fails_fast() -> bool:
+        try:
+            pressure.flush() if pressure.report_latency(5.0) is None else None
+        except redis.ConnectionError:
+            return pressure.client.connection_pool.pid == os.getpid()
+        return False
+
+    try:
+        status = in_child(fails_fast)
+    finally:
+        release.set()
+        thread.join()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

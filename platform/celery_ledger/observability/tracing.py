@@ -377,7 +377,8 @@ class LedgerCommandSpans(monitoring.CommandListener):
     """A client span per command the ledger's client sends, named by the store's operation
     (``ledger claim``), child of whatever span is current in the calling thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, provider: trace.TracerProvider | None = None) -> None:
+        self._provider = provider  # None: the global one
         self._spans: dict[tuple[int, int], trace.Span] = {}
         # The worker's main process sends commands from its housekeeping threads: a plain lock
         # held by one of them at a fork would hang the pool process's first command.
@@ -387,7 +388,7 @@ class LedgerCommandSpans(monitoring.CommandListener):
         if not trace.get_current_span().get_span_context().is_valid:
             return  # housekeeping outside any job: no trace to belong to
         operation = tracecontext.LEDGER_OPERATION.get() or event.command_name
-        span = trace.get_tracer(TRACER_NAME).start_span(
+        span = trace.get_tracer(TRACER_NAME, tracer_provider=self._provider).start_span(
             f"ledger {operation}",
             kind=SpanKind.CLIENT,
             attributes={
