@@ -37,6 +37,21 @@ class FakeGateway:
 gateway = FakeGateway()
 
 
+class FakeFraudService:
+    """Scores orders; down ``outage_rate`` of the time (a connection refused)."""
+
+    def __init__(self, outage_rate: float = 0.1) -> None:
+        self.outage_rate = outage_rate
+
+    def score(self, order_id: int) -> float:
+        if random.random() < self.outage_rate:
+            raise ConnectionRefusedError("fraud service unreachable")
+        return round(random.random(), 3)
+
+
+fraud = FakeFraudService()
+
+
 @app.task(
     bind=True,
     idempotency_key=lambda order_id, amount_cents: f"order-{order_id}",
@@ -48,9 +63,23 @@ gateway = FakeGateway()
 )
 def charge(self, order_id: int, amount_cents: int) -> dict[str, object]:
     """Charge an order exactly once, however often the message is delivered."""
+
+    # A fraud score is nice to have, not worth a lost sale: an optional step behind a breaker
+    # of its own. While the fraud service is down (its breaker open, or a refused connection)
+    # the step is skipped and recorded as skipped, and the charge goes on with no score.
+    def score() -> float:
+        with app.breakers["fraud"]:
+            return fraud.score(order_id)
+
+    risk = self.step("fraud_score", optional=True, default=None).run(score)
     # The job's key travels to the receiver of the effect (see the README's limits)
     charge_id = gateway.charge(order_id, amount_cents, idempotency_key=self.job_key)
-    return {"order_id": order_id, "charge_id": charge_id, "amount_cents": amount_cents}
+    return {
+        "order_id": order_id,
+        "charge_id": charge_id,
+        "amount_cents": amount_cents,
+        "fraud_score": risk,
+    }
 
 
 @app.task(sensitive=True, tier="critical")

@@ -497,12 +497,17 @@ class MemoryLedger:
             ),
         )
 
-    def save_step(self, record_id: str, fence: int, name: str, result_json: str) -> None:
+    def save_step(
+        self, record_id: str, fence: int, name: str, result_json: str, *, skipped: str = ""
+    ) -> None:
+        step: dict[str, Any] = {"result": result_json}
+        if skipped:
+            step["skipped"] = skipped
         self._fenced(
             "save_step",
             record_id,
             fence,
-            lambda doc: doc.setdefault("steps", {}).update({name: {"result": result_json}}),
+            lambda doc: doc.setdefault("steps", {}).update({name: step}),
         )
 
     def add_artefact(self, record_id: str, fence: int, path: str) -> None:

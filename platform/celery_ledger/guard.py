@@ -584,7 +584,13 @@ class Attempt:
             heartbeat.start()
         sealer = self.guard.runtime.sealer if self.policy.sensitive else None
         execution = Execution(
-            self.ledger, self.record_id, self.fence, heartbeat, lease, sealer=sealer
+            self.ledger,
+            self.record_id,
+            self.fence,
+            heartbeat,
+            lease,
+            sealer=sealer,
+            time_limit=self.policy.soft_time_limit,
         )
         self.execution = execution
         try:

@@ -28,7 +28,7 @@ from pymongo.client_session import ClientSession
 
 from . import tracecontext
 from .crypto import Sealer
-from .errors import ConfigurationError, Interrupted, LeaseLost, LedgerError
+from .errors import CircuitOpen, ConfigurationError, Interrupted, LeaseLost, LedgerError
 from .ledger.store import Ledger
 from .locks import ForkSafeLock
 
@@ -176,12 +176,16 @@ class Execution:
         lease_seconds: float,
         *,
         sealer: Sealer | None = None,
+        time_limit: float | None = None,
     ) -> None:
         self.ledger = ledger
         self.record_id = record_id
         self.fence = fence
         self.heartbeat = heartbeat
         self.lease_seconds = lease_seconds
+        # The attempt's time budget (its soft time limit), for optional steps that need more
+        # than is left of it.
+        self.deadline = None if time_limit is None else time.monotonic() + time_limit
         # A sensitive task's checkpoint and step results are stored sealed (they hold what its
         # arguments hold); they are opened here, in the worker's memory, only.
         self.sealer = sealer
@@ -232,10 +236,33 @@ class Execution:
         if name not in self.atomic_steps:
             self.atomic_steps.append(name)
 
-    def step(self, name: str) -> Step:
+    def remaining_seconds(self) -> float | None:
+        """What is left of the attempt's time budget (``None``: no soft time limit)."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def step(
+        self,
+        name: str,
+        *,
+        optional: bool = False,
+        needs_seconds: float = 0.0,
+        default: Any = None,
+        skip_on: tuple[type[BaseException], ...] = (),
+    ) -> Step:
         if not _STEP_NAME.match(name):
             raise ConfigurationError(f"step name {name!r}: use letters, digits, '_' or '-'")
-        return Step(self, name)
+        if (needs_seconds or skip_on) and not optional:
+            raise ConfigurationError(
+                f"step {name!r}: needs_seconds and skip_on are for optional steps"
+            )
+        return Step(
+            self,
+            name,
+            optional=optional,
+            needs_seconds=needs_seconds,
+            default=default,
+            skip_on=skip_on,
+        )
 
     def should_stop(self) -> bool:
         return self.heartbeat.shutdown_requested
@@ -259,14 +286,35 @@ class Step:
     a replay) skips the step and gets the same result.
     """
 
-    def __init__(self, execution: Execution, name: str) -> None:
+    def __init__(
+        self,
+        execution: Execution,
+        name: str,
+        *,
+        optional: bool = False,
+        needs_seconds: float = 0.0,
+        default: Any = None,
+        skip_on: tuple[type[BaseException], ...] = (),
+    ) -> None:
         self._execution = execution
         self.name = name
+        self.optional = optional
+        self.skip_on = skip_on
+        self.needs_seconds = needs_seconds
+        self.default = default
         saved = execution.progress.get("steps", {}).get(name)
         self.done = saved is not None
         self.result: Any = json.loads(saved["result"]) if saved is not None else None
+        # Why an optional step was skipped (by this attempt or an earlier one), else "".
+        self.skipped: str = str(saved.get("skipped") or "") if saved is not None else ""
 
     def __enter__(self) -> Step:
+        if self.needs_seconds:
+            # A with block cannot be skipped before it runs: the time budget needs .run(func).
+            raise ConfigurationError(
+                f"step {self.name!r}: needs_seconds works with .run(func) or the decorator,"
+                " not a with block"
+            )
         return self
 
     def __exit__(
@@ -274,9 +322,44 @@ class Step:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> None:
-        if exc_type is None and not self.done:
-            self.complete(self.result)
+    ) -> bool:
+        if exc_type is None:
+            if not self.done:
+                self.complete(self.result)
+            return False
+        if self.optional and not self.done and exc is not None and self._down(exc):
+            self.skip(_why(exc))
+            return True  # an optional step's dependency being down does not fail the job
+        return False
+
+    def _down(self, exc: BaseException) -> bool:
+        return _dependency_down(exc, self.skip_on)
+
+    def _short_of_time(self) -> str:
+        left = self._execution.remaining_seconds()
+        if self.needs_seconds and left is not None and left < self.needs_seconds:
+            return f"time budget: {max(left, 0.0):.1f}s left, the step needs {self.needs_seconds}s"
+        return ""
+
+    def skip(self, reason: str) -> None:
+        """Record this optional step as skipped (``reason``), its result the step's default."""
+        execution = self._execution
+        result_json = json.dumps(self.default)
+        execution._fenced(
+            lambda: execution.ledger.save_step(
+                execution.record_id,
+                execution.fence,
+                self.name,
+                execution.stored(result_json),
+                skipped=reason,
+            )
+        )
+        execution.progress.setdefault("steps", {})[self.name] = {
+            "result": result_json,
+            "skipped": reason,
+        }
+        self.done, self.result, self.skipped = True, self.default, reason
+        logger.info("%s: optional step %s skipped: %s", execution.record_id, self.name, reason)
 
     def complete(self, result: Any = None) -> None:
         """Record the step as done with ``result`` (JSON)."""
@@ -293,12 +376,44 @@ class Step:
     def run(self, func: Callable[[], T]) -> T:
         """Run ``func`` unless the step is done; either way return its (recorded) result."""
         with tracecontext.span(f"step {self.name}", **self._attributes()):
-            if not self.done:
+            if not self.done and self.optional:
+                short = self._short_of_time()
+                if short:
+                    self.skip(short)
+                else:
+                    try:
+                        self.complete(func())
+                    except Exception as exc:
+                        if not self._down(exc):
+                            raise
+                        self.skip(_why(exc))
+            elif not self.done:
                 self.complete(func())
             return self.result  # type: ignore[no-any-return]
 
     def _attributes(self) -> dict[str, Any]:
-        return {"ledger.step": self.name, "ledger.step.recorded_before": self.done}
+        return {
+            "ledger.step": self.name,
+            "ledger.step.recorded_before": self.done,
+            "ledger.step.optional": self.optional,
+        }
+
+
+DEPENDENCY_DOWN: tuple[type[BaseException], ...] = (CircuitOpen, ConnectionError, TimeoutError)
+
+
+def _dependency_down(exc: BaseException, also: tuple[type[BaseException], ...] = ()) -> bool:
+    """Whether an optional step's failure means its dependency is unavailable (skip it), not
+    that the step is wrong (fail as any step would): an open circuit, a connection refused or
+    lost, a timeout, or one of the step's own ``skip_on`` errors."""
+    return isinstance(exc, DEPENDENCY_DOWN + also)
+
+
+def _why(exc: BaseException) -> str:
+    # The error's type, never its text (it may quote a sensitive task's arguments).
+    if isinstance(exc, CircuitOpen):
+        return f"dependency down: circuit {exc.name!r} open"
+    return f"dependency down: {type(exc).__name__}"
 
     def atomic(self, func: Callable[[ClientSession], T]) -> T:
         """Run ``func(session)`` and record the step in one MongoDB transaction: exactly once.
@@ -317,7 +432,7 @@ class Step:
         execution = self._execution
         if self.done:
             execution.used_atomic(self.name)
-            return self.result  # type: ignore[no-any-return]
+            return self.result
 
         def in_transaction(session: ClientSession) -> T:
             result = func(session)
@@ -343,7 +458,7 @@ class Step:
                 raise LeaseLost(execution.record_id, execution.fence) from None
             self.done, self.result = True, json.loads(saved[self.name]["result"])
             execution.used_atomic(self.name)
-            return self.result  # type: ignore[no-any-return]
+            return self.result
         execution.progress.setdefault("steps", {})[self.name] = {"result": json.dumps(result)}
         self.done, self.result = True, result
         execution.used_atomic(self.name)

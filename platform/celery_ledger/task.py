@@ -242,9 +242,26 @@ class LedgerTask(Task):  # type: ignore[misc]
         state: dict[str, Any] | None = self.execution.progress.get("checkpoint")
         return state
 
-    def step(self, name: str) -> Step:
-        """A sub-step that runs once per job (context manager, decorator or ``.run(func)``)."""
-        return self.execution.step(name)
+    def step(
+        self,
+        name: str,
+        *,
+        optional: bool = False,
+        needs_seconds: float = 0.0,
+        default: Any = None,
+        skip_on: tuple[type[BaseException], ...] = (),
+    ) -> Step:
+        """A sub-step that runs once per job (context manager, decorator or ``.run(func)``).
+
+        ``optional=True``: when its dependency is down (an open circuit, a connection error, a
+        timeout, or one of ``skip_on``) the step is skipped and recorded as skipped, with
+        ``default`` as its result, and the job goes on; with ``needs_seconds``, ``.run`` also
+        skips it when less than that is left of the attempt's soft time limit. A skipped step
+        stays skipped for the job (a later attempt gets ``default`` too).
+        """
+        return self.execution.step(
+            name, optional=optional, needs_seconds=needs_seconds, default=default, skip_on=skip_on
+        )
 
     def batches(self, collection: Any, **options: Any) -> Iterator[list[dict[str, Any]]]:
         """Read a MongoDB collection in checkpointed ``_id`` order (see :func:`batches`)."""

@@ -156,6 +156,21 @@ def call_payments(token: str) -> str:
     return "paid"
 
 
+@app.task(bind=True, idempotency_key="{token}")
+def enriched_order(self: Any, token: str) -> dict[str, Any]:
+    """An order with an optional enrichment, down while an outage is recorded for the token."""
+
+    def enrich() -> dict[str, Any]:
+        record_effect("enrich_call", token)
+        if effects().count_documents({"kind": "outage", "key": f"enrichment-{token}"}):
+            raise ConnectionError(f"enrichment unreachable for {token}")
+        return {"score": 1}
+
+    extra: dict[str, Any] = self.step("enrich", optional=True, default={"score": None}).run(enrich)
+    record_effect("order", token)
+    return extra
+
+
 @app.task(idempotency_key="{token}", rate_bucket="limited")
 def rate_limited(token: str) -> str:
     """Draws from the shared 'limited' bucket (4/s, burst 2) across all worker processes."""

@@ -948,13 +948,15 @@ class Ledger:
             "checkpoint",
         )
 
-    def save_step(self, record_id: str, fence: int, name: str, result_json: str) -> None:
-        self._fenced_update(
-            record_id,
-            fence,
-            {"$set": {f"steps.{name}": {"result": result_json, "at": self.now()}}},
-            "step record",
-        )
+    def save_step(
+        self, record_id: str, fence: int, name: str, result_json: str, *, skipped: str = ""
+    ) -> None:
+        """Record step ``name`` with its result, or (``skipped``: why) as an optional step that
+        was skipped with ``result_json`` as its result."""
+        step: dict[str, Any] = {"result": result_json, "at": self.now()}
+        if skipped:
+            step["skipped"] = skipped
+        self._fenced_update(record_id, fence, {"$set": {f"steps.{name}": step}}, "step record")
 
     def add_artefact(self, record_id: str, fence: int, path: str) -> None:
         self._fenced_update(record_id, fence, {"$addToSet": {"artefacts": path}}, "artefact")
