@@ -7,6 +7,7 @@ from .errors import (
     CommitLost,
     ConfigurationError,
     ControlFlow,
+    DeadlineExceeded,
     IdentityError,
     Interrupted,
     LeaseLost,
@@ -26,6 +27,7 @@ from .errors import (
 )
 from .events import Job, Observer
 from .ledger import ErrorEntry, LedgerRecord, State
+from .policies.deadline import bounded, deadline, hedged, remaining
 from .settings import Settings
 from .task import LedgerTask
 from .workflow.api import Workflow, WorkflowEvent, WorkflowHandle, WorkflowStatus
@@ -37,6 +39,7 @@ __all__ = [
     "CommitLost",
     "ConfigurationError",
     "ControlFlow",
+    "DeadlineExceeded",
     "ErrorEntry",
     "IdentityError",
     "Interrupted",
@@ -66,5 +69,9 @@ __all__ = [
     "WorkflowFailed",
     "WorkflowHandle",
     "WorkflowStatus",
+    "bounded",
     "create_app",
+    "deadline",
+    "hedged",
+    "remaining",
 ]

@@ -15,6 +15,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from functools import cached_property
 from typing import Any
 
@@ -47,6 +48,7 @@ from .ledger.workflow_log import WorkflowLog
 from .observability import install as install_observability
 from .observability import ledger_listeners
 from .policies.breaker import Breakers
+from .policies.deadline import deadline
 from .reconciler import Reconciler
 from .routing import DEAD_LETTER, TIERS, Tiers
 from .runtime import Runtime, forget_after_fork
@@ -147,6 +149,12 @@ class LedgerCelery(Celery):  # type: ignore[misc]
     @cached_property
     def dead_letters(self) -> DeadLetters:
         return DeadLetters(self.runtime, self._publish_raw)
+
+    @staticmethod
+    def deadline(seconds: float | None) -> AbstractContextManager[None]:
+        """``with app.deadline(2.0):`` calls through ``bounded``/``hedged`` inside wait at
+        most 2 s in all (see :mod:`celery_ledger.policies.deadline`)."""
+        return deadline(seconds)
 
     @cached_property
     def guard(self) -> Guard:

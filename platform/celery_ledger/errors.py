@@ -161,6 +161,11 @@ class CircuitOpen(ControlFlow):
         return type(self), (self.name, self.retry_at)
 
 
+class DeadlineExceeded(TaskError, TimeoutError):
+    """A dependency did not answer before the deadline (``bounded``, ``hedged``): a timeout,
+    so a task's retry policy retries it and an optional step is skipped on it."""
+
+
 class Interrupted(ControlFlow):
     """The worker is shutting down: the job hands its message back and resumes elsewhere."""
 

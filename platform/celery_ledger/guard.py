@@ -56,6 +56,7 @@ from .ledger.message import KeptMessage
 from .ledger.store import ClaimOutcome, Fenced, HeldBy, Unclaimed, new_op
 from .policies.backoff import backoff_seconds
 from .policies.breaker import Admission, CircuitBreaker
+from .policies.deadline import deadline
 from .policies.retry import RetryPolicy, classify, decide
 from .policies.unrunnable import unrunnable_delay
 from .progress import Execution, Heartbeat
@@ -89,6 +90,7 @@ class TaskPolicy:
     retry_on: tuple[type[BaseException], ...] = ()
     fail_on: tuple[type[BaseException], ...] = ()
     soft_time_limit: float | None = None
+    deadline_seconds: float | None = None  # bounds the body's bounded()/hedged() calls
 
 
 @dataclass(frozen=True)
@@ -607,7 +609,10 @@ class Attempt:
 
     def _run_body(self) -> Verdict:
         try:
-            with tracecontext.span("body", **{"ledger.fence": self.fence}):
+            with (
+                tracecontext.span("body", **{"ledger.fence": self.fence}),
+                deadline(self.policy.deadline_seconds),
+            ):
                 retval = self.body.run()
         except Interrupted:
             return self.interrupted()

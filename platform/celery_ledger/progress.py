@@ -31,6 +31,7 @@ from .crypto import Sealer
 from .errors import CircuitOpen, ConfigurationError, Interrupted, LeaseLost, LedgerError
 from .ledger.store import Ledger
 from .locks import ForkSafeLock
+from .policies.retry import RETRYABLE_BY_DEFAULT
 
 logger = logging.getLogger("celery_ledger.progress")
 
@@ -399,7 +400,9 @@ class Step:
         }
 
 
-DEPENDENCY_DOWN: tuple[type[BaseException], ...] = (CircuitOpen, ConnectionError, TimeoutError)
+# What says a dependency is down (the errors a task retries by default, an open circuit, a
+# deadline passed: DeadlineExceeded is a TimeoutError).
+DEPENDENCY_DOWN: tuple[type[BaseException], ...] = (CircuitOpen, *RETRYABLE_BY_DEFAULT)
 
 
 def _dependency_down(exc: BaseException, also: tuple[type[BaseException], ...] = ()) -> bool:

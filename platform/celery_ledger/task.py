@@ -184,6 +184,9 @@ class LedgerTask(Task):  # type: ignore[misc]
     # Long-lived jobs.
     heartbeat_seconds: float | None = None  # default: a third of the lease; 0 turns it off
     max_age_seconds: float | None = None  # retire (dead, "expired") messages older than this
+    # Calls through bounded()/hedged() in the body wait at most this long in all (a deadline
+    # over the body: see celery_ledger.policies.deadline).
+    deadline_seconds: float | None = None
     max_attempts: int | None = None  # total claims of one job, whatever their cause
     sensitive: bool = False  # arguments and results encrypted at rest, never logged
     retry_on: tuple[type[BaseException], ...] = ()
@@ -319,6 +322,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             retry_on=tuple(self.retry_on or ()),
             fail_on=tuple(self.fail_on or ()),
             soft_time_limit=soft,
+            deadline_seconds=self.deadline_seconds,
         )
 
     @classmethod

@@ -14,7 +14,7 @@ from typing import Any
 
 from celery import signals
 
-from celery_ledger import PermanentError, create_app
+from celery_ledger import PermanentError, bounded, create_app
 from tasks.effects import effects, record_effect, record_effect_in
 
 app = create_app("ledger_tests")
@@ -168,6 +168,22 @@ def enriched_order(self: Any, token: str) -> dict[str, Any]:
 
     extra: dict[str, Any] = self.step("enrich", optional=True, default={"score": None}).run(enrich)
     record_effect("order", token)
+    return extra
+
+
+@app.task(bind=True, idempotency_key="{token}", deadline_seconds=0.5)
+def slow_recommendations(self: Any, token: str) -> list[str]:
+    """An optional step whose dependency takes 5 s, under a 0.5 s deadline over the body."""
+
+    def recommend() -> list[str]:
+        record_effect("recommend_call", token)
+        time.sleep(5)
+        return ["late"]
+
+    extra: list[str] = self.step("recommend", optional=True, default=[]).run(
+        lambda: bounded(recommend)
+    )
+    record_effect("page", token)
     return extra
 
 
