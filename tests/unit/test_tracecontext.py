@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from celery_ledger import tracecontext
+from celery_ledger import Settings, tracecontext
 from celery_ledger.errors import ConfigurationError
 from celery_ledger.ledger.message import carried_headers
 from celery_ledger.ledger.record import LedgerRecord
@@ -108,3 +108,12 @@ def test_spans_of_each_process_go_to_a_file_of_its_own(tmp_path: Any) -> None:
     [path] = tmp_path.glob("spans-*.jsonl")
     assert path.name == f"spans-{os.getpid()}.jsonl"
     assert '"name": "one"' in path.read_text()
+
+
+def test_tracing_on_without_its_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery_ledger import observability
+
+    monkeypatch.delitem(sys.modules, "celery_ledger.observability.tracing", raising=False)
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)  # not installed
+    with pytest.raises(ConfigurationError, match=r"pip install 'celery-ledger\[tracing\]'"):
+        observability.ledger_listeners(Settings(tracing=True))

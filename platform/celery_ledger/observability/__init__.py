@@ -15,6 +15,7 @@ which workers measure how long a message waited in its queue.
 
 from __future__ import annotations
 
+import importlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -76,27 +77,24 @@ def install(app: Celery, runtime: Runtime) -> None:
 
 
 def _tracing_module() -> Any:
-    try:
-        from . import tracing
-    except ModuleNotFoundError as exc:
-        if not str(exc.name).startswith("opentelemetry"):
-            raise
-        raise ConfigurationError(
-            "LEDGER_TRACING needs OpenTelemetry: pip install 'celery-ledger[tracing]'"
-        ) from exc
-    return tracing
+    return _extra_module("tracing", "opentelemetry", "LEDGER_TRACING needs OpenTelemetry")
 
 
 def _metrics_module() -> Any:
+    return _extra_module(
+        "metrics", "prometheus_client", "LEDGER_METRICS_PORT needs prometheus-client"
+    )
+
+
+def _extra_module(name: str, needs: str, what: str) -> Any:
+    """This package's module ``name``, which imports the optional package ``needs`` (the
+    extra of the same name): a missing one is a configuration error that says what to install."""
     try:
-        from . import metrics
+        return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as exc:
-        if not str(exc.name).startswith("prometheus_client"):
+        if not str(exc.name).startswith(needs):
             raise
-        raise ConfigurationError(
-            "LEDGER_METRICS_PORT needs prometheus-client: pip install 'celery-ledger[metrics]'"
-        ) from exc
-    return metrics
+        raise ConfigurationError(f"{what}: pip install 'celery-ledger[{name}]'") from exc
 
 
 __all__ = ["install", "ledger_listeners", "stamp_sent_at"]
