@@ -375,8 +375,9 @@ def envelope_problem(envelope: object, codecs: Mapping[str, BodyCodec]) -> str |
     return task_headers_problem(headers)
 
 
-def task_headers_problem(headers: Mapping[str, Any]) -> str | None:
-    """Why the headers of a Celery protocol 2 task message are unusable, or None."""
+def task_headers_problem(headers: Mapping[Any, Any]) -> str | None:
+    """Why the headers of a Celery protocol 2 task message are unusable, or None (any keys:
+    they come from a message)."""
     problem = _named_problem(headers, CELERY_HEADER_CHECKS, ("task", "id"), "header {!r}")
     if problem is None:
         problem = _named_problem(headers, LEDGER_HEADER_CHECKS, (), "header {!r}")

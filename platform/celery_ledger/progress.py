@@ -399,25 +399,6 @@ class Step:
             "ledger.step.optional": self.optional,
         }
 
-
-# What says a dependency is down (the errors a task retries by default, an open circuit, a
-# deadline passed: DeadlineExceeded is a TimeoutError).
-DEPENDENCY_DOWN: tuple[type[BaseException], ...] = (CircuitOpen, *RETRYABLE_BY_DEFAULT)
-
-
-def _dependency_down(exc: BaseException, also: tuple[type[BaseException], ...] = ()) -> bool:
-    """Whether an optional step's failure means its dependency is unavailable (skip it), not
-    that the step is wrong (fail as any step would): an open circuit, a connection refused or
-    lost, a timeout, or one of the step's own ``skip_on`` errors."""
-    return isinstance(exc, DEPENDENCY_DOWN + also)
-
-
-def _why(exc: BaseException) -> str:
-    # The error's type, never its text (it may quote a sensitive task's arguments).
-    if isinstance(exc, CircuitOpen):
-        return f"dependency down: circuit {exc.name!r} open"
-    return f"dependency down: {type(exc).__name__}"
-
     def atomic(self, func: Callable[[ClientSession], T]) -> T:
         """Run ``func(session)`` and record the step in one MongoDB transaction: exactly once.
 
@@ -435,7 +416,7 @@ def _why(exc: BaseException) -> str:
         execution = self._execution
         if self.done:
             execution.used_atomic(self.name)
-            return self.result
+            return self.result  # type: ignore[no-any-return]
 
         def in_transaction(session: ClientSession) -> T:
             result = func(session)
@@ -461,7 +442,7 @@ def _why(exc: BaseException) -> str:
                 raise LeaseLost(execution.record_id, execution.fence) from None
             self.done, self.result = True, json.loads(saved[self.name]["result"])
             execution.used_atomic(self.name)
-            return self.result
+            return self.result  # type: ignore[no-any-return]
         execution.progress.setdefault("steps", {})[self.name] = {"result": json.dumps(result)}
         self.done, self.result = True, result
         execution.used_atomic(self.name)
@@ -470,6 +451,25 @@ def _why(exc: BaseException) -> str:
     def __call__(self, func: Callable[[], T]) -> Callable[[], T]:
         """Decorator form: the decorated function runs at most once per job."""
         return lambda: self.run(func)
+
+
+# What says a dependency is down (the errors a task retries by default, an open circuit, a
+# deadline passed: DeadlineExceeded is a TimeoutError).
+DEPENDENCY_DOWN: tuple[type[BaseException], ...] = (CircuitOpen, *RETRYABLE_BY_DEFAULT)
+
+
+def _dependency_down(exc: BaseException, also: tuple[type[BaseException], ...] = ()) -> bool:
+    """Whether an optional step's failure means its dependency is unavailable (skip it), not
+    that the step is wrong (fail as any step would): an open circuit, a connection refused or
+    lost, a timeout, or one of the step's own ``skip_on`` errors."""
+    return isinstance(exc, DEPENDENCY_DOWN + also)
+
+
+def _why(exc: BaseException) -> str:
+    # The error's type, never its text (it may quote a sensitive task's arguments).
+    if isinstance(exc, CircuitOpen):
+        return f"dependency down: circuit {exc.name!r} open"
+    return f"dependency down: {type(exc).__name__}"
 
 
 def batches(
