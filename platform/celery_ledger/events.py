@@ -86,6 +86,10 @@ class Observer:
     def throttle(self, queue: str, engaged: bool, reason: str | None) -> None:
         """This worker paused (``engaged``) or resumed consuming ``queue``."""
 
+    def step_skipped(self, job: Job, step: str, reason: str) -> None:
+        """An optional step of ``job`` was skipped (its dependency down, or short of time):
+        the job goes on degraded. ``reason`` names the error's type, never its text."""
+
     def workflow_step(self, workflow: str, step: str, seconds: float, ok: bool) -> None:
         """Workflow ``workflow`` recorded the outcome of its step ``step`` (a task or a child
         workflow), ``seconds`` after it scheduled it; ``ok``: succeeded."""
@@ -154,6 +158,9 @@ class Observers(Observer):
 
     def throttle(self, queue: str, engaged: bool, reason: str | None) -> None:
         self._dispatch("throttle", queue, engaged, reason)
+
+    def step_skipped(self, job: Job, step: str, reason: str) -> None:
+        self._dispatch("step_skipped", job, step, reason)
 
     def workflow_step(self, workflow: str, step: str, seconds: float, ok: bool) -> None:
         self._dispatch("workflow_step", workflow, step, seconds, ok)

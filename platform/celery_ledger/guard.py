@@ -593,6 +593,9 @@ class Attempt:
             lease,
             sealer=sealer,
             time_limit=self.policy.soft_time_limit,
+            on_skip=lambda step, reason: self.guard.observers.step_skipped(
+                self.delivery.job, step, reason
+            ),
         )
         self.execution = execution
         try:

@@ -178,6 +178,7 @@ class Execution:
         *,
         sealer: Sealer | None = None,
         time_limit: float | None = None,
+        on_skip: Callable[[str, str], None] | None = None,
     ) -> None:
         self.ledger = ledger
         self.record_id = record_id
@@ -187,6 +188,7 @@ class Execution:
         # The attempt's time budget (its soft time limit), for optional steps that need more
         # than is left of it.
         self.deadline = None if time_limit is None else time.monotonic() + time_limit
+        self.on_skip = on_skip  # (step, reason): the guard tells the observers
         # A sensitive task's checkpoint and step results are stored sealed (they hold what its
         # arguments hold); they are opened here, in the worker's memory, only.
         self.sealer = sealer
@@ -361,6 +363,8 @@ class Step:
         }
         self.done, self.result, self.skipped = True, self.default, reason
         logger.info("%s: optional step %s skipped: %s", execution.record_id, self.name, reason)
+        if execution.on_skip is not None:
+            execution.on_skip(self.name, reason)
 
     def complete(self, result: Any = None) -> None:
         """Record the step as done with ``result`` (JSON)."""

@@ -520,6 +520,23 @@ def uses_a_lost_atomic_step(body: FakeBody) -> Any:
     return "charged"
 
 
+def skips_an_optional_step(body: FakeBody) -> Any:
+    def enrich() -> Any:
+        raise ConnectionRefusedError("enrichment service refused")
+
+    return body.execution.step("enrich", optional=True, default="none").run(enrich)
+
+
+def test_a_skipped_optional_step_is_an_event_and_the_job_succeeds(h: Harness) -> None:
+    verdict, _ = h.run(FakeBody(work=skips_an_optional_step))
+
+    assert verdict.kind == "return" and verdict.value == "none"
+    assert h.record["state"] == State.SUCCEEDED
+    assert h.record["steps"]["enrich"]["skipped"] == "dependency down: ConnectionRefusedError"
+    [(job, step, reason)] = [args for name, args in h.recorder.events if name == "step_skipped"]
+    assert (job.task, step, reason) == (TASK, "enrich", "dependency down: ConnectionRefusedError")
+
+
 def test_a_success_without_the_atomic_step_it_used_runs_the_job_again(h: Harness) -> None:
     verdict, body = h.run(FakeBody(work=uses_a_lost_atomic_step))
 
@@ -625,6 +642,7 @@ def test_every_documented_event_is_emitted_by_the_platform() -> None:
         lambda h: h.run(fails(LeaseLost(RECORD, 1))),
         lambda h: h.run(fails(LedgerUnavailable("x"))),
         lambda h: h.run(FakeBody(work=uses_a_lost_atomic_step)),
+        lambda h: h.run(FakeBody(work=skips_an_optional_step)),
     ):
         harness = Harness()
         scenario(harness)

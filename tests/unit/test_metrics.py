@@ -208,6 +208,13 @@ def test_workflows_by_state_and_their_steps_are_exported(registry: CollectorRegi
     observer = MetricsObserver()
     observer.workflow_step("shop.fulfil", "payments.charge", 1.5, True)
     observer.workflow_ended("shop.fulfil", "compensated")
+    # a skipped optional step: its reason's category, never its text
+    job = Job("unknown.task", "bulk", "r-9", "k")
+    observer.step_skipped(job, "enrich", "dependency down: circuit 'crm' open")
+    observer.step_skipped(job, "enrich", "time budget: 1.0s left, the step needs 30s")
+    skipped = {"task": "unregistered", "tier": "bulk", "step": "enrich"}
+    for reason in ("dependency down", "time budget"):
+        assert value(registry, "celery_ledger_steps_skipped_total", **skipped, reason=reason) == 1
     step = {"workflow": "shop.fulfil", "outcome": "succeeded"}
     assert value(registry, "celery_ledger_workflow_step_seconds_count", **step) == 1
     assert value(registry, "celery_ledger_workflow_step_seconds_sum", **step) == 1.5

@@ -56,6 +56,11 @@ class LedgerMetrics:
         self.succeeded = counter("celery_ledger_tasks_succeeded_total", "Completions recorded.")
         self.retried = counter("celery_ledger_tasks_retried_total", "Failed attempts retried.")
         self.dead = counter("celery_ledger_tasks_dead_total", "Jobs dead-lettered.")
+        self.steps_skipped = counter(
+            "celery_ledger_steps_skipped_total",
+            "Optional steps skipped (the job went on degraded), by step and reason.",
+            (*TASK_LABELS, "step", "reason"),
+        )
         self.duplicates = counter(
             "celery_ledger_duplicates_suppressed_total", "Deliveries of succeeded jobs, not run."
         )
@@ -193,6 +198,7 @@ DEFERRAL_REASONS = frozenset(
     }
 )
 UNAVAILABLE_WHERE = frozenset({"claim", "body"})
+SKIP_REASONS = frozenset({"dependency down", "time budget"})
 BREAKER_STATES = frozenset(state.value for state in BreakerState)
 WORKFLOW_ENDS = frozenset(TERMINAL)
 
@@ -308,6 +314,14 @@ class MetricsObserver(Observer):
         _m().throttle.labels(queue).set(1 if engaged else 0)
 
     @_safe
+    def step_skipped(self, job: Job, step: str, reason: str) -> None:
+        # A step's name is the app's code (a bounded set); the reason a fixed category.
+        reason_label = category(reason, SKIP_REASONS)
+        _m().steps_skipped.labels(
+            self._task(job.task), _tier(job.tier), step[:64], reason_label
+        ).inc()
+
+    @_safe
     def workflow_step(self, workflow: str, step: str, seconds: float, ok: bool) -> None:
         outcome = "succeeded" if ok else "failed"
         _m().workflow_steps.labels(workflow, outcome).observe(max(seconds, 0.0))
@@ -384,6 +398,7 @@ METRIC_NAMES = frozenset(
         "celery_ledger_ledger_command_failures_total",
         "celery_ledger_ledger_unavailable_total",
         "celery_ledger_workflows_ended_total",
+        "celery_ledger_steps_skipped_total",
         *(
             f"{name}_{suffix}"
             for name in (

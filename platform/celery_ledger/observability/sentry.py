@@ -132,6 +132,17 @@ class SentryObserver(Observer):
                 level="error",
             )
 
+    def step_skipped(self, job: Job, step: str, reason: str) -> None:
+        # Not an event: a breadcrumb on whatever the job reports later (a degraded job that
+        # then fails shows which of its steps were skipped, and why).
+        import sentry_sdk
+
+        sentry_sdk.add_breadcrumb(
+            category="celery-ledger.degraded",
+            message=f"optional step {step} of {job.task} skipped: {reason}",
+            level="warning",
+        )
+
     def lease_lost(self, job: Job, fence: int) -> None:
         import sentry_sdk
 

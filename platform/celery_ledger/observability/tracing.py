@@ -344,6 +344,9 @@ class TracingObserver(Observer):
         )
         span.set_status(Status(StatusCode.ERROR, "dead-lettered"))
 
+    def step_skipped(self, job: Job, step: str, reason: str) -> None:
+        self._span(job).add_event("step skipped", {"ledger.step": step, "ledger.reason": reason})
+
     def lease_lost(self, job: Job, fence: int) -> None:
         span = self._span(job)
         span.set_attribute("ledger.outcome", "lease lost")
