@@ -64,7 +64,7 @@ from pymongo.read_concern import ReadConcern
 from ..errors import CommitLost, LeaseLost, LedgerUnavailable, StoreError
 from ..locks import ForkSafeLock
 from ..reseal import Reseal, Tally, reseal_tree
-from ..tracecontext import LEDGER_OPERATION
+from ..tracecontext import ledger_operation
 from .dead import DeadJob
 from .group_commit import MAX_BATCH, GroupCommit, Statement
 from .message import KeptMessage
@@ -164,9 +164,9 @@ def translate_errors(what: str) -> Iterator[None]:
     """Turn pymongo's errors into the platform's: transient ones (and writes whose outcome is
     unknown) into ``LedgerUnavailable``, the rest into ``StoreError``. The commands sent
     inside are ``what`` to tracing (their spans' name)."""
-    operation = LEDGER_OPERATION.set(what)
     try:
-        yield
+        with ledger_operation(what):
+            yield
     except ConnectionFailure as exc:
         raise LedgerUnavailable(f"ledger unreachable during {what}: {exc}") from exc
     except (BulkWriteError, DuplicateKeyError):
@@ -182,8 +182,6 @@ def translate_errors(what: str) -> Iterator[None]:
         raise StoreError(f"ledger {what} failed: {exc}") from exc
     except (PyMongoError, BSONError) as exc:  # DocumentTooLarge is a BSON InvalidDocument
         raise StoreError(f"ledger {what} failed: {exc}") from exc
-    finally:
-        LEDGER_OPERATION.reset(operation)
 
 
 def new_op() -> str:
