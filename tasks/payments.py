@@ -1,10 +1,11 @@
-"""Payments: a charge keyed on the order id, against a gateway that sometimes times out."""
+"""Payments: a charge keyed on the order id, against a gateway that sometimes times out, with
+a backup gateway (behind its own breaker) used while the primary's breaker is open."""
 
 from __future__ import annotations
 
 import random
 
-from celery_ledger import PermanentError
+from celery_ledger import Alternate, Fallback, PermanentError
 
 from .celery import app
 from .effects import record_effect
@@ -35,6 +36,24 @@ class FakeGateway:
 
 
 gateway = FakeGateway()
+backup_gateway = FakeGateway(failure_rate=0.0)
+
+
+def order_key(order_id: int, amount_cents: int = 0) -> str:
+    """The charge's idempotency key: one charge per order, whichever gateway makes it."""
+    return f"order-{order_id}"
+
+
+def charge_on_backup(order_id: int, amount_cents: int) -> dict[str, object]:
+    """The charge made by the backup gateway, with the same idempotency key."""
+    charge_id = backup_gateway.charge(order_id, amount_cents, idempotency_key=order_key(order_id))
+    return {
+        "order_id": order_id,
+        "charge_id": charge_id,
+        "amount_cents": amount_cents,
+        "fraud_score": None,
+        "gateway": "backup",
+    }
 
 
 class FakeFraudService:
@@ -54,12 +73,22 @@ fraud = FakeFraudService()
 
 @app.task(
     bind=True,
-    idempotency_key=lambda order_id, amount_cents: f"order-{order_id}",
+    idempotency_key=order_key,
     tier="critical",
     breaker="gateway",
     max_retries=8,
     retry_base_seconds=0.5,
     retry_cap_seconds=5.0,
+    # While the primary gateway's breaker is open, the backup gateway charges instead (behind
+    # a breaker of its own: down too, the charge waits for the primary). Only on an open
+    # breaker: a timed-out charge may have gone through, so it is retried on the same gateway
+    # with the same key. And never replaced: the backup's charge is the real one.
+    fallback=Fallback(
+        (Alternate(charge_on_backup, breaker="backup-gateway", name="backup-gateway"),),
+        on=frozenset({"circuit-open"}),
+        replace=False,
+    ),
+    slo_seconds=60.0,  # a charge not done within a minute is escalated (metric, Sentry, alert)
 )
 def charge(self, order_id: int, amount_cents: int) -> dict[str, object]:
     """Charge an order exactly once, however often the message is delivered."""
@@ -79,6 +108,7 @@ def charge(self, order_id: int, amount_cents: int) -> dict[str, object]:
         "charge_id": charge_id,
         "amount_cents": amount_cents,
         "fraud_score": risk,
+        "gateway": "primary",
     }
 
 

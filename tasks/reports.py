@@ -1,12 +1,54 @@
-"""Reports: a bulk rebuild of a daily report (default key: hash of the arguments)."""
+"""Reports: a bulk rebuild of a daily report (default key: hash of the arguments), and a
+customer's dashboard served from its last good build while the warehouse is down."""
 
 from __future__ import annotations
 
 import hashlib
+import random
 import time
+
+from celery_ledger import Fallback, LastGood
 
 from .celery import app
 from .effects import record_effect
+
+
+class FakeWarehouse:
+    """Answers dashboard queries; unreachable ``outage_rate`` of the time."""
+
+    def __init__(self, outage_rate: float = 0.0) -> None:
+        self.outage_rate = outage_rate
+
+    def totals(self, customer_id: int, day: str) -> dict[str, int]:
+        if random.random() < self.outage_rate:
+            raise ConnectionRefusedError("warehouse unreachable")
+        seed = int(hashlib.sha256(f"{customer_id}:{day}".encode()).hexdigest()[:6], 16)
+        return {"orders": seed % 97, "revenue_cents": seed % 100_000}
+
+
+warehouse = FakeWarehouse()
+
+
+@app.task(
+    idempotency_key="dashboard-{customer_id}-{day}",
+    breaker="warehouse",
+    # While the warehouse's breaker is open (or its retries run out) the customer gets the
+    # last good dashboard, up to a week old; the real one is rebuilt under the same key when
+    # the warehouse is back and replaces it once. A caller polling the result sees the cached
+    # dashboard until then (the record says degraded, and which fallback served it).
+    fallback=Fallback(
+        (LastGood("dashboard-{customer_id}", max_age_seconds=7 * 24 * 3600),),
+        on=frozenset({"circuit-open", "retries-exhausted"}),
+        replace_after_seconds=300.0,
+    ),
+    max_retries=3,
+    slo_seconds=120.0,
+)
+def customer_dashboard(customer_id: int, day: str) -> dict[str, object]:
+    """A customer's dashboard for one day, from the warehouse."""
+    totals = warehouse.totals(customer_id, day)
+    record_effect("dashboard", f"dashboard-{customer_id}-{day}")
+    return {"customer_id": customer_id, "day": day, **totals}
 
 
 @app.task(tier="bulk")

@@ -81,6 +81,7 @@ class MemoryLedger:
         self.docs: dict[str, dict[str, Any]] = {}
         self.faults: list[Fault] = []
         self.calls: list[str] = []
+        self.cache: dict[tuple[str, str], tuple[str, datetime]] = {}
         self.open_text: Callable[[str], str] = lambda text: text
         self._last_fence = 0
 
@@ -158,6 +159,8 @@ class MemoryLedger:
         message: KeptMessage | None = None,
         max_attempts: int | None = None,
         alias: str | None = None,
+        slo_at: datetime | None = None,
+        slo_seconds: float | None = None,
     ) -> Claim:
         fault = self._enter("claim")
         now = self.now()
@@ -186,8 +189,11 @@ class MemoryLedger:
                 "claimable_at": EPOCH,
                 "created_at": now,
             }
+            if slo_at is not None:
+                doc |= {"slo_at": slo_at, "slo_seconds": slo_seconds}
         state = doc.get("state")
-        if state == State.SUCCEEDED:
+        # A success is claimable again only while a degraded result awaits its replacement.
+        if state == State.SUCCEEDED and doc["claimable_at"] > now:
             doc["duplicates"] = doc.get("duplicates", 0) + 1
             self._leave(fault)
             return Claim(ClaimOutcome.DUPLICATE)
@@ -288,22 +294,65 @@ class MemoryLedger:
         *,
         op: str,
         atomic_steps: Sequence[str] = (),
+        degraded: dict[str, Any] | None = None,
+        replace_at: datetime | None = None,
     ) -> None:
         now = self.now()
+        fields: dict[str, Any] = {
+            "state": State.SUCCEEDED.value,
+            "result": result_json,
+            **self._ended(now, FOREVER),
+            "finished_at": now,
+            "expires_at": now + self.result_retention,
+        }
+        if degraded is not None:
+            fields["degraded"] = {**degraded, "at": now, "replace_at": replace_at}
+            if replace_at is not None:
+                fields["claimable_at"] = replace_at
+        self._end_attempt("complete", record_id, fence, op, fields, atomic_steps=atomic_steps)
+        doc = self.docs[record_id]
+        doc.pop("slo_at", None)
+        if degraded is None and "degraded" in doc:
+            doc["replaced_degraded"] = doc.pop("degraded")
+
+    def keep_degraded(
+        self, record_id: str, fence: int, error: Any, *, op: str, reason: str
+    ) -> None:
+        now = self.now()
+        degraded = dict(self.docs.get(record_id, {}).get("degraded") or {})
+        degraded |= {"replace_at": None, "replacement_failed": reason}
         self._end_attempt(
-            "complete",
+            "keep_degraded",
             record_id,
             fence,
             op,
-            {
-                "state": State.SUCCEEDED.value,
-                "result": result_json,
-                **self._ended(now, FOREVER),
-                "finished_at": now,
-                "expires_at": now + self.result_retention,
-            },
-            atomic_steps=atomic_steps,
+            {"state": State.SUCCEEDED.value, **self._ended(now, FOREVER), "degraded": degraded},
+            push=error.model_dump(),
         )
+
+    def remember(self, task: str, cache_key: str, result_json: str) -> None:
+        self.cache[(task, cache_key)] = (result_json, self.now())
+
+    def last_good(self, task: str, cache_key: str) -> tuple[str, datetime] | None:
+        return self.cache.get((task, cache_key))
+
+    def overdue(self, *, limit: int = 200) -> list[dict[str, Any]]:
+        now = self.now()
+        due = [d for d in self.docs.values() if d.get("slo_at") is not None and d["slo_at"] <= now]
+        return [copy.deepcopy(d) for d in due[:limit]]
+
+    def mark_late(self, record_id: str, *, slo_seconds: float | None = None) -> bool:
+        doc = self.docs.get(record_id)
+        if doc is None or "late_at" in doc:
+            return False
+        doc["late_at"] = self.now()
+        if slo_seconds is not None:
+            doc["slo_seconds"] = slo_seconds
+        doc.pop("slo_at", None)
+        return True
+
+    def forget_objective(self, record_id: str) -> None:
+        self.docs.get(record_id, {}).pop("slo_at", None)
 
     def finish_without_result(
         self,

@@ -28,12 +28,14 @@ from .errors import (
 from .events import Job, Observer
 from .ledger import ErrorEntry, LedgerRecord, State
 from .policies.deadline import bounded, deadline, hedged, remaining
+from .policies.fallback import Alternate, Fallback, LastGood, Placeholder
 from .settings import Settings
 from .task import LedgerTask
 from .workflow.api import Workflow, WorkflowEvent, WorkflowHandle, WorkflowStatus
 from .workflow.context import WorkflowContext
 
 __all__ = [
+    "Alternate",
     "Backpressure",
     "CircuitOpen",
     "CommitLost",
@@ -41,9 +43,11 @@ __all__ = [
     "ControlFlow",
     "DeadlineExceeded",
     "ErrorEntry",
+    "Fallback",
     "IdentityError",
     "Interrupted",
     "Job",
+    "LastGood",
     "LeaseLost",
     "LedgerCelery",
     "LedgerError",
@@ -54,6 +58,7 @@ __all__ = [
     "Observer",
     "PayloadError",
     "PermanentError",
+    "Placeholder",
     "PublishError",
     "RetryNotPublished",
     "Settings",

@@ -41,6 +41,7 @@ from .crypto import (
 )
 from .deadletter import DeadLetters, poison_key
 from .errors import Backpressure, ConfigurationError, PayloadError
+from .escalation import Escalation
 from .events import Observers
 from .guard import Guard
 from .ledger.store import Ledger
@@ -159,6 +160,11 @@ class LedgerCelery(Celery):  # type: ignore[misc]
     @cached_property
     def guard(self) -> Guard:
         return Guard(self.runtime, self.dead_letters)
+
+    @cached_property
+    def escalation(self) -> Escalation:
+        """Reports jobs past their latency objective (every worker's housekeeping runs it)."""
+        return Escalation(self.runtime)
 
     @cached_property
     def reconciler(self) -> Reconciler:

@@ -25,7 +25,7 @@ from pymongo.errors import ConnectionFailure
 from .errors import LedgerUnavailable
 from .ledger.dead import DeadJob
 from .ledger.message import KeptMessage
-from .ledger.record import State
+from .ledger.record import State, status_of
 from .ledger.store import Ledger, Unclaimed
 from .task import LedgerTask, refuse_clear_successors
 
@@ -46,6 +46,9 @@ LEDGER_STATE = {
     states.SUCCESS: State.SUCCEEDED,
     states.FAILURE: State.DEAD,
 }
+# A custom Celery state (not ready: ``get()`` goes on waiting): the job is past its latency
+# objective and unfinished.
+LATE = "LATE"
 _MAX_REPLACEMENTS = 10  # replaced_by pointers followed when reading a result
 
 
@@ -178,12 +181,18 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
             doc = self.ledger.resolve(str(doc.get("replaced_by")))
         if doc is None:
             return {"status": states.PENDING, "result": None, "task_id": task_id}
-        status = doc.get("celery_state") or CELERY_STATE[State(doc["state"])]
+        status = doc.get("celery_state") or _celery_status(doc)
         result: Any = None
         if doc.get("result") is not None:
             result = json.loads(self.app.runtime.sealer.open(doc["result"]))
         if status in (states.FAILURE, states.RETRY) and "celery_state" not in doc:
             result = _exception_payload(doc)
+        elif status == LATE:  # not ready: what a poller can show while it waits
+            result = {
+                "state": doc.get("state"),
+                "late_at": doc.get("late_at"),
+                "slo_seconds": doc.get("slo_seconds"),
+            }
         meta: dict[str, Any] = self.meta_from_decoded(
             {
                 "task_id": task_id,
@@ -218,6 +227,17 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
 
     def _delete_group(self, group_id: str) -> None:
         self.ledger.delete_group(group_id)
+
+
+def _celery_status(doc: dict[str, Any]) -> str:
+    """A ledger record's state as Celery's (see ``status_of``: degraded, late)."""
+    state = State(doc["state"])
+    status = status_of(
+        state,
+        degraded=doc.get("degraded") is not None and doc.get("result") is not None,
+        late=doc.get("late_at") is not None,
+    )
+    return LATE if status == "late" else CELERY_STATE[State(status)]
 
 
 def _exception_payload(doc: dict[str, Any]) -> dict[str, Any]:

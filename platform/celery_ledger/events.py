@@ -18,6 +18,9 @@ observer's exception: observing can never fail a task. Events:
     breaker(name, old, new)               a circuit breaker changed state
     shed(tier)                            a publish was shed by backpressure
     throttle(queue, engaged, reason)      bulk consumption paused or resumed
+    step_skipped(job, step, reason)       an optional step was skipped (the job goes on)
+    degraded(job, reason, fallback)       a fallback's answer was recorded instead of waiting
+    late(job, age_seconds, slo_seconds)   a job is past its latency objective (once per job)
     workflow_step(workflow, step, seconds, ok)
                                           a workflow recorded a step's outcome, ``seconds``
                                           after it scheduled the step
@@ -90,6 +93,14 @@ class Observer:
         """An optional step of ``job`` was skipped (its dependency down, or short of time):
         the job goes on degraded. ``reason`` names the error's type, never its text."""
 
+    def degraded(self, job: Job, reason: str, fallback: str) -> None:
+        """``job`` succeeded with its fallback's answer (``fallback``: the option that served)
+        instead of waiting: ``reason`` is the trigger (circuit-open, timeout,
+        retries-exhausted)."""
+
+    def late(self, job: Job, age_seconds: float, slo_seconds: float) -> None:
+        """``job`` is past its latency objective (reported once per job)."""
+
     def workflow_step(self, workflow: str, step: str, seconds: float, ok: bool) -> None:
         """Workflow ``workflow`` recorded the outcome of its step ``step`` (a task or a child
         workflow), ``seconds`` after it scheduled it; ``ok``: succeeded."""
@@ -161,6 +172,12 @@ class Observers(Observer):
 
     def step_skipped(self, job: Job, step: str, reason: str) -> None:
         self._dispatch("step_skipped", job, step, reason)
+
+    def degraded(self, job: Job, reason: str, fallback: str) -> None:
+        self._dispatch("degraded", job, reason, fallback)
+
+    def late(self, job: Job, age_seconds: float, slo_seconds: float) -> None:
+        self._dispatch("late", job, age_seconds, slo_seconds)
 
     def workflow_step(self, workflow: str, step: str, seconds: float, ok: bool) -> None:
         self._dispatch("workflow_step", workflow, step, seconds, ok)

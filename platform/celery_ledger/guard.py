@@ -50,6 +50,7 @@ from .errors import (
     StoreError,
 )
 from .events import Job
+from .fallbacks import Fallbacks
 from .keys import Identity
 from .ledger.dead import DeadJob, DeadLetter, error_entry, format_traceback
 from .ledger.message import KeptMessage
@@ -57,6 +58,7 @@ from .ledger.store import ClaimOutcome, Fenced, HeldBy, Unclaimed, new_op
 from .policies.backoff import backoff_seconds
 from .policies.breaker import Admission, CircuitBreaker
 from .policies.deadline import deadline
+from .policies.fallback import Call, Fallback, Trigger, trigger_of
 from .policies.retry import RetryPolicy, classify, decide
 from .policies.unrunnable import unrunnable_delay
 from .progress import Execution, Heartbeat
@@ -91,6 +93,8 @@ class TaskPolicy:
     fail_on: tuple[type[BaseException], ...] = ()
     soft_time_limit: float | None = None
     deadline_seconds: float | None = None  # bounds the body's bounded()/hedged() calls
+    fallback: Fallback | None = None  # what to serve instead of waiting (policies/fallback.py)
+    slo_seconds: float | None = None  # the latency objective: older unfinished jobs are late
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,8 @@ class Delivery:
     enqueued_at: float | None = None
     expires: datetime | None = None
     wants_result: bool = False  # a chain or callbacks follow: a duplicate returns the result
+    # The message says it runs the real job to replace a degraded result (headers.REPLACING).
+    replacing: bool = False
 
     @property
     def record_id(self) -> str:
@@ -145,8 +151,11 @@ class Body(Protocol):
     def run(self) -> Any:
         """Run the task's body with the delivery's arguments."""
 
-    def defer(self, delay_seconds: float, message_headers: dict[str, Any]) -> None:
-        """Publish the message again to arrive after ``delay_seconds`` (raises on failure)."""
+    def defer(
+        self, delay_seconds: float, message_headers: dict[str, Any], *, retries: int | None = None
+    ) -> None:
+        """Publish the message again to arrive after ``delay_seconds`` (raises on failure);
+        ``retries``: the copy's retry count (default: this delivery's)."""
 
     def retry(
         self, exc: BaseException, delay_seconds: float, message_headers: dict[str, Any]
@@ -159,6 +168,9 @@ class Body(Protocol):
 
     def on_retire(self, reason: str, artefacts: list[str]) -> None:
         """The task's cleanup hook for a retired job."""
+
+    def named_arguments(self) -> dict[str, Any]:
+        """The delivery's arguments by parameter name (for a fallback's cache key template)."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +224,7 @@ class Guard:
         self.observers = runtime.observers
         self.sleep = sleep
         self.monotonic = monotonic
+        self.fallbacks = Fallbacks(runtime)
 
     def run(
         self, delivery: Delivery, policy: TaskPolicy, body: Body, *, unbound: str | None = None
@@ -226,8 +239,13 @@ class Guard:
         context = {"task_id": delivery.identity.message_id, "key": delivery.identity.key}
         breaker = self.runtime.breakers[policy.breaker] if policy.breaker else None
         admission = self._admit(breaker)
+        instead: tuple[Trigger, float | None] | None = None
         if admission is not None and not admission.allowed:
-            return self._circuit_open_before_claim(delivery, policy, body, breaker, admission)
+            fallback = policy.fallback
+            if fallback is None or not fallback.applies("circuit-open") or delivery.replacing:
+                return self._circuit_open_before_claim(delivery, policy, body, breaker, admission)
+            # Claimed to serve the fallback instead of waiting (the dependency is not called).
+            instead, breaker, admission = ("circuit-open", admission.retry_at), None, None
         wait = self._rate_wait(policy)
         if wait > 0:
             reason = f"rate limited ({policy.rate_bucket})"
@@ -243,6 +261,8 @@ class Guard:
                 message=delivery.kept(self.runtime.sealer if policy.sensitive else None),
                 max_attempts=policy.max_attempts,
                 alias=delivery.identity.alias,
+                slo_at=self._objective(delivery, policy),
+                slo_seconds=policy.slo_seconds,
             )
         except LedgerUnavailable as exc:
             return self._ledger_unavailable_at_claim(delivery, body, exc)
@@ -271,7 +291,14 @@ class Guard:
         if claim.outcome is ClaimOutcome.CONFLICT:
             return self._conflict(delivery, policy)
         attempt = Attempt(self, delivery, policy, body, claim.fence, breaker, admission)
-        return attempt.run()
+        return attempt.run(instead=instead)
+
+    def _objective(self, delivery: Delivery, policy: TaskPolicy) -> datetime | None:
+        """When the job is late (its objective from its first publish), for a new record."""
+        if policy.slo_seconds is None or delivery.replacing:
+            return None
+        since = delivery.enqueued_at if delivery.enqueued_at is not None else time.time()
+        return datetime.fromtimestamp(since + policy.slo_seconds, UTC)
 
     def oversized(self, delivery: Delivery) -> str | None:
         """Why the message's arguments are over the limit (published around our API), or None."""
@@ -376,14 +403,21 @@ class Guard:
     ) -> Verdict:
         """While the task's breaker is open, put the delivery off without claiming."""
         assert breaker is not None
-        retry_at = admission.retry_at or time.time() + self.settings.busy_recheck_seconds
+        return self.wait_for_breaker(delivery, body, breaker.name, admission.retry_at)
+
+    def wait_for_breaker(
+        self, delivery: Delivery, body: Body, name: str, retry_at: float | None
+    ) -> Verdict:
+        """Put the delivery off until breaker ``name`` lets calls through (noted on the
+        record, so that its readers see why it waits)."""
+        retry_at = retry_at or time.time() + self.settings.busy_recheck_seconds
         try:
             self.ledger.record_deferral(
                 delivery.record_id,
                 task=delivery.identity.task,
                 key=delivery.identity.key,
                 tier=delivery.tier,
-                reason=f"circuit {breaker.name!r} open",
+                reason=f"circuit {name!r} open",
                 until=datetime.fromtimestamp(retry_at, UTC),
             )
         except LedgerError as exc:
@@ -566,7 +600,9 @@ class Attempt:
     def record_id(self) -> str:
         return self.delivery.record_id
 
-    def run(self) -> Verdict:
+    def run(self, *, instead: tuple[Trigger, float | None] | None = None) -> Verdict:
+        """Run the body; or with ``instead`` (a fallback's trigger that happened before the
+        claim, and when the dependency may be called again) serve the fallback."""
         self.guard.observers.claimed(self.delivery.job, self.fence)
         expired = self._expiry_reason()
         if expired is not None:
@@ -600,9 +636,21 @@ class Attempt:
         self.execution = execution
         try:
             self.body.start(execution)
+            if instead is not None:
+                return self._settle(lambda: self._serve_instead(*instead))
             return self._settle(self._run_body)
         finally:
             heartbeat.stop()
+
+    def _serve_instead(self, trigger: Trigger, retry_at: float | None) -> Verdict:
+        """The task's breaker was open at the claim: serve its fallback, or (no option could
+        serve) give the claim back and come back when the breaker lets calls through."""
+        served = self.degrade(trigger, None, retry_at)
+        if served is not None:
+            return served
+        self._release_quietly()
+        name = self.policy.breaker or "?"
+        return self.guard.wait_for_breaker(self.delivery, self.body, name, retry_at)
 
     def _settle(self, outcome: Callable[[], Verdict]) -> Verdict:
         try:
@@ -644,7 +692,14 @@ class Attempt:
 
     # -- outcomes -----------------------------------------------------------------------------
 
-    def succeeded(self, retval: Any) -> Verdict:
+    def succeeded(
+        self,
+        retval: Any,
+        *,
+        degraded: Mapping[str, Any] | None = None,
+        replace_at: datetime | None = None,
+    ) -> Verdict:
+        """Record the result (``degraded``: a fallback's, replaced at ``replace_at``)."""
         try:
             result_json = json.dumps(retval, allow_nan=False)
         except (TypeError, ValueError) as exc:
@@ -660,20 +715,154 @@ class Attempt:
                 " (LEDGER_MAX_RESULT_BYTES)"
             )
             return self.dead(PermanentError(reason), reason=reason, verdict=None)
-        self._report_to_breaker(None)
+        if degraded is None:
+            self._report_to_breaker(None)
         stored = (
             self.guard.runtime.sealer.seal(result_json) if self.policy.sensitive else result_json
         )
+        late = self._late()
         op = new_op()
         steps = self._atomic_steps()
         self._persist(
             lambda: self.ledger.complete(
-                self.record_id, self.fence, stored, op=op, atomic_steps=steps
+                self.record_id,
+                self.fence,
+                stored,
+                op=op,
+                atomic_steps=steps,
+                degraded=degraded,
+                replace_at=replace_at,
             ),
             "completion",
         )
+        fallback = self.policy.fallback
+        if degraded is None and fallback is not None and fallback.remembers:
+            self.guard.fallbacks.remember(
+                fallback,
+                task=self.policy.name,
+                key=self.delivery.identity.key,
+                call=self._call(),
+                stored=stored,
+            )
         self.guard.observers.succeeded(self.delivery.job, self.guard.monotonic() - self.started)
+        if late is not None:
+            self._report_late(late)
         return Verdict.returns(retval)
+
+    def _late(self) -> float | None:
+        """The job's age if it finishes past its latency objective (else None)."""
+        slo, since = self.policy.slo_seconds, self.delivery.enqueued_at
+        if slo is None or since is None or self.delivery.replacing:
+            return None
+        age = time.time() - since
+        return age if age > slo else None
+
+    def _report_late(self, age: float) -> None:
+        """Escalate a job that finished late, unless a sweep reported it already (once)."""
+        slo = self.policy.slo_seconds
+        try:
+            marked = self.ledger.mark_late(self.record_id, slo_seconds=slo)
+        except LedgerError as exc:  # the sweep sees it no more (finished): logged instead
+            logger.warning(
+                "%s finished late (%.0fs) and was not marked: %s", self.record_id, age, exc
+            )
+            return
+        if marked:
+            self.guard.observers.late(self.delivery.job, age, slo or 0.0)
+
+    # -- fallbacks (policies/fallback.py) --------------------------------------------------------
+
+    def degrade(
+        self, trigger: Trigger | None, cause: BaseException | None, retry_at: float | None
+    ) -> Verdict | None:
+        """Serve the task's fallback instead of waiting: ``succeeded``, marked degraded (and the
+        real job scheduled to replace it). None when the task has no fallback for ``trigger``,
+        this attempt is itself a replacement (it keeps the degraded result it replaces), or no
+        option could serve."""
+        fallback = self.policy.fallback
+        if fallback is None or not fallback.applies(trigger) or self.delivery.replacing:
+            return None
+        assert trigger is not None
+        identity = self.delivery.identity
+        served = self.guard.fallbacks.serve(
+            fallback, task=identity.task, key=identity.key, call=self._call()
+        )
+        if served is None:
+            return None
+        delay: float | None = None
+        replace_at: datetime | None = None
+        if fallback.replace:
+            # When the breaker lets calls through again (a half-open probe), else after a while.
+            delay = (
+                max(retry_at - time.time(), 0.0)
+                if retry_at is not None
+                else fallback.replace_after_seconds
+            ) + random.uniform(0.05, 0.5)
+            replace_at = self.ledger.now() + timedelta(seconds=delay)
+        degraded = {"reason": trigger, "fallback": served.option}
+        if cause is not None:
+            degraded["error"] = type(cause).__name__
+        verdict = self.succeeded(served.value, degraded=degraded, replace_at=replace_at)
+        if verdict.kind != "return":
+            return verdict  # the fallback's value could not be recorded: that outcome stands
+        logger.warning(
+            "%s degraded (%s): served %s%s",
+            self.record_id,
+            trigger,
+            served.option,
+            "" if delay is None else f"; the real job runs again in {delay:.0f}s",
+            extra=self.context,
+        )
+        self.guard.observers.degraded(self.delivery.job, trigger, served.option)
+        if delay is not None:
+            self._schedule_replacement(delay)
+        return verdict
+
+    def _call(self) -> Call:
+        try:
+            named = self.body.named_arguments()
+        except Exception:  # arguments that do not bind (a template over them fails instead)
+            named = {}
+        return Call(self.delivery.args, self.delivery.kwargs, named)
+
+    def _schedule_replacement(self, delay: float) -> None:
+        """Publish the job again, as the replacement of its degraded result. A lost publish is
+        not a lost replacement: the record is claimable from its ``replace_at``, and the
+        reconciler republishes it from its kept message once it has waited its stale time."""
+        message_headers = self.delivery.republish_headers(
+            **{headers.REPLACING: True, headers.DEFERRALS: 0}
+        )
+        message_headers.pop(headers.PREVIOUS_DELAY, None)
+        try:
+            self.body.defer(delay, message_headers, retries=0)
+        except Exception as exc:
+            logger.warning("replacement of degraded %s not published now: %s", self.record_id, exc)
+
+    def replacement_failed(self, exc: BaseException, reason: str) -> Verdict | None:
+        """A replacement of a degraded result failed for good: the degraded result stands (the
+        failure is kept in the error history). None if the record holds no degraded result
+        (the header lied, or it was not degraded): then the job is dead as any other."""
+        try:
+            doc = self.ledger.find_raw(self.record_id)
+        except LedgerError:
+            doc = None
+        if doc is None or doc.get("degraded") is None or doc.get("fence") != self.fence:
+            return None
+        error = self._error(exc, "kept degraded")
+        op = new_op()
+        self._persist(
+            lambda: self.ledger.keep_degraded(
+                self.record_id, self.fence, error, op=op, reason=reason
+            ),
+            "degraded record",
+        )
+        logger.error(
+            "replacement of degraded %s failed (%s); the degraded result stands",
+            self.record_id,
+            reason,
+            extra=self.context,
+        )
+        return Verdict.ack(f"replacement failed, degraded result kept: {reason}")
 
     def retry(self, retry: Retry) -> Verdict:
         """The body (or Celery's autoretry) asked for a retry, already published by Celery."""
@@ -694,7 +883,19 @@ class Attempt:
             retry_on=policy.retry_on,
             fail_on=policy.fail_on,
         )
+        trigger = trigger_of(
+            exc,
+            retryable=classify(exc, retry_on=policy.retry_on, fail_on=policy.fail_on),
+            retry_left=decision.retry,
+        )
+        served = self.degrade(trigger, exc, None)
+        if served is not None:
+            return served
         if not decision.retry:
+            if self.delivery.replacing:
+                kept = self.replacement_failed(exc, decision.reason)
+                if kept is not None:
+                    return kept
             return self.dead(exc, reason=decision.reason, verdict=Verdict.raises(exc))
         message_headers = self.delivery.republish_headers(
             **{headers.PREVIOUS_DELAY: decision.delay_seconds}
@@ -789,7 +990,11 @@ class Attempt:
         return self._release("worker shutting down")
 
     def circuit_open(self, exc: CircuitOpen) -> Verdict:
-        """A breaker used inside the body is open: give the claim back and come back later."""
+        """A breaker used inside the body is open: serve the fallback, or give the claim back
+        and come back later."""
+        served = self.degrade("circuit-open", exc, exc.retry_at)
+        if served is not None:
+            return served
         self._release_quietly()
         delay = max((exc.retry_at or time.time()) - time.time(), 0.0) + random.uniform(0.05, 0.5)
         return self.guard._defer(self.delivery, self.body, delay, "circuit open (inside the body)")

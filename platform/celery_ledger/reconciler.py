@@ -1,15 +1,16 @@
 """The reconciler: brings back jobs whose message is gone or stuck, without anyone watching.
 
 It finds (1) running records whose lease ended a grace period ago (their worker died, and Redis
-would only redeliver the message after its visibility timeout, an hour by default), and
-(2) queued or retrying records untouched for a long time (a lost retry, a message lost before
-its first claim), and queued records whose first publish failed, at once. For each, a job whose
-message still waits in its tier's queue or the delayed set is only slow and is left alone (under
-a deep backlog, copies would cost a claim each). Else it puts the job's unacknowledged message
-back on its queue, so it comes back exactly as sent, or republishes it from the message kept on
-the record, under the job's own identity and with its headers (age, retry state). Fencing keeps
-this safe against a slow original holder: the new delivery claims with a higher token, and the
-old holder's late writes are refused.
+would only redeliver the message after its visibility timeout, an hour by default), and (2)
+queued or retrying records untouched for a long time (a lost retry, a message lost before its
+first claim), and queued records whose first publish failed, at once; (3) degraded results whose
+replacement is as overdue (its message was lost: see policies/fallback.py). For each, a job
+whose message still waits in its tier's queue or the delayed set is only slow and is left alone
+(under a deep backlog, copies would cost a claim each). Else it puts the job's unacknowledged
+message back on its queue, so it comes back exactly as sent, or republishes it from the message
+kept on the record, under the job's own identity and with its headers (age, retry state).
+Fencing keeps this safe against a slow original holder: the new delivery claims with a higher
+token, and the old holder's late writes are refused.
 
 Every worker's housekeeping runs it (:meth:`Reconciler.sweep_if_leader`), one sweeper at a
 time across the fleet; ``celery -A APP ledger reconcile`` and the periodic task
@@ -45,6 +46,7 @@ class ReconcileReport:
     republished: int = 0
     stale_queued: int = 0
     stale_retrying: int = 0
+    stale_replacements: int = 0  # degraded results whose replacement's message was lost
     still_waiting: int = 0  # their message is still queued or delayed: left alone
     workflows_woken: int = 0  # active workflows nothing woke within their check time
     wakes_restored: int = 0  # workflow wakes a dead worker held, put back on their queue
@@ -56,7 +58,12 @@ class ReconcileReport:
 
     @property
     def found_any(self) -> bool:
-        return bool(self.expired_leases or self.stale_queued or self.stale_retrying)
+        return bool(
+            self.expired_leases
+            or self.stale_queued
+            or self.stale_retrying
+            or self.stale_replacements
+        )
 
 
 class Reconciler:
@@ -111,7 +118,12 @@ class Reconciler:
             ("expired_leases", doc)
             for doc in self._ledger.expired_leases(grace_seconds=grace, limit=limit)
         ]
-        for state, counter in ((State.QUEUED, "stale_queued"), (State.RETRYING, "stale_retrying")):
+        for state, counter in (
+            (State.QUEUED, "stale_queued"),
+            (State.RETRYING, "stale_retrying"),
+            # A success is claimable again only while a degraded result awaits its replacement.
+            (State.SUCCEEDED, "stale_replacements"),
+        ):
             candidates += [
                 (counter, doc)
                 for doc in self._ledger.stale(state, older_than_seconds=stale_after, limit=limit)

@@ -229,6 +229,15 @@ class Settings(BaseSettings):
         default_factory=dict,
         description='Glob patterns on task names to tiers, e.g. {"reports.*": "bulk"} (JSON).',
     )
+    slo_seconds: dict[str, float] = Field(
+        default_factory=dict,
+        description='Latency objective per tier (JSON), e.g. {"critical": 60}: a job of the'
+        " tier still unfinished this long after its publish is reported late, once (a task's"
+        " slo_seconds= option wins).",
+    )
+    escalation_check_seconds: float = Field(
+        5.0, gt=0, description="How often workers look for jobs past their latency objective."
+    )
 
     # -- operations (celery_ledger.observability) --
     metrics_port: int | None = Field(
@@ -372,6 +381,21 @@ class Settings(BaseSettings):
             _check_tier(tier)
             base = TIER_RETRY_DEFAULTS.get(tier, RetryPolicy())
             checked[tier] = _built(RetryPolicy, base, options, what=f"tier {tier!r}")
+        return checked
+
+    @field_validator("slo_seconds", mode="before")
+    @classmethod
+    def _slo_seconds(cls, value: Any) -> dict[str, float]:
+        checked: dict[str, float] = {}
+        for tier, seconds in _mapping(value, "latency objectives").items():
+            _check_tier(tier)
+            if (
+                isinstance(seconds, bool)
+                or not isinstance(seconds, int | float)
+                or not (0 < seconds < float("inf"))
+            ):
+                raise ValueError(f"the latency objective of tier {tier!r} must be seconds > 0")
+            checked[tier] = float(seconds)
         return checked
 
     @field_validator("breakers", mode="before")

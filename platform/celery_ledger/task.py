@@ -41,6 +41,7 @@ from .guard import Delivery, Replaced, TaskPolicy, Verdict
 from .keys import (
     Identity,
     KeySpec,
+    bind_arguments,
     canonical_json,
     compute_key,
     derive_task_id,
@@ -51,6 +52,7 @@ from .ledger.dead import DeadJob
 from .ledger.message import KeptMessage
 from .ledger.store import EnqueueOutcome, Unclaimed
 from .policies.backoff import Jitter
+from .policies.fallback import Fallback
 from .policies.retry import RetryPolicy
 from .progress import Execution, Step, batches
 from .untrusted import expiry_of, float_or_none, request_header, retries_done
@@ -187,6 +189,12 @@ class LedgerTask(Task):  # type: ignore[misc]
     # Calls through bounded()/hedged() in the body wait at most this long in all (a deadline
     # over the body: see celery_ledger.policies.deadline).
     deadline_seconds: float | None = None
+    # Graceful degradation: what to serve instead of waiting while the dependency is down
+    # (LastGood, Alternate, Placeholder: see celery_ledger.policies.fallback), and the latency
+    # objective past which an unfinished job is reported late (default: the tier's,
+    # LEDGER_SLO_SECONDS).
+    fallback: Any = None
+    slo_seconds: float | None = None
     max_attempts: int | None = None  # total claims of one job, whatever their cause
     sensitive: bool = False  # arguments and results encrypted at rest, never logged
     retry_on: tuple[type[BaseException], ...] = ()
@@ -213,6 +221,9 @@ class LedgerTask(Task):  # type: ignore[misc]
             "max_age_seconds",
             "max_attempts",
             "sensitive",
+            "deadline_seconds",
+            "fallback",
+            "slo_seconds",
         }
     )
 
@@ -292,6 +303,9 @@ class LedgerTask(Task):  # type: ignore[misc]
         tiers = getattr(app, "tiers", None)
         if cls.tier is not None and tiers is not None:
             tiers.check(cls.tier, where=f"task {cls.name or cls.__name__}")
+        Fallback.of(cls.fallback)  # a wrong fallback= is an error at definition, not at run
+        if cls.slo_seconds is not None and not cls.slo_seconds > 0:
+            raise ConfigurationError(f"task {cls.name}: slo_seconds must be > 0")
 
     def resolved_retry_policy(self, tier: str | None = None) -> RetryPolicy:
         """Task options over the tier's default (settings may override tier defaults)."""
@@ -323,6 +337,12 @@ class LedgerTask(Task):  # type: ignore[misc]
             fail_on=tuple(self.fail_on or ()),
             soft_time_limit=soft,
             deadline_seconds=self.deadline_seconds,
+            fallback=Fallback.of(self.fallback),
+            slo_seconds=(
+                self.slo_seconds
+                if self.slo_seconds is not None
+                else self.app.settings.slo_seconds.get(tier)
+            ),
         )
 
     @classmethod
@@ -437,6 +457,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             enqueued_at=float_or_none(request_header(request, headers.ENQUEUED_AT)),
             expires=expiry_of(request.expires),
             wants_result=bool(request.callbacks or request.chain),
+            replacing=request_header(request, headers.REPLACING) is True,
         )
 
     def signature_from_request(
@@ -799,8 +820,11 @@ class _Body:
     def run(self) -> Any:
         return self._task.run(*self._delivery.args, **self._delivery.kwargs)
 
-    def defer(self, delay_seconds: float, message_headers: dict[str, Any]) -> None:
+    def defer(
+        self, delay_seconds: float, message_headers: dict[str, Any], *, retries: int | None = None
+    ) -> None:
         task = self._task
+        options: dict[str, Any] = {} if retries is None else {"retries": retries}
         signature = task.signature_from_request(
             task.request,
             self._delivery.args,
@@ -808,6 +832,7 @@ class _Body:
             countdown=delay_seconds,
             headers=message_headers,
             tier=self._delivery.tier,
+            **options,
         )
         signature.apply_async()
 
@@ -825,6 +850,9 @@ class _Body:
 
     def on_retire(self, reason: str, artefacts: list[str]) -> None:
         self._task.on_retire(reason, artefacts)
+
+    def named_arguments(self) -> dict[str, Any]:
+        return bind_arguments(self._task.run, self._delivery.args, self._delivery.kwargs)
 
 
 def _follow(verdict: Verdict) -> Any:

@@ -196,6 +196,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             Every(COPY_PENDING_EVERY_SECONDS, app.dead_letters.trim_copies),
             Every(EXPIRE_EVERY_SECONDS, app.workflow_engine.log.expire),
             Every(REAP_EVERY_SECONDS, runtime.ledger.reap_abandoned_transactions),
+            Every(settings.escalation_check_seconds, app.escalation.check),
         ]
         if not settings.ttl_index:
             upkeep.append(Every(EXPIRE_EVERY_SECONDS, runtime.ledger.expire))

@@ -35,6 +35,7 @@ TEST_ENV = {
     # Tests sweep with the reconciler themselves (test_self_healing.py turns the workers' on)
     "LEDGER_RECONCILE_IN_WORKERS": "false",
     "LEDGER_BREAKERS": '{"payments": {"failure_threshold": 3, "cooldown_seconds": 3}}',
+    "LEDGER_ESCALATION_CHECK_SECONDS": "0.5",
     "LEDGER_RATE_LIMITS": '{"limited": {"rate_per_second": 4, "burst": 2}}',
     # Every message is signed and every signature checked, so each publish path (retries,
     # republishes, workflows, chords) is shown to sign what it sends; unsigned messages stay

@@ -14,7 +14,8 @@ from typing import Any
 
 from celery import signals
 
-from celery_ledger import PermanentError, bounded, create_app
+from celery_ledger import Alternate, Fallback, LastGood, PermanentError, bounded, create_app
+from celery_ledger.events import Job, Observer
 from tasks.effects import effects, record_effect, record_effect_in
 
 app = create_app("ledger_tests")
@@ -185,6 +186,66 @@ def slow_recommendations(self: Any, token: str) -> list[str]:
     )
     record_effect("page", token)
     return extra
+
+
+# -- graceful degradation (test_fallbacks.py): each test forces its breakers open or closed --
+
+
+def _down(service: str, token: str) -> bool:
+    return bool(effects().count_documents({"kind": "outage", "key": f"{service}-{token}"}))
+
+
+@app.task(
+    idempotency_key="{token}",
+    breaker="warehouse",
+    fallback=Fallback((LastGood("dashboard-{customer}"),), replace_after_seconds=1.0),
+)
+def dashboard(customer: str, token: str) -> dict[str, Any]:
+    """A report built from the warehouse; while it is down, the customer's last good one."""
+    record_effect("dashboard_build", token)
+    return {"customer": customer, "built_for": token}
+
+
+def backup_charge(token: str) -> dict[str, Any]:
+    """The alternate gateway (a plain function behind its own breaker)."""
+    record_effect("backup_charge", token)
+    if _down("backup", token):
+        raise ConnectionError("backup gateway unreachable")
+    return {"paid": token, "via": "backup"}
+
+
+@app.task(
+    idempotency_key="{token}",
+    breaker="primary",
+    # The backup charge is the real charge: never replaced (that would charge twice).
+    fallback=Fallback(
+        (Alternate(backup_charge, breaker="backup", name="backup"),),
+        on=frozenset({"circuit-open"}),
+        replace=False,
+    ),
+)
+def charge_with_backup(token: str) -> dict[str, Any]:
+    record_effect("primary_charge", token)
+    return {"paid": token, "via": "primary"}
+
+
+@app.task(idempotency_key="{token}", slo_seconds=1.0)
+def slow_report(token: str, seconds: float) -> str:
+    """Takes ``seconds``, past its 1 s objective when longer."""
+    time.sleep(seconds)
+    record_effect("slow_report", token)
+    return token
+
+
+class LateRecorder(Observer):
+    """Counts late reports as effects: across every process that reports one."""
+
+    def late(self, job: Job, age_seconds: float, slo_seconds: float) -> None:
+        if job.key is not None:
+            record_effect("late", job.key)
+
+
+app.observers.add(LateRecorder())
 
 
 @app.task(idempotency_key="{token}", rate_bucket="limited")

@@ -543,3 +543,86 @@ def test_indexes_made_by_an_earlier_release_are_brought_up_to_date(stack: Any) -
     store.ensure_indexes()
     Ledger(uri=stack.ledger.url, database=database).ensure_indexes()
     store.client.drop_database(database)
+
+
+# -- fallbacks and latency objectives ----------------------------------------------------------
+
+
+def test_a_degraded_result_is_claimable_from_its_replace_time_and_replaced_once(
+    world: tuple[Any, Clock],
+) -> None:
+    ledger, clock = world
+    record_id = new_id()
+    first = claim(ledger, record_id)
+    replace_at = clock() + timedelta(seconds=30)
+    degraded = {"reason": "circuit-open", "fallback": "placeholder"}
+    ledger.complete(
+        record_id, first.fence, '"cached"', op=new_op(), degraded=degraded, replace_at=replace_at
+    )
+    doc = ledger.find_raw(record_id)
+    assert doc["state"] == State.SUCCEEDED and doc["degraded"]["fallback"] == "placeholder"
+    assert claim(ledger, record_id).outcome is ClaimOutcome.DUPLICATE  # not due yet
+
+    clock.advance(31)
+    replacement = claim(ledger, record_id, "w:2")
+    assert replacement.outcome is ClaimOutcome.CLAIMED
+    assert ledger.find_raw(record_id)["result"] == '"cached"'  # still served meanwhile
+    ledger.complete(record_id, replacement.fence, '"real"', op=new_op())
+    doc = ledger.find_raw(record_id)
+    assert doc["result"] == '"real"' and "degraded" not in doc
+    assert doc["replaced_degraded"]["fallback"] == "placeholder"
+    clock.advance(3600)
+    assert claim(ledger, record_id).outcome is ClaimOutcome.DUPLICATE
+
+
+def test_a_failed_replacement_keeps_the_degraded_result(world: tuple[Any, Clock]) -> None:
+    ledger, clock = world
+    record_id = new_id()
+    first = claim(ledger, record_id)
+    ledger.complete(
+        record_id,
+        first.fence,
+        '"cached"',
+        op=new_op(),
+        degraded={"reason": "timeout", "fallback": "last-good"},
+        replace_at=clock(),
+    )
+    replacement = claim(ledger, record_id, "w:2")
+    ledger.keep_degraded(record_id, replacement.fence, error(), op=new_op(), reason="declined")
+    doc = ledger.find_raw(record_id)
+    assert doc["state"] == State.SUCCEEDED and doc["result"] == '"cached"'
+    assert doc["degraded"]["replacement_failed"] == "declined"
+    assert doc["degraded"]["replace_at"] is None and doc["errors"][-1]["type"] == "X"
+    clock.advance(3600)
+    assert claim(ledger, record_id).outcome is ClaimOutcome.DUPLICATE
+
+
+def test_last_good_results_only_move_forward(world: tuple[Any, Clock]) -> None:
+    ledger, clock = world
+    key = new_id()
+    assert ledger.last_good(TASK, key) is None
+    ledger.remember(TASK, key, '"v1"')
+    clock.advance(1)
+    ledger.remember(TASK, key, '"v2"')
+    result, at = ledger.last_good(TASK, key)
+    assert result == '"v2"' and abs((at - clock()).total_seconds()) < 0.002
+
+
+def test_a_job_is_marked_late_once_and_a_finished_one_leaves_the_view(
+    world: tuple[Any, Clock],
+) -> None:
+    ledger, clock = world
+    late, on_time = new_id(), new_id()
+    for record_id in (late, on_time):
+        claim(ledger, record_id, slo_at=clock() + timedelta(seconds=10), slo_seconds=10.0)
+    fence = ledger.find_raw(on_time)["fence"]
+    ledger.complete(on_time, fence, "1", op=new_op())
+    assert [d for d in ledger.overdue() if d["_id"] in (late, on_time)] == []
+    clock.advance(11)
+
+    assert [d["_id"] for d in ledger.overdue() if d["_id"] in (late, on_time)] == [late]
+    assert ledger.mark_late(late) is True
+    assert ledger.mark_late(late) is False
+    assert [d for d in ledger.overdue() if d["_id"] == late] == []
+    late_at = ledger.find_raw(late)["late_at"].replace(tzinfo=UTC)
+    assert abs((late_at - clock()).total_seconds()) < 0.002

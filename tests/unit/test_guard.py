@@ -4,6 +4,7 @@ and every way its ledger writes can fail, over an in-memory ledger (``tests/fake
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ from celery_ledger.crypto import Sealer
 from celery_ledger.deadletter import DeadLetters
 from celery_ledger.errors import (
     CircuitOpen,
+    DeadlineExceeded,
     Interrupted,
     LeaseLost,
     LedgerUnavailable,
@@ -29,6 +31,7 @@ from celery_ledger.events import EVENTS, Job, Observer, Observers
 from celery_ledger.guard import Delivery, Guard, Replaced, TaskPolicy, Verdict
 from celery_ledger.keys import Identity, derive_task_id
 from celery_ledger.ledger.record import State
+from celery_ledger.policies.fallback import Fallback, Placeholder
 from celery_ledger.policies.retry import RetryPolicy
 from celery_ledger.routing import TIERS, Tiers
 from tests.fakes import Clock, MemoryLedger, MemoryRedis, Outbox
@@ -74,9 +77,13 @@ class FakeBody:
         self.runs += 1
         return self.work(self)
 
-    def defer(self, delay_seconds: float, message_headers: dict[str, Any]) -> None:
+    def defer(
+        self, delay_seconds: float, message_headers: dict[str, Any], *, retries: int | None = None
+    ) -> None:
         if self.defer_error is not None:
             raise self.defer_error
+        if retries is not None:
+            message_headers = {**message_headers, "retries": retries}
         self.deferred.append((delay_seconds, message_headers))
 
     def retry(
@@ -89,6 +96,9 @@ class FakeBody:
 
     def on_retire(self, reason: str, artefacts: list[str]) -> None:
         self.retired.append((reason, artefacts))
+
+    def named_arguments(self) -> dict[str, Any]:
+        return {"order": 7, "amount": 100}
 
 
 class Harness:
@@ -643,6 +653,8 @@ def test_every_documented_event_is_emitted_by_the_platform() -> None:
         lambda h: h.run(fails(LedgerUnavailable("x"))),
         lambda h: h.run(FakeBody(work=uses_a_lost_atomic_step)),
         lambda h: h.run(FakeBody(work=skips_an_optional_step)),
+        lambda h: h.run(fails(DeadlineExceeded("x")), fallback=Fallback.of(Placeholder(1))),
+        lambda h: h.run(delivery=h.delivery(enqueued_at=time.time() - 100), slo_seconds=1.0),
     ):
         harness = Harness()
         scenario(harness)

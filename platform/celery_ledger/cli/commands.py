@@ -235,6 +235,7 @@ def show(ctx: click.Context, task_name: str, key: str, as_json: bool) -> None:
         click.echo(json.dumps(record.model_dump(mode="json"), indent=2))
         return
     table = Table(show_header=False, box=None)
+    table.add_row("status", record.status)  # what a poller sees: late, or degraded results served
     for name, value in record.model_dump(exclude={"errors", "result_json"}).items():
         table.add_row(name, str(value))
     table.add_row("result", record.result_json or "")

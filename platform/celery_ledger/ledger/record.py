@@ -29,6 +29,20 @@ class State(StrEnum):
     DEAD = "dead"
 
 
+TERMINAL = frozenset({State.SUCCEEDED, State.DEAD})
+
+
+def status_of(state: State, *, degraded: bool, late: bool) -> str:
+    """What a caller polling a job sees: its state, except ``succeeded`` while a degraded
+    result stands (its replacement may be running: the degraded result is served until the
+    real one replaces it) and ``late`` for an unfinished job past its latency objective."""
+    if degraded and state is not State.DEAD:
+        return State.SUCCEEDED.value
+    if late and state not in TERMINAL:
+        return "late"
+    return state.value
+
+
 class ErrorEntry(BaseModel):
     """One failed attempt, as kept in the record's bounded error history."""
 
@@ -74,6 +88,12 @@ class LedgerRecord(BaseModel):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     expires_at: datetime | None = None
+    # A fallback's result (policies/fallback.py): its trigger, the option that served it, when,
+    # and when the real job runs again to replace it (None: it stands).
+    degraded: dict[str, Any] | None = None
+    replaced_degraded: dict[str, Any] | None = None  # the degraded result the real one replaced
+    late_at: datetime | None = None  # reported late: past its latency objective unfinished
+    slo_seconds: float | None = None
     # The trace of the job's last claimed attempt (``LEDGER_TRACING``), from the message the
     # ledger keeps for it: where its spans are.
     trace_id: str | None = None
@@ -92,6 +112,15 @@ class LedgerRecord(BaseModel):
     def result(self) -> Any:
         """The task's return value, decoded from the stored JSON."""
         return None if self.result_json is None else json.loads(self.result_json)
+
+    @property
+    def status(self) -> str:
+        """What a caller polling the job sees (see :func:`status_of`)."""
+        return status_of(
+            self.state,
+            degraded=self.degraded is not None and self.result_json is not None,
+            late=self.late_at is not None,
+        )
 
     @property
     def last_error(self) -> ErrorEntry | None:

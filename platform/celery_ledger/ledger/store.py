@@ -317,9 +317,10 @@ class Ledger:
         wanted, other = ("retention", "retention_sweep")
         if not self.ttl_index:
             wanted, other = other, wanted
-        groups = self._companion("groups")
+        groups, cache = self._companion("groups"), self._companion("cache")
         with translate_errors("index creation"):
-            for collection in (self.collection, groups):  # a group's members expire with them
+            # A group's members expire with them; a last good result like a result.
+            for collection in (self.collection, groups, cache):
                 if other in collection.index_information():
                     collection.drop_index(other)
                 if self.ttl_index:
@@ -334,6 +335,8 @@ class Ledger:
             self.collection.create_index(
                 [("state", ASCENDING), ("claimable_at", ASCENDING)], name="state_claimable"
             )
+            # Only jobs with a latency objective not yet met or reported have ``slo_at``.
+            self.collection.create_index("slo_at", name="objective", sparse=True)
             self._retire_copy_due_index()
         self.ensure_audit_indexes(self._companion("audit"))
 
@@ -395,6 +398,7 @@ class Ledger:
         past = {"expires_at": {"$lt": self.now()}}
         with translate_errors("expiry"):
             self._companion("groups").delete_many(past)
+            self._companion("cache").delete_many(past)
             return self.collection.delete_many(past).deleted_count
 
     # -- reads ------------------------------------------------------------------------------
@@ -448,12 +452,15 @@ class Ledger:
         message: KeptMessage | None = None,
         max_attempts: int | None = None,
         alias: str | None = None,
+        slo_at: datetime | None = None,
+        slo_seconds: float | None = None,
     ) -> Claim:
         """Try to take the exclusive lease on a record (creating it if needed). See module doc.
 
         ``message`` is kept on the record so that the reconciler can republish a job whose
         message is gone; ``max_attempts`` is the job's attempts budget; ``alias`` the message's
-        own id when it is not ``record_id``.
+        own id when it is not ``record_id``; ``slo_at`` when a new record's job is late (its
+        latency objective from its enqueue time).
 
         Raises:
             LedgerUnavailable: unreachable, or the claim's outcome is unknown (the caller puts
@@ -476,6 +483,8 @@ class Ledger:
                 message=message,
                 max_attempts=max_attempts,
                 alias=alias,
+                slo_at=slo_at,
+                slo_seconds=slo_seconds,
             )
             if outcome is not None:
                 return outcome
@@ -552,6 +561,8 @@ class Ledger:
         message: KeptMessage | None,
         max_attempts: int | None,
         alias: str | None,
+        slo_at: datetime | None = None,
+        slo_seconds: float | None = None,
     ) -> Claim | None:
         claim_filter: dict[str, Any] = {
             "_id": record_id,
@@ -578,13 +589,16 @@ class Ledger:
         }
         if message is not None:
             fields["message"] = message.document()
+        on_insert: dict[str, Any] = {"created_at": now}
+        if slo_at is not None:  # a job's objective, from its publish (see escalation.py)
+            on_insert |= {"slo_at": slo_at, "slo_seconds": slo_seconds}
         ops = [
             Statement(
                 claim_filter,
                 {
                     "$set": fields,
                     "$inc": {"attempts": 1, "inflight": 1},
-                    "$setOnInsert": {"created_at": now},
+                    "$setOnInsert": on_insert,
                     "$unset": {"unpublished_at": ""},
                 },
                 upsert=True,
@@ -624,31 +638,128 @@ class Ledger:
         *,
         op: str,
         atomic_steps: Sequence[str] = (),
+        degraded: Mapping[str, Any] | None = None,
+        replace_at: datetime | None = None,
     ) -> None:
         """Store the result and mark the record succeeded, if ``fence`` still holds the lease
         and the record still has ``atomic_steps`` (the steps this attempt's result relies on).
+
+        ``degraded``: the result is a fallback's (its trigger and option, kept on the record).
+        With ``replace_at`` the record becomes claimable again then, so the real job runs under
+        the same key; until a claim takes it, deliveries are suppressed duplicates as for any
+        success. A result that is not degraded moves an earlier ``degraded`` to
+        ``replaced_degraded``: the real result replaced it (fencing makes that happen once).
 
         Raises:
             LeaseLost: a newer claim took the job over.
             CommitLost: the record lost one of ``atomic_steps``; nothing was written.
         """
         now = self.now()
-        self._end_attempt(
-            record_id,
-            fence,
-            op,
-            {
-                "$set": {
-                    "state": State.SUCCEEDED.value,
-                    "result": result_json,
-                    **self._ended(now, FOREVER),
-                    "finished_at": now,
-                    "expires_at": now + self.result_retention,
-                }
+        fields: dict[str, Any] = {
+            "state": State.SUCCEEDED.value,
+            "result": result_json,
+            **self._ended(now, FOREVER),
+            "finished_at": now,
+            "expires_at": now + self.result_retention,
+        }
+        update: dict[str, Any] = {"$set": fields, "$unset": {"slo_at": ""}}
+        if degraded is not None:
+            fields["degraded"] = {**degraded, "at": now, "replace_at": replace_at}
+            if replace_at is not None:
+                fields["claimable_at"] = replace_at
+        else:
+            # Renaming a field the record does not have changes nothing: one write either way.
+            update["$rename"] = {"degraded": "replaced_degraded"}
+        self._end_attempt(record_id, fence, op, update, "completion", atomic_steps=atomic_steps)
+
+    def keep_degraded(
+        self, record_id: str, fence: int, error: ErrorEntry, *, op: str, reason: str
+    ) -> None:
+        """End a replacement attempt that failed for good: the degraded result stands (the
+        record is ``succeeded`` again, not claimable), with the error in its history."""
+        now = self.now()
+        update = {
+            "$set": {
+                "state": State.SUCCEEDED.value,
+                **self._ended(now, FOREVER),
+                "degraded.replace_at": None,
+                "degraded.replacement_failed": reason[:2000],
             },
-            "completion",
-            atomic_steps=atomic_steps,
-        )
+            "$push": {
+                "errors": {"$each": [error.model_dump()], "$slice": -self.error_history_limit}
+            },
+        }
+        self._end_attempt(record_id, fence, op, update, "degraded record")
+
+    # -- fallbacks' last good results -----------------------------------------------------
+
+    def remember(self, task: str, cache_key: str, result_json: str) -> None:
+        """Keep ``result_json`` as the last good result of ``task`` for ``cache_key`` (an older
+        one never overwrites a newer: the write matches only an older entry, or inserts)."""
+        now = self.now()
+        cache = self._companion("cache")
+        with translate_errors("cache write"), contextlib.suppress(DuplicateKeyError):
+            cache.update_one(
+                {"_id": _cache_id(task, cache_key), "at": {"$lt": now}},
+                {
+                    "$set": {
+                        "task": task,
+                        "result": result_json,
+                        "at": now,
+                        "expires_at": now + self.result_retention,
+                    }
+                },
+                upsert=True,
+            )
+
+    def last_good(self, task: str, cache_key: str) -> tuple[str, datetime] | None:
+        """The last good result of ``task`` for ``cache_key`` (stored JSON, when), or None."""
+        with translate_errors("cache read"):
+            doc = self._companion("cache").find_one({"_id": _cache_id(task, cache_key)})
+        if doc is None or not isinstance(doc.get("result"), str):
+            return None
+        at = doc["at"] if doc["at"].tzinfo else doc["at"].replace(tzinfo=UTC)
+        return doc["result"], at
+
+    # -- latency objectives -----------------------------------------------------------------
+
+    def overdue(self, *, limit: int = 200) -> list[dict[str, Any]]:
+        """Records past their latency objective (``slo_at``) not yet reported late."""
+        with translate_errors("escalation query"):
+            return list(
+                self.collection.find(
+                    {"slo_at": {"$lte": self.now()}},
+                    {
+                        "task": 1,
+                        "key": 1,
+                        "tier": 1,
+                        "state": 1,
+                        "slo_at": 1,
+                        "slo_seconds": 1,
+                        "created_at": 1,
+                    },
+                ).limit(limit)
+            )
+
+    def mark_late(self, record_id: str, *, slo_seconds: float | None = None) -> bool:
+        """Mark a job late, once: True only for the call that marked it (so it is reported
+        once whoever notices it: any worker's sweep, or the attempt that finished it)."""
+        now = self.now()
+        fields: dict[str, Any] = {"late_at": now}
+        if slo_seconds is not None:
+            fields["slo_seconds"] = slo_seconds
+        with translate_errors("late mark"):
+            marked = self.collection.update_one(
+                {"_id": record_id, "late_at": {"$exists": False}},
+                {"$set": fields, "$unset": {"slo_at": ""}},
+            )
+        return marked.modified_count == 1
+
+    def forget_objective(self, record_id: str) -> None:
+        """A finished job found past its objective is not late (it finished in time, or it
+        is dead, which is reported as such): drop it from the escalation's view."""
+        with translate_errors("late mark"):
+            self.collection.update_one({"_id": record_id}, {"$unset": {"slo_at": ""}})
 
     def finish_without_result(
         self,
@@ -1403,6 +1514,10 @@ class Ledger:
             entry.pop("_id")
             merged.append(entry)
         return merged
+
+
+def _cache_id(task: str, cache_key: str) -> str:
+    return f"{task}\x1f{cache_key}"
 
 
 def _queued(*, task: str, key: str, tier: str, now: datetime) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from .. import headers
 from ..events import Job, Observer
 from ..locks import ForkSafeLock
 from ..policies.breaker import BreakerState
+from ..policies.fallback import TRIGGERS
 from ..routing import TIERS
 from ..untrusted import float_or_none
 from ..workflow.history import TERMINAL
@@ -60,6 +61,17 @@ class LedgerMetrics:
             "celery_ledger_steps_skipped_total",
             "Optional steps skipped (the job went on degraded), by step and reason.",
             (*TASK_LABELS, "step", "reason"),
+        )
+        self.degraded = counter(
+            "celery_ledger_degraded_total",
+            "Jobs that succeeded with a fallback's answer instead of waiting, by trigger and"
+            " the option that served.",
+            (*TASK_LABELS, "reason", "fallback"),
+        )
+        self.late = counter(
+            "celery_ledger_late_total",
+            "Jobs past their latency objective (each counted once).",
+            TASK_LABELS,
         )
         self.duplicates = counter(
             "celery_ledger_duplicates_suppressed_total", "Deliveries of succeeded jobs, not run."
@@ -199,6 +211,7 @@ DEFERRAL_REASONS = frozenset(
 )
 UNAVAILABLE_WHERE = frozenset({"claim", "body"})
 SKIP_REASONS = frozenset({"dependency down", "time budget"})
+FALLBACK_TRIGGERS = frozenset(TRIGGERS)
 BREAKER_STATES = frozenset(state.value for state in BreakerState)
 WORKFLOW_ENDS = frozenset(TERMINAL)
 
@@ -322,6 +335,20 @@ class MetricsObserver(Observer):
         ).inc()
 
     @_safe
+    def degraded(self, job: Job, reason: str, fallback: str) -> None:
+        # The option's label is the app's code (a bounded set); the reason a fixed category.
+        _m().degraded.labels(
+            self._task(job.task),
+            _tier(job.tier),
+            category(reason, FALLBACK_TRIGGERS),
+            fallback[:64],
+        ).inc()
+
+    @_safe
+    def late(self, job: Job, age_seconds: float, slo_seconds: float) -> None:
+        _m().late.labels(self._task(job.task), _tier(job.tier)).inc()
+
+    @_safe
     def workflow_step(self, workflow: str, step: str, seconds: float, ok: bool) -> None:
         outcome = "succeeded" if ok else "failed"
         _m().workflow_steps.labels(workflow, outcome).observe(max(seconds, 0.0))
@@ -399,6 +426,8 @@ METRIC_NAMES = frozenset(
         "celery_ledger_ledger_unavailable_total",
         "celery_ledger_workflows_ended_total",
         "celery_ledger_steps_skipped_total",
+        "celery_ledger_degraded_total",
+        "celery_ledger_late_total",
         *(
             f"{name}_{suffix}"
             for name in (

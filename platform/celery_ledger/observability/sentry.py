@@ -143,6 +143,38 @@ class SentryObserver(Observer):
             level="warning",
         )
 
+    def degraded(self, job: Job, reason: str, fallback: str) -> None:
+        # A breadcrumb: degrading is the platform working as configured; what the job reports
+        # later (its replacement failing, say) shows it was served degraded, and why.
+        import sentry_sdk
+
+        sentry_sdk.add_breadcrumb(
+            category="celery-ledger.degraded",
+            message=f"{job.task} served its fallback {fallback} ({reason})",
+            level="warning",
+            data={"record_id": job.record_id, "reason": reason, "fallback": fallback},
+        )
+
+    def late(self, job: Job, age_seconds: float, slo_seconds: float) -> None:
+        import sentry_sdk
+
+        with sentry_sdk.new_scope() as scope:
+            scope.fingerprint = ["celery-ledger", "late", job.task]
+            _tag(scope, "late", task=job.task, tier=job.tier)
+            scope.set_context(
+                "objective",
+                {
+                    "record_id": job.record_id,
+                    "age_seconds": round(age_seconds, 1),
+                    "slo_seconds": slo_seconds,
+                },
+            )
+            sentry_sdk.capture_message(
+                f"{job.task} is late: {age_seconds:.0f}s old, its objective is"
+                f" {slo_seconds:.0f}s (see the runbook: jobs past their objective)",
+                level="warning",
+            )
+
     def lease_lost(self, job: Job, fence: int) -> None:
         import sentry_sdk
 

@@ -347,6 +347,11 @@ class TracingObserver(Observer):
     def step_skipped(self, job: Job, step: str, reason: str) -> None:
         self._span(job).add_event("step skipped", {"ledger.step": step, "ledger.reason": reason})
 
+    def degraded(self, job: Job, reason: str, fallback: str) -> None:
+        span = self._span(job)
+        span.set_attribute("ledger.degraded", reason)
+        span.add_event("fallback served", {"ledger.reason": reason, "ledger.fallback": fallback})
+
     def lease_lost(self, job: Job, fence: int) -> None:
         span = self._span(job)
         span.set_attribute("ledger.outcome", "lease lost")
