@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from celery_ledger.embedded.stack import running_stack
+from celery_ledger.policies.breaker import BreakerState
 
 console = Console(width=max(Console().width, 100))
 
@@ -131,6 +132,7 @@ def run_workload(orders: int, emails: int, reports: int) -> dict[str, Any]:
     backfill_orders(run)
     ok &= fulfil_orders(run)
     ok &= vault_cards(run)
+    ok &= degrade_while_down(run)
     sample = app.ledger.get(charge.name, jobs[0][1])
     if sample is not None:
         console.print(
@@ -218,6 +220,50 @@ def vault_cards(run: int, n: int = 10) -> bool:
         f" {found}; a derived key: {record.key if record else '?'} (an HMAC)"
     )
     return found == 0 and len(vaulted) == n
+
+
+def degrade_while_down(run: int) -> bool:
+    """The graceful-degradation example: with the warehouse's and the mail service's breakers
+    held open, a dashboard is served from its last good build and an email is "queued"; each
+    record says degraded and when the real job runs again to replace it (once)."""
+    from tasks import app
+    from tasks.effects import effects
+    from tasks.notifications import send_email
+    from tasks.reports import customer_dashboard
+
+    customer, user = run % 10**6, run * 1000 + 999
+    fresh = customer_dashboard.delay(customer, "2026-11-24").get(timeout=60)
+    for name in ("warehouse", "mail"):
+        app.breakers[name].force(BreakerState.OPEN)
+    try:
+        served = customer_dashboard.delay(customer, "2026-11-25").get(timeout=60)
+        queued = send_email.delay(user, "receipt").get(timeout=60)
+    finally:
+        for name in ("warehouse", "mail"):
+            app.breakers[name].force(None)  # half-open: probes decide, the replacements run
+    dashboard = app.ledger.get(customer_dashboard.name, f"dashboard-{customer}-2026-11-25")
+    email = app.ledger.get(send_email.name, f"email-{user}-receipt")
+    sent = effects().count_documents({"kind": "email", "key": f"email-{user}-receipt"})
+    for label, record in (("dashboard", dashboard), ("email", email)):
+        degraded = record.degraded if record else None
+        due = degraded.get("replace_at") if degraded else None
+        console.print(
+            f"degraded {label}: status {record.status if record else '?'},"
+            f" served by {degraded.get('fallback') if degraded else '?'}"
+            f" ({degraded.get('reason') if degraded else '?'}); the real job replaces it at"
+            f" {due:%H:%M:%S}"
+            if due
+            else f"degraded {label}: {degraded}"
+        )
+    return (
+        served == fresh
+        and queued == "queued"
+        and sent == 0
+        and dashboard is not None
+        and dashboard.degraded is not None
+        and email is not None
+        and email.degraded is not None
+    )
 
 
 def _broker_bytes(client: Any) -> list[bytes]:
