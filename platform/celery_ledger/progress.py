@@ -11,6 +11,7 @@ step, and learns it (:class:`~celery_ledger.errors.LeaseLost`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -310,6 +311,7 @@ class Step:
         self.result: Any = json.loads(saved["result"]) if saved is not None else None
         # Why an optional step was skipped (by this attempt or an earlier one), else "".
         self.skipped: str = str(saved.get("skipped") or "") if saved is not None else ""
+        self._span = contextlib.ExitStack()  # the span of a with block, while it runs
 
     def __enter__(self) -> Step:
         if self.needs_seconds:
@@ -318,6 +320,9 @@ class Step:
                 f"step {self.name!r}: needs_seconds works with .run(func) or the decorator,"
                 " not a with block"
             )
+        # The block is the step's span, as .run(func) is (closed by __exit__).
+        self._span = contextlib.ExitStack()
+        self._span.enter_context(tracecontext.span(f"step {self.name}", **self._attributes()))
         return self
 
     def __exit__(
@@ -326,14 +331,21 @@ class Step:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        if exc_type is None:
-            if not self.done:
-                self.complete(self.result)
-            return False
-        if self.optional and not self.done and exc is not None and self._down(exc):
-            self.skip(_why(exc))
-            return True  # an optional step's dependency being down does not fail the job
-        return False
+        handled = False
+        try:
+            if exc_type is None:
+                if not self.done:
+                    self.complete(self.result)
+            elif self.optional and not self.done and exc is not None and self._down(exc):
+                self.skip(_why(exc))
+                handled = True  # an optional step's dependency being down does not fail the job
+        finally:
+            span, self._span = self._span, contextlib.ExitStack()
+            if handled:
+                span.close()
+            else:
+                span.__exit__(exc_type, exc, tb)
+        return handled
 
     def _down(self, exc: BaseException) -> bool:
         return _dependency_down(exc, self.skip_on)

@@ -124,3 +124,34 @@ def test_remaining_seconds_counts_down_from_the_soft_time_limit() -> None:
     time.sleep(0.01)
     assert execution.remaining_seconds() < left  # type: ignore[operator]
     assert attempt(MemoryLedger()).remaining_seconds() is None
+
+
+def test_a_with_block_step_is_a_span_of_its_own_ended_with_its_outcome(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from contextlib import contextmanager
+
+    from celery_ledger import tracecontext
+
+    spans: list[tuple[str, str]] = []
+
+    @contextmanager
+    def span(name: str, attributes: Any) -> Any:
+        try:
+            yield None
+        except BaseException as exc:
+            spans.append((name, type(exc).__name__))
+            raise
+        spans.append((name, "ok"))
+
+    monkeypatch.setattr(tracecontext.HOOKS, "span", span)
+    execution = attempt(MemoryLedger())
+
+    with execution.step("reserve") as step:
+        step.result = "r-1"
+    with execution.step("enrich", optional=True, default=0):
+        down()
+    with pytest.raises(ValueError), execution.step("charge"):
+        raise ValueError("bug")
+
+    assert spans == [("step reserve", "ok"), ("step enrich", "ok"), ("step charge", "ValueError")]
