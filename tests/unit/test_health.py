@@ -8,8 +8,9 @@ from types import SimpleNamespace
 from click.testing import CliRunner
 
 from celery_ledger import Settings, create_app
-from celery_ledger.cli.health import health, tier_checks
+from celery_ledger.cli.health import health
 from celery_ledger.embedded.servers import free_port
+from celery_ledger.health import tier_checks
 
 TIERS = ("critical", "default", "bulk")
 

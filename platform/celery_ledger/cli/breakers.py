@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import audit
-from ..policies.breaker import BreakerState
+from ..operations import force_breaker
 from .options import actor_option
 
 console = Console(soft_wrap=True)
@@ -53,13 +53,9 @@ def list_(ctx: click.Context, as_json: bool) -> None:
     console.print(table)
 
 
-def _force(
-    ctx: click.Context, name: str, state: BreakerState | None, action: str, actor: str | None
-) -> None:
-    app = ctx.obj.app
-    with audit.action(app.ledger, action, f"breaker:{name}", actor=audit.current_actor(actor)):
-        app.breakers[name].force(state)
-    console.print(f"breaker {name}: {action}")
+def _force(ctx: click.Context, name: str, action: str, actor: str | None) -> None:
+    label = force_breaker(ctx.obj.app, name, action, actor=audit.current_actor(actor))
+    console.print(f"breaker {name}: {label}")
 
 
 @breakers.command(name="open")
@@ -68,7 +64,7 @@ def _force(
 @click.pass_context
 def open_(ctx: click.Context, name: str, actor_name: str | None) -> None:
     """Force NAME open (tasks using it are deferred) until `clear`."""
-    _force(ctx, name, BreakerState.OPEN, "forced open", actor_name)
+    _force(ctx, name, "open", actor_name)
 
 
 @breakers.command()
@@ -77,7 +73,7 @@ def open_(ctx: click.Context, name: str, actor_name: str | None) -> None:
 @click.pass_context
 def close(ctx: click.Context, name: str, actor_name: str | None) -> None:
     """Force NAME closed (calls go through whatever happens) until `clear`."""
-    _force(ctx, name, BreakerState.CLOSED, "forced closed", actor_name)
+    _force(ctx, name, "close", actor_name)
 
 
 @breakers.command()
@@ -86,7 +82,7 @@ def close(ctx: click.Context, name: str, actor_name: str | None) -> None:
 @click.pass_context
 def clear(ctx: click.Context, name: str, actor_name: str | None) -> None:
     """Remove a forced state: the breaker decides again from its counts."""
-    _force(ctx, name, None, "force cleared", actor_name)
+    _force(ctx, name, "clear", actor_name)
 
 
 def _when(value: float | None) -> str:

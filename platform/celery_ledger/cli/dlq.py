@@ -15,6 +15,7 @@ from rich.table import Table
 
 from .. import audit
 from ..deadletter import PAGE_SIZE
+from ..operations import purge_dead, replay_dead
 from .options import actor_option
 
 console = Console(soft_wrap=True)
@@ -259,18 +260,9 @@ def replay(
     actor = audit.current_actor(actor_name)
     with Progress(console=console, transient=True, disable=as_json or bool(ident)) as progress:
         bar = progress.add_task("replaying", total=None)
-        for doc in docs:
-            if dry_run:
-                outcome = dead.replay(doc, dry_run=True, actor=actor, force_unsigned=force_unsigned)
-            else:  # audited before it runs, its outcome after
-                details = {"force_unsigned": True} if force_unsigned else {}
-                with audit.action(
-                    ctx.obj.app.ledger, "replay", str(doc["_id"]), actor=actor, **details
-                ) as e:
-                    outcome = dead.replay(
-                        doc, dry_run=False, actor=actor, force_unsigned=force_unsigned
-                    )
-                    e.note(replayed=outcome.replayed, detail=outcome.detail, forced=outcome.forced)
+        for outcome in replay_dead(
+            ctx.obj.app, docs, actor=actor, dry_run=dry_run, force_unsigned=force_unsigned
+        ):
             outcomes.append(outcome)
             progress.advance(bar)
     if as_json:
@@ -310,25 +302,16 @@ def purge(
     if not yes:
         what = "every dead record" if not (task_name or reason or since) else "dead records"
         click.confirm(f"Delete {len(docs)} {what} for good?", abort=True)
-    actor = audit.current_actor(actor_name)
-    selected = [str(d["_id"]) for d in docs]
-    with audit.action(
-        ctx.obj.app.ledger,
-        "purge",
-        f"{len(selected)} dead records",
-        actor=actor,
+    purged = purge_dead(
+        ctx.obj.app,
+        docs,
+        actor=audit.current_actor(actor_name),
         filters={"task": task_name, "reason": reason, "since": since},
-        selected_ids=selected,
-    ) as entry:
-        # A record replayed since it was listed is no longer dead and stays: the outcome lists
-        # the ids actually removed, and those selected but left.
-        removed = dead.purge_ids(docs, actor=actor)
-        left = sorted(set(selected) - set(removed))
-        entry.note(purged=len(removed), record_ids=removed, left_ids=left)
-    console.print(f"purged {len(removed)} dead records")
-    if left:
+    )
+    console.print(f"purged {len(purged.removed)} dead records")
+    if purged.left:
         console.print(
-            f"{len(left)} of the {len(selected)} selected were no longer dead (replayed or"
+            f"{len(purged.left)} of the {len(docs)} selected were no longer dead (replayed or"
             " purged meanwhile) and were left as they are"
         )
 

@@ -1,0 +1,129 @@
+"""Is the platform up? The checks behind ``celery -A APP ledger health`` and the console.
+
+Each with a short timeout: the broker (PING), the ledger (ping and a read), workers per tier
+(``inspect active_queues``: which tiers have a worker consuming), open breakers (reported, never
+failing). A required tier without a worker is down.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from .ledger.store import Ledger
+
+Status = Literal["ok", "warn", "down", "skipped"]
+
+
+@dataclass
+class Check:
+    name: str
+    status: Status
+    detail: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def tier_checks(
+    active_queues: Mapping[str, Iterable[Mapping[str, Any]]] | None,
+    tiers: Iterable[str],
+    required: Iterable[str],
+    queue_of: Callable[[str], str] = lambda tier: tier,
+) -> list[Check]:
+    """One check per tier from ``inspect().active_queues()``; a required tier needs a worker.
+
+    ``queue_of`` names a tier's queue (the app's ``tiers.queue``)."""
+    needed = set(required)
+    by_tier: dict[str, list[str]] = {tier: [] for tier in tiers}
+    tier_of_queue = {queue_of(tier): tier for tier in by_tier}
+    for worker, queues in sorted((active_queues or {}).items()):
+        for queue in queues or ():
+            tier = tier_of_queue.get(str(queue.get("name")))
+            if tier is not None:
+                by_tier[tier].append(worker)
+    checks = []
+    for tier, workers in by_tier.items():
+        if workers:
+            status: Status = "ok"
+            detail = f"{len(workers)} worker(s): {', '.join(workers)}"
+        else:
+            status = "down" if tier in needed else "warn"
+            detail = "no worker consuming" + ("" if tier in needed else " (not required)")
+        checks.append(Check(f"tier {tier}", status, detail, {"workers": workers}))
+    return checks
+
+
+def run_checks(app: Any, *, required: Iterable[str], timeout: float) -> list[Check]:
+    checks = [_timed("broker", lambda: _broker(app, timeout))]
+    broker_up = checks[0].status == "ok"
+    checks.append(_timed("ledger", lambda: _ledger(app, timeout)))
+    tiers = list(app.tiers.names)
+    if broker_up:
+        try:
+            active = app.control.inspect(timeout=timeout).active_queues()
+        except Exception as exc:
+            checks.append(Check("workers", "down", f"inspect failed: {exc}"))
+        else:
+            checks.extend(tier_checks(active, tiers, required, app.tiers.queue))
+        checks.append(_timed("breakers", lambda: _breakers(app)))
+    else:
+        required_tiers = set(required)
+        for tier in tiers:
+            status: Status = "down" if tier in required_tiers else "skipped"
+            checks.append(Check(f"tier {tier}", status, "unknown: the broker is down"))
+    return checks
+
+
+def _timed(name: str, check: Callable[[], tuple[Status, str, dict[str, Any]]]) -> Check:
+    started = time.monotonic()
+    try:
+        status, detail, data = check()
+    except Exception as exc:
+        status, detail, data = "down", f"{type(exc).__name__}: {exc}", {}
+    data["ms"] = round((time.monotonic() - started) * 1000, 1)
+    return Check(name, status, detail, data)
+
+
+def _broker(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
+    client = redis.Redis.from_url(
+        app.settings.broker_url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),  # one attempt: the timeout is the budget
+    )
+    try:
+        client.ping()
+    finally:
+        client.close()
+    return "ok", "PING answered", {}
+
+
+def _ledger(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
+    settings = app.settings
+    ledger = Ledger(
+        uri=settings.mongo_uri,
+        database=settings.mongo_db,
+        collection=settings.ledger_collection,
+        timeout_ms=max(int(timeout * 1000), 100),
+    )
+    try:
+        ledger.ping()
+        dead = ledger.count_dead()  # a read: credentials and database work
+    finally:
+        ledger.close()
+    detail = f"ping and read ok; {dead} dead letter(s)"
+    return ("warn" if dead else "ok"), detail, {"dead_letters": dead}
+
+
+def _breakers(app: Any) -> tuple[Status, str, dict[str, Any]]:
+    statuses = app.breakers.statuses()
+    not_closed = {s.name: s.state.value for s in statuses if s.state.value != "closed"}
+    if not not_closed:
+        return "ok", f"{len(statuses)} breaker(s), none open", {"open": {}}
+    detail = ", ".join(f"{name} {state}" for name, state in sorted(not_closed.items()))
+    return "warn", detail, {"open": not_closed}

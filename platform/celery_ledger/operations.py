@@ -1,0 +1,78 @@
+"""Operator actions, audited: the one implementation behind the CLI and the console.
+
+Each action writes its audit entry before it runs and its outcome after (``audit.action``), so
+an action from the command line and the same action from the web console leave the same trail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import audit
+from .deadletter import ReplayOutcome
+from .policies.breaker import BreakerState
+
+BREAKER_ACTIONS: dict[str, tuple[BreakerState | None, str]] = {
+    "open": (BreakerState.OPEN, "forced open"),
+    "close": (BreakerState.CLOSED, "forced closed"),
+    "clear": (None, "force cleared"),
+}
+
+
+def replay_dead(
+    app: Any,
+    docs: Iterable[dict[str, Any]],
+    *,
+    actor: str,
+    dry_run: bool = False,
+    force_unsigned: bool = False,
+) -> Iterable[ReplayOutcome]:
+    """Replay dead records one by one (a dry run says what would be sent, and changes
+    nothing); each real replay is audited before it is sent. Lazy: the caller may show
+    progress as it goes."""
+    dead = app.dead_letters
+    for doc in docs:
+        if dry_run:
+            yield dead.replay(doc, dry_run=True, actor=actor, force_unsigned=force_unsigned)
+            continue
+        details = {"force_unsigned": True} if force_unsigned else {}
+        with audit.action(app.ledger, "replay", str(doc["_id"]), actor=actor, **details) as e:
+            outcome = dead.replay(doc, dry_run=False, actor=actor, force_unsigned=force_unsigned)
+            e.note(replayed=outcome.replayed, detail=outcome.detail, forced=outcome.forced)
+        yield outcome
+
+
+@dataclass
+class Purged:
+    removed: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)  # no longer dead when purged: kept
+
+
+def purge_dead(
+    app: Any, docs: list[dict[str, Any]], *, actor: str, filters: Mapping[str, Any]
+) -> Purged:
+    """Delete dead records; the audit entry lists every id selected, removed and left."""
+    selected = [str(d["_id"]) for d in docs]
+    with audit.action(
+        app.ledger,
+        "purge",
+        f"{len(selected)} dead records",
+        actor=actor,
+        filters=dict(filters),
+        selected_ids=selected,
+    ) as entry:
+        # A record replayed since it was listed is no longer dead and stays.
+        removed = app.dead_letters.purge_ids(docs, actor=actor)
+        left = sorted(set(selected) - set(removed))
+        entry.note(purged=len(removed), record_ids=removed, left_ids=left)
+    return Purged(removed, left)
+
+
+def force_breaker(app: Any, name: str, action: str, *, actor: str) -> str:
+    """``open``, ``close`` or ``clear`` breaker ``name``, audited; the action's audit name."""
+    state, label = BREAKER_ACTIONS[action]
+    with audit.action(app.ledger, label, f"breaker:{name}", actor=actor):
+        app.breakers[name].force(state)
+    return label
