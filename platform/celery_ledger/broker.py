@@ -23,6 +23,7 @@ import redis
 
 from . import headers
 from .keys import identity_of
+from .untrusted import float_or_none
 
 logger = logging.getLogger("celery_ledger.broker")
 
@@ -173,6 +174,28 @@ class RedisBroker:
                 args=[message.tag, message.queue, message.payload],
             )
         )
+
+
+def oldest_ages(client: redis.Redis, queues: Iterable[str], now: float) -> dict[str, float | None]:
+    """Seconds the oldest message of each queue has waited since it was published (None: the
+    queue is empty, or its oldest message does not say when it was sent). kombu pushes on the
+    left and takes from the right, so the oldest is the last element."""
+    ages: dict[str, float | None] = {}
+    for queue in queues:
+        raw = client.lindex(queue, -1)
+        ages[queue] = None
+        if raw is None:
+            continue
+        try:
+            found = json.loads(raw).get("headers") or {}
+        except (ValueError, AttributeError):
+            continue
+        sent = float_or_none(found.get(headers.SENT_AT)) or float_or_none(
+            found.get(headers.ENQUEUED_AT)
+        )
+        if sent is not None:
+            ages[queue] = max(now - sent, 0.0)
+    return ages
 
 
 def record_id_of(message_headers: Any) -> str | None:

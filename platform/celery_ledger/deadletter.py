@@ -29,10 +29,11 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from kombu.utils import json as kombu_json
@@ -63,6 +64,28 @@ PAGE_SIZE = 500
 def poison_key(app_name: str) -> str:
     """The Redis list of poison messages waiting to be recorded (per app)."""
     return f"{app_name}:ledger:poison"
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def since_of(value: str | None) -> datetime | None:
+    """A ``since`` filter: ``30m``, ``2h``, ``7d`` ago, or an ISO time (UTC if naive).
+
+    Raises:
+        ValueError: neither.
+    """
+    if not value:
+        return None
+    match = _DURATION.match(value.strip())
+    if match:
+        return datetime.now(UTC) - timedelta(seconds=float(match[1]) * _UNITS[match[2]])
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"{value!r}: use 30m, 2h, 7d or an ISO time") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,15 @@ from typing import Any, Literal, TypeVar
 from urllib.parse import unquote_plus
 
 import redis.connection
-from pydantic import Field, SecretStr, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from pymongo import uri_parser
 from pymongo.errors import InvalidURI, PyMongoError
@@ -19,6 +27,24 @@ from .policies.breaker import BreakerConfig
 from .policies.rate_limit import RateLimit
 from .policies.retry import TIER_RETRY_DEFAULTS, RetryPolicy
 from .routing import TIERS
+
+
+class ConsoleUser(BaseModel):
+    """A login of the web console: its password and role."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    password: SecretStr
+    role: Literal["viewer", "operator"] = "viewer"
+
+    @field_validator("password")
+    @classmethod
+    def _password(cls, value: SecretStr) -> SecretStr:
+        text = value.get_secret_value()
+        _not_a_placeholder(text)
+        if len(text) < 12:
+            raise ValueError("a console password needs 12 or more characters")
+        return value
 
 
 class Settings(BaseSettings):
@@ -261,6 +287,22 @@ class Settings(BaseSettings):
         description="Scrape-time gauges (queue depths, delayed set, breakers, ledger counts) are"
         " read at most once per this many seconds, however often the endpoint is scraped.",
     )
+    console_users: dict[str, ConsoleUser] = Field(
+        default_factory=dict,
+        repr=False,
+        description='Who may log in to the web console (JSON), e.g. {"alice": {"password":'
+        ' "...", "role": "operator"}}; roles: viewer (reads), operator (also replays, purges,'
+        " forces breakers, signals workflows). None: the console refuses to start.",
+    )
+    console_secret: SecretStr | None = Field(
+        None,
+        description="Signs the console's session cookies (32+ random characters; unset: a"
+        " random key per start, so a restart logs everyone out).",
+    )
+    console_https_only: bool = Field(
+        False,
+        description="Session cookies only over HTTPS (set it when the console is behind TLS).",
+    )
     sentry_dsn: str | None = Field(
         None,
         repr=False,
@@ -435,6 +477,14 @@ class Settings(BaseSettings):
         user, colon, password = value.get_secret_value().partition(":")
         if not (user and colon and password):
             raise ValueError("metrics auth is user:password, both non-empty")
+        return value
+
+    @field_validator("console_secret")
+    @classmethod
+    def _console_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None
+        _random_secret(value, "the console secret")
         return value
 
     @field_validator("encryption_keys")

@@ -50,6 +50,25 @@ ledger.add_command(keys)
 ledger.add_command(workflows)
 
 
+@ledger.command(name="console")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8077, show_default=True, help="Port to listen on.")
+@click.pass_context
+def console_(ctx: click.Context, host: str, port: int) -> None:
+    """Serve the operator console (logins from LEDGER_CONSOLE_USERS)."""
+    try:
+        import uvicorn
+
+        from ..console import create_console
+    except ImportError as exc:
+        raise click.ClickException(
+            f"the console needs the console extra: pip install 'celery-ledger[console]' ({exc})"
+        ) from exc
+    web = create_console(_app(ctx))
+    console.print(f"console on http://{host}:{port}/", highlight=False)
+    uvicorn.run(web, host=host, port=port, log_level="info", proxy_headers=False)
+
+
 @ledger.command(name="provision-users")
 @click.option("--user", default="ledger", show_default=True, help="The user the app connects as.")
 @click.option(

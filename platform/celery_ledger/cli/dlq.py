@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import click
@@ -14,7 +13,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from .. import audit
-from ..deadletter import PAGE_SIZE
+from ..deadletter import PAGE_SIZE, since_of
 from ..operations import purge_dead, replay_dead
 from .options import actor_option
 
@@ -23,22 +22,14 @@ console = Console(soft_wrap=True)
 # Record ids of one purge go into its audit entry (one document): 20,000 ids stay far below
 # MongoDB's 16 MB document limit.
 PURGE_LIMIT = 20_000
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def parse_since(value: str | None) -> datetime | None:
     """``30m``, ``2h``, ``7d`` ago, or an ISO time (UTC if naive)."""
-    if not value:
-        return None
-    match = _DURATION.match(value.strip())
-    if match:
-        return datetime.now(UTC) - timedelta(seconds=float(match[1]) * _UNITS[match[2]])
     try:
-        parsed = datetime.fromisoformat(value)
+        return since_of(value)
     except ValueError as exc:
-        raise click.BadParameter(f"{value!r}: use 30m, 2h, 7d or an ISO time") from exc
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+        raise click.BadParameter(str(exc)) from exc
 
 
 def _dead_letters(ctx: click.Context) -> Any:

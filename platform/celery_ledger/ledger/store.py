@@ -1375,6 +1375,43 @@ class Ledger:
                         tally.changed_meanwhile += 1 - done.matched_count
         return tallies
 
+    # -- the console's view ---------------------------------------------------------------------
+
+    def finished_per_minute(
+        self, *, minutes: int = 15, limit: int = 50_000
+    ) -> dict[str, dict[str, list[int]]]:
+        """Jobs that ended in each of the last ``minutes`` minutes, by tier and outcome
+        (``succeeded``, ``dead``), oldest minute first. Found through the retention index: a
+        finished record expires a fixed time after it ended (``result_retention`` for a
+        success, ``dead_retention`` for a death), so no index of its own is needed."""
+        now = self.now()
+        window = timedelta(minutes=minutes)
+        counts: dict[str, dict[str, list[int]]] = {}
+        for state, retention in (
+            (State.SUCCEEDED, self.result_retention),
+            (State.DEAD, self.dead_retention),
+        ):
+            low, high = now - window + retention, now + retention
+            with translate_errors("console query"):
+                docs = self.collection.find(
+                    {"expires_at": {"$gte": low, "$lte": high}, "state": state.value},
+                    {"tier": 1, "finished_at": 1},
+                ).limit(limit)
+                for doc in docs:
+                    ended = doc.get("finished_at")
+                    if not isinstance(ended, datetime):
+                        continue
+                    ended = ended if ended.tzinfo else ended.replace(tzinfo=UTC)
+                    age = int((now - ended).total_seconds() // 60)
+                    if not 0 <= age < minutes:
+                        continue
+                    tier = str(doc.get("tier") or "default")
+                    per_state = counts.setdefault(
+                        tier, {"succeeded": [0] * minutes, "dead": [0] * minutes}
+                    )
+                    per_state[state.value][minutes - 1 - age] += 1
+        return counts
+
     # -- the reconciler's view -----------------------------------------------------------------
 
     def expired_leases(self, *, grace_seconds: float, limit: int = 500) -> list[dict[str, Any]]:

@@ -1,0 +1,578 @@
+"""The operator console: overview, jobs, dead letters, breakers, workflows, the audit trail.
+
+How it is built, and why:
+
+- Starlette with Jinja2 templates rendered on the server: a page is HTML the moment it
+  arrives, a form post is a plain HTTP POST, and nothing needs a JavaScript build step or
+  fetches a library at run time. One small script of our own (``static/console.js``) refreshes
+  the overview's panels and asks before destructive actions; the page works without it.
+- It reads and acts through the library, never its own queries: ``operations`` (audited
+  replay, purge, breaker force, the same as the CLI's), ``health``, ``DeadLetters``,
+  ``Ledger``, the workflow handle (whose actions audit themselves).
+- Security: every page needs a login (``LEDGER_CONSOLE_USERS``; no default user, and no
+  console without one); the session is a signed, HTTP-only, same-site cookie; every action
+  is a POST carrying the session's CSRF token (checked in constant time); a viewer reads,
+  only an operator acts; a sensitive task's result, arguments and step results are never
+  shown, as in the CLI; a strict Content-Security-Policy allows only our own script and style.
+  Audit entries name the user as ``<user> [console]``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup
+from starlette.applications import Starlette
+from starlette.datastructures import FormData
+from starlette.middleware import Middleware
+from starlette.middleware.sessions import SessionMiddleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from .. import audit, operations
+from ..broker import oldest_ages
+from ..deadletter import since_of
+from ..errors import ConfigurationError, LedgerError, WorkflowError
+from ..health import run_checks
+from ..keys import derive_task_id
+from ..policies.backpressure import DEFAULT_TIER_LIMITS
+
+HERE = Path(__file__).parent
+SESSION_COOKIE = "ledger_console"
+SESSION_SECONDS = 8 * 3600
+SPARK_MINUTES = 15
+HEALTH_CACHE_SECONDS = 10.0
+LIST_LIMIT = 1000
+SEALED = "[sealed: sensitive task]"
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def actor(user: str) -> str:
+    """How the audit trail names a console user."""
+    return f"{user} [console]"
+
+
+class Forbidden(Exception):
+    """The request may not do this (no CSRF token, or not an operator)."""
+
+
+def create_console(app: Any) -> Starlette:
+    """The console's ASGI app for ``app`` (a celery-ledger app)."""
+    settings = app.settings
+    users = dict(settings.console_users)
+    if not users:
+        raise ConfigurationError(
+            'the console needs at least one login: LEDGER_CONSOLE_USERS=\'{"alice":'
+            ' {"password": "...", "role": "operator"}}\' (roles: viewer, operator)'
+        )
+    secret = (
+        settings.console_secret.get_secret_value()
+        if settings.console_secret is not None
+        else secrets.token_urlsafe(48)
+    )
+    console = _Console(app, users)
+    routes = [
+        Route("/login", console.login_page, methods=["GET"]),
+        Route("/login", console.login, methods=["POST"]),
+        Route("/logout", console.logout, methods=["POST"]),
+        Route("/", console.page(console.overview), methods=["GET"]),
+        Route("/jobs", console.page(console.jobs), methods=["GET"]),
+        Route("/jobs/{record_id:path}", console.page(console.job), methods=["GET"]),
+        Route("/dead", console.page(console.dead), methods=["GET"]),
+        Route("/dead/group/{fingerprint}", console.page(console.dead_group), methods=["GET"]),
+        Route("/dead/replay", console.action(console.replay), methods=["POST"]),
+        Route("/dead/purge", console.action(console.purge), methods=["POST"]),
+        Route("/breakers", console.page(console.breakers), methods=["GET"]),
+        Route("/breakers/{name}/{verb}", console.action(console.force_breaker), methods=["POST"]),
+        Route("/workflows", console.page(console.workflows), methods=["GET"]),
+        Route("/workflows/{workflow_id}", console.page(console.workflow), methods=["GET"]),
+        Route(
+            "/workflows/{workflow_id}/{verb}",
+            console.action(console.workflow_action),
+            methods=["POST"],
+        ),
+        Route("/audit", console.page(console.audit_trail), methods=["GET"]),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+    middleware = [
+        Middleware(
+            SessionMiddleware,
+            secret_key=secret,
+            session_cookie=SESSION_COOKIE,
+            max_age=SESSION_SECONDS,
+            same_site="strict",
+            https_only=settings.console_https_only,
+        )
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders), *middleware])
+
+
+SECURITY_HEADERS = [
+    (
+        b"content-security-policy",
+        b"default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; form-action 'self'",
+    ),
+    (b"x-frame-options", b"DENY"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"cache-control", b"no-store"),
+]
+
+
+class SecurityHeaders:
+    """Adds the console's security headers to every response (a plain ASGI middleware)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], *SECURITY_HEADERS]
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+class _Console:
+    """The console's pages and actions over one app."""
+
+    def __init__(self, app: Any, users: dict[str, Any]) -> None:
+        self.app = app
+        self.users = users
+        self.templates = Environment(
+            loader=FileSystemLoader(HERE / "templates"),
+            autoescape=select_autoescape(["html"]),
+        )
+        self.templates.filters["when"] = _when
+        self.templates.filters["ago"] = _ago
+        self.templates.filters["spark"] = _spark
+        self.templates.filters["as_json"] = lambda value: json.dumps(value, indent=2, default=str)
+        self._health: tuple[float, list[Any]] | None = None
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def render(
+        self, request: Request, name: str, status_code: int = 200, **context: Any
+    ) -> Response:
+        session = request.session
+        html = self.templates.get_template(name).render(
+            user=session.get("user"),
+            role=session.get("role"),
+            csrf=session.get("csrf", ""),
+            path=request.url.path,
+            **context,
+        )
+        return HTMLResponse(html, status_code=status_code)
+
+    def missing(self, request: Request, what: str) -> Response:
+        return self.render(request, "missing.html", status_code=404, what=what)
+
+    def page(self, view: Callable[[Request], Any]) -> Handler:
+        async def handler(request: Request) -> Response:
+            if not request.session.get("user"):
+                return RedirectResponse(f"/login?next={request.url.path}", status_code=303)
+            result: Response = await _threaded(view, request)
+            return result
+
+        return handler
+
+    def action(self, view: Callable[[Request, FormData], Any]) -> Handler:
+        async def handler(request: Request) -> Response:
+            session = request.session
+            if not session.get("user"):
+                return HTMLResponse("log in first", status_code=401)
+            form = await request.form()
+            if not _same(str(form.get("csrf", "")), str(session.get("csrf", ""))):
+                return HTMLResponse("refused: the form's CSRF token is missing or wrong", 403)
+            if session.get("role") != "operator":
+                return HTMLResponse("refused: only an operator may act (you are a viewer)", 403)
+            result: Response = await _threaded(view, request, form)
+            return result
+
+        return handler
+
+    # -- login -----------------------------------------------------------------------------------
+
+    async def login_page(self, request: Request) -> Response:
+        token = request.session.setdefault("login_csrf", secrets.token_urlsafe(32))
+        return self.render(
+            request, "login.html", login_csrf=token, next=_local(request.query_params.get("next"))
+        )
+
+    async def login(self, request: Request) -> Response:
+        form = await request.form()
+        session = request.session
+        if not _same(str(form.get("csrf", "")), str(session.get("login_csrf", ""))):
+            return HTMLResponse("refused: the form's CSRF token is missing or wrong", 403)
+        name, password = str(form.get("user", "")), str(form.get("password", ""))
+        user = self.users.get(name)
+        # Compared in constant time, against a dummy for unknown names too.
+        expected = user.password.get_secret_value() if user else secrets.token_urlsafe(16)
+        if user is None or not _same(password, expected):
+            return self.render(
+                request,
+                "login.html",
+                status_code=401,
+                error="wrong user or password",
+                next="/",
+                login_csrf=session.get("login_csrf", ""),
+            )
+        session.clear()
+        session.update(user=name, role=user.role, csrf=secrets.token_urlsafe(32))
+        return RedirectResponse(_local(str(form.get("next", "/"))), status_code=303)
+
+    async def logout(self, request: Request) -> Response:
+        form = await request.form()
+        if _same(str(form.get("csrf", "")), str(request.session.get("csrf", ""))):
+            request.session.clear()
+        return RedirectResponse("/login", status_code=303)
+
+    # -- overview --------------------------------------------------------------------------------
+
+    def overview(self, request: Request) -> Response:
+        app, runtime = self.app, self.app.runtime
+        settings = app.settings
+        tiers = list(app.tiers.names)
+        queues = {tier: app.tiers.queue(tier) for tier in tiers}
+        problems: list[str] = []
+        depths: dict[str, int] = {}
+        ages: dict[str, float | None] = {}
+        try:
+            depths = runtime.queue_depths.refresh()
+            ages = oldest_ages(runtime.redis, queues.values(), time.time())
+        except Exception as exc:  # shown, never a broken page
+            problems.append(f"broker: {type(exc).__name__}: {exc}")
+        try:
+            finished = app.ledger.finished_per_minute(minutes=SPARK_MINUTES)
+        except LedgerError as exc:
+            finished = {}
+            problems.append(f"ledger: {exc}")
+        throttle = runtime.throttle
+        rows = []
+        for tier in tiers:
+            limit = settings.tier_limits.get(tier) or DEFAULT_TIER_LIMITS.get(tier)
+            depth = depths.get(tier, depths.get(queues[tier], 0))
+            series = finished.get(
+                tier, {"succeeded": [0] * SPARK_MINUTES, "dead": [0] * SPARK_MINUTES}
+            )
+            done, dead = sum(series["succeeded"]), sum(series["dead"])
+            rows.append(
+                {
+                    "tier": tier,
+                    "queue": queues[tier],
+                    "depth": depth,
+                    "oldest": ages.get(queues[tier]),
+                    "succeeded": series["succeeded"],
+                    "dead": series["dead"],
+                    "per_minute": (done + dead) / SPARK_MINUTES,
+                    "failure_rate": dead / (done + dead) if done + dead else 0.0,
+                    "limit": limit,
+                    "backpressure": bool(limit and limit.high_water and depth >= limit.high_water),
+                    "throttled": tier == "bulk" and _quietly(throttle.should_throttle, False),
+                    "throttle_reason": _quietly(throttle.reason, None) if tier == "bulk" else None,
+                }
+            )
+        breakers = _quietly(app.breakers.statuses, [])
+        context = {
+            "rows": rows,
+            "health": self.health(),
+            "open_breakers": [b for b in breakers if b.state.value != "closed"],
+            "problems": problems,
+            "delayed": _quietly(runtime.delayed.pending, None),
+            "minutes": SPARK_MINUTES,
+            "now": datetime.now(UTC),
+        }
+        if request.query_params.get("partial"):
+            return self.render(request, "overview_panels.html", **context)
+        return self.render(request, "overview.html", **context)
+
+    def health(self) -> list[Any]:
+        """The ``ledger health`` checks (cached a few seconds: they ask every worker)."""
+        now = time.monotonic()
+        if self._health is None or now - self._health[0] > HEALTH_CACHE_SECONDS:
+            checks = run_checks(self.app, required=(), timeout=1.0)
+            self._health = (now, checks)
+        return self._health[1]
+
+    # -- jobs ------------------------------------------------------------------------------------
+
+    def jobs(self, request: Request) -> Response:
+        params = request.query_params
+        task, key, ident = params.get("task", ""), params.get("key", ""), params.get("id", "")
+        tasks = sorted(name for name, t in self.app.tasks.items() if hasattr(t, "key_of"))
+        error = None
+        if ident or (task and key):
+            record_id = ident.strip() or derive_task_id(task, key)
+            try:
+                doc = self.app.ledger.resolve(record_id)
+            except LedgerError as exc:
+                doc, error = None, f"ledger: {exc}"
+            if doc is not None:
+                return RedirectResponse(f"/jobs/{doc['_id']}", status_code=303)
+            error = error or "no job with that id, or that task and key"
+        return self.render(
+            request, "jobs.html", tasks=tasks, task=task, key=key, ident=ident, error=error
+        )
+
+    def job(self, request: Request) -> Response:
+        record_id = request.path_params["record_id"]
+        ledger = self.app.ledger
+        doc = ledger.resolve(record_id)
+        if doc is None:
+            return self.missing(request, f"job {record_id}")
+        record = ledger.get_by_id(str(doc["_id"]))
+        sensitive = self._sensitive(str(doc.get("task")))
+        progress = ledger.load_progress(str(doc["_id"]))
+        steps = {
+            name: {
+                "result": SEALED if sensitive else step.get("result"),
+                "skipped": step.get("skipped"),
+                "atomic": step.get("atomic"),
+            }
+            for name, step in (progress.get("steps") or {}).items()
+        }
+        return self.render(
+            request,
+            "job.html",
+            record=record,
+            doc=doc,
+            sensitive=sensitive,
+            result="[sealed: sensitive task]"
+            if sensitive
+            else (record.result_json if record else None),
+            checkpoint=None if sensitive else progress.get("checkpoint"),
+            has_checkpoint=progress.get("checkpoint") is not None,
+            steps=steps,
+            traceback=doc.get("traceback") or "",
+        )
+
+    def _sensitive(self, task: str) -> bool:
+        found = self.app.tasks.get(task)
+        return bool(getattr(found, "sensitive", False))
+
+    # -- dead letters ----------------------------------------------------------------------------
+
+    def _filters(self, source: Any) -> dict[str, str]:
+        return {name: str(source.get(name) or "") for name in ("task", "reason", "since")}
+
+    def _dead_docs(self, filters: dict[str, str]) -> list[dict[str, Any]]:
+        return list(
+            self.app.dead_letters.find(
+                task=filters["task"] or None,
+                reason=filters["reason"] or None,
+                since=since_of(filters["since"] or None),
+                limit=LIST_LIMIT,
+            )
+        )
+
+    def dead(self, request: Request) -> Response:
+        filters = self._filters(request.query_params)
+        error = None
+        try:
+            docs = self._dead_docs(filters)
+        except (LedgerError, ValueError) as exc:  # a bad "since", the ledger down: said so
+            docs, error = [], str(exc)
+        groups = self.app.dead_letters.groups(docs)
+        return self.render(
+            request,
+            "dead.html",
+            groups=groups,
+            filters=filters,
+            total=len(docs),
+            limited=len(docs) >= LIST_LIMIT,
+            error=error,
+        )
+
+    def dead_group(self, request: Request) -> Response:
+        fingerprint = request.path_params["fingerprint"]
+        filters = self._filters(request.query_params)
+        docs = [d for d in self._dead_docs(filters) if str(d.get("fingerprint")) == fingerprint]
+        if not docs:
+            return self.render(
+                request, "missing.html", status_code=404, what="that dead-letter group"
+            )
+        group = self.app.dead_letters.groups(docs)[0]
+        return self.render(request, "dead_group.html", group=group, docs=docs, filters=filters)
+
+    def _selected(self, form: FormData) -> list[dict[str, Any]]:
+        """The dead records a form names: ticked ids, or a whole group under its filters."""
+        ids = [str(i) for i in form.getlist("ids")]
+        if ids:
+            found = [self.app.dead_letters.get(i) for i in ids]
+            return [d for d in found if d is not None]
+        fingerprint = str(form.get("fingerprint", ""))
+        if fingerprint:
+            docs = self._dead_docs(self._filters(form))
+            return [d for d in docs if str(d.get("fingerprint")) == fingerprint]
+        return []
+
+    def replay(self, request: Request, form: FormData) -> Response:
+        docs = self._selected(form)
+        dry_run = form.get("dry_run") == "1"
+        outcomes = list(
+            operations.replay_dead(
+                self.app, docs, actor=actor(request.session["user"]), dry_run=dry_run
+            )
+        )
+        return self.render(
+            request,
+            "replayed.html",
+            outcomes=outcomes,
+            dry_run=dry_run,
+            form_ids=[str(d["_id"]) for d in docs],
+        )
+
+    def purge(self, request: Request, form: FormData) -> Response:
+        docs = self._selected(form)
+        if form.get("confirm") != "yes":
+            return self.render(request, "purge_confirm.html", docs=docs)
+        purged = operations.purge_dead(
+            self.app,
+            docs,
+            actor=actor(request.session["user"]),
+            filters={"ids": [str(d["_id"]) for d in docs]},
+        )
+        return self.render(request, "purged.html", purged=purged)
+
+    # -- breakers --------------------------------------------------------------------------------
+
+    def breakers(self, request: Request) -> Response:
+        return self.render(request, "breakers.html", statuses=self.app.breakers.statuses())
+
+    def force_breaker(self, request: Request, form: FormData) -> Response:
+        name, verb = request.path_params["name"], request.path_params["verb"]
+        if verb not in operations.BREAKER_ACTIONS:
+            return HTMLResponse(f"unknown action {verb!r}", status_code=404)
+        operations.force_breaker(self.app, name, verb, actor=actor(request.session["user"]))
+        return RedirectResponse("/breakers", status_code=303)
+
+    # -- workflows -------------------------------------------------------------------------------
+
+    def workflows(self, request: Request) -> Response:
+        status = request.query_params.get("status") or None
+        log = self.app.workflow_engine.log
+        return self.render(
+            request,
+            "workflows.html",
+            docs=log.listing(status=status, limit=200),
+            counts=log.count_by_status(),
+            status=status or "",
+        )
+
+    def workflow(self, request: Request) -> Response:
+        workflow_id = request.path_params["workflow_id"]
+        handle = self.app.workflow_handle(workflow_id)
+        try:
+            status = handle.status()
+        except WorkflowError:
+            return self.render(
+                request, "missing.html", status_code=404, what=f"workflow {workflow_id}"
+            )
+        return self.render(
+            request, "workflow.html", status=status, events=handle.history(), id=workflow_id
+        )
+
+    def workflow_action(self, request: Request, form: FormData) -> Response:
+        workflow_id, verb = request.path_params["workflow_id"], request.path_params["verb"]
+        handle = self.app.workflow_handle(workflow_id)
+        who = actor(request.session["user"])
+        if verb == "signal":
+            try:
+                payload = json.loads(str(form.get("payload") or "null"))
+            except ValueError as exc:
+                return HTMLResponse(f"the payload is not JSON: {exc}", status_code=400)
+            handle.signal(str(form.get("name", "")), payload, actor=who)
+        elif verb == "cancel":
+            handle.cancel(str(form.get("reason", "")), actor=who)
+        elif verb == "retry":
+            step = str(form.get("from_step") or "").strip()
+            handle.retry(int(step) if step else None, actor=who)
+        else:
+            return HTMLResponse(f"unknown action {verb!r}", status_code=404)
+        return RedirectResponse(f"/workflows/{workflow_id}", status_code=303)
+
+    # -- audit -----------------------------------------------------------------------------------
+
+    def audit_trail(self, request: Request) -> Response:
+        entries = audit.entries(self.app.ledger, limit=200)
+        shown = ("action", "target", "actor", "outcome", "at", "ended_at")
+        for entry in entries:
+            entry["details"] = {k: v for k, v in entry.items() if k not in shown}
+        return self.render(request, "audit.html", entries=entries)
+
+
+async def _threaded(view: Callable[..., Any], *args: Any) -> Any:
+    """Run a view in a thread: the library's calls block (MongoDB, Redis)."""
+    from starlette.concurrency import run_in_threadpool
+
+    return await run_in_threadpool(view, *args)
+
+
+def _same(given: str, expected: str) -> bool:
+    return bool(expected) and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def _local(target: str | None) -> str:
+    """A redirect target on this site only (never another host: an open redirect)."""
+    if not target or not target.startswith("/") or target.startswith("//"):
+        return "/"
+    return target
+
+
+def _quietly(call: Callable[[], Any], default: Any) -> Any:
+    try:
+        return call()
+    except Exception:
+        return default
+
+
+def _when(value: Any) -> str:
+    if isinstance(value, datetime):
+        aware = value if value.tzinfo else value.replace(tzinfo=UTC)
+        return aware.strftime("%Y-%m-%d %H:%M:%S UTC")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return "" if value is None else str(value)
+
+
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _spark(values: list[int], width: int = 120, height: int = 24) -> Markup:
+    """An inline SVG polyline of ``values`` (drawn here: no charting script needed)."""
+    if not values:
+        return Markup("")
+    top = max(max(values), 1)
+    step = width / max(len(values) - 1, 1)
+    points = " ".join(
+        f"{i * step:.1f},{height - 2 - (v / top) * (height - 4):.1f}" for i, v in enumerate(values)
+    )
+    return Markup(
+        f'<svg class="spark" width="{width}" height="{height}" viewBox="0 0 {width} {height}"'
+        f' role="img" aria-label="{sum(values)} in {len(values)} minutes">'
+        f'<polyline fill="none" stroke="currentColor" stroke-width="1.5" points="{points}"/></svg>'
+    )
