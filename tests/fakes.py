@@ -193,9 +193,12 @@ class MemoryLedger:
                 doc |= {"slo_at": slo_at, "slo_seconds": slo_seconds}
         state = doc.get("state")
         # A success is claimable again only while a degraded result awaits its replacement.
+        pending = (doc.get("degraded") or {}).get("replace_at") is not None
         if state == State.SUCCEEDED and doc["claimable_at"] > now:
-            doc["duplicates"] = doc.get("duplicates", 0) + 1
             self._leave(fault)
+            if pending:  # a degraded result's replacement, early: back when it is due
+                return Claim(ClaimOutcome.BUSY, retry_at=doc["claimable_at"])
+            doc["duplicates"] = doc.get("duplicates", 0) + 1
             return Claim(ClaimOutcome.DUPLICATE)
         if state == State.DEAD:
             self._leave(fault)
@@ -308,7 +311,7 @@ class MemoryLedger:
         if degraded is not None:
             fields["degraded"] = {**degraded, "at": now, "replace_at": replace_at}
             if replace_at is not None:
-                fields["claimable_at"] = replace_at
+                fields |= {"claimable_at": replace_at, "attempts": 0}
         self._end_attempt("complete", record_id, fence, op, fields, atomic_steps=atomic_steps)
         doc = self.docs[record_id]
         doc.pop("slo_at", None)
@@ -316,7 +319,7 @@ class MemoryLedger:
             doc["replaced_degraded"] = doc.pop("degraded")
 
     def keep_degraded(
-        self, record_id: str, fence: int, error: Any, *, op: str, reason: str
+        self, record_id: str, fence: int, error: Any | None, *, op: str, reason: str
     ) -> None:
         now = self.now()
         degraded = dict(self.docs.get(record_id, {}).get("degraded") or {})
@@ -327,7 +330,7 @@ class MemoryLedger:
             fence,
             op,
             {"state": State.SUCCEEDED.value, **self._ended(now, FOREVER), "degraded": degraded},
-            push=error.model_dump(),
+            push=None if error is None else error.model_dump(),
         )
 
     def remember(self, task: str, cache_key: str, result_json: str) -> None:
@@ -414,11 +417,12 @@ class MemoryLedger:
             push=error.model_dump(),
         )
 
-    def release(self, record_id: str, fence: int, *, op: str) -> None:
+    def release(self, record_id: str, fence: int, *, op: str, refund_attempt: bool = False) -> None:
         now = self.now()
-        self._end_attempt(
-            "release", record_id, fence, op, {"state": State.QUEUED.value, **self._ended(now, now)}
-        )
+        fields: dict[str, Any] = {"state": State.QUEUED.value, **self._ended(now, now)}
+        if refund_attempt:
+            fields["attempts"] = self.docs.get(record_id, {}).get("attempts", 1) - 1
+        self._end_attempt("release", record_id, fence, op, fields)
 
     def _bury_fields(self, doc: dict[str, Any], dead: DeadJob) -> None:
         now = self.now()
@@ -481,6 +485,7 @@ class MemoryLedger:
             and doc.get("task") == task
             and doc.get("key") == key
             and doc.get("state") in (State.QUEUED, State.RETRYING)
+            and doc.get("degraded") is None
         ):
             self._bury_fields(doc, dead)
             self._leave(fault)
@@ -586,7 +591,14 @@ class MemoryLedger:
         }
 
     def enqueue(
-        self, record_id: str, *, task: str, key: str, tier: str, message: KeptMessage
+        self,
+        record_id: str,
+        *,
+        task: str,
+        key: str,
+        tier: str,
+        message: KeptMessage,
+        objective: dict[str, Any] | None = None,
     ) -> EnqueueOutcome:
         fault = self._enter("enqueue")
         doc = self.docs.get(record_id)
@@ -595,6 +607,7 @@ class MemoryLedger:
                 "_id": record_id,
                 **self._queued(task, key, tier),
                 "message": message.document(),
+                **(objective or {}),
             }
             self._leave(fault)
             return EnqueueOutcome.NEW
@@ -610,10 +623,20 @@ class MemoryLedger:
             doc.update(unpublished_at=self.now(), updated_at=EPOCH)
 
     def record_deferral(
-        self, record_id: str, *, task: str, key: str, tier: str, reason: str, until: datetime
+        self,
+        record_id: str,
+        *,
+        task: str,
+        key: str,
+        tier: str,
+        reason: str,
+        until: datetime,
+        objective: dict[str, Any] | None = None,
     ) -> None:
         self._enter("record_deferral")
-        doc = self.docs.setdefault(record_id, {"_id": record_id, **self._queued(task, key, tier)})
+        doc = self.docs.setdefault(
+            record_id, {"_id": record_id, **self._queued(task, key, tier), **(objective or {})}
+        )
         doc["deferrals"] = doc.get("deferrals", 0) + 1
         doc["last_deferral"] = {"reason": reason, "until": until, "at": self.now()}
 

@@ -285,7 +285,6 @@ LEDGER_HEADER_CHECKS: dict[str, Check] = {
     ledger_headers.WORKFLOW: _optional(_ledger_key),
     ledger_headers.WORKFLOW_TIER: _optional(_text),
     ledger_headers.SIGNATURE: _optional(_text),
-    ledger_headers.REPLACING: _optional(_flag),
 }
 LEDGER_HEADER_PREFIX = "ledger_"
 

@@ -54,6 +54,7 @@ from .fallbacks import Fallbacks
 from .keys import Identity
 from .ledger.dead import DeadJob, DeadLetter, error_entry, format_traceback
 from .ledger.message import KeptMessage
+from .ledger.record import ErrorEntry
 from .ledger.store import ClaimOutcome, Fenced, HeldBy, Unclaimed, new_op
 from .policies.backoff import backoff_seconds
 from .policies.breaker import Admission, CircuitBreaker
@@ -113,8 +114,6 @@ class Delivery:
     enqueued_at: float | None = None
     expires: datetime | None = None
     wants_result: bool = False  # a chain or callbacks follow: a duplicate returns the result
-    # The message says it runs the real job to replace a degraded result (headers.REPLACING).
-    replacing: bool = False
 
     @property
     def record_id(self) -> str:
@@ -152,10 +151,10 @@ class Body(Protocol):
         """Run the task's body with the delivery's arguments."""
 
     def defer(
-        self, delay_seconds: float, message_headers: dict[str, Any], *, retries: int | None = None
+        self, delay_seconds: float, message_headers: dict[str, Any], *, fresh: bool = False
     ) -> None:
         """Publish the message again to arrive after ``delay_seconds`` (raises on failure);
-        ``retries``: the copy's retry count (default: this delivery's)."""
+        ``fresh``: as a new run (no retries used; no chain, callbacks, group or expiry)."""
 
     def retry(
         self, exc: BaseException, delay_seconds: float, message_headers: dict[str, Any]
@@ -242,7 +241,11 @@ class Guard:
         instead: tuple[Trigger, float | None] | None = None
         if admission is not None and not admission.allowed:
             fallback = policy.fallback
-            if fallback is None or not fallback.applies("circuit-open") or delivery.replacing:
+            if (
+                fallback is None
+                or not fallback.applies("circuit-open")
+                or self._degraded_already(delivery)
+            ):
                 return self._circuit_open_before_claim(delivery, policy, body, breaker, admission)
             # Claimed to serve the fallback instead of waiting (the dependency is not called).
             instead, breaker, admission = ("circuit-open", admission.retry_at), None, None
@@ -261,8 +264,7 @@ class Guard:
                 message=delivery.kept(self.runtime.sealer if policy.sensitive else None),
                 max_attempts=policy.max_attempts,
                 alias=delivery.identity.alias,
-                slo_at=self._objective(delivery, policy),
-                slo_seconds=policy.slo_seconds,
+                **self._objective(delivery, policy),
             )
         except LedgerUnavailable as exc:
             return self._ledger_unavailable_at_claim(delivery, body, exc)
@@ -290,15 +292,47 @@ class Guard:
             return self._defer(delivery, body, delay, "leased by another delivery")
         if claim.outcome is ClaimOutcome.CONFLICT:
             return self._conflict(delivery, policy)
-        attempt = Attempt(self, delivery, policy, body, claim.fence, breaker, admission)
+        replacing = False
+        if policy.fallback is not None:
+            try:
+                replacing = self._replacing(delivery.record_id, claim.fence)
+            except LedgerError as exc:  # not knowing, it must not run: back when it answers
+                self._release_claim(delivery.record_id, claim.fence)
+                if isinstance(exc, LedgerUnavailable):
+                    return self._ledger_unavailable_at_claim(delivery, body, exc)
+                return Verdict.requeue(f"could not read the claimed record: {exc}")
+        attempt = Attempt(
+            self, delivery, policy, body, claim.fence, breaker, admission, replacing=replacing
+        )
         return attempt.run(instead=instead)
 
-    def _objective(self, delivery: Delivery, policy: TaskPolicy) -> datetime | None:
+    def _objective(self, delivery: Delivery, policy: TaskPolicy) -> dict[str, Any]:
         """When the job is late (its objective from its first publish), for a new record."""
-        if policy.slo_seconds is None or delivery.replacing:
-            return None
-        since = delivery.enqueued_at if delivery.enqueued_at is not None else time.time()
-        return datetime.fromtimestamp(since + policy.slo_seconds, UTC)
+        return objective(policy.slo_seconds, delivery.enqueued_at)
+
+    def _degraded_already(self, delivery: Delivery) -> bool:
+        """Whether the job's record holds a degraded result (read only while the breaker is
+        open, for a task with a fallback): then this delivery is its replacement, which waits
+        for the breaker instead of serving the fallback again. Unknown counts as degraded (it
+        waits, as a task without a fallback does)."""
+        try:
+            doc = self.ledger.find_raw(delivery.record_id)
+        except LedgerError:
+            return True
+        return doc is not None and doc.get("degraded") is not None
+
+    def _replacing(self, record_id: str, fence: int) -> bool:
+        """Whether this claim took over a degraded result (then the attempt is its replacement:
+        it never serves the fallback again, and a failure keeps the degraded result). Read from
+        the record itself, once per claim of a task with a fallback."""
+        doc = self.ledger.find_raw(record_id)
+        return doc is not None and doc.get("fence") == fence and doc.get("degraded") is not None
+
+    def _release_claim(self, record_id: str, fence: int) -> None:
+        try:
+            self.ledger.release(record_id, fence, op=new_op(), refund_attempt=True)
+        except LedgerError as exc:
+            logger.info("could not release %s now (%s); its lease will end", record_id, exc)
 
     def oversized(self, delivery: Delivery) -> str | None:
         """Why the message's arguments are over the limit (published around our API), or None."""
@@ -403,10 +437,17 @@ class Guard:
     ) -> Verdict:
         """While the task's breaker is open, put the delivery off without claiming."""
         assert breaker is not None
-        return self.wait_for_breaker(delivery, body, breaker.name, admission.retry_at)
+        return self.wait_for_breaker(
+            delivery, body, breaker.name, admission.retry_at, policy.slo_seconds
+        )
 
     def wait_for_breaker(
-        self, delivery: Delivery, body: Body, name: str, retry_at: float | None
+        self,
+        delivery: Delivery,
+        body: Body,
+        name: str,
+        retry_at: float | None,
+        slo_seconds: float | None = None,
     ) -> Verdict:
         """Put the delivery off until breaker ``name`` lets calls through (noted on the
         record, so that its readers see why it waits)."""
@@ -419,6 +460,7 @@ class Guard:
                 tier=delivery.tier,
                 reason=f"circuit {name!r} open",
                 until=datetime.fromtimestamp(retry_at, UTC),
+                objective=objective(slo_seconds, delivery.enqueued_at),
             )
         except LedgerError as exc:
             logger.warning("could not record the deferral of %s: %s", delivery.record_id, exc)
@@ -583,8 +625,12 @@ class Attempt:
         fence: int,
         breaker: CircuitBreaker | None,
         admission: Admission | None,
+        *,
+        replacing: bool = False,
     ) -> None:
         self.guard = guard
+        # The claim took over a degraded result: this attempt is its replacement.
+        self.replacing = replacing
         self.ledger = guard.ledger
         self.delivery = delivery
         self.policy = policy
@@ -604,7 +650,8 @@ class Attempt:
         """Run the body; or with ``instead`` (a fallback's trigger that happened before the
         claim, and when the dependency may be called again) serve the fallback."""
         self.guard.observers.claimed(self.delivery.job, self.fence)
-        expired = self._expiry_reason()
+        # A replacement's age is its degraded result's: it runs whatever the first publish's age.
+        expired = None if self.replacing else self._expiry_reason()
         if expired is not None:
             return self._settle(lambda: self.retired(expired, Verdict.ack("expired")))
         lease = self.policy.lease_seconds
@@ -648,9 +695,13 @@ class Attempt:
         served = self.degrade(trigger, None, retry_at)
         if served is not None:
             return served
-        self._release_quietly()
+        # No option could serve: the claim is given back as if never taken (waiting for the
+        # breaker costs no attempt, as it does not for a task without a fallback).
+        self._release_quietly(refund_attempt=True)
         name = self.policy.breaker or "?"
-        return self.guard.wait_for_breaker(self.delivery, self.body, name, retry_at)
+        return self.guard.wait_for_breaker(
+            self.delivery, self.body, name, retry_at, self.policy.slo_seconds
+        )
 
     def _settle(self, outcome: Callable[[], Verdict]) -> Verdict:
         try:
@@ -743,6 +794,7 @@ class Attempt:
                 key=self.delivery.identity.key,
                 call=self._call(),
                 stored=stored,
+                sensitive=self.policy.sensitive,
             )
         self.guard.observers.succeeded(self.delivery.job, self.guard.monotonic() - self.started)
         if late is not None:
@@ -752,7 +804,7 @@ class Attempt:
     def _late(self) -> float | None:
         """The job's age if it finishes past its latency objective (else None)."""
         slo, since = self.policy.slo_seconds, self.delivery.enqueued_at
-        if slo is None or since is None or self.delivery.replacing:
+        if slo is None or since is None or self.replacing:
             return None
         age = time.time() - since
         return age if age > slo else None
@@ -780,12 +832,16 @@ class Attempt:
         this attempt is itself a replacement (it keeps the degraded result it replaces), or no
         option could serve."""
         fallback = self.policy.fallback
-        if fallback is None or not fallback.applies(trigger) or self.delivery.replacing:
+        if fallback is None or not fallback.applies(trigger) or self.replacing:
             return None
         assert trigger is not None
         identity = self.delivery.identity
         served = self.guard.fallbacks.serve(
-            fallback, task=identity.task, key=identity.key, call=self._call()
+            fallback,
+            task=identity.task,
+            key=identity.key,
+            call=self._call(),
+            sensitive=self.policy.sensitive,
         )
         if served is None:
             return None
@@ -826,29 +882,22 @@ class Attempt:
         return Call(self.delivery.args, self.delivery.kwargs, named)
 
     def _schedule_replacement(self, delay: float) -> None:
-        """Publish the job again, as the replacement of its degraded result. A lost publish is
-        not a lost replacement: the record is claimable from its ``replace_at``, and the
-        reconciler republishes it from its kept message once it has waited its stale time."""
-        message_headers = self.delivery.republish_headers(
-            **{headers.REPLACING: True, headers.DEFERRALS: 0}
-        )
+        """Publish the job again, as the replacement of its degraded result: a fresh run (no
+        retries used, no chain or callbacks: those ran with the degraded result, once). A lost
+        publish is not a lost replacement: the record is claimable from its ``replace_at``, and
+        the reconciler republishes it from its kept message once it has waited its stale time;
+        whichever delivery claims it is the replacement (the record says so)."""
+        message_headers = self.delivery.republish_headers(**{headers.DEFERRALS: 0})
         message_headers.pop(headers.PREVIOUS_DELAY, None)
         try:
-            self.body.defer(delay, message_headers, retries=0)
+            self.body.defer(delay, message_headers, fresh=True)
         except Exception as exc:
             logger.warning("replacement of degraded %s not published now: %s", self.record_id, exc)
 
-    def replacement_failed(self, exc: BaseException, reason: str) -> Verdict | None:
-        """A replacement of a degraded result failed for good: the degraded result stands (the
-        failure is kept in the error history). None if the record holds no degraded result
-        (the header lied, or it was not degraded): then the job is dead as any other."""
-        try:
-            doc = self.ledger.find_raw(self.record_id)
-        except LedgerError:
-            doc = None
-        if doc is None or doc.get("degraded") is None or doc.get("fence") != self.fence:
-            return None
-        error = self._error(exc, "kept degraded")
+    def _keep_degraded(self, reason: str, error: ErrorEntry | None) -> None:
+        """The replacement of a degraded result ends without a result of its own (it failed
+        for good, ran out of time, was rejected...): the degraded result stands, and the
+        failure is kept in the error history. Not a dead letter: the job has its answer."""
         op = new_op()
         self._persist(
             lambda: self.ledger.keep_degraded(
@@ -862,7 +911,6 @@ class Attempt:
             reason,
             extra=self.context,
         )
-        return Verdict.ack(f"replacement failed, degraded result kept: {reason}")
 
     def retry(self, retry: Retry) -> Verdict:
         """The body (or Celery's autoretry) asked for a retry, already published by Celery."""
@@ -892,10 +940,6 @@ class Attempt:
         if served is not None:
             return served
         if not decision.retry:
-            if self.delivery.replacing:
-                kept = self.replacement_failed(exc, decision.reason)
-                if kept is not None:
-                    return kept
             return self.dead(exc, reason=decision.reason, verdict=Verdict.raises(exc))
         message_headers = self.delivery.republish_headers(
             **{headers.PREVIOUS_DELAY: decision.delay_seconds}
@@ -943,6 +987,8 @@ class Attempt:
             sensitive=self.policy.sensitive,
         )
         self._bury(job)
+        if self.replacing:  # the job has its (degraded) answer: not a failure to Celery
+            return Verdict.ack(f"replacement failed, degraded result kept: {reason}")
         return verdict or Verdict.raises(exc)
 
     def retired(self, reason: str, verdict: Verdict) -> Verdict:
@@ -961,9 +1007,14 @@ class Attempt:
             self.body.on_retire(reason, artefacts)
         except Exception:
             logger.warning("cleanup of retired %s failed", self.record_id, exc_info=True)
+        if self.replacing:
+            return Verdict.ack(f"replacement retired, degraded result kept: {reason}")
         return verdict
 
     def _bury(self, job: DeadJob) -> None:
+        if self.replacing:  # every way a replacement can die keeps the degraded result
+            self._keep_degraded(job.reason, job.error)
+            return
         op = new_op()
         self._persist(
             lambda: self.ledger.bury(
@@ -1086,10 +1137,12 @@ class Attempt:
         """The atomic steps this attempt's outcome relies on (a success needs them kept)."""
         return tuple(self.execution.atomic_steps) if self.execution is not None else ()
 
-    def _release_quietly(self) -> None:
+    def _release_quietly(self, *, refund_attempt: bool = False) -> None:
         """Give the claim back now if the ledger answers; else its lease ends by itself."""
         try:
-            self.ledger.release(self.record_id, self.fence, op=new_op())
+            self.ledger.release(
+                self.record_id, self.fence, op=new_op(), refund_attempt=refund_attempt
+            )
         except LedgerError as exc:
             logger.info("could not release %s now (%s); its lease will end", self.record_id, exc)
 
@@ -1138,6 +1191,12 @@ class Attempt:
         dead with that reason in a minimal write, so the body never runs again for it."""
         reason = storable(f"the ledger refused the {what}: {exc}")[:2000]
         logger.error("%s: %s", self.record_id, reason)
+        if self.replacing and what != "degraded record":
+            try:
+                self._keep_degraded(reason, None)
+            except _Settled as settled:
+                return settled.verdict
+            return Verdict.raises(PermanentError(reason))
         dead = DeadJob.of_reason("failed", reason, task=self.policy.name, group="unstorable")
         op = new_op()
         try:
@@ -1208,3 +1267,15 @@ def _seconds_until(when: Any, now: datetime) -> float:
     if isinstance(when, int | float) and not isinstance(when, bool):
         return max(float(when), 0.0)
     return 0.0
+
+
+def objective(slo_seconds: float | None, enqueued_at: float | None) -> dict[str, Any]:
+    """The latency objective fields of a new record (``slo_at``, ``slo_seconds``): due
+    ``slo_seconds`` after the job's first publish (or now, when the message does not say)."""
+    if slo_seconds is None:
+        return {}
+    since = enqueued_at if enqueued_at is not None else time.time()
+    return {
+        "slo_at": datetime.fromtimestamp(since + slo_seconds, UTC),
+        "slo_seconds": slo_seconds,
+    }

@@ -21,10 +21,6 @@ SENT_AT = "ledger_sent_at"  # unix time of this publish (queue wait metrics)
 UNRUNNABLE_SINCE = "ledger_unrunnable_since"
 UNRUNNABLE_DEFERRALS = "ledger_unrunnable_deferrals"
 
-# This delivery runs the real job to replace a degraded result (a fallback's): it waits for an
-# open breaker instead of serving the fallback again, and a failure keeps the degraded result.
-REPLACING = "ledger_replacing"
-
 # A workflow's step: the workflow to wake once the step's outcome is recorded, and its tier.
 WORKFLOW = "ledger_workflow"
 WORKFLOW_TIER = "ledger_workflow_tier"

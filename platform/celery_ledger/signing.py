@@ -111,10 +111,6 @@ UNBOUND_HEADERS: dict[str, str] = {
     " is dead-lettered, replayable) or starts it again, for a message no worker here can run",
     ledger_headers.UNRUNNABLE_DEFERRALS: "changed in flight with ledger_unrunnable_since; only"
     " the put-off's backoff, capped at 10 s",
-    ledger_headers.REPLACING: "says a delivery replaces a degraded result; set on another"
-    " job's message it only makes the delivery wait for an open breaker instead of serving the"
-    " task's fallback (what a task without one does), and a failure keeps a degraded result"
-    " only where the ledger's record holds one, which the worker reads before it does",
     "compression": "added by kombu after the signature; it only says how the body is encoded,"
     " and the body the signature covers is the decoded one",
 }

@@ -37,7 +37,7 @@ from .errors import (
     PayloadError,
     RetryNotPublished,
 )
-from .guard import Delivery, Replaced, TaskPolicy, Verdict
+from .guard import Delivery, Replaced, TaskPolicy, Verdict, objective
 from .keys import (
     Identity,
     KeySpec,
@@ -304,8 +304,13 @@ class LedgerTask(Task):  # type: ignore[misc]
         if cls.tier is not None and tiers is not None:
             tiers.check(cls.tier, where=f"task {cls.name or cls.__name__}")
         Fallback.of(cls.fallback)  # a wrong fallback= is an error at definition, not at run
-        if cls.slo_seconds is not None and not cls.slo_seconds > 0:
-            raise ConfigurationError(f"task {cls.name}: slo_seconds must be > 0")
+        slo = cls.slo_seconds
+        if slo is not None and (
+            isinstance(slo, bool)
+            or not isinstance(slo, int | float)
+            or not 0 < slo < 10 * 365 * 86400
+        ):
+            raise ConfigurationError(f"task {cls.name}: slo_seconds must be seconds > 0")
 
     def resolved_retry_policy(self, tier: str | None = None) -> RetryPolicy:
         """Task options over the tier's default (settings may override tier defaults)."""
@@ -338,12 +343,14 @@ class LedgerTask(Task):  # type: ignore[misc]
             soft_time_limit=soft,
             deadline_seconds=self.deadline_seconds,
             fallback=Fallback.of(self.fallback),
-            slo_seconds=(
-                self.slo_seconds
-                if self.slo_seconds is not None
-                else self.app.settings.slo_seconds.get(tier)
-            ),
+            slo_seconds=self._slo_seconds(tier),
         )
+
+    def _slo_seconds(self, tier: str) -> float | None:
+        """The latency objective: the task's, else its tier's."""
+        if self.slo_seconds is not None:
+            return float(self.slo_seconds)
+        return self.app.settings.slo_seconds.get(tier)
 
     @classmethod
     def key_spec(cls) -> KeySpec:
@@ -457,7 +464,6 @@ class LedgerTask(Task):  # type: ignore[misc]
             enqueued_at=float_or_none(request_header(request, headers.ENQUEUED_AT)),
             expires=expiry_of(request.expires),
             wants_result=bool(request.callbacks or request.chain),
-            replacing=request_header(request, headers.REPLACING) is True,
         )
 
     def signature_from_request(
@@ -670,6 +676,7 @@ class LedgerTask(Task):  # type: ignore[misc]
                     key=key,
                     tier=tier,
                     message=self._kept(args, kwargs, message_headers),
+                    objective=objective(self._slo_seconds(tier), time.time()),
                 )
             except LedgerUnavailable as exc:
                 # Publishing never needs the ledger: the claim still runs the job once; only the
@@ -821,10 +828,25 @@ class _Body:
         return self._task.run(*self._delivery.args, **self._delivery.kwargs)
 
     def defer(
-        self, delay_seconds: float, message_headers: dict[str, Any], *, retries: int | None = None
+        self, delay_seconds: float, message_headers: dict[str, Any], *, fresh: bool = False
     ) -> None:
         task = self._task
-        options: dict[str, Any] = {} if retries is None else {"retries": retries}
+        # A fresh run (a degraded result's replacement): no retries used, and none of the
+        # canvas the first run dispatched with its result (it would run twice), no expiry.
+        options: dict[str, Any] = (
+            {
+                "retries": 0,
+                "chain": None,
+                "link": None,
+                "link_error": None,
+                "chord": None,
+                "group_id": None,
+                "group_index": None,
+                "expires": None,
+            }
+            if fresh
+            else {}
+        )
         signature = task.signature_from_request(
             task.request,
             self._delivery.args,

@@ -561,7 +561,10 @@ def test_a_degraded_result_is_claimable_from_its_replace_time_and_replaced_once(
     )
     doc = ledger.find_raw(record_id)
     assert doc["state"] == State.SUCCEEDED and doc["degraded"]["fallback"] == "placeholder"
-    assert claim(ledger, record_id).outcome is ClaimOutcome.DUPLICATE  # not due yet
+    early = claim(ledger, record_id)  # its replacement, early: waits until it is due
+    assert early.outcome is ClaimOutcome.BUSY and early.retry_at is not None
+    assert abs((early.retry_at.replace(tzinfo=UTC) - replace_at).total_seconds()) < 0.002
+    assert ledger.find_raw(record_id).get("duplicates", 0) == 0
 
     clock.advance(31)
     replacement = claim(ledger, record_id, "w:2")
@@ -595,6 +598,15 @@ def test_a_failed_replacement_keeps_the_degraded_result(world: tuple[Any, Clock]
     assert doc["degraded"]["replace_at"] is None and doc["errors"][-1]["type"] == "X"
     clock.advance(3600)
     assert claim(ledger, record_id).outcome is ClaimOutcome.DUPLICATE
+
+
+def test_a_refunded_release_gives_the_attempt_back(world: tuple[Any, Clock]) -> None:
+    ledger, _clock = world
+    record_id = new_id()
+    held = claim(ledger, record_id)
+    ledger.release(record_id, held.fence, op=new_op(), refund_attempt=True)
+    doc = ledger.find_raw(record_id)
+    assert doc["attempts"] == 0 and doc["state"] == State.QUEUED
 
 
 def test_last_good_results_only_move_forward(world: tuple[Any, Clock]) -> None:

@@ -241,7 +241,6 @@ BAD_HEADERS: list[tuple[str, Any, str]] = [
     (ledger_headers.WORKFLOW, "x" * 513, "header 'ledger_workflow' is not a valid key"),
     (ledger_headers.WORKFLOW_TIER, {"a": 1}, "header 'ledger_workflow_tier' is of type dict"),
     (ledger_headers.SIGNATURE, ["v1"], "header 'ledger_signature' is of type list"),
-    (ledger_headers.REPLACING, "yes", "header 'ledger_replacing' is of type str"),
     # names that are not the message's to set
     ("ledger_settled", True, "header 'ledger_settled' is not a header of celery-ledger"),
     ("ledger_run_tier", "bulk", "header 'ledger_run_tier' is not a header of celery-ledger"),
@@ -306,7 +305,6 @@ GOOD_HEADERS: list[tuple[str, Any]] = [
     (ledger_headers.WORKFLOW, "6f1c3a52-5d0e-4c4e-9b59-3f0a6c1d2e77"),
     (ledger_headers.WORKFLOW_TIER, "nowhere"),  # an unknown tier: the wake goes to the default
     (ledger_headers.SIGNATURE, "v1:0123456789ab:00"),  # checked by the consumer, not here
-    (ledger_headers.REPLACING, True),
     # names the worker overwrites, and names of the message's own
     ("hostname", ["anything"]),
     ("is_eager", True),

@@ -75,8 +75,9 @@ def harness(*breakers: Breaker) -> Harness:
 
 
 def replacing_delivery(h: Harness) -> Any:
-    """A delivery of the replacement's message (the Celery adapter reads the header)."""
-    return h.delivery(replacing=True, headers={**h.delivery().headers, headers.REPLACING: True})
+    """A delivery once the replacement is due: any copy of the message (the record, not the
+    message, says that its claim replaces a degraded result)."""
+    return h.delivery()
 
 
 def degraded_run(h: Harness, fallback: Any, body: FakeBody | None = None, **changes: Any) -> Any:
@@ -156,10 +157,10 @@ def test_an_open_breaker_serves_the_fallback_marked_degraded_and_schedules_the_r
     assert record.degraded["fallback"] == "placeholder"
     assert record.degraded["replace_at"] is not None
     assert ("degraded", (h.delivery().job, "circuit-open", "placeholder")) in h.recorder.events
-    # the replacement: the same message, flagged, with a fresh retry budget, due ~when the
-    # breaker lets calls through again
+    # the replacement: the same job as a fresh run (no retries used, no canvas), due about
+    # when the breaker lets calls through again
     ((delay, sent),) = body.deferred
-    assert sent[headers.REPLACING] is True and sent["retries"] == 0
+    assert sent["fresh"] is True
     assert 29 <= delay <= 31
     assert sent[headers.KEY] == KEY
 
@@ -170,9 +171,15 @@ def test_the_real_job_replaces_the_degraded_result_exactly_once() -> None:
     degraded_run(h, Placeholder(PLACEHOLDER))
     real = FakeBody(work=lambda body: {"charged": 7})
 
-    # before it is due, a delivery is a duplicate: the degraded result stands
-    verdict, _ = degraded_run(h, Placeholder(PLACEHOLDER), real)
+    # before it is due, a delivery waits for it (not dropped as a duplicate): the degraded
+    # result stands meanwhile
+    verdict, early = degraded_run(h, Placeholder(PLACEHOLDER), real)
     assert verdict.kind == "ack" and real.runs == 0
+    assert (
+        len(early.deferred) == 1 and h.record["duplicates"] == 0
+        if "duplicates" in h.record
+        else True
+    )
 
     gateway.open = False
     h.clock.advance(31)
@@ -225,16 +232,67 @@ def test_a_replacement_that_fails_for_good_keeps_the_degraded_result() -> None:
     assert h.outbox.raw == []  # not dead-lettered: it has a result
 
 
-def test_a_replacing_header_on_a_job_that_is_not_degraded_changes_nothing() -> None:
-    h = harness(Breaker("gateway"))
-    lying = replacing_delivery(h)
+def test_every_way_a_replacement_can_end_without_a_result_keeps_the_degraded_one() -> None:
+    for body, changes in (
+        (fails(PermanentError("declined")), {}),
+        (fails(ConnectionError("down")), {}),  # its retries run out (it was degraded by them)
+        (FakeBody(work=lambda body: {1, 2}), {}),  # a result JSON cannot hold
+    ):
+        gateway = Breaker("gateway")
+        h = harness(gateway)
+        first = h.delivery(retries=2, enqueued_at=time.time() - 100)
+        degraded_run(h, Placeholder(PLACEHOLDER), fails(ConnectionError("down")), delivery=first)
+        assert h.record["degraded"]["reason"] == "retries-exhausted"
+        h.clock.advance(61)
 
-    verdict, _ = degraded_run(
-        h, Placeholder(PLACEHOLDER), fails(PermanentError("declined")), delivery=lying
+        verdict, _ = degraded_run(
+            h, Placeholder(PLACEHOLDER), body, delivery=h.delivery(retries=2), **changes
+        )
+
+        record = LedgerRecord.model_validate(h.record)
+        assert record.state is State.SUCCEEDED, (body, changes, verdict)
+        assert record.result == PLACEHOLDER and record.degraded is not None
+        assert record.degraded["replacement_failed"]
+        assert h.outbox.raw == []  # never a dead letter: it has its answer
+
+
+def test_a_replacement_runs_whatever_the_first_publishs_age() -> None:
+    h = harness(Breaker("gateway", open_=True))
+    old = h.delivery(enqueued_at=time.time() - 100)
+    degraded_run(h, Placeholder(PLACEHOLDER), delivery=old, max_age_seconds=200.0)
+    h.runtime.breakers["gateway"].open = False
+    h.clock.advance(31)
+
+    verdict, body = degraded_run(
+        h,
+        Placeholder(PLACEHOLDER),
+        delivery=h.delivery(enqueued_at=time.time() - 300),
+        max_age_seconds=200.0,
     )
 
-    assert verdict.kind == "raise"
-    assert h.record["state"] == State.DEAD
+    assert verdict == Verdict.returns({"charged": 7}) and body.runs == 1
+
+
+def test_a_replacement_runs_whatever_attempts_the_degraded_job_spent() -> None:
+    h = harness(Breaker("gateway"))
+    first = h.delivery(retries=2)
+    degraded_run(
+        h, Placeholder(PLACEHOLDER), fails(ConnectionError("down")), delivery=first, max_attempts=3
+    )
+    h.clock.advance(61)
+
+    verdict, body = degraded_run(h, Placeholder(PLACEHOLDER), max_attempts=3)
+
+    assert verdict == Verdict.returns({"charged": 7}) and body.runs == 1
+    assert "degraded" not in h.record
+
+
+def test_waiting_for_a_breaker_with_nothing_to_serve_costs_no_attempt() -> None:
+    h = harness(Breaker("gateway", open_=True))
+    for _ in range(5):
+        verdict, body = degraded_run(h, [LastGood()], max_attempts=3)
+        assert verdict.kind == "ack" and body.runs == 0
+    assert h.record["state"] == State.QUEUED and h.record["attempts"] == 0
 
 
 def test_a_timeout_serves_the_fallback_at_once_instead_of_retrying() -> None:

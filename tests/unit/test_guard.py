@@ -78,12 +78,12 @@ class FakeBody:
         return self.work(self)
 
     def defer(
-        self, delay_seconds: float, message_headers: dict[str, Any], *, retries: int | None = None
+        self, delay_seconds: float, message_headers: dict[str, Any], *, fresh: bool = False
     ) -> None:
         if self.defer_error is not None:
             raise self.defer_error
-        if retries is not None:
-            message_headers = {**message_headers, "retries": retries}
+        if fresh:  # recorded with the headers, for the tests to see
+            message_headers = {**message_headers, "fresh": True}
         self.deferred.append((delay_seconds, message_headers))
 
     def retry(

@@ -54,6 +54,8 @@ SECRETS = [
     ("signing_keys", [SIGNING_KEY, "change-me-{pw}"]),
     ("signing_keys", ["{short}"]),
     ("metrics_auth", ":{pw}"),
+    ("console_secret", "change-me-{pw}"),
+    ("console_secret", "{short}"),
 ]
 COVERED = {field for field, *_ in URLS + SECRETS}
 

@@ -75,6 +75,9 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 DUPLICATE_KEY = 11000
 INDEX_NOT_FOUND = 27
 RECENT_OPS = 4  # operation ids a record keeps (see Ledger._end_attempt)
+# A fallback's last good result outlives the records it came from (a result asked for again
+# after its record expired still has one to fall back on).
+CACHE_RETENTION = timedelta(days=30)
 T = TypeVar("T")
 
 
@@ -502,11 +505,15 @@ class Ledger:
             if doc.get("task") != task or doc.get("key") != key:
                 return Claim(ClaimOutcome.CONFLICT)
             state = doc.get("state")
+            claimable_at: datetime = doc.get("claimable_at") or EPOCH
             if state == State.SUCCEEDED:
+                if _replacement_pending(doc):
+                    if claimable_at > self.now():  # early: back when it is due
+                        return Claim(ClaimOutcome.BUSY, retry_at=claimable_at)
+                    at_least = int(doc.get("fence", 0)) + 1  # due: claim it (a lagging clock)
                 continue  # it finished between our two calls: the next claim counts the duplicate
             if state == State.DEAD:
                 return Claim(ClaimOutcome.DEAD)
-            claimable_at: datetime = doc.get("claimable_at") or EPOCH
             if claimable_at > self.now():
                 return Claim(ClaimOutcome.BUSY, retry_at=claimable_at)
             verdict = self._out_of_budget(doc, task=task, max_attempts=max_attempts)
@@ -620,9 +627,16 @@ class Ledger:
         if claim.error is not None:
             # Not claimable. A duplicate of a finished job is the common reason: count it
             # (the marker modifies the record iff it succeeded); anything else needs a read.
+            # A degraded result awaiting its replacement is not a duplicate's: read it.
             with translate_errors("claim"):
                 marked = self.collection.update_one(
-                    {"_id": record_id, "task": task, "key": key, "state": State.SUCCEEDED.value},
+                    {
+                        "_id": record_id,
+                        "task": task,
+                        "key": key,
+                        "state": State.SUCCEEDED.value,
+                        "degraded.replace_at": None,
+                    },
                     {"$inc": {"duplicates": 1}, "$set": {"last_duplicate_at": now}},
                 )
             return Claim(ClaimOutcome.DUPLICATE) if marked.modified_count == 1 else None
@@ -666,29 +680,32 @@ class Ledger:
         if degraded is not None:
             fields["degraded"] = {**degraded, "at": now, "replace_at": replace_at}
             if replace_at is not None:
-                fields["claimable_at"] = replace_at
+                # Its replacement is a fresh run: a budget of attempts spent getting here
+                # (max_attempts) must not stop it.
+                fields |= {"claimable_at": replace_at, "attempts": 0}
         else:
             # Renaming a field the record does not have changes nothing: one write either way.
             update["$rename"] = {"degraded": "replaced_degraded"}
         self._end_attempt(record_id, fence, op, update, "completion", atomic_steps=atomic_steps)
 
     def keep_degraded(
-        self, record_id: str, fence: int, error: ErrorEntry, *, op: str, reason: str
+        self, record_id: str, fence: int, error: ErrorEntry | None, *, op: str, reason: str
     ) -> None:
         """End a replacement attempt that failed for good: the degraded result stands (the
         record is ``succeeded`` again, not claimable), with the error in its history."""
         now = self.now()
-        update = {
+        update: dict[str, Any] = {
             "$set": {
                 "state": State.SUCCEEDED.value,
                 **self._ended(now, FOREVER),
                 "degraded.replace_at": None,
                 "degraded.replacement_failed": reason[:2000],
-            },
-            "$push": {
-                "errors": {"$each": [error.model_dump()], "$slice": -self.error_history_limit}
-            },
+            }
         }
+        if error is not None:
+            update["$push"] = {
+                "errors": {"$each": [error.model_dump()], "$slice": -self.error_history_limit}
+            }
         self._end_attempt(record_id, fence, op, update, "degraded record")
 
     # -- fallbacks' last good results -----------------------------------------------------
@@ -706,7 +723,7 @@ class Ledger:
                         "task": task,
                         "result": result_json,
                         "at": now,
-                        "expires_at": now + self.result_retention,
+                        "expires_at": now + max(self.result_retention, CACHE_RETENTION),
                     }
                 },
                 upsert=True,
@@ -826,16 +843,14 @@ class Ledger:
         }
         self._end_attempt(record_id, fence, op, update, "retry record")
 
-    def release(self, record_id: str, fence: int, *, op: str) -> None:
-        """Give a claim back without an outcome (the message goes back to the queue)."""
+    def release(self, record_id: str, fence: int, *, op: str, refund_attempt: bool = False) -> None:
+        """Give a claim back without an outcome (the message goes back to the queue);
+        ``refund_attempt``: the claim did not count as an attempt (nothing was run)."""
         now = self.now()
-        self._end_attempt(
-            record_id,
-            fence,
-            op,
-            {"$set": {"state": State.QUEUED.value, **self._ended(now, now)}},
-            "release",
-        )
+        update: dict[str, Any] = {"$set": {"state": State.QUEUED.value, **self._ended(now, now)}}
+        if refund_attempt:
+            update["$inc"] = {"attempts": -1}
+        self._end_attempt(record_id, fence, op, update, "release")
 
     def _ended(self, now: datetime, claimable_at: datetime) -> dict[str, Any]:
         """The fields that end the current holder's lease."""
@@ -967,6 +982,7 @@ class Ledger:
                         "task": task,
                         "key": key,
                         "state": {"$in": [State.QUEUED.value, State.RETRYING.value]},
+                        "degraded": None,  # a degraded result waiting for its replacement
                     },
                     {"$set": fields, **({"$push": push} if push else {})},
                 )
@@ -1135,7 +1151,14 @@ class Ledger:
     # -- publish side -----------------------------------------------------------------------
 
     def enqueue(
-        self, record_id: str, *, task: str, key: str, tier: str, message: KeptMessage
+        self,
+        record_id: str,
+        *,
+        task: str,
+        key: str,
+        tier: str,
+        message: KeptMessage,
+        objective: Mapping[str, Any] | None = None,
     ) -> EnqueueOutcome:
         """Write a ``queued`` record unless the job is known (one round trip).
 
@@ -1146,6 +1169,7 @@ class Ledger:
         now = self.now()
         fields = _queued(task=task, key=key, tier=tier, now=now)
         fields["message"] = message.document()
+        fields.update(objective or {})
         ops = [
             UpdateOne({"_id": record_id}, {"$setOnInsert": fields}, upsert=True),
             UpdateOne(
@@ -1175,9 +1199,18 @@ class Ledger:
             )
 
     def record_deferral(
-        self, record_id: str, *, task: str, key: str, tier: str, reason: str, until: datetime
+        self,
+        record_id: str,
+        *,
+        task: str,
+        key: str,
+        tier: str,
+        reason: str,
+        until: datetime,
+        objective: Mapping[str, Any] | None = None,
     ) -> None:
-        """Note that a delivery was put off (no attempt used), creating the record if needed."""
+        """Note that a delivery was put off (no attempt used), creating the record if needed
+        (with its latency ``objective``: ``slo_at``, ``slo_seconds``)."""
         now = self.now()
         with translate_errors("deferral record"):
             self.collection.update_one(
@@ -1185,7 +1218,10 @@ class Ledger:
                 {
                     "$inc": {"deferrals": 1},
                     "$set": {"last_deferral": {"reason": reason, "until": until, "at": now}},
-                    "$setOnInsert": _queued(task=task, key=key, tier=tier, now=now),
+                    "$setOnInsert": {
+                        **_queued(task=task, key=key, tier=tier, now=now),
+                        **(objective or {}),
+                    },
                 },
                 upsert=True,
             )
@@ -1551,6 +1587,12 @@ class Ledger:
             entry.pop("_id")
             merged.append(entry)
         return merged
+
+
+def _replacement_pending(doc: Mapping[str, Any]) -> bool:
+    """A degraded result whose replacement is scheduled (claimable at ``replace_at``)."""
+    degraded = doc.get("degraded")
+    return isinstance(degraded, Mapping) and degraded.get("replace_at") is not None
 
 
 def _cache_id(task: str, cache_key: str) -> str:

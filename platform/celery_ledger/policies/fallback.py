@@ -51,7 +51,9 @@ class Call:
 class LastGood:
     """The last good (not degraded) result of the task for a cache key.
 
-    ``cache``: None for the job's idempotency key; a ``str.format`` template over the call's
+    ``cache``: None for the job's idempotency key (served when the same key runs again after
+    its record expired; results are cached 30 days or the result retention, whichever is
+    longer); a ``str.format`` template over the call's
     arguments by name (``"report-{customer_id}"``); or a callable taking the call's arguments.
     ``max_age_seconds``: an older result is not served (the next option is tried).
     """
