@@ -21,7 +21,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY platform/ platform/
 # The extras the compose file turns on: worker metrics, Sentry, OpenTelemetry traces.
-RUN pip install ".[metrics,sentry,tracing]" "flower>=2.0,<3" && rm -rf build platform/*.egg-info
+RUN pip install ".[metrics,sentry,tracing,console]" "flower>=2.0,<3" && rm -rf build platform/*.egg-info
 
 COPY tasks/ tasks/
 

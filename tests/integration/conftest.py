@@ -36,6 +36,11 @@ TEST_ENV = {
     "LEDGER_RECONCILE_IN_WORKERS": "false",
     "LEDGER_BREAKERS": '{"payments": {"failure_threshold": 3, "cooldown_seconds": 3}}',
     "LEDGER_ESCALATION_CHECK_SECONDS": "0.5",
+    # The console's logins (test_console.py): an operator and a viewer.
+    "LEDGER_CONSOLE_USERS": (
+        '{"olive": {"password": "operator-pass-123", "role": "operator"},'
+        ' "vic": {"password": "viewer-pass-1234", "role": "viewer"}}'
+    ),
     "LEDGER_RATE_LIMITS": '{"limited": {"rate_per_second": 4, "burst": 2}}',
     # Every message is signed and every signature checked, so each publish path (retries,
     # republishes, workflows, chords) is shown to sign what it sends; unsigned messages stay

@@ -41,6 +41,8 @@ DUMMY_ENV = {
     "LEDGER_SIGNING_KEYS": '["dummy-ledger-signing-key-0123456789abcdef"]',
     "LEDGER_ENCRYPTION_KEYS": '["AcKyJ2oLnrAAy_LZcIqJcLFxu0NMYeTJnp7JIrpzIs4="]',
     "LEDGER_KEY_SECRET": "dummy-ledger-key-secret-0123456789abcdef",
+    "LEDGER_CONSOLE_USERS": '{"dummy": {"password": "dummy-console-password", "role": "viewer"}}',
+    "LEDGER_CONSOLE_SECRET": "dummy-console-session-secret-0123456789abcdef",
 }
 
 SUBPROCESS_TIMEOUT = 120
@@ -476,6 +478,7 @@ def test_the_image_installs_every_extra_the_compose_file_turns_on(
     needed = {"metrics"} if env.get("LEDGER_METRICS_PORT") else set()
     needed |= {"sentry"} if "LEDGER_SENTRY_DSN" in env else set()
     needed |= {"tracing"} if "LEDGER_TRACING" in env else set()
+    needed |= {"console"} if "console" in services else set()
     installed = re.search(r'pip install "\.\[([a-z,]+)\]"', (ROOT / "Dockerfile").read_text())
     assert installed is not None, "the Dockerfile installs the library without extras"
     assert needed <= set(installed.group(1).split(",")), needed

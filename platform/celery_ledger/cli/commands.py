@@ -153,6 +153,13 @@ def worker(
 @click.option("--flower-port", type=int, default=None, help="Flower's port (default: free).")
 @click.option("--flower-user", default=None, help="Flower basic-auth user (default: flower).")
 @click.option("--flower-password", default=None, help="Flower password (default: random).")
+@click.option(
+    "--web-console/--no-web-console",
+    "web_console",
+    default=None,
+    help="Start the operator console (default: if installed).",
+)
+@click.option("--console-port", type=int, default=None, help="The console's port (default: free).")
 @click.pass_context
 def stack(
     ctx: click.Context,
@@ -165,8 +172,11 @@ def stack(
     flower_port: int | None,
     flower_user: str | None,
     flower_password: str | None,
+    web_console: bool | None,
+    console_port: int | None,
 ) -> None:
-    """Run the embedded stack (broker, ledger, a worker per tier, Flower) until Ctrl-C."""
+    """Run the embedded stack (broker, ledger, a worker per tier, Flower, the console) until
+    Ctrl-C."""
     import importlib.util
 
     from ..embedded.stack import running_stack
@@ -174,6 +184,8 @@ def stack(
     app_path = _app_path(ctx)
     if flower is None:
         flower = importlib.util.find_spec("flower") is not None
+    if web_console is None:
+        web_console = importlib.util.find_spec("starlette") is not None
     with running_stack(
         app_path,
         data_dir,
@@ -186,6 +198,8 @@ def stack(
         flower_port=flower_port,
         flower_user=flower_user,
         flower_password=flower_password,
+        console=web_console,
+        console_port=console_port,
     ) as running:
         app = _app(ctx)
         console.print("[bold green]celery-ledger embedded stack is up[/]")

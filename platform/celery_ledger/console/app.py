@@ -20,6 +20,7 @@ How it is built, and why:
 from __future__ import annotations
 
 import hmac
+import html
 import json
 import secrets
 import time
@@ -28,6 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import redis
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 from starlette.applications import Starlette
@@ -188,8 +190,7 @@ class _Console:
         async def handler(request: Request) -> Response:
             if not request.session.get("user"):
                 return RedirectResponse(f"/login?next={request.url.path}", status_code=303)
-            result: Response = await _threaded(view, request)
-            return result
+            return await _guarded(view, request)
 
         return handler
 
@@ -203,8 +204,7 @@ class _Console:
                 return HTMLResponse("refused: the form's CSRF token is missing or wrong", 403)
             if session.get("role") != "operator":
                 return HTMLResponse("refused: only an operator may act (you are a viewer)", 403)
-            result: Response = await _threaded(view, request, form)
-            return result
+            return await _guarded(view, request, form)
 
         return handler
 
@@ -518,11 +518,20 @@ class _Console:
         return self.render(request, "audit.html", entries=entries)
 
 
-async def _threaded(view: Callable[..., Any], *args: Any) -> Any:
-    """Run a view in a thread: the library's calls block (MongoDB, Redis)."""
+async def _guarded(view: Callable[..., Any], *args: Any) -> Response:
+    """Run a view in a thread (the library's calls block on MongoDB and Redis); a ledger or
+    broker that does not answer is a page saying so, not a server error."""
     from starlette.concurrency import run_in_threadpool
 
-    return await run_in_threadpool(view, *args)
+    try:
+        result: Response = await run_in_threadpool(view, *args)
+    except (LedgerError, redis.RedisError) as exc:
+        return HTMLResponse(
+            f"<p>Not now: {html.escape(type(exc).__name__)}: {html.escape(str(exc))[:500]}."
+            " Nothing was changed unless the audit trail says so; try again.</p>",
+            status_code=503,
+        )
+    return result
 
 
 def _same(given: str, expected: str) -> bool:
@@ -531,7 +540,7 @@ def _same(given: str, expected: str) -> bool:
 
 def _local(target: str | None) -> str:
     """A redirect target on this site only (never another host: an open redirect)."""
-    if not target or not target.startswith("/") or target.startswith("//"):
+    if not target or not target.startswith("/") or target[1:2] in ("/", "\\"):
         return "/"
     return target
 

@@ -24,6 +24,7 @@ from celery import Celery
 from cryptography.fernet import Fernet
 
 from ..routing import TIERS, queue_name
+from .console import ConsoleProcess, start_console
 from .flower import FlowerProcess, start_flower
 from .servers import (
     LOOPBACK,
@@ -78,6 +79,7 @@ class EmbeddedStack:
     extra_env: dict[str, str] = field(default_factory=dict)
     auth: bool = True  # random passwords for valkey and SecantusDB
     flower: FlowerProcess | None = None
+    console: ConsoleProcess | None = None
     # The namespace of the app's tier queues: its name, unless LEDGER_QUEUE_NAMESPACE is set.
     queue_namespace: str = ""
 
@@ -116,6 +118,12 @@ class EmbeddedStack:
             self.app_module, self.data_dir, env=self.env, port=port, user=user, password=password
         )
         return self.flower
+
+    def start_console(self, *, port: int | None = None) -> ConsoleProcess:
+        """The operator console on 127.0.0.1 (a random operator login unless the environment
+        names the logins)."""
+        self.console = start_console(self.app_module, self.data_dir, env=self.env, port=port)
+        return self.console
 
     def start_worker(
         self,
@@ -219,6 +227,9 @@ class EmbeddedStack:
         if self.flower is not None:
             self.flower.stop()
             self.flower = None
+        if self.console is not None:
+            self.console.stop()
+            self.console = None
         for worker in self.workers:
             with contextlib.suppress(ProcessLookupError, OSError):
                 os.kill(worker.pid, signal.SIGTERM)
@@ -243,6 +254,11 @@ class EmbeddedStack:
             lines.append(
                 f"# flower {self.flower.url} user {self.flower.user}"
                 f" password {self.flower.password}"
+            )
+        if self.console is not None and self.console.user is not None:
+            lines.append(
+                f"# console {self.console.url} user {self.console.user}"
+                f" password {self.console.password}"
             )
         path = self.env_file
         path.unlink(missing_ok=True)
@@ -270,6 +286,13 @@ class EmbeddedStack:
                 f"{'flower':<10} pid {self.flower.pid:<7} {self.flower.url}"
                 f"  user={self.flower.user} (password in {self.env_file})"
             )
+        if self.console is not None:
+            login = (
+                f"user={self.console.user} (password in {self.env_file})"
+                if self.console.user is not None
+                else "logins from LEDGER_CONSOLE_USERS"
+            )
+            lines.append(f"{'console':<10} pid {self.console.pid:<7} {self.console.url}  {login}")
         return "\n".join(lines)
 
 
@@ -288,6 +311,8 @@ def running_stack(
     flower_port: int | None = None,
     flower_user: str | None = None,
     flower_password: str | None = None,
+    console: bool = False,
+    console_port: int | None = None,
 ) -> Iterator[EmbeddedStack]:
     """Start the stack, set ``LEDGER_*`` in this process's environment, stop it all on exit.
 
@@ -315,6 +340,8 @@ def running_stack(
             stack.start_tier_workers(concurrency, task_events=flower)
         if flower:
             stack.start_flower(port=flower_port, user=flower_user, password=flower_password)
+        if console:
+            stack.start_console(port=console_port)
         yield stack
     finally:
         stack.stop()

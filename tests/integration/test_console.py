@@ -1,0 +1,301 @@
+"""The operator console on real servers, driven in a real browser (Debian's chromium through
+its chromedriver, with Selenium): log in, find a job, dry-run then replay a dead-letter group
+and see the job succeed once, open and close a breaker, read the audit trail; and over plain
+HTTP, the refusals: no session, no CSRF token, a viewer acting, an action by GET.
+
+Screenshots of the overview, a job and a dead-letter group are taken on every run (into the
+test's directory, and into ``$LEDGER_CONSOLE_SCREENSHOTS`` when set: how the README's are made).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from celery_ledger import State
+from celery_ledger.embedded.servers import free_port
+from tasks.effects import record_effect
+
+from .helpers import effect_count, wait_for
+
+OPERATOR = ("olive", "operator-pass-123")
+VIEWER = ("vic", "viewer-pass-1234")
+CHROMIUM = shutil.which("chromium")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def console(app: Any) -> Iterator[str]:
+    """The console of the test app, served by uvicorn on a free loopback port."""
+    import uvicorn
+
+    from celery_ledger.console import create_console
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_console(app), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: server.started, timeout=20, what="the console listening")
+    yield url
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def logged_in(url: str, user: tuple[str, str]) -> tuple[httpx.Client, str]:
+    """An HTTP client with a session of ``user``, and the session's CSRF token."""
+    client = httpx.Client(base_url=url, follow_redirects=False, timeout=20)
+    page = client.get("/login").text
+    token = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert token is not None
+    response = client.post(
+        "/login", data={"user": user[0], "password": user[1], "csrf": token[1], "next": "/"}
+    )
+    assert response.status_code == 303, response.text
+    home = client.get("/breakers").text
+    csrf = re.search(r'name="csrf" value="([^"]+)"', home)
+    assert csrf is not None
+    return client, csrf[1]
+
+
+def test_every_page_needs_a_login_and_every_action_a_token_and_an_operator(
+    app: Any, console: str, token: str
+) -> None:
+    name = f"console-{token}"
+    breaker = app.breakers[name]
+    breaker.record_success()  # the breaker has state: it is listed
+    anonymous = httpx.Client(base_url=console, follow_redirects=False, timeout=20)
+    for page in ("/", "/jobs", "/dead", "/breakers", "/workflows", "/audit", "/jobs/x"):
+        response = anonymous.get(page)
+        assert response.status_code == 303 and response.headers["location"].startswith("/login")
+    assert anonymous.post(f"/breakers/{name}/open", data={"csrf": "x"}).status_code == 401
+    # a wrong password is refused, and says nothing of which part was wrong
+    page = anonymous.get("/login").text
+    login_token = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert login_token is not None
+    wrong = anonymous.post(
+        "/login",
+        data={"user": OPERATOR[0], "password": "guess-guess-guess", "csrf": login_token[1]},
+    )
+    assert wrong.status_code == 401 and "wrong user or password" in wrong.text
+    # a login without the login form's token is refused
+    forged = httpx.post(f"{console}/login", data={"user": OPERATOR[0], "password": OPERATOR[1]})
+    assert forged.status_code == 403
+
+    operator, csrf = logged_in(console, OPERATOR)
+    assert operator.post(f"/breakers/{name}/open", data={}).status_code == 403
+    assert operator.post(f"/breakers/{name}/open", data={"csrf": "forged"}).status_code == 403
+    assert breaker.status().state.value == "closed"
+    assert operator.get(f"/breakers/{name}/open").status_code == 405  # no action by GET
+    assert operator.get("/dead/replay").status_code == 405
+
+    viewer, viewer_csrf = logged_in(console, VIEWER)
+    refused = viewer.post(f"/breakers/{name}/open", data={"csrf": viewer_csrf})
+    assert refused.status_code == 403 and "viewer" in refused.text
+    assert breaker.status().state.value == "closed"
+
+    done = operator.post(f"/breakers/{name}/open", data={"csrf": csrf})
+    assert done.status_code == 303
+    assert breaker.status().state.value == "open" and breaker.status().forced
+    entry = next(e for e in app.ledger.audit_entries(limit=50) if e["target"] == f"breaker:{name}")
+    assert (entry["action"], entry["actor"], entry["outcome"]) == (
+        "forced open",
+        f"{OPERATOR[0]} [console]",
+        "done",
+    )
+    breaker.reset()
+    # pages say what the security headers say
+    headers = operator.get("/").headers
+    assert "frame-ancestors 'none'" in headers["content-security-policy"]
+    assert headers["x-frame-options"] == "DENY"
+
+
+def test_a_sensitive_tasks_result_is_never_shown(app: Any, console: str, token: str) -> None:
+    from tests.integration.ledger_app import reject_card, store_card
+
+    card = "4111111111111111"
+    stored = store_card.delay(token, card)
+    assert stored.get(timeout=30)["echo"] == card  # the caller gets it: the console does not
+    rejected = reject_card.delay(f"{token}-r", card)
+    wait_for(
+        lambda: (r := app.ledger.get_by_id(rejected.id)) is not None and r.state is State.DEAD,
+        what="the card rejected",
+    )
+    operator, _ = logged_in(console, OPERATOR)
+    for page in (
+        operator.get(f"/jobs/{stored.id}"),
+        operator.get(f"/jobs/{rejected.id}"),
+        operator.get(f"/dead?task={reject_card.name}"),
+    ):
+        assert page.status_code == 200
+        assert card not in page.text
+    assert "[sealed: sensitive task]" in operator.get(f"/jobs/{stored.id}").text
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[Any]:
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        if os.environ.get("LEDGER_REQUIRE_BROWSER"):
+            pytest.fail(
+                "chromium and chromedriver are required (apt-get install chromium chromium-driver)"
+            )
+        pytest.skip("no chromium/chromedriver (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1400,1000",
+        f"--user-data-dir={tmp_path / 'chromium'}",
+    ):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.implicitly_wait(0)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def shoot(driver: Any, tmp_path: Path, name: str) -> None:
+    driver.save_screenshot(str(tmp_path / name))
+    target = os.environ.get("LEDGER_CONSOLE_SCREENSHOTS")
+    if target:
+        Path(target).mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(Path(target) / name))
+
+
+def test_an_operator_finds_a_job_replays_a_dead_group_and_forces_a_breaker(
+    app: Any, console: str, browser: Any, token: str, tmp_path: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as seen
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    from tests.integration.ledger_app import fails_until_fixed, record
+
+    wait = WebDriverWait(browser, 30)
+
+    def text_of(selector: str) -> str:
+        return str(wait.until(seen.presence_of_element_located((By.CSS_SELECTOR, selector))).text)
+
+    # Given a job that succeeded and one that died
+    done = record.delay(f"{token}-ok")
+    done.get(timeout=30)
+    doomed = fails_until_fixed.delay(f"{token}-dead")
+    wait_for(
+        lambda: (r := app.ledger.get_by_id(doomed.id)) is not None and r.state is State.DEAD,
+        what="the job dead",
+    )
+
+    # When the operator logs in, the overview shows every tier and the health checks
+    browser.get(f"{console}/")
+    wait.until(seen.url_contains("/login"))
+    browser.find_element(By.ID, "user").send_keys(OPERATOR[0])
+    browser.find_element(By.ID, "password").send_keys(OPERATOR[1])
+    browser.find_element(By.ID, "login").click()
+    wait.until(seen.presence_of_element_located((By.CSS_SELECTOR, "#tiers tbody tr")))
+    tiers = [
+        row.get_attribute("data-tier")
+        for row in browser.find_elements(By.CSS_SELECTOR, "#tiers tbody tr")
+    ]
+    assert tiers == list(app.tiers.names)
+    assert "ledger" in text_of("#health")
+    assert text_of("#who") == f"{OPERATOR[0]} (operator)"
+    shoot(browser, tmp_path, "console-overview.png")
+
+    # It finds the job by task and key
+    browser.get(f"{console}/jobs")
+    Select(browser.find_element(By.ID, "task")).select_by_visible_text(record.name)
+    browser.find_element(By.ID, "key").send_keys(f"{token}-ok")
+    browser.find_element(By.ID, "find").click()
+    assert text_of("#job-status") == "succeeded"
+    assert text_of("#job-key") == f"{token}-ok"
+    assert text_of("#job-attempts") == "1"
+    shoot(browser, tmp_path, "console-job.png")
+
+    # It opens the dead job's group (filtered to it), dry-runs the group: nothing is sent
+    browser.get(f"{console}/dead?task={fails_until_fixed.name}&reason={token}-dead")
+    wait.until(seen.element_to_be_clickable((By.CSS_SELECTOR, "a.group"))).click()
+    assert doomed.id in text_of("#records")
+    shoot(browser, tmp_path, "console-dead-letters.png")
+    browser.find_element(By.ID, "dry-run-group").click()
+    assert "would replay" in text_of("#outcomes")
+    assert text_of("#summary") == "1 of 1 would be replayed"
+    time.sleep(1.0)
+    assert app.ledger.get_by_id(doomed.id).state is State.DEAD
+    assert effect_count("fixed_run", f"{token}-dead") == 0
+
+    # Then, the cause fixed, it replays the group (confirming): the job succeeds, once
+    record_effect("fixed", f"{token}-dead")
+    browser.back()
+    wait.until(seen.element_to_be_clickable((By.ID, "replay-group"))).click()
+    wait.until(seen.alert_is_present()).accept()
+    assert text_of("#summary") == "1 of 1 replayed"
+    assert doomed.get(timeout=30) == "fixed"
+    time.sleep(1.0)
+    assert effect_count("fixed_run", f"{token}-dead") == 1
+
+    # It forces a breaker open, then clears it
+    name = f"console-{token}"
+    app.breakers[name].record_success()
+    browser.get(f"{console}/breakers")
+    row = f'tr[data-breaker="{name}"]'
+    wait.until(seen.element_to_be_clickable((By.CSS_SELECTOR, f"{row} button.open"))).click()
+    wait.until(seen.text_to_be_present_in_element((By.CSS_SELECTOR, f"{row} td.state"), "open"))
+    assert app.breakers[name].status().forced
+    wait.until(seen.element_to_be_clickable((By.CSS_SELECTOR, f"{row} button.clear"))).click()
+    wait.until(lambda _: not app.breakers[name].status().forced)
+
+    # And the audit page shows each action, by this user, done
+    browser.get(f"{console}/audit")
+    trail = text_of("#audit")
+    assert f"replay {doomed.id}" in trail
+    assert f"forced open breaker:{name}" in trail and f"force cleared breaker:{name}" in trail
+    assert f"{OPERATOR[0]} [console]" in trail
+    app.breakers[name].reset()
+
+
+def test_a_viewer_sees_the_dead_letters_but_no_actions(
+    app: Any, console: str, browser: Any, token: str
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as seen
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.integration.ledger_app import fails_until_fixed
+
+    doomed = fails_until_fixed.delay(token)
+    wait_for(
+        lambda: (r := app.ledger.get_by_id(doomed.id)) is not None and r.state is State.DEAD,
+        what="the job dead",
+    )
+    wait = WebDriverWait(browser, 30)
+    browser.get(f"{console}/login")
+    browser.find_element(By.ID, "user").send_keys(VIEWER[0])
+    browser.find_element(By.ID, "password").send_keys(VIEWER[1])
+    browser.find_element(By.ID, "login").click()
+    wait.until(seen.presence_of_element_located((By.ID, "tiers")))
+    browser.get(f"{console}/dead?task={fails_until_fixed.name}&reason={token}")
+    wait.until(seen.element_to_be_clickable((By.CSS_SELECTOR, "a.group"))).click()
+    wait.until(seen.presence_of_element_located((By.ID, "records")))
+    assert "Viewers cannot replay or purge." in browser.page_source
+    assert browser.find_elements(By.ID, "replay-group") == []
+    browser.get(f"{console}/breakers")
+    assert browser.find_elements(By.CSS_SELECTOR, "button.open") == []
