@@ -4,7 +4,7 @@ and see the job succeed once, open and close a breaker, read the audit trail; an
 HTTP, the refusals: no session, no CSRF token, a viewer acting, an action by GET.
 
 Screenshots of the overview, a job and a dead-letter group are taken on every run (into the
-test's directory, and into ``$LEDGER_CONSOLE_SCREENSHOTS`` when set: how the README's are made).
+test's directory, and into ``$CONSOLE_SCREENSHOTS`` when set: how the README's are made).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def test_a_sensitive_tasks_result_is_never_shown(app: Any, console: str, token: 
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[Any]:
     if CHROMIUM is None or CHROMEDRIVER is None:
-        if os.environ.get("LEDGER_REQUIRE_BROWSER"):
+        if os.environ.get("REQUIRE_BROWSER_TESTS"):
             pytest.fail(
                 "chromium and chromedriver are required (apt-get install chromium chromium-driver)"
             )
@@ -175,7 +175,7 @@ def browser(tmp_path: Path) -> Iterator[Any]:
 
 def shoot(driver: Any, tmp_path: Path, name: str) -> None:
     driver.save_screenshot(str(tmp_path / name))
-    target = os.environ.get("LEDGER_CONSOLE_SCREENSHOTS")
+    target = os.environ.get("CONSOLE_SCREENSHOTS")
     if target:
         Path(target).mkdir(parents=True, exist_ok=True)
         driver.save_screenshot(str(Path(target) / name))
