@@ -16,6 +16,7 @@ import contextlib
 import getpass
 import logging
 import os
+import re
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -25,11 +26,14 @@ from .ledger.store import Ledger
 logger = logging.getLogger("celery_ledger.audit")
 
 ACTOR_VARIABLE = "LEDGER_ACTOR"
+LABELLED = re.compile(r".+ \[[a-z -]+\]")
 
 
 def current_actor(explicit: str | None = None) -> str:
     """The operator running a command, with where the name came from (module docstring)."""
     if explicit:
+        if LABELLED.fullmatch(explicit):  # already says where it came from (the console's)
+            return explicit
         return f"{explicit} [--actor]"
     named = os.environ.get(ACTOR_VARIABLE, "").strip()
     if named:

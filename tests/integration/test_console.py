@@ -299,3 +299,29 @@ def test_a_viewer_sees_the_dead_letters_but_no_actions(
     assert browser.find_elements(By.ID, "replay-group") == []
     browser.get(f"{console}/breakers")
     assert browser.find_elements(By.CSS_SELECTOR, "button.open") == []
+
+
+def test_an_operator_follows_a_workflow_and_signals_it_from_its_page(
+    app: Any, console: str, token: str
+) -> None:
+    from tests.integration.ledger_app import WORKFLOWS
+
+    handle = WORKFLOWS["order"].start(token, steps=1, signal="approved")
+    wait_for(lambda: handle.status().waiting, what="the workflow waiting for its signal")
+    operator, csrf = logged_in(console, OPERATOR)
+    listing = operator.get("/workflows?status=running").text
+    assert handle.id in listing
+    page = operator.get(f"/workflows/{handle.id}").text
+    assert "running" in page and "approved" in page  # what it waits for, in its timeline too
+
+    sent = operator.post(
+        f"/workflows/{handle.id}/signal",
+        data={"csrf": csrf, "name": "approved", "payload": '{"by": "olive"}'},
+    )
+
+    assert sent.status_code == 303
+    result = handle.result(timeout=60)
+    assert result["signal"] == {"by": "olive"}
+    assert "completed" in operator.get(f"/workflows/{handle.id}").text
+    entry = next(e for e in app.ledger.audit_entries(limit=50) if e["target"] == handle.id)
+    assert (entry["action"], entry["actor"]) == ("workflow signal", f"{OPERATOR[0]} [console]")
