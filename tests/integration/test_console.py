@@ -325,3 +325,28 @@ def test_an_operator_follows_a_workflow_and_signals_it_from_its_page(
     assert "completed" in operator.get(f"/workflows/{handle.id}").text
     entry = next(e for e in app.ledger.audit_entries(limit=50) if e["target"] == handle.id)
     assert (entry["action"], entry["actor"]) == ("workflow signal", f"{OPERATOR[0]} [console]")
+
+
+def test_a_purge_asks_first_then_deletes_what_it_listed_and_audits_it(
+    app: Any, console: str, token: str
+) -> None:
+    from tests.integration.ledger_app import fails_until_fixed
+
+    doomed = fails_until_fixed.delay(token)
+    wait_for(
+        lambda: (r := app.ledger.get_by_id(doomed.id)) is not None and r.state is State.DEAD,
+        what="the job dead",
+    )
+    operator, csrf = logged_in(console, OPERATOR)
+
+    asked = operator.post("/dead/purge", data={"csrf": csrf, "ids": doomed.id})
+    assert asked.status_code == 200 and "for good?" in asked.text
+    assert app.ledger.get_by_id(doomed.id) is not None  # nothing deleted yet
+
+    done = operator.post("/dead/purge", data={"csrf": csrf, "ids": doomed.id, "confirm": "yes"})
+    assert done.status_code == 200 and "Purged 1 dead records" in done.text
+    assert app.dead_letters.get(doomed.id) is None or app.dead_letters.get(doomed.id).get(
+        "purged_at"
+    )
+    entry = next(e for e in app.ledger.audit_entries(limit=50) if e["action"] == "purge")
+    assert entry["actor"] == f"{OPERATOR[0]} [console]" and doomed.id in entry["record_ids"]
