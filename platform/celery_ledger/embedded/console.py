@@ -8,19 +8,15 @@ through the stack's env file (never a terminal).
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigurationError
-from .servers import LOOPBACK, ManagedProcess, ServerStartError, free_port, private_dir
+from .servers import LOOPBACK, ManagedProcess, app_env, free_port, private_dir, spawn, wait_http
 
 
 @dataclass
@@ -53,7 +49,7 @@ def start_console(
             "the console is not installed: pip install 'celery-ledger[console]'"
         ) from exc
     port = port or free_port()
-    child_env = {**os.environ, **env}
+    child_env = app_env(env)
     user = password = None
     if not child_env.get("LEDGER_CONSOLE_USERS"):
         user, password = "operator", secrets.token_urlsafe(18)
@@ -61,9 +57,6 @@ def start_console(
             {user: {"password": password, "role": "operator"}}
         )
     child_env.setdefault("LEDGER_CONSOLE_SECRET", secrets.token_urlsafe(48))
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        [os.getcwd(), *filter(None, [child_env.get("PYTHONPATH")])]
-    )
     argv = [
         sys.executable,
         "-m",
@@ -77,33 +70,12 @@ def start_console(
     ]
     private_dir(data_dir)
     log_path = data_dir / "console.log"
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=child_env,
-            start_new_session=True,
-        )
-    running = ConsoleProcess(port, user, password, log_path, process)
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        if not running.alive():
-            raise ServerStartError(f"the console exited:\n{_tail(log_path)}")
-        try:
-            with urllib.request.urlopen(f"{running.url}/login", timeout=1) as response:
-                if response.status == 200:
-                    return running
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
-    running.stop()
-    raise ServerStartError(f"the console did not answer in {ready_timeout}s:\n{_tail(log_path)}")
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+    running = ConsoleProcess(port, user, password, log_path, spawn(argv, log_path, child_env))
+    wait_http(
+        running,
+        f"{running.url}/login",
+        what="the console",
+        log_path=log_path,
+        timeout=ready_timeout,
+    )
+    return running

@@ -7,19 +7,15 @@ Credentials are random per start unless given, and reach Flower through its envi
 
 from __future__ import annotations
 
-import os
 import secrets
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigurationError
-from .servers import LOOPBACK, ManagedProcess, ServerStartError, free_port, private_dir
+from .servers import LOOPBACK, ManagedProcess, app_env, free_port, private_dir, spawn, wait_http
 
 
 @dataclass
@@ -57,12 +53,9 @@ def start_flower(
     password = password or secrets.token_urlsafe(18)
     if ":" in user or "," in user or "," in password:
         raise ConfigurationError("Flower credentials may not contain ',' (nor ':' in the user)")
-    child_env = {k: v for k, v in {**os.environ, **env}.items() if not k.startswith("FLOWER_")}
+    child_env = {k: v for k, v in app_env(env).items() if not k.startswith("FLOWER_")}
     child_env["FLOWER_BASIC_AUTH"] = f"{user}:{password}"
     child_env["LEDGER_RESTORE_UNACKED"] = "false"  # as in compose: the workers restore
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        [os.getcwd(), *filter(None, [child_env.get("PYTHONPATH")])]
-    )
     argv = [
         sys.executable,
         "-m",
@@ -75,33 +68,12 @@ def start_flower(
     ]
     private_dir(data_dir)
     log_path = data_dir / "flower.log"
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=child_env,
-            start_new_session=True,
-        )
-    running = FlowerProcess(port, user, password, log_path, process)
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        if not running.alive():
-            raise ServerStartError(f"flower exited:\n{_tail(log_path)}")
-        try:
-            with urllib.request.urlopen(f"{running.url}/healthcheck", timeout=1) as response:
-                if response.status == 200:
-                    return running
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
-    running.stop()
-    raise ServerStartError(f"flower did not answer in {ready_timeout}s:\n{_tail(log_path)}")
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+    running = FlowerProcess(port, user, password, log_path, spawn(argv, log_path, child_env))
+    wait_http(
+        running,
+        f"{running.url}/healthcheck",
+        what="flower",
+        log_path=log_path,
+        timeout=ready_timeout,
+    )
+    return running

@@ -22,6 +22,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -370,6 +373,13 @@ def _provision_user(url: str, user: str, password: str) -> None:
 
 
 def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    return spawn(argv, log_path)
+
+
+def spawn(
+    argv: list[str], log_path: Path, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start a child in its own session, its output appended to ``log_path``."""
     log = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
     try:
         return subprocess.Popen(
@@ -377,10 +387,48 @@ def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env=None if env is None else dict(env),
             start_new_session=True,
         )
     finally:
         log.close()
+
+
+def app_env(*layers: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment with ``layers`` over it, and the current directory first on
+    ``PYTHONPATH`` (a child imports the app module the parent was given)."""
+    env: dict[str, str] = {}
+    for layer in (os.environ, *layers):
+        env.update(layer)
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    """The last ``lines`` of a log (what a failed start reports)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def wait_http(
+    process: ManagedProcess, url: str, *, what: str, log_path: Path, timeout: float
+) -> None:
+    """Wait until ``url`` answers 200; stop ``process`` and raise if it exits or never does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not process.alive():
+            raise ServerStartError(f"{what} exited:\n{tail(log_path)}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    process.stop()
+    raise ServerStartError(f"{what} did not answer in {timeout}s:\n{tail(log_path)}")
 
 
 def _wait_ready(server: ServerProcess, timeout: float) -> None:

@@ -31,10 +31,13 @@ from .servers import (
     ManagedProcess,
     ServerProcess,
     ServerStartError,
+    app_env,
     private_dir,
     redacted,
+    spawn,
     start_secantus,
     start_valkey,
+    tail,
 )
 
 DEFAULT_CONCURRENCY = {"critical": 1, "default": 2, "bulk": 1}
@@ -160,19 +163,8 @@ class EmbeddedStack:
             "--without-heartbeat",
             *extra_args,
         ]
-        worker_env = {**os.environ, **self.env, **(env or {})}
-        worker_env["PYTHONPATH"] = os.pathsep.join(
-            [os.getcwd(), *filter(None, [worker_env.get("PYTHONPATH")])]
-        )
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=worker_env,
-                start_new_session=True,
-            )
+        worker_env = app_env(self.env, env or {})
+        process = spawn(argv, log_path, worker_env)
         worker = WorkerProcess(name, queues, argv, worker_env, log_path, process)
         self.workers.append(worker)
         if wait:
@@ -212,13 +204,11 @@ class EmbeddedStack:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 if not worker.alive():
-                    raise ServerStartError(
-                        f"worker {worker.name} exited:\n{_tail(worker.log_path)}"
-                    )
+                    raise ServerStartError(f"worker {worker.name} exited:\n{tail(worker.log_path)}")
                 if probe.control.ping(destination=[worker.name], timeout=0.5):
                     return
             raise ServerStartError(
-                f"worker {worker.name} not ready in {timeout}s:\n{_tail(worker.log_path)}"
+                f"worker {worker.name} not ready in {timeout}s:\n{tail(worker.log_path)}"
             )
         finally:
             probe.close()
@@ -375,10 +365,3 @@ def stack_keys(data_dir: Path) -> dict[str, str]:
     path.chmod(0o600)
     path.write_text(json.dumps(keys))
     return keys
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
