@@ -16,7 +16,6 @@ import contextlib
 import getpass
 import logging
 import os
-import re
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -26,14 +25,25 @@ from .ledger.store import Ledger
 logger = logging.getLogger("celery_ledger.audit")
 
 ACTOR_VARIABLE = "LEDGER_ACTOR"
-LABELLED = re.compile(r".+ \[[a-z -]+\]")
+
+
+class Actor(str):
+    """An actor already labelled with where the name came from (``alice [console]``): kept as
+    it is. A plain string (``--actor``) is labelled as self-declared; only code can make one
+    of these, so no command line can pass itself off as another source."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, name: str, source: str) -> Actor:
+        return cls(f"{name} [{source}]")
 
 
 def current_actor(explicit: str | None = None) -> str:
     """The operator running a command, with where the name came from (module docstring)."""
+    if isinstance(explicit, Actor):  # labelled by the code that knows its source
+        return str(explicit)
     if explicit:
-        if LABELLED.fullmatch(explicit):  # already says where it came from (the console's)
-            return explicit
         return f"{explicit} [--actor]"
     named = os.environ.get(ACTOR_VARIABLE, "").strip()
     if named:

@@ -66,6 +66,17 @@ def poison_key(app_name: str) -> str:
     return f"{app_name}:ledger:poison"
 
 
+# Record ids of one purge go into its audit entry (one document): 20,000 ids stay far below
+# MongoDB's 16 MB document limit.
+PURGE_LIMIT = 20_000
+
+
+def group_of(doc: Mapping[str, Any]) -> str:
+    """The group a dead record is listed under: its error fingerprint ("?" for a record
+    without one: a workflow's own, a plain Celery task's)."""
+    return str(doc.get("fingerprint") or "?")
+
+
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -79,11 +90,11 @@ def since_of(value: str | None) -> datetime | None:
     if not value:
         return None
     match = _DURATION.match(value.strip())
-    if match:
-        return datetime.now(UTC) - timedelta(seconds=float(match[1]) * _UNITS[match[2]])
     try:
+        if match:
+            return datetime.now(UTC) - timedelta(seconds=float(match[1]) * _UNITS[match[2]])
         parsed = datetime.fromisoformat(value)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ValueError(f"{value!r}: use 30m, 2h, 7d or an ISO time") from None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
@@ -373,7 +384,7 @@ class DeadLetters:
         """Dead records grouped by error fingerprint, biggest group first."""
         grouped: dict[str, dict[str, Any]] = {}
         for doc in docs:
-            key = str(doc.get("fingerprint", "?"))
+            key = group_of(doc)
             group = grouped.setdefault(
                 key,
                 {

@@ -9,6 +9,7 @@ test's directory, and into ``$CONSOLE_SCREENSHOTS`` when set: how the README's a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -33,9 +34,9 @@ CHROMIUM = shutil.which("chromium")
 CHROMEDRIVER = shutil.which("chromedriver")
 
 
-@pytest.fixture(scope="module")
-def console(app: Any) -> Iterator[str]:
-    """The console of the test app, served by uvicorn on a free loopback port."""
+@contextlib.contextmanager
+def served(app: Any) -> Iterator[str]:
+    """The console of ``app``, served by uvicorn on a free loopback port: its URL."""
     import uvicorn
 
     from celery_ledger.console import create_console
@@ -46,11 +47,18 @@ def console(app: Any) -> Iterator[str]:
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: server.started, timeout=20, what="the console listening")
-    yield url
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        wait_for(lambda: server.started, timeout=20, what="the console listening")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def console(app: Any) -> Iterator[str]:
+    with served(app) as url:
+        yield url
 
 
 def logged_in(url: str, user: tuple[str, str]) -> tuple[httpx.Client, str]:
@@ -79,7 +87,7 @@ def test_every_page_needs_a_login_and_every_action_a_token_and_an_operator(
     for page in ("/", "/jobs", "/dead", "/breakers", "/workflows", "/audit", "/jobs/x"):
         response = anonymous.get(page)
         assert response.status_code == 303 and response.headers["location"].startswith("/login")
-    assert anonymous.post(f"/breakers/{name}/open", data={"csrf": "x"}).status_code == 401
+    assert anonymous.post("/breakers/open", data={"csrf": "x", "name": name}).status_code == 401
     # a wrong password is refused, and says nothing of which part was wrong
     page = anonymous.get("/login").text
     login_token = re.search(r'name="csrf" value="([^"]+)"', page)
@@ -94,18 +102,19 @@ def test_every_page_needs_a_login_and_every_action_a_token_and_an_operator(
     assert forged.status_code == 403
 
     operator, csrf = logged_in(console, OPERATOR)
-    assert operator.post(f"/breakers/{name}/open", data={}).status_code == 403
-    assert operator.post(f"/breakers/{name}/open", data={"csrf": "forged"}).status_code == 403
+    assert operator.post("/breakers/open", data={"name": name}).status_code == 403
+    forged = {"csrf": "forged", "name": name}
+    assert operator.post("/breakers/open", data=forged).status_code == 403
     assert breaker.status().state.value == "closed"
-    assert operator.get(f"/breakers/{name}/open").status_code == 405  # no action by GET
+    assert operator.get("/breakers/open").status_code == 405  # no action by GET
     assert operator.get("/dead/replay").status_code == 405
 
     viewer, viewer_csrf = logged_in(console, VIEWER)
-    refused = viewer.post(f"/breakers/{name}/open", data={"csrf": viewer_csrf})
+    refused = viewer.post("/breakers/open", data={"csrf": viewer_csrf, "name": name})
     assert refused.status_code == 403 and "viewer" in refused.text
     assert breaker.status().state.value == "closed"
 
-    done = operator.post(f"/breakers/{name}/open", data={"csrf": csrf})
+    done = operator.post("/breakers/open", data={"csrf": csrf, "name": name})
     assert done.status_code == 303
     assert breaker.status().state.value == "open" and breaker.status().forced
     entry = next(e for e in app.ledger.audit_entries(limit=50) if e["target"] == f"breaker:{name}")
@@ -119,6 +128,54 @@ def test_every_page_needs_a_login_and_every_action_a_token_and_an_operator(
     headers = operator.get("/").headers
     assert "frame-ancestors 'none'" in headers["content-security-policy"]
     assert headers["x-frame-options"] == "DENY"
+
+
+class _Configured:
+    """The test app as the console sees it, with other settings (its other parts shared)."""
+
+    def __init__(self, app: Any, settings: Any) -> None:
+        self._app = app
+        self.settings = settings
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._app, name)
+
+
+def _login(client: httpx.Client, user: tuple[str, str]) -> int:
+    page = client.get("/login").text
+    found = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert found is not None
+    data = {"user": user[0], "password": user[1], "csrf": found[1]}
+    return int(client.post("/login", data=data).status_code)
+
+
+def test_a_session_ends_when_its_login_is_removed_and_guessing_is_held(app: Any) -> None:
+    from pydantic import SecretStr
+
+    # Given an operator's session cookie from a console configured with that operator
+    both = app.settings.model_copy(update={"console_secret": SecretStr("s" * 48)})
+    viewer_only = both.model_copy(update={"console_users": {"vic": both.console_users["vic"]}})
+    with served(_Configured(app, both)) as url:
+        first = httpx.Client(base_url=url, follow_redirects=False, timeout=20)
+        assert _login(first, OPERATOR) == 303
+        assert first.get("/audit").status_code == 200
+        stolen = first.cookies.get("ledger_console")
+        assert stolen
+
+    # When a console with the same cookie key no longer has that login (removed on a
+    # restart), the cookie is worth nothing there: back to the login page
+    with served(_Configured(app, viewer_only)) as url:
+        second = httpx.Client(base_url=url, follow_redirects=False, timeout=20)
+        second.cookies.set("ledger_console", stolen)
+        assert second.get("/audit").status_code == 303
+        assert second.post("/breakers/open", data={"name": "x"}).status_code == 401
+
+    # And five wrong passwords of a login hold its logins for a while, right or wrong
+    with served(_Configured(app, both)) as url:
+        third = httpx.Client(base_url=url, follow_redirects=False, timeout=20)
+        for attempt in range(5):
+            assert _login(third, (VIEWER[0], f"guess-number-{attempt}")) == 401
+        assert _login(third, VIEWER) == 429
 
 
 def test_a_sensitive_tasks_result_is_never_shown(app: Any, console: str, token: str) -> None:
@@ -141,6 +198,20 @@ def test_a_sensitive_tasks_result_is_never_shown(app: Any, console: str, token: 
         assert page.status_code == 200
         assert card not in page.text
     assert "[sealed: sensitive task]" in operator.get(f"/jobs/{stored.id}").text
+
+    # nor a sensitive workflow's (its own record holds its result, sealed)
+    from tests.integration.ledger_app import WORKFLOWS
+
+    handle = WORKFLOWS["vault"].start(f"{token}-wf", card)
+    wait_for(lambda: handle.status().waiting, what="the workflow waiting for its pin")
+    handle.signal("pin", "2468")
+    assert handle.result(timeout=60)["card"] == card
+    for page in (
+        operator.get(f"/jobs/{handle.id}"),
+        operator.get(f"/workflows/{handle.id}"),
+    ):
+        assert page.status_code == 200
+        assert card not in page.text and "2468" not in page.text
 
 
 @pytest.fixture

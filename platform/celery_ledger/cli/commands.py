@@ -66,7 +66,8 @@ def console_(ctx: click.Context, host: str, port: int) -> None:
         ) from exc
     web = create_console(_app(ctx))
     console.print(f"console on http://{host}:{port}/", highlight=False)
-    uvicorn.run(web, host=host, port=port, log_level="info", proxy_headers=False)
+    # No access log: a job search's query string may hold a sensitive task's key.
+    uvicorn.run(web, host=host, port=port, log_level="info", proxy_headers=False, access_log=False)
 
 
 @ledger.command(name="provision-users")

@@ -13,15 +13,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 from .. import audit
-from ..deadletter import PAGE_SIZE, since_of
+from ..deadletter import PAGE_SIZE, PURGE_LIMIT, since_of
 from ..operations import purge_dead, replay_dead
 from .options import actor_option
 
 console = Console(soft_wrap=True)
-
-# Record ids of one purge go into its audit entry (one document): 20,000 ids stay far below
-# MongoDB's 16 MB document limit.
-PURGE_LIMIT = 20_000
 
 
 def parse_since(value: str | None) -> datetime | None:

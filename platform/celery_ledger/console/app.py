@@ -19,10 +19,12 @@ How it is built, and why:
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import html
 import json
 import secrets
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -32,6 +34,7 @@ from typing import Any
 import redis
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
+from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.datastructures import FormData
 from starlette.middleware import Middleware
@@ -43,10 +46,12 @@ from starlette.staticfiles import StaticFiles
 
 from .. import audit, operations
 from ..broker import oldest_ages
-from ..deadletter import since_of
-from ..errors import ConfigurationError, LedgerError, WorkflowError
+from ..crypto import Sealer
+from ..deadletter import PURGE_LIMIT, group_of, since_of
+from ..errors import ConfigurationError, LedgerError, LedgerUnavailable, WorkflowError
 from ..health import run_checks
 from ..keys import derive_task_id
+from ..ledger.record import LedgerRecord
 from ..policies.backpressure import DEFAULT_TIER_LIMITS
 
 HERE = Path(__file__).parent
@@ -54,15 +59,17 @@ SESSION_COOKIE = "ledger_console"
 SESSION_SECONDS = 8 * 3600
 SPARK_MINUTES = 15
 HEALTH_CACHE_SECONDS = 10.0
+OVERVIEW_CACHE_SECONDS = 3.0
 LIST_LIMIT = 1000
+MAX_FORM_FIELDS = PURGE_LIMIT + 20  # a purge's confirmation carries every id it lists
 SEALED = "[sealed: sensitive task]"
 
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def actor(user: str) -> str:
+def actor(user: str) -> audit.Actor:
     """How the audit trail names a console user."""
-    return f"{user} [console]"
+    return audit.Actor.of(user, "console")
 
 
 class Forbidden(Exception):
@@ -83,7 +90,7 @@ def create_console(app: Any) -> Starlette:
         if settings.console_secret is not None
         else secrets.token_urlsafe(48)
     )
-    console = _Console(app, users)
+    console = _Console(app, users, secret)
     routes = [
         Route("/login", console.login_page, methods=["GET"]),
         Route("/login", console.login, methods=["POST"]),
@@ -96,7 +103,7 @@ def create_console(app: Any) -> Starlette:
         Route("/dead/replay", console.action(console.replay), methods=["POST"]),
         Route("/dead/purge", console.action(console.purge), methods=["POST"]),
         Route("/breakers", console.page(console.breakers), methods=["GET"]),
-        Route("/breakers/{name}/{verb}", console.action(console.force_breaker), methods=["POST"]),
+        Route("/breakers/{verb}", console.action(console.force_breaker), methods=["POST"]),
         Route("/workflows", console.page(console.workflows), methods=["GET"]),
         Route("/workflows/{workflow_id}", console.page(console.workflow), methods=["GET"]),
         Route(
@@ -155,9 +162,13 @@ class SecurityHeaders:
 class _Console:
     """The console's pages and actions over one app."""
 
-    def __init__(self, app: Any, users: dict[str, Any]) -> None:
+    def __init__(self, app: Any, users: dict[str, Any], secret: str) -> None:
         self.app = app
         self.users = users
+        self._secret = secret.encode()
+        self._failures: dict[str, list[float]] = {}  # login failures by user, recent
+        self._lock = threading.Lock()  # the overview's cache
+        self._login_lock = threading.Lock()
         self.templates = Environment(
             loader=FileSystemLoader(HERE / "templates"),
             autoescape=select_autoescape(["html"]),
@@ -166,7 +177,9 @@ class _Console:
         self.templates.filters["ago"] = _ago
         self.templates.filters["spark"] = _spark
         self.templates.filters["as_json"] = lambda value: json.dumps(value, indent=2, default=str)
+        self.templates.filters["brief"] = lambda value: json.dumps(value, default=str)[:300]
         self._health: tuple[float, list[Any]] | None = None
+        self._overview: tuple[float, dict[str, Any]] | None = None
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -186,9 +199,31 @@ class _Console:
     def missing(self, request: Request, what: str) -> Response:
         return self.render(request, "missing.html", status_code=404, what=what)
 
+    def _tag(self, password: str) -> str:
+        """A keyed tag of a login's password: a session ends when its password changes."""
+        return hmac.new(self._secret, password.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def _who(self, request: Request) -> Any | None:
+        """The session's login as configured now (None: logged out, removed, its password
+        changed, or past the session's age): the role is the configuration's, not the
+        cookie's, so a demotion or removal takes effect at the next request."""
+        session = request.session
+        user = self.users.get(str(session.get("user", "")))
+        started = session.get("since")
+        if (
+            user is None
+            or not isinstance(started, int | float)
+            or time.time() - started > SESSION_SECONDS
+            or not _same(str(session.get("tag", "")), self._tag(user.password.get_secret_value()))
+        ):
+            session.clear()
+            return None
+        session["role"] = user.role
+        return user
+
     def page(self, view: Callable[[Request], Any]) -> Handler:
         async def handler(request: Request) -> Response:
-            if not request.session.get("user"):
+            if self._who(request) is None:
                 return RedirectResponse(f"/login?next={request.url.path}", status_code=303)
             return await _guarded(view, request)
 
@@ -196,13 +231,13 @@ class _Console:
 
     def action(self, view: Callable[[Request, FormData], Any]) -> Handler:
         async def handler(request: Request) -> Response:
-            session = request.session
-            if not session.get("user"):
+            user = self._who(request)
+            if user is None:
                 return HTMLResponse("log in first", status_code=401)
-            form = await request.form()
-            if not _same(str(form.get("csrf", "")), str(session.get("csrf", ""))):
+            form = await request.form(max_fields=MAX_FORM_FIELDS)
+            if not _same(str(form.get("csrf", "")), str(request.session.get("csrf", ""))):
                 return HTMLResponse("refused: the form's CSRF token is missing or wrong", 403)
-            if session.get("role") != "operator":
+            if user.role != "operator":
                 return HTMLResponse("refused: only an operator may act (you are a viewer)", 403)
             return await _guarded(view, request, form)
 
@@ -222,10 +257,15 @@ class _Console:
         if not _same(str(form.get("csrf", "")), str(session.get("login_csrf", ""))):
             return HTMLResponse("refused: the form's CSRF token is missing or wrong", 403)
         name, password = str(form.get("user", "")), str(form.get("password", ""))
+        if self._throttled(name):
+            return HTMLResponse(
+                "too many failed logins for this user: wait a few minutes", status_code=429
+            )
         user = self.users.get(name)
         # Compared in constant time, against a dummy for unknown names too.
         expected = user.password.get_secret_value() if user else secrets.token_urlsafe(16)
         if user is None or not _same(password, expected):
+            self._failed(name)
             return self.render(
                 request,
                 "login.html",
@@ -235,8 +275,25 @@ class _Console:
                 login_csrf=session.get("login_csrf", ""),
             )
         session.clear()
-        session.update(user=name, role=user.role, csrf=secrets.token_urlsafe(32))
+        session.update(
+            user=name,
+            role=user.role,
+            csrf=secrets.token_urlsafe(32),
+            tag=self._tag(expected),
+            since=int(time.time()),
+        )
         return RedirectResponse(_local(str(form.get("next", "/"))), status_code=303)
+
+    def _failed(self, name: str) -> None:
+        with self._login_lock:
+            self._failures.setdefault(name, []).append(time.monotonic())
+
+    def _throttled(self, name: str) -> bool:
+        """Five failed logins of one user within five minutes hold its logins until they age."""
+        with self._login_lock:
+            recent = [t for t in self._failures.get(name, []) if time.monotonic() - t < 300]
+            self._failures[name] = recent
+            return len(recent) >= 5
 
     async def logout(self, request: Request) -> Response:
         form = await request.form()
@@ -247,6 +304,16 @@ class _Console:
     # -- overview --------------------------------------------------------------------------------
 
     def overview(self, request: Request) -> Response:
+        with self._lock:  # one read of the ledger and broker per few seconds, however many tabs
+            now = time.monotonic()
+            if self._overview is None or now - self._overview[0] > OVERVIEW_CACHE_SECONDS:
+                self._overview = (now, self._overview_now())
+            context = self._overview[1]
+        if request.query_params.get("partial"):
+            return self.render(request, "overview_panels.html", **context)
+        return self.render(request, "overview.html", **context)
+
+    def _overview_now(self) -> dict[str, Any]:
         app, runtime = self.app, self.app.runtime
         settings = app.settings
         tiers = list(app.tiers.names)
@@ -290,7 +357,7 @@ class _Console:
                 }
             )
         breakers = _quietly(app.breakers.statuses, [])
-        context = {
+        return {
             "rows": rows,
             "health": self.health(),
             "open_breakers": [b for b in breakers if b.state.value != "closed"],
@@ -299,16 +366,12 @@ class _Console:
             "minutes": SPARK_MINUTES,
             "now": datetime.now(UTC),
         }
-        if request.query_params.get("partial"):
-            return self.render(request, "overview_panels.html", **context)
-        return self.render(request, "overview.html", **context)
 
     def health(self) -> list[Any]:
         """The ``ledger health`` checks (cached a few seconds: they ask every worker)."""
         now = time.monotonic()
         if self._health is None or now - self._health[0] > HEALTH_CACHE_SECONDS:
-            checks = run_checks(self.app, required=(), timeout=1.0)
-            self._health = (now, checks)
+            self._health = (now, run_checks(self.app, required=(), timeout=1.0))
         return self._health[1]
 
     # -- jobs ------------------------------------------------------------------------------------
@@ -337,8 +400,12 @@ class _Console:
         doc = ledger.resolve(record_id)
         if doc is None:
             return self.missing(request, f"job {record_id}")
-        record = ledger.get_by_id(str(doc["_id"]))
-        sensitive = self._sensitive(str(doc.get("task")))
+        sensitive = self._sensitive(doc)
+        try:
+            # Built from the document as stored: a sealed result is never opened here.
+            record = LedgerRecord.model_validate({**doc, "result": None} if sensitive else doc)
+        except ValidationError:
+            return self.missing(request, f"ledger job {record_id} (a plain Celery result)")
         progress = ledger.load_progress(str(doc["_id"]))
         steps = {
             name: {
@@ -354,18 +421,26 @@ class _Console:
             record=record,
             doc=doc,
             sensitive=sensitive,
-            result="[sealed: sensitive task]"
-            if sensitive
-            else (record.result_json if record else None),
+            result=SEALED if sensitive else _opened(self.app, doc.get("result")),
             checkpoint=None if sensitive else progress.get("checkpoint"),
             has_checkpoint=progress.get("checkpoint") is not None,
             steps=steps,
             traceback=doc.get("traceback") or "",
         )
 
-    def _sensitive(self, task: str) -> bool:
-        found = self.app.tasks.get(task)
-        return bool(getattr(found, "sensitive", False))
+    def _sensitive(self, doc: dict[str, Any]) -> bool:
+        """Whether a record's data must not be shown: a sensitive task's or workflow's, one
+        whose result is sealed, or one of a task this console does not know (fail closed)."""
+        name = str(doc.get("task"))
+        task = self.app.tasks.get(name)
+        workflow = self.app.workflows.get(name)
+        if task is None and workflow is None:
+            return True
+        flagged = getattr(task, "sensitive", False) or getattr(
+            getattr(workflow, "definition", None), "sensitive", False
+        )
+        result = doc.get("result")
+        return bool(flagged) or (isinstance(result, str) and Sealer.is_sealed(result))
 
     # -- dead letters ----------------------------------------------------------------------------
 
@@ -403,7 +478,7 @@ class _Console:
     def dead_group(self, request: Request) -> Response:
         fingerprint = request.path_params["fingerprint"]
         filters = self._filters(request.query_params)
-        docs = [d for d in self._dead_docs(filters) if str(d.get("fingerprint")) == fingerprint]
+        docs = [d for d in self._dead_docs(filters) if group_of(d) == fingerprint]
         if not docs:
             return self.render(
                 request, "missing.html", status_code=404, what="that dead-letter group"
@@ -418,9 +493,14 @@ class _Console:
             found = [self.app.dead_letters.get(i) for i in ids]
             return [d for d in found if d is not None]
         fingerprint = str(form.get("fingerprint", ""))
-        if fingerprint:
-            docs = self._dead_docs(self._filters(form))
-            return [d for d in docs if str(d.get("fingerprint")) == fingerprint]
+        if fingerprint:  # every member of the group under its filters, however many
+            filters = self._filters(form)
+            members = self.app.dead_letters.each(
+                task=filters["task"] or None,
+                reason=filters["reason"] or None,
+                since=since_of(filters["since"] or None),
+            )
+            return [d for d in members if group_of(d) == fingerprint][:PURGE_LIMIT]
         return []
 
     def replay(self, request: Request, form: FormData) -> Response:
@@ -442,12 +522,16 @@ class _Console:
     def purge(self, request: Request, form: FormData) -> Response:
         docs = self._selected(form)
         if form.get("confirm") != "yes":
-            return self.render(request, "purge_confirm.html", docs=docs)
+            return self.render(
+                request,
+                "purge_confirm.html",
+                docs=docs,
+                fingerprint=str(form.get("fingerprint", "")),
+                filters=self._filters(form),
+            )
+        filters = {"fingerprint": str(form.get("fingerprint", "")) or None, **self._filters(form)}
         purged = operations.purge_dead(
-            self.app,
-            docs,
-            actor=actor(request.session["user"]),
-            filters={"ids": [str(d["_id"]) for d in docs]},
+            self.app, docs, actor=actor(request.session["user"]), filters=filters
         )
         return self.render(request, "purged.html", purged=purged)
 
@@ -457,9 +541,9 @@ class _Console:
         return self.render(request, "breakers.html", statuses=self.app.breakers.statuses())
 
     def force_breaker(self, request: Request, form: FormData) -> Response:
-        name, verb = request.path_params["name"], request.path_params["verb"]
-        if verb not in operations.BREAKER_ACTIONS:
-            return HTMLResponse(f"unknown action {verb!r}", status_code=404)
+        name, verb = str(form.get("name", "")), request.path_params["verb"]
+        if verb not in operations.BREAKER_ACTIONS or not name:
+            return HTMLResponse("unknown action or breaker", status_code=404)
         operations.force_breaker(self.app, name, verb, actor=actor(request.session["user"]))
         return RedirectResponse("/breakers", status_code=303)
 
@@ -503,9 +587,11 @@ class _Console:
             handle.cancel(str(form.get("reason", "")), actor=who)
         elif verb == "retry":
             step = str(form.get("from_step") or "").strip()
+            if step and not step.isdigit():
+                return HTMLResponse("from step: a position (a whole number)", status_code=400)
             handle.retry(int(step) if step else None, actor=who)
         else:
-            return HTMLResponse(f"unknown action {verb!r}", status_code=404)
+            return HTMLResponse("unknown action", status_code=404)
         return RedirectResponse(f"/workflows/{workflow_id}", status_code=303)
 
     # -- audit -----------------------------------------------------------------------------------
@@ -525,13 +611,22 @@ async def _guarded(view: Callable[..., Any], *args: Any) -> Response:
 
     try:
         result: Response = await run_in_threadpool(view, *args)
-    except (LedgerError, redis.RedisError) as exc:
-        return HTMLResponse(
-            f"<p>Not now: {html.escape(type(exc).__name__)}: {html.escape(str(exc))[:500]}."
-            " Nothing was changed unless the audit trail says so; try again.</p>",
-            status_code=503,
-        )
+    except (LedgerUnavailable, redis.RedisError) as exc:
+        return _said(503, f"Not now: {exc}. Nothing was changed unless the audit trail says so.")
+    except LedgerError as exc:  # refused (a workflow not in a state for it, say)
+        return _said(409, f"Refused: {exc}")
+    except ValueError as exc:  # a filter or field the console cannot read
+        return _said(400, f"Not understood: {exc}")
     return result
+
+
+def _said(status: int, text: str) -> Response:
+    return HTMLResponse(f"<p>{html.escape(text[:600])}</p>", status_code=status)
+
+
+def _opened(app: Any, stored: Any) -> str | None:
+    """A stored result as text (sealed ones are never passed here)."""
+    return None if stored is None else str(app.runtime.sealer.open(stored))
 
 
 def _same(given: str, expected: str) -> bool:

@@ -32,6 +32,7 @@ COMPANIONS: dict[str, tuple[str, ...]] = {
     "groups": READ_WRITE + INDEXES,
     "workflows": READ_WRITE + INDEXES,
     "workflow_events": READ_WRITE + INDEXES,
+    "cache": READ_WRITE + INDEXES,  # fallbacks' last good results (policies/fallback.py)
     # Append-only: read and add entries, never change or remove one, and no index either (a
     # TTL index would have the server delete the trail): :func:`provision` makes its indexes.
     "audit": ("find", "insert", "listIndexes", "createCollection", "killCursors"),
