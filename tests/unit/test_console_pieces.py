@@ -14,7 +14,7 @@ from celery_ledger.console.app import _ago, _local, _spark, create_console
 
 def test_no_console_without_a_login() -> None:
     with pytest.raises(ConfigurationError, match="LEDGER_CONSOLE_USERS"):
-        create_console(SimpleNamespace(settings=Settings(console_users={})))
+        create_console(SimpleNamespace(settings=SimpleNamespace(console_users={})))
 
 
 @pytest.mark.parametrize(
