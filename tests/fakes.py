@@ -311,10 +311,12 @@ class MemoryLedger:
         if degraded is not None:
             fields["degraded"] = {**degraded, "at": now, "replace_at": replace_at}
             if replace_at is not None:
-                fields |= {"claimable_at": replace_at, "attempts": 0}
+                fields |= {"claimable_at": replace_at, "attempts": 0, "replace_due": replace_at}
         self._end_attempt("complete", record_id, fence, op, fields, atomic_steps=atomic_steps)
         doc = self.docs[record_id]
         doc.pop("slo_at", None)
+        if replace_at is None:
+            doc.pop("replace_due", None)
         if degraded is None and "degraded" in doc:
             doc["replaced_degraded"] = doc.pop("degraded")
 
@@ -324,6 +326,7 @@ class MemoryLedger:
         now = self.now()
         degraded = dict(self.docs.get(record_id, {}).get("degraded") or {})
         degraded |= {"replace_at": None, "replacement_failed": reason}
+        self.docs.get(record_id, {}).pop("replace_due", None)
         self._end_attempt(
             "keep_degraded",
             record_id,
@@ -763,6 +766,21 @@ class MemoryLedger:
             and d["claimable_at"] < cutoff
             and d["updated_at"] < cutoff
         ][:limit]
+
+    def replacements_due(
+        self, *, older_than_seconds: float, limit: int = 500
+    ) -> list[dict[str, Any]]:
+        cutoff = self.now() - timedelta(seconds=older_than_seconds)
+        due = [
+            d
+            for d in self.docs.values()
+            if d.get("replace_due") is not None
+            and d["replace_due"] < cutoff
+            and d.get("state") == State.SUCCEEDED
+            and d.get("claimable_at", EPOCH) < cutoff
+            and d.get("updated_at", EPOCH) < cutoff
+        ]
+        return [copy.deepcopy(d) for d in due[:limit]]
 
     def mark_reconciled(self, expected: dict[str, Any]) -> bool:
         self._enter("mark_reconciled")

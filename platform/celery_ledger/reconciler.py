@@ -118,16 +118,15 @@ class Reconciler:
             ("expired_leases", doc)
             for doc in self._ledger.expired_leases(grace_seconds=grace, limit=limit)
         ]
-        for state, counter in (
-            (State.QUEUED, "stale_queued"),
-            (State.RETRYING, "stale_retrying"),
-            # A success is claimable again only while a degraded result awaits its replacement.
-            (State.SUCCEEDED, "stale_replacements"),
-        ):
+        for state, counter in ((State.QUEUED, "stale_queued"), (State.RETRYING, "stale_retrying")):
             candidates += [
                 (counter, doc)
                 for doc in self._ledger.stale(state, older_than_seconds=stale_after, limit=limit)
             ]
+        candidates += [
+            ("stale_replacements", doc)
+            for doc in self._ledger.replacements_due(older_than_seconds=stale_after, limit=limit)
+        ]
         for counter, _ in candidates:
             setattr(report, counter, getattr(report, counter) + 1)
         if not dry_run and self._idempotent_tasks:

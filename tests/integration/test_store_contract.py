@@ -567,6 +567,8 @@ def test_a_degraded_result_is_claimable_from_its_replace_time_and_replaced_once(
     assert ledger.find_raw(record_id).get("duplicates", 0) == 0
 
     clock.advance(31)
+    due = [d["_id"] for d in ledger.replacements_due(older_than_seconds=0.5)]
+    assert record_id in due  # a lost replacement message is the reconciler's to bring back
     replacement = claim(ledger, record_id, "w:2")
     assert replacement.outcome is ClaimOutcome.CLAIMED
     assert ledger.find_raw(record_id)["result"] == '"cached"'  # still served meanwhile
@@ -575,6 +577,7 @@ def test_a_degraded_result_is_claimable_from_its_replace_time_and_replaced_once(
     assert doc["result"] == '"real"' and "degraded" not in doc
     assert doc["replaced_degraded"]["fallback"] == "placeholder"
     clock.advance(3600)
+    assert record_id not in [d["_id"] for d in ledger.replacements_due(older_than_seconds=1)]
     assert claim(ledger, record_id).outcome is ClaimOutcome.DUPLICATE
 
 

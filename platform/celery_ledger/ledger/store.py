@@ -338,8 +338,10 @@ class Ledger:
             self.collection.create_index(
                 [("state", ASCENDING), ("claimable_at", ASCENDING)], name="state_claimable"
             )
-            # Only jobs with a latency objective not yet met or reported have ``slo_at``.
+            # Only jobs with a latency objective not yet met or reported have ``slo_at``; only
+            # degraded results awaiting their replacement have ``replace_due``.
             self.collection.create_index("slo_at", name="objective", sparse=True)
+            self.collection.create_index("replace_due", name="replacement_due", sparse=True)
             self._retire_copy_due_index()
         self.ensure_audit_indexes(self._companion("audit"))
 
@@ -676,13 +678,16 @@ class Ledger:
             "finished_at": now,
             "expires_at": now + self.result_retention,
         }
-        update: dict[str, Any] = {"$set": fields, "$unset": {"slo_at": ""}}
+        unset = {"slo_at": "", "replace_due": ""}
+        update: dict[str, Any] = {"$set": fields, "$unset": unset}
         if degraded is not None:
             fields["degraded"] = {**degraded, "at": now, "replace_at": replace_at}
             if replace_at is not None:
                 # Its replacement is a fresh run: a budget of attempts spent getting here
-                # (max_attempts) must not stop it.
-                fields |= {"claimable_at": replace_at, "attempts": 0}
+                # (max_attempts) must not stop it. ``replace_due`` puts it in the reconciler's
+                # view (a sparse index: a query on the state of successes would read them all).
+                fields |= {"claimable_at": replace_at, "attempts": 0, "replace_due": replace_at}
+                del unset["replace_due"]
         else:
             # Renaming a field the record does not have changes nothing: one write either way.
             update["$rename"] = {"degraded": "replaced_degraded"}
@@ -700,7 +705,8 @@ class Ledger:
                 **self._ended(now, FOREVER),
                 "degraded.replace_at": None,
                 "degraded.replacement_failed": reason[:2000],
-            }
+            },
+            "$unset": {"replace_due": ""},
         }
         if error is not None:
             update["$push"] = {
@@ -1471,6 +1477,24 @@ class Ledger:
                 self.collection.find(
                     {
                         "state": state.value,
+                        "claimable_at": {"$lt": cutoff},
+                        "updated_at": {"$lt": cutoff},
+                    }
+                ).limit(limit)
+            )
+
+    def replacements_due(
+        self, *, older_than_seconds: float, limit: int = 500
+    ) -> list[dict[str, Any]]:
+        """Degraded results whose replacement is overdue by ``older_than_seconds`` and that
+        nothing claimed meanwhile (its message was lost)."""
+        cutoff = self.now() - timedelta(seconds=older_than_seconds)
+        with translate_errors("reconcile query"):
+            return list(
+                self.collection.find(
+                    {
+                        "replace_due": {"$lt": cutoff},
+                        "state": State.SUCCEEDED.value,
                         "claimable_at": {"$lt": cutoff},
                         "updated_at": {"$lt": cutoff},
                     }
