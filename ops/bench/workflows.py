@@ -84,6 +84,10 @@ class Commands:
     # A wake run again after the ledger could not serve it: it starts from whatever the failed
     # attempt's last write left (possibly applied), so it is not a steady-state wake.
     retried: bool = False
+    # Commands the server did not answer (a socket timeout while it stalled under load). The
+    # driver retries a read that failed so once, by itself: the retry is in ``commands``, the
+    # failed attempt is not, and such a wake is no steady-state wake either.
+    failed: int = 0
 
     @property
     def reads(self) -> int:
@@ -135,7 +139,15 @@ class ThreadCommands(monitoring.CommandListener):
         current.bytes_read += sum(len(BSON.encode(d)) for d in batch)
 
     def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
+        current = self._mine()
+        if current is None or event.command_name in CONNECTION_SETUP:
+            return
+        # The last started command of that name is the one that failed (one thread: one at a time)
+        for i in range(len(current.commands) - 1, -1, -1):
+            if current.commands[i] == event.command_name:
+                del current.commands[i]
+                break
+        current.failed += 1
 
 
 # -- throughput ---------------------------------------------------------------------------------
@@ -328,7 +340,7 @@ def drive_long_workflow(
                 continue
             listener.end()
             wake = listener.done.pop()
-            wake.retried = attempt > 1
+            wake.retried = attempt > 1 or wake.failed > 0
             wakes.append(wake)
             break
         if outcome != "suspended":  # ended (or stuck: the caller's assertions say so)
