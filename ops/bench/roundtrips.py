@@ -52,6 +52,10 @@ GOALS: dict[str, int | None] = {
 class Attempt:
     task_id: str
     commands: list[str] = field(default_factory=list)
+    # Commands the server did not answer (a socket timeout while it stalled under load): what
+    # follows them (pymongo's own retry of a read, the ledger's retry or deferral) is not what
+    # a delivery costs, so a pass with one is measured again (``measure_clean``).
+    failed: int = 0
 
 
 class DeliveryCommands(monitoring.CommandListener):
@@ -83,7 +87,8 @@ class DeliveryCommands(monitoring.CommandListener):
         pass
 
     def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
+        if self._current is not None and threading.get_ident() == self._thread:
+            self._current.failed += 1
 
 
 @contextmanager
@@ -189,6 +194,20 @@ def measure(app: LedgerCelery, listener: DeliveryCommands) -> dict[str, list[str
     return seen
 
 
+def measure_clean(
+    app: LedgerCelery, listener: DeliveryCommands, *, tries: int = 3
+) -> dict[str, list[str]]:
+    """A pass of :func:`measure` in which the server answered every command (a server stalled
+    past the socket timeout makes a pass count the stall's retries); the last pass if none."""
+    for _ in range(tries):
+        before = {id(a) for attempts in listener.attempts.values() for a in attempts}
+        seen = measure(app, listener)
+        new = [a for at in listener.attempts.values() for a in at if id(a) not in before]
+        if not any(a.failed for a in new):
+            return seen
+    return seen
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -203,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         # A probe: the first delivery also creates the collection and its indexes.
         app.tasks["rt.happy"].apply_async(("probe",), queue=QUEUE).get(timeout=60)
         for _ in range(args.repeats):
-            passes.append(measure(app, lst))
+            passes.append(measure_clean(app, lst))
 
     counts = {case: [operations(p[case]) for p in passes] for case in GOALS}
     trips = {case: [len(p[case]) for p in passes] for case in GOALS}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ops.bench.roundtrips import GOALS, QUEUE, counting_worker, measure, operations
+from ops.bench.roundtrips import GOALS, QUEUE, counting_worker, measure_clean, operations
 
 
 def test_round_trips_per_delivery(stack: Any) -> None:
@@ -13,7 +13,7 @@ def test_round_trips_per_delivery(stack: Any) -> None:
     with counting_worker(stack.broker.url, stack.ledger.url, "ledger_tests") as (app, listener):
         # A probe: the first delivery also creates the collection and its indexes
         app.tasks["rt.happy"].apply_async(("probe",), queue=QUEUE).get(timeout=60)
-        commands = measure(app, listener)
+        commands = measure_clean(app, listener)
 
     observed = {case: operations(found) for case, found in commands.items()}
     print("\nledger round trips per delivery:", commands)
