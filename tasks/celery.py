@@ -13,6 +13,7 @@ app = create_app(
         "tasks.reports",
         "tasks.backfills",
         "tasks.fulfilment",
+        "tasks.checkout",
     ],
 )
 app.observers.add(SlowJobs(budget_seconds=10.0))

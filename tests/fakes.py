@@ -25,6 +25,7 @@ from celery_ledger.ledger.store import (
     COPY_GRACE,
     EPOCH,
     FOREVER,
+    UNPUBLISHED,
     BuryMatch,
     Claim,
     ClaimOutcome,
@@ -623,7 +624,39 @@ class MemoryLedger:
         self._enter("mark_unpublished")
         doc = self.docs.get(record_id)
         if doc is not None and doc.get("state") == State.QUEUED and doc.get("fence") == 0:
-            doc.update(unpublished_at=self.now(), updated_at=EPOCH)
+            doc.update(unpublished_at=self.now(), updated_at=EPOCH, claimable_at=UNPUBLISHED)
+
+    def unpublished(
+        self,
+        *,
+        ids: Sequence[str] | None = None,
+        older_than_seconds: float = 0.0,
+        limit: int = 500,
+    ) -> list[dict[str, Any]]:
+        self._enter("unpublished")
+        cutoff = self.now() - timedelta(seconds=older_than_seconds)
+        found = [
+            copy.deepcopy(d)
+            for d in self.docs.values()
+            if d.get("state") == State.QUEUED
+            and d.get("claimable_at") == UNPUBLISHED
+            and (d["_id"] in ids if ids is not None else d["unpublished_at"] <= cutoff)
+        ]
+        return found[:limit]
+
+    def mark_published(self, record_ids: Sequence[str]) -> int:
+        self._enter("mark_published")
+        marked = 0
+        for record_id in record_ids:
+            doc = self.docs.get(record_id)
+            if doc is None or doc.get("state") != State.QUEUED:
+                continue
+            if doc.get("claimable_at") != UNPUBLISHED:
+                continue
+            doc.update(claimable_at=EPOCH, updated_at=self.now(), published_at=self.now())
+            doc.pop("unpublished_at", None)
+            marked += 1
+        return marked
 
     def record_deferral(
         self,

@@ -26,6 +26,7 @@ from celery.exceptions import Reject
 from kombu.entity import Queue
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
+from pymongo.client_session import ClientSession
 from pymongo.monitoring import CommandListener
 
 from . import headers, tracecontext
@@ -48,6 +49,7 @@ from .ledger.store import Ledger
 from .ledger.workflow_log import WorkflowLog
 from .observability import install as install_observability
 from .observability import ledger_listeners
+from .outbox import Outbox
 from .policies.breaker import Breakers
 from .policies.deadline import deadline
 from .reconciler import Reconciler
@@ -188,6 +190,39 @@ class LedgerCelery(Celery):  # type: ignore[misc]
         )
 
     # -- workflows ------------------------------------------------------------------------------
+
+    @cached_property
+    def outbox(self) -> Outbox:
+        """Jobs and workflow starts made in the app's own MongoDB transaction (outbox.py)."""
+        runtime = self.runtime
+        ttl = runtime.settings.outbox_relay_seconds * 2.5
+        lock = SweepLock(runtime.redis, f"{runtime.name}:ledger:outbox", ttl_seconds=ttl)
+        return Outbox(
+            runtime,
+            publish_wake=lambda workflow_id, tier: self.workflow_ports.publish_wake(
+                workflow_id, tier
+            ),
+            workflow_states=self.workflow_engine.log.running,
+            lock=lock,
+        )
+
+    def enqueue(self, session: ClientSession, work: Signature | WorkflowCall) -> Any:
+        """Enqueue ``work`` (a task's signature, ``charge.s(7, 100)``, or a workflow's,
+        ``fulfil.s(order_id)``) in ``session``'s transaction: it exists, and runs once, only
+        if the transaction commits (see outbox.py). Returns its ``AsyncResult`` or
+        ``WorkflowHandle``.
+
+        Raises:
+            ConfigurationError: ``session`` is not in a transaction, or the signature carries
+                what an outbox job cannot (callbacks, a countdown).
+        """
+        if isinstance(work, WorkflowCall):
+            return work.workflow.start_with(work.args, work.kwargs, session=session)
+        if isinstance(work, Signature):
+            return work.apply_async(session=session)
+        raise ConfigurationError(
+            f"app.enqueue takes a task's or a workflow's .s(...), not {type(work).__name__}"
+        )
 
     @cached_property
     def workflows(self) -> dict[str, Workflow]:
@@ -626,9 +661,10 @@ def create_app(
         publish=app._publish,
         tier_of=app.tier_of,
     )
-    # The reconciler holds the broker's Redis client and a sweep lock owned by this process:
+    # The reconciler and the outbox hold the broker's Redis client and a sweep lock owned by
+    # this process:
     # a pool process that runs a sweep (the beat task) builds its own (see runtime.py).
-    forget_after_fork(app, ("reconciler",))
+    forget_after_fork(app, ("reconciler", "outbox"))
     register_sealed_codec(app.runtime.sealer)
     app.conf.update(
         # JSON only: pickle is refused on both sides.

@@ -108,6 +108,10 @@ class Observer:
     def workflow_ended(self, workflow: str, status: str) -> None:
         """A workflow ended with ``status``."""
 
+    def outbox_published(self, tier: str, by: str, count: int) -> None:
+        """``count`` jobs enqueued in an app's transaction were published to ``tier``, ``by``
+        the process that committed them (``committer``) or the outbox relay (``relay``)."""
+
 
 EVENTS: tuple[str, ...] = tuple(
     name for name, value in vars(Observer).items() if callable(value) and not name.startswith("_")
@@ -184,3 +188,6 @@ class Observers(Observer):
 
     def workflow_ended(self, workflow: str, status: str) -> None:
         self._dispatch("workflow_ended", workflow, status)
+
+    def outbox_published(self, tier: str, by: str, count: int) -> None:
+        self._dispatch("outbox_published", tier, by, count)

@@ -158,6 +158,18 @@ class Settings(BaseSettings):
         description="Every worker's housekeeping runs the reconciler, one sweeper at a time"
         " across the fleet (a lease lock in Redis): no celery beat needed.",
     )
+    outbox_relay_seconds: float = Field(
+        2.0,
+        gt=0,
+        description="How often the workers (one at a time) publish jobs enqueued in an app's"
+        " transaction that their committing process did not (it died after the commit).",
+    )
+    outbox_grace_seconds: float = Field(
+        5.0,
+        ge=0,
+        description="The outbox relay leaves a committed job this long to the process that"
+        " committed it (its publish right after the commit) before publishing it itself.",
+    )
     workflow_check_seconds: float = Field(
         120.0,
         gt=0,

@@ -66,6 +66,8 @@ _Result: TypeAlias = AsyncResult
 
 # Options a call may not pass through to the broker: the ledger owns them.
 _LEDGER_OWNED_OPTIONS = ("ignore_result",)
+# Options a job enqueued in a transaction cannot carry: its record keeps the call only.
+_NOT_IN_OUTBOX = ("chain", "countdown", "eta", "expires")
 # Marks a publish of a delivery's own arguments again (a retry, a deferral): see
 # ``signature_from_request``.
 _REPUBLISH = "ledger_republish"
@@ -583,6 +585,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         kwargs = dict(kwargs) if kwargs else {}
         settings = self.app.settings
         message_headers = dict(options.pop("headers", None) or {})
+        session = options.pop("session", None)
         explicit_key = options.pop("idempotency_key", None)
         call_tier = options.pop("tier", None)
         admitted = bool(options.pop(ADMITTED, False))
@@ -628,6 +631,23 @@ class LedgerTask(Task):  # type: ignore[misc]
                     " LEDGER_ENCRYPTION_KEYS, which are not set here"
                 )
             options["serializer"] = SEALED_SERIALIZER
+
+        if session is not None:
+            return self._enqueue_in(
+                session,
+                args,
+                kwargs,
+                record_id=record_id,
+                key=key,
+                tier=tier,
+                message_headers=message_headers,
+                unsupported={
+                    "task_id (a canvas's)": task_id != record_id,
+                    "link": link,
+                    "link_error": link_error,
+                    **{name: options.get(name) for name in _NOT_IN_OUTBOX},
+                },
+            )
 
         def publish_now() -> _Result:
             with sealing(self.app.runtime.sealer):
@@ -697,6 +717,48 @@ class LedgerTask(Task):  # type: ignore[misc]
                 with contextlib.suppress(LedgerError):
                     self.app.ledger.mark_unpublished(record_id)
             raise
+
+    def _enqueue_in(
+        self,
+        session: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        record_id: str,
+        key: str,
+        tier: str,
+        message_headers: dict[str, Any],
+        unsupported: dict[str, Any],
+    ) -> _Result:
+        """``apply_async(..., session=session)``: the job's queued record in the session's
+        transaction, published after the commit (see outbox.py).
+
+        Raises:
+            ConfigurationError: no transaction, or options an outbox job cannot carry.
+            Backpressure: the tier is above its mark and its policy is ``reject``.
+        """
+        outbox = self.app.outbox
+        outbox.require_transaction(session)
+        refused = sorted(name for name, value in unsupported.items() if value)
+        if refused:
+            raise ConfigurationError(
+                f"{self.name}: a job enqueued in a transaction cannot carry"
+                f" {', '.join(refused)} (its record keeps the call only): start a workflow in"
+                " the transaction to compose steps or wait"
+            )
+        outbox.admit(tier)
+        outcome = self.app.ledger.enqueue(
+            record_id,
+            task=self.name,
+            key=key,
+            tier=tier,
+            message=self._kept(args, kwargs, message_headers),
+            objective=objective(self._slo_seconds(tier), time.time()),
+            session=session,
+        )
+        if outcome is EnqueueOutcome.NEW:
+            outbox.stage_job(session, record_id)
+        return self.AsyncResult(record_id)
 
     def _shed(
         self,

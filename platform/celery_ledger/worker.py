@@ -206,15 +206,20 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             switch = ThrottleSwitch(app, worker.hostname, bulk_queue)
             throttle.append(Every(settings.throttle_check_seconds, switch.tick))
         reconcile: list[Callable[[], object]] = []
+        outbox: list[Callable[[], object]] = []
         if settings.reconcile_in_workers:
             sweep = app.reconciler.sweep_if_leader
             reconcile.append(Every(settings.reconcile_every_seconds, sweep))
+            # A lane of its own: within seconds of a committer's death, whatever a reconciler
+            # sweep over a large ledger costs
+            outbox.append(Every(settings.outbox_relay_seconds, app.outbox.relay_if_leader))
         return Housekeeping(
             {
                 "deliveries": deliveries,
                 "upkeep": upkeep,
                 "throttle": throttle,
                 "reconcile": reconcile,
+                "outbox": outbox,
             },
             interval=settings.defer_poll_seconds,
         )

@@ -302,6 +302,38 @@ def test_enqueue_tells_new_known_and_unpublished_jobs_apart(world: tuple[Any, Cl
     assert claim(ledger, record_id).outcome is ClaimOutcome.CLAIMED
 
 
+def test_the_outbox_relay_sees_unpublished_jobs_until_published_or_claimed(
+    world: tuple[Any, Clock],
+) -> None:
+    ledger, clock = world
+    failed, published, claimed, plain = new_id(), new_id(), new_id(), new_id()
+    for record_id in (failed, published, claimed, plain):
+        message = KeptMessage.of_call([1], {}, message_headers={"ledger_key": record_id})
+        ledger.enqueue(record_id, task=TASK, key=record_id, tier="bulk", message=message)
+    for record_id in (failed, published, claimed):
+        ledger.mark_unpublished(record_id)  # as a publish that failed, or an outbox write
+    clock.advance(2)
+
+    def seen(**options: Any) -> set[str]:
+        return {d["_id"] for d in ledger.unpublished(**options)} & {
+            failed,
+            published,
+            claimed,
+            plain,
+        }
+
+    assert seen(older_than_seconds=1) == {failed, published, claimed}
+    assert seen(older_than_seconds=60) == set()  # within the grace: its committer's
+    assert seen(ids=[published, plain]) == {published}
+    assert ledger.mark_published([published]) == 1
+    assert ledger.mark_published([published]) == 0  # once
+    assert claim(ledger, claimed).outcome is ClaimOutcome.CLAIMED  # still claimable
+    assert ledger.mark_published([claimed]) == 0  # its claim took it out of the outbox
+    assert seen(older_than_seconds=0) == {failed}
+    assert ledger.find_raw(published)["state"] == State.QUEUED
+    assert claim(ledger, published).outcome is ClaimOutcome.CLAIMED
+
+
 def test_the_reconcilers_views_and_its_mark(world: tuple[Any, Clock]) -> None:
     ledger, clock = world
     record_id = new_id()

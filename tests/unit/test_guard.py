@@ -667,6 +667,8 @@ def test_every_documented_event_is_emitted_by_the_platform() -> None:
     # workflows report there too (tests/integration/test_workflow_model.py sees the engine's)
     observers.workflow_step("shop.fulfil", "payments.charge", 0.5, True)
     observers.workflow_ended("shop.fulfil", "completed")
+    # and the outbox (tests/unit/test_outbox.py sees the relay's and a committer's)
+    observers.outbox_published("critical", "relay", 1)
     seen |= set(recorder.names())
     assert seen == set(EVENTS)
 

@@ -90,6 +90,11 @@ COPY_GRACE = timedelta(seconds=30)
 # filter ever matches a dead record (``claimable_at <= now``), that of an earlier release
 # included, whose claim did not refuse dead records otherwise: a fleet in a rolling deploy.
 COPY_DUE_SHIFT = datetime(5000, 1, 1, tzinfo=UTC) - EPOCH
+# A queued record whose message is not sent yet (written in the app's transaction, or whose
+# publish failed) has this ``claimable_at``: still claimable (it is long past), and one value of
+# the sweepers' ``(state, claimable_at)`` index, so the outbox relay's query reads those records
+# and nothing else (a backlog of published queued records sits at EPOCH, one second below).
+UNPUBLISHED = EPOCH + timedelta(seconds=1)
 
 
 def utcnow() -> datetime:
@@ -272,6 +277,20 @@ class Ledger:
         self._connect()
         assert self._collection is not None
         return self._collection
+
+    @property
+    def write_concern(self) -> WriteConcern:
+        """What every write the guarantees depend on waits for (journaled)."""
+        return self._write_concern
+
+    def collection_for(
+        self, session: ClientSession, suffix: str | None = None
+    ) -> Collection[dict[str, Any]]:
+        """The records collection (or a companion's: ``<collection>_<suffix>``) on the client
+        of ``session`` (an app's own, for a write in its transaction: a session works only with
+        the client that started it). That client must reach the ledger's deployment."""
+        name = self.collection_name if suffix is None else f"{self.collection_name}_{suffix}"
+        return session.client.get_database(self.database_name).get_collection(name)
 
     def _companion(self, suffix: str) -> Collection[dict[str, Any]]:
         return self.collection.database.get_collection(
@@ -1165,17 +1184,27 @@ class Ledger:
         tier: str,
         message: KeptMessage,
         objective: Mapping[str, Any] | None = None,
+        session: ClientSession | None = None,
     ) -> EnqueueOutcome:
         """Write a ``queued`` record unless the job is known (one round trip).
 
         ``message`` lets the reconciler republish the job if its message is lost before the
         first claim. A known job whose first publish failed (:meth:`mark_unpublished`) says so,
         so that the caller publishes it after all.
+
+        ``session``: in that session's transaction (the app's own: an outbox write), on the
+        session's client, which must reach the ledger's deployment. The record is written
+        unpublished (``UNPUBLISHED``): it exists only if the transaction commits, and then
+        whoever publishes it (the committing process, or the relay) marks it published.
         """
         now = self.now()
         fields = _queued(task=task, key=key, tier=tier, now=now)
         fields["message"] = message.document()
         fields.update(objective or {})
+        collection = self.collection
+        if session is not None:
+            fields |= {"claimable_at": UNPUBLISHED, "unpublished_at": now, "outbox": True}
+            collection = self.collection_for(session)
         ops = [
             UpdateOne({"_id": record_id}, {"$setOnInsert": fields}, upsert=True),
             UpdateOne(
@@ -1183,26 +1212,74 @@ class Ledger:
                 {"$set": {"publish_retried_at": now}},
             ),
         ]
-        with translate_errors("enqueue"):
-            try:
-                result = self.collection.bulk_write(ops, ordered=False)
-            except BulkWriteError as exc:
-                if exc.details.get("writeConcernErrors"):
-                    raise LedgerUnavailable(f"enqueue of {record_id}: outcome unknown") from exc
-                raise StoreError(f"enqueue of {record_id} failed: {exc.details}") from exc
+        if session is not None:
+            # pymongo's own errors, untranslated: the app's ``with_transaction`` retries the
+            # whole transaction on those labelled transient (a write conflict, an election).
+            # A known job is left as it is: if its publish failed, the relay already has it.
+            inserted = collection.update_one(
+                {"_id": record_id}, {"$setOnInsert": fields}, upsert=True, session=session
+            )
+            return EnqueueOutcome.NEW if inserted.upserted_id is not None else EnqueueOutcome.KNOWN
+        else:
+            with translate_errors("enqueue"):
+                try:
+                    result = collection.bulk_write(ops, ordered=False)
+                except BulkWriteError as exc:
+                    if exc.details.get("writeConcernErrors"):
+                        raise LedgerUnavailable(f"enqueue of {record_id}: outcome unknown") from exc
+                    raise StoreError(f"enqueue of {record_id} failed: {exc.details}") from exc
         if result.upserted_count:
             return EnqueueOutcome.NEW
         return EnqueueOutcome.UNPUBLISHED if result.modified_count else EnqueueOutcome.KNOWN
 
     def mark_unpublished(self, record_id: str) -> None:
         """The publish after :meth:`enqueue` failed: keep the record (another producer may have
-        skipped its own publish because of it) and make it due for the reconciler now."""
+        skipped its own publish because of it) and make it due for the outbox relay (and the
+        reconciler) now."""
         now = self.now()
         with translate_errors("unpublished mark"):
             self.collection.update_one(
                 {"_id": record_id, "state": State.QUEUED.value, "fence": 0},
-                {"$set": {"unpublished_at": now, "updated_at": EPOCH}},
+                {"$set": {"unpublished_at": now, "updated_at": EPOCH, "claimable_at": UNPUBLISHED}},
             )
+
+    def unpublished(
+        self,
+        *,
+        ids: Sequence[str] | None = None,
+        older_than_seconds: float = 0.0,
+        limit: int = 500,
+    ) -> list[dict[str, Any]]:
+        """Queued records whose message is not sent yet (committed outbox writes, failed
+        publishes): those of ``ids``, or those marked ``older_than_seconds`` ago or more.
+        Read on the sweepers' index: one value of it (``UNPUBLISHED``), nothing else."""
+        query: dict[str, Any] = {"state": State.QUEUED.value, "claimable_at": UNPUBLISHED}
+        if ids is not None:
+            query["_id"] = {"$in": list(ids)}
+        else:
+            query["unpublished_at"] = {"$lte": self.now() - timedelta(seconds=older_than_seconds)}
+        with translate_errors("outbox read"):
+            return list(self.collection.find(query).limit(limit))
+
+    def mark_published(self, record_ids: Sequence[str]) -> int:
+        """Their messages are sent: out of the relay's view (one write for them all). A record
+        claimed meanwhile left the outbox with its claim and is not touched."""
+        if not record_ids:
+            return 0
+        now = self.now()
+        with translate_errors("outbox published mark"):
+            result = self.collection.update_many(
+                {
+                    "_id": {"$in": list(record_ids)},
+                    "state": State.QUEUED.value,
+                    "claimable_at": UNPUBLISHED,
+                },
+                {
+                    "$set": {"claimable_at": EPOCH, "updated_at": now, "published_at": now},
+                    "$unset": {"unpublished_at": ""},
+                },
+            )
+        return result.modified_count
 
     def record_deferral(
         self,

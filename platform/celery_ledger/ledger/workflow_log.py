@@ -29,6 +29,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pymongo import ASCENDING, DESCENDING
+from pymongo.client_session import ClientSession
 from pymongo.collection import Collection
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
@@ -89,16 +90,30 @@ class WorkflowLog:
 
     # -- state documents ------------------------------------------------------------------------
 
-    def create(self, doc: dict[str, Any]) -> bool:
-        """Insert the state document of a new workflow; False if one with its id exists."""
+    def create(self, doc: dict[str, Any], *, session: ClientSession | None = None) -> bool:
+        """Insert the state document of a new workflow; False if one with its id exists.
+
+        ``session``: in that session's transaction (the app's own), with pymongo's errors
+        untranslated so that its ``with_transaction`` retries a transient one."""
         now = self.now()
         fields = {"status": "running", "created_at": now, "updated_at": now, "check_at": now}
         fields.update(doc)
+        if session is not None:
+            result = self.ledger.collection_for(session, "workflows").update_one(
+                {"_id": doc["_id"]}, {"$setOnInsert": fields}, upsert=True, session=session
+            )
+            return result.upserted_id is not None
         with translate_errors("workflow start"):
             result = self.states.update_one(
                 {"_id": doc["_id"]}, {"$setOnInsert": fields}, upsert=True
             )
         return result.upserted_id is not None
+
+    def running(self, workflow_ids: Sequence[str]) -> list[str]:
+        """Which of these workflows have a state document and run (one read)."""
+        with translate_errors("workflow read"):
+            docs = self.states.find({"_id": {"$in": list(workflow_ids)}, "status": "running"}, {})
+            return [str(d["_id"]) for d in docs]
 
     def get_state(self, workflow_id: str) -> dict[str, Any] | None:
         with translate_errors("workflow read"):

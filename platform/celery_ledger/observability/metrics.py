@@ -131,6 +131,12 @@ class LedgerMetrics:
             buckets=WAIT_BUCKETS,
             registry=registry,
         )
+        self.outbox_published = counter(
+            "celery_ledger_outbox_published_total",
+            "Jobs enqueued in an app's transaction, published after its commit, by the"
+            " committing process (committer) or the outbox relay (relay: it died first).",
+            ("tier", "by"),
+        )
         self.workflows_ended = counter(
             "celery_ledger_workflows_ended_total", "Workflows ended.", ("workflow", "status")
         )
@@ -357,6 +363,11 @@ class MetricsObserver(Observer):
     def workflow_ended(self, workflow: str, status: str) -> None:
         _m().workflows_ended.labels(workflow, category(status, WORKFLOW_ENDS)).inc()
 
+    @_safe
+    def outbox_published(self, tier: str, by: str, count: int) -> None:
+        source = by if by in ("committer", "relay") else OTHER
+        _m().outbox_published.labels(_tier(tier), source).inc(count)
+
 
 def instrument(
     observers: Any, known_tasks: Callable[[], Container[str]] = tuple
@@ -428,6 +439,7 @@ METRIC_NAMES = frozenset(
         "celery_ledger_steps_skipped_total",
         "celery_ledger_degraded_total",
         "celery_ledger_late_total",
+        "celery_ledger_outbox_published_total",
         *(
             f"{name}_{suffix}"
             for name in (

@@ -143,6 +143,21 @@ class BackpressureGate:
     def engaged(self, tier: str) -> bool:
         return self._engaged.get(tier, False)
 
+    def engaged_now(self, tier: str) -> bool:
+        """Whether the tier is above its mark now (a fresh enough depth, with hysteresis),
+        without waiting, shedding or raising: for work that is already durable and can wait
+        where it is (the outbox's records), and for a decision inside someone's transaction,
+        which must not wait with the transaction open."""
+        limit = self.limits.get(tier)
+        if limit is None or limit.high_water is None:
+            return False
+        return self._update(tier, limit, self.depths.depth(tier))
+
+    def policy(self, tier: str) -> Policy | None:
+        """The tier's policy above its mark (None: the tier has no mark)."""
+        limit = self.limits.get(tier)
+        return None if limit is None or limit.high_water is None else limit.policy
+
     def check(self, tier: str) -> Decision:
         """``"publish"``, ``"shed"``, or raises :class:`celery_ledger.errors.Backpressure`."""
         limit = self.limits.get(tier)

@@ -21,6 +21,8 @@ from .engine import Definition
 from .history import WorkflowState, as_of, fold
 
 if TYPE_CHECKING:
+    from pymongo.client_session import ClientSession
+
     from ..app import LedgerCelery
 
 
@@ -60,10 +62,28 @@ class Workflow:
         kwargs: dict[str, Any] | None = None,
         *,
         key: str | None = None,
+        session: ClientSession | None = None,
     ) -> WorkflowHandle:
-        """:meth:`start` with an explicit idempotency ``key`` (instead of the declared one)."""
+        """:meth:`start` with an explicit idempotency ``key`` (instead of the declared one).
+
+        ``session``: started in that session's transaction (the app's own): it exists, and
+        runs, only if the transaction commits (see outbox.py).
+
+        Raises:
+            ConfigurationError: ``session`` is not in a transaction.
+        """
         engine = self.app.workflow_engine
         tier = self.definition.tier or self.app.settings.default_tier
+        if session is not None:
+            outbox = self.app.outbox
+            outbox.require_transaction(session)
+            outbox.admit(tier)
+            workflow_id, created = engine.start(
+                self.definition, tuple(args), dict(kwargs or {}), key=key, session=session
+            )
+            if created:
+                outbox.stage_workflow(session, workflow_id, tier)
+            return WorkflowHandle(self.app, workflow_id)
         self.app.admit(tier)
         workflow_id, _ = engine.start(self.definition, tuple(args), dict(kwargs or {}), key=key)
         return WorkflowHandle(self.app, workflow_id)

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
+from pymongo.client_session import ClientSession
+
 from ..crypto import Sealer
 from ..errors import (
     ConfigurationError,
@@ -163,10 +165,16 @@ class WorkflowEngine:
         *,
         key: str | None = None,
         parent: dict[str, Any] | None = None,
+        session: ClientSession | None = None,
     ) -> tuple[str, bool]:
         """Start the workflow of this key (once per key, ever); returns (its id, whether this
         call started it). The state document is durable before the first wake is published,
         so a lost wake is found by the reconciler.
+
+        ``session``: the state document is written in that session's transaction (the app's
+        own) and no wake is published (the caller's outbox publishes it after the commit). It
+        is due for the reconciler's check at once: a committing process that dies before
+        that publish leaves it to the next sweep.
 
         Raises:
             PayloadError: the arguments do not fit the workflow's signature, are not JSON, or
@@ -196,10 +204,11 @@ class WorkflowEngine:
                 "tier": tier,
                 "args": self._sealed(arguments) if definition.sensitive else arguments,
                 "parent": parent,
-                "check_at": now + timedelta(seconds=self.check_seconds),
-            }
+                "check_at": now if session else now + timedelta(seconds=self.check_seconds),
+            },
+            session=session,
         )
-        if created:
+        if created and session is None:
             try:
                 self.ports.publish_wake(workflow_id, tier)
             except Exception as exc:  # durable already: the reconciler wakes it

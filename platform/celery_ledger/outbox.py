@@ -1,0 +1,265 @@
+"""The outbox: jobs and workflow starts made in the app's own MongoDB transaction.
+
+An app that writes an order and then publishes ``charge`` can die between the two (an order
+with no charge), or publish a charge for an order whose transaction then aborts. Here the job's
+``queued`` record (with its kept message, sealed for a sensitive task) or the workflow's state
+document is written *in the app's transaction*, and nothing is published yet:
+
+- the transaction aborts: there is no record, so there is no job;
+- it commits: the committing process publishes the jobs it staged (:meth:`Outbox.flush`, which
+  :meth:`Outbox.transaction` calls after the commit) and marks them published;
+- the committing process dies between the commit and that publish, or the broker refuses it:
+  the relay (every worker's housekeeping, one relay at a time across the fleet, every
+  ``LEDGER_OUTBOX_RELAY_SECONDS``) publishes records left unpublished for
+  ``LEDGER_OUTBOX_GRACE_SECONDS``; a workflow started so is woken by the reconciler's check,
+  which its state document is due for from the start.
+
+Both may publish one job (a flush that died after its publish, before its mark): the copy is
+a duplicate delivery, which the claim suppresses, so the job still runs once.
+
+Backpressure cannot wait inside someone's transaction (it would hold the transaction open
+against its lifetime limit): a tier above its mark with the ``reject`` policy refuses the
+enqueue (``Backpressure`` raised into the transaction, which the app may abort or catch); with
+``block`` or ``shed`` the job is kept in the outbox, durable, and published once the tier is
+back under its mark. Nothing is shed: the job is already part of the app's committed data.
+
+A job made in a transaction carries no callbacks, chain or countdown (the kept message holds
+the call and its ledger headers only): compose with a workflow, started in the transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pymongo.client_session import ClientSession
+from pymongo.read_concern import ReadConcern
+
+from .errors import Backpressure, ConfigurationError, LedgerError
+from .ledger.message import KeptMessage
+from .locks import ForkSafeLock
+
+if TYPE_CHECKING:
+    from .broker import SweepLock
+    from .runtime import Runtime
+
+logger = logging.getLogger("celery_ledger.outbox")
+T = TypeVar("T")
+
+
+@dataclass
+class _Staged:
+    """What one session's transaction wrote for the outbox (every attempt's: a retried
+    transaction writes again, and only what committed is found by :meth:`Outbox.flush`)."""
+
+    jobs: set[str] = field(default_factory=set)
+    workflows: dict[str, str] = field(default_factory=dict)  # id -> tier
+
+
+class Outbox:
+    """The app's outbox (see the module docstring); ``app.outbox``."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        publish_wake: Callable[[str, str], None],
+        workflow_states: Callable[[list[str]], Iterable[str]],
+        lock: SweepLock | None = None,
+    ) -> None:
+        self._runtime = runtime
+        self._ledger = runtime.ledger
+        self._publish_wake = publish_wake
+        # Which of these workflows' state documents exist (committed), by id.
+        self._workflow_states = workflow_states
+        self._lock = lock
+        # Sessions are the app's: staging ends with them (a session never flushed is the
+        # relay's, like a process that died).
+        self._staged: weakref.WeakKeyDictionary[ClientSession, _Staged] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._staged_lock = ForkSafeLock()
+
+    # -- in the transaction ---------------------------------------------------------------------
+
+    @staticmethod
+    def require_transaction(session: Any) -> ClientSession:
+        """``session`` if it is a pymongo session inside a transaction.
+
+        Raises:
+            ConfigurationError: it is not (a write outside a transaction would publish
+                nothing and promise nothing).
+        """
+        if not isinstance(session, ClientSession):
+            raise ConfigurationError(
+                f"session= takes a pymongo ClientSession, not {type(session).__name__}"
+            )
+        if not session.in_transaction:
+            raise ConfigurationError(
+                "session= enqueues in the session's transaction: start one first"
+                " (session.with_transaction(...), or app.outbox.transaction(...))"
+            )
+        return session
+
+    def stage_job(self, session: ClientSession, record_id: str) -> None:
+        with self._staged_lock:
+            self._staged.setdefault(session, _Staged()).jobs.add(record_id)
+
+    def stage_workflow(self, session: ClientSession, workflow_id: str, tier: str) -> None:
+        with self._staged_lock:
+            self._staged.setdefault(session, _Staged()).workflows[workflow_id] = tier
+
+    def admit(self, tier: str) -> None:
+        """The tier's backpressure inside a transaction: only a ``reject`` policy applies here
+        (raised into the transaction); under ``block`` or ``shed`` the job waits in the outbox
+        until the tier is back under its mark (see the module docstring).
+
+        Raises:
+            Backpressure: the tier is above its mark and its policy is ``reject``.
+        """
+        gate = self._runtime.gate
+        if gate.policy(tier) != "reject":
+            return
+        try:
+            engaged = gate.engaged_now(tier)
+        except Exception as exc:  # the broker is away: the publish after the commit says so
+            logger.warning("backpressure check on %s skipped: %s", tier, exc)
+            return
+        if engaged:
+            limit = gate.limits[tier]
+            raise Backpressure(tier, gate.depths.depth(tier), limit.high_water or 0)
+
+    # -- after the commit -----------------------------------------------------------------------
+
+    def transaction(self, callback: Callable[[ClientSession], T], **options: Any) -> T:
+        """Run ``callback(session)`` in a transaction on the ledger's deployment (pymongo's
+        ``with_transaction``: retried on transient errors), then publish what it enqueued.
+        ``options`` go to ``with_transaction`` (the default: majority reads and the ledger's
+        journaled majority writes). The app's collections are reached through the session's
+        client: ``session.client[db][collection]``."""
+        options.setdefault("read_concern", ReadConcern("majority"))
+        options.setdefault("write_concern", self._ledger.write_concern)
+        with self._ledger.client.start_session() as session:
+            try:
+                result = session.with_transaction(callback, **options)
+            except BaseException:
+                self.discard(session)
+                raise
+            self.flush(session)
+            return result
+
+    def discard(self, session: ClientSession) -> None:
+        """Forget what ``session`` staged (its transaction aborted: nothing of it exists)."""
+        with self._staged_lock:
+            self._staged.pop(session, None)
+
+    def flush(self, session: ClientSession) -> int:
+        """Publish what ``session``'s committed transaction enqueued; returns how many jobs
+        and workflow wakes it sent. Call it after the commit. Never raises for an outage:
+        what it could not send is the relay's (the records are durable)."""
+        if session.in_transaction:
+            raise ConfigurationError("flush after the commit: the transaction is still open")
+        with self._staged_lock:
+            staged = self._staged.pop(session, None)
+        if staged is None:
+            return 0
+        sent = 0
+        try:
+            if staged.jobs:
+                # Only what committed and nobody published since (an aborted attempt's ids
+                # find nothing)
+                sent += self._publish(
+                    self._ledger.unpublished(ids=sorted(staged.jobs)), by="committer"
+                )
+            if staged.workflows:
+                for workflow_id in self._workflow_states(sorted(staged.workflows)):
+                    self._publish_wake(workflow_id, staged.workflows[workflow_id])
+                    sent += 1
+        except Exception as exc:
+            logger.warning("outbox: publish after the commit failed (the relay sends it): %s", exc)
+        return sent
+
+    # -- the relay ------------------------------------------------------------------------------
+
+    def relay_if_leader(self) -> int | None:
+        """:meth:`relay` if this process holds (or takes) the fleet's relay lock; else None."""
+        if self._lock is None or self._lock.acquire() is None:
+            return None
+        return self.relay()
+
+    def relay(self, *, limit: int = 500) -> int:
+        """Publish committed outbox records that nobody published within the grace time
+        (their committing process died, or its publish failed); returns how many."""
+        grace = self._runtime.settings.outbox_grace_seconds
+        docs = self._ledger.unpublished(older_than_seconds=grace, limit=limit)
+        if not docs:
+            return 0
+        sent = self._publish(docs, by="relay")
+        if sent:
+            logger.warning("outbox relay: published %d job(s) their committer did not", sent)
+        return sent
+
+    def _publish(self, docs: list[dict[str, Any]], *, by: str) -> int:
+        """Publish each record's kept message (tiers above their mark wait, in the outbox),
+        then mark the sent ones published in one write. A record that cannot be published
+        (no kept message, a task no tier of this app runs) is left for another app or an
+        operator, and logged."""
+        runtime = self._runtime
+        sent: list[str] = []
+        held: dict[str, bool] = {}
+        per_tier: dict[str, int] = {}
+        try:
+            for doc in docs:
+                record_id, task = str(doc["_id"]), str(doc.get("task"))
+                tier = doc.get("tier")
+                if tier not in runtime.tiers.names:
+                    tier = runtime.tier_of(task)
+                message = KeptMessage.from_document(doc.get("message"))
+                if tier is None or message is None or not message.replayable:
+                    logger.warning("outbox: %s (%s) cannot be published here", record_id, task)
+                    continue
+                if tier not in held:
+                    held[tier] = self._engaged(tier)
+                if held[tier]:
+                    continue
+                try:
+                    message.republish(
+                        runtime.publish,
+                        runtime.sealer,
+                        task=task,
+                        record_id=record_id,
+                        key=str(doc.get("key")),
+                        tier=str(tier),
+                    )
+                except LedgerError as exc:  # its arguments cannot be rebuilt (a rotated key)
+                    logger.warning("outbox: %s cannot be published: %s", record_id, exc)
+                    continue
+                sent.append(record_id)
+                per_tier[tier] = per_tier.get(tier, 0) + 1
+        finally:
+            # What was sent is marked even when a later publish failed (the broker went away)
+            if sent:
+                self._ledger.mark_published(sent)
+            for tier, count in per_tier.items():
+                runtime.observers.outbox_published(tier, by, count)
+        return len(sent)
+
+    def _engaged(self, tier: str) -> bool:
+        try:
+            return self._runtime.gate.engaged_now(tier)
+        except Exception:  # the broker is away: the publish says so
+            return False
+
+    def pending(self, *, limit: int = 1000) -> Mapping[str, int]:
+        """Unpublished outbox records by tier (health and the console)."""
+        counts: dict[str, int] = {}
+        for doc in self._ledger.unpublished(older_than_seconds=0.0, limit=limit):
+            tier = str(doc.get("tier"))
+            counts[tier] = counts.get(tier, 0) + 1
+        return counts
+
+
+__all__ = ["Outbox"]

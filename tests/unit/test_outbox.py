@@ -1,0 +1,191 @@
+"""The outbox's choices, without servers: what the relay and a committer's flush publish, hold
+back or leave, over an in-memory ledger and a recording publish port."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from celery_ledger import Settings
+from celery_ledger.crypto import Sealer
+from celery_ledger.errors import Backpressure, ConfigurationError
+from celery_ledger.events import Observer, Observers
+from celery_ledger.keys import derive_task_id
+from celery_ledger.ledger.message import KeptMessage
+from celery_ledger.ledger.store import EPOCH, UNPUBLISHED
+from celery_ledger.outbox import Outbox
+from celery_ledger.routing import TIERS, Tiers
+from tests.fakes import Clock, MemoryLedger
+from tests.fakes import Outbox as Ports
+
+TASK = "shop.charge"
+KEY = "AcKyJ2oLnrAAy_LZcIqJcLFxu0NMYeTJnp7JIrpzIs4="
+
+
+@dataclass
+class FakeGate:
+    engaged: set[str] = field(default_factory=set)
+    policies: dict[str, str] = field(default_factory=dict)
+    limits: dict[str, Any] = field(default_factory=dict)
+    depths: Any = None
+
+    def engaged_now(self, tier: str) -> bool:
+        return tier in self.engaged
+
+    def policy(self, tier: str) -> str | None:
+        return self.policies.get(tier, "block")
+
+
+class Published(Observer):
+    def __init__(self) -> None:
+        self.counts: list[tuple[str, str, int]] = []
+
+    def outbox_published(self, tier: str, by: str, count: int) -> None:
+        self.counts.append((tier, by, count))
+
+
+class World:
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.ledger = MemoryLedger(clock=self.clock, lease_seconds=60)
+        self.ports = Ports()
+        self.gate = FakeGate()
+        self.events = Published()
+        self.wakes: list[tuple[str, str]] = []
+        self.runtime = SimpleNamespace(
+            ledger=self.ledger,
+            settings=Settings(outbox_grace_seconds=5),
+            sealer=Sealer([KEY]),
+            tiers=Tiers(TIERS, default="default"),
+            publish=self.ports.publish,
+            tier_of=lambda name: "critical" if name == TASK else None,
+            gate=self.gate,
+            observers=Observers(self.events),
+        )
+        self.outbox = Outbox(
+            self.runtime,  # type: ignore[arg-type]
+            publish_wake=lambda wf, tier: self.wakes.append((wf, tier)),
+            workflow_states=lambda ids: [i for i in ids if not i.startswith("aborted")],
+        )
+
+    def committed(self, key: str, *, tier: str = "critical", message: bool = True) -> str:
+        """A job an app's transaction wrote and committed (not yet published)."""
+        record_id = derive_task_id(TASK, key)
+        kept = KeptMessage.of_call([7], {}, message_headers={"ledger_key": key})
+        self.ledger.enqueue(record_id, task=TASK, key=key, tier=tier, message=kept)
+        self.ledger.mark_unpublished(record_id)  # the outbox write's marks
+        if not message:
+            self.ledger.docs[record_id].pop("message")
+        return record_id
+
+
+@pytest.fixture
+def w() -> World:
+    return World()
+
+
+def test_the_relay_leaves_a_commit_to_its_committer_for_the_grace_time(w: World) -> None:
+    record_id = w.committed("a")
+    w.clock.advance(4)
+    assert w.outbox.relay() == 0 and not w.ports.tasks
+    w.clock.advance(2)
+    assert w.outbox.relay() == 1
+    [sent] = w.ports.tasks
+    assert sent.task == TASK and sent.options["task_id"] == record_id
+    assert sent.options["tier"] == "critical" and sent.args == [7]
+    assert w.ledger.docs[record_id]["claimable_at"] == EPOCH  # out of the relay's view
+    assert w.outbox.relay() == 0  # once
+    assert w.events.counts == [("critical", "relay", 1)]
+
+
+def test_a_flush_publishes_only_what_its_transaction_committed(w: World) -> None:
+    session = object.__new__(_Session)
+    committed = w.committed("b")
+    w.outbox.stage_job(session, committed)  # type: ignore[arg-type]
+    w.outbox.stage_job(session, derive_task_id(TASK, "aborted-attempt"))  # type: ignore[arg-type]
+    w.outbox.stage_workflow(session, "wf-1", "default")  # type: ignore[arg-type]
+    w.outbox.stage_workflow(session, "aborted-wf", "default")  # type: ignore[arg-type]
+    assert w.outbox.flush(session) == 2  # type: ignore[arg-type]
+    assert [p.options["task_id"] for p in w.ports.tasks] == [committed]
+    assert w.wakes == [("wf-1", "default")]
+    assert w.outbox.flush(session) == 0  # type: ignore[arg-type]
+    assert w.events.counts == [("critical", "committer", 1)]
+
+
+def test_a_flush_refuses_an_open_transaction(w: World) -> None:
+    session = object.__new__(_Session)
+    session.open = True
+    with pytest.raises(ConfigurationError, match="after the commit"):
+        w.outbox.flush(session)  # type: ignore[arg-type]
+
+
+def test_a_tier_above_its_mark_holds_its_jobs_in_the_outbox(w: World) -> None:
+    held, other = w.committed("c"), w.committed("d", tier="bulk")
+    w.clock.advance(6)
+    w.gate.engaged.add("critical")
+    assert w.outbox.relay() == 1
+    assert [p.options["task_id"] for p in w.ports.tasks] == [other]
+    assert w.ledger.docs[held]["claimable_at"] == UNPUBLISHED  # kept, durable
+    w.gate.engaged.clear()
+    assert w.outbox.relay() == 1
+    assert w.ledger.docs[held]["claimable_at"] == EPOCH
+
+
+def test_reject_is_the_only_policy_that_refuses_inside_a_transaction(w: World) -> None:
+    w.gate.engaged.add("critical")
+    w.gate.limits["critical"] = SimpleNamespace(high_water=10)
+    w.gate.depths = SimpleNamespace(depth=lambda tier: 12)
+    for policy in ("block", "shed"):
+        w.gate.policies["critical"] = policy
+        w.outbox.admit("critical")  # held later, never waited for here
+    w.gate.policies["critical"] = "reject"
+    with pytest.raises(Backpressure):
+        w.outbox.admit("critical")
+    w.gate.engaged.clear()
+    w.outbox.admit("critical")
+
+
+def test_what_cannot_be_published_is_left_and_the_rest_goes(w: World) -> None:
+    bare = w.committed("e", message=False)
+    unknown_task = derive_task_id("elsewhere.task", "f")
+    kept = KeptMessage.of_call([1], {}, message_headers={})
+    w.ledger.enqueue(unknown_task, task="elsewhere.task", key="f", tier="nope", message=kept)
+    w.ledger.mark_unpublished(unknown_task)
+    fine = w.committed("g")
+    w.clock.advance(6)
+    assert w.outbox.relay() == 1
+    assert [p.options["task_id"] for p in w.ports.tasks] == [fine]
+    assert w.ledger.docs[bare]["claimable_at"] == UNPUBLISHED  # for an operator (or its app)
+    assert w.ledger.docs[unknown_task]["claimable_at"] == UNPUBLISHED
+
+
+def test_a_broker_that_fails_midway_leaves_only_the_unsent_for_later(w: World) -> None:
+    first, second = w.committed("h"), w.committed("i")
+    w.clock.advance(6)
+    sent: list[str] = []
+
+    def publish_once(task: str, args: Any, kwargs: Any, **options: Any) -> None:
+        if sent:
+            raise ConnectionError("broker away")
+        sent.append(options["task_id"])
+
+    w.runtime.publish = publish_once
+    with pytest.raises(ConnectionError):
+        w.outbox.relay()
+    [done] = sent
+    left = second if done == first else first
+    assert w.ledger.docs[done]["claimable_at"] == EPOCH
+    assert w.ledger.docs[left]["claimable_at"] == UNPUBLISHED
+
+
+class _Session:
+    """Enough of a pymongo session for the outbox's bookkeeping (hashable, weak-referable)."""
+
+    open = False
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.open
