@@ -242,9 +242,14 @@ class Soak:
         out: dict[str, Callable[[Job], None]] = {}
         if "ledger" in self.systems:
             task = self.ledger_app().tasks["soak.work"]
-            out["ledger"] = lambda job: task.apply_async(
-                (job.key, job.kind, job.param), tier=job.tier
-            )
+
+            def ledger_publish(job: Job) -> None:
+                if job.outbox:
+                    self.enqueue_in_transaction(job)
+                else:
+                    task.apply_async((job.key, job.kind, job.param), tier=job.tier)
+
+            out["ledger"] = ledger_publish
         if "plain" in self.systems:
             plain_broker = self.broker.url.rsplit("/", 1)[0] + "/1"
             plain_task = plain_soak.build(plain_broker).tasks["soak.work"]
@@ -280,6 +285,8 @@ class Soak:
         return {
             "jobs": records.count_documents({"reconciled": {"$gt": 0}}),
             "times": sum(d.get("reconciled", 0) for d in records.find({"reconciled": {"$gt": 0}})),
+            # jobs enqueued in a transaction (the outbox), every one of them run or dead
+            "outbox jobs": records.count_documents({"outbox": True}),
         }
 
     def publish_all(self) -> None:
@@ -294,6 +301,32 @@ class Soak:
                         publish[system](job)
             for flow in self.flows[wave::waves]:
                 self.start_workflow(flow)
+
+    def enqueue_in_transaction(self, job: Job) -> None:
+        """The job enqueued in a transaction beside the app's own write (an order document in
+        the world's database would be the usual one; here a marker in the ledger's), retried
+        while the ledger is away, as a producer would: a retry after a commit whose reply was
+        lost finds the job known, and the relay publishes it."""
+        app = self.ledger_app()
+        task = app.tasks["soak.work"]
+
+        def checkout(session: Any) -> None:
+            orders = session.client.get_database("soak").get_collection("orders")
+            orders.update_one(
+                {"_id": job.key}, {"$inc": {"tries": 1}}, upsert=True, session=session
+            )
+            task.apply_async((job.key, job.kind, job.param), tier=job.tier, session=session)
+
+        deadline = time.monotonic() + WORKFLOW_START_PATIENCE_SECONDS
+        while True:
+            try:
+                app.outbox.transaction(checkout)
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    self.log(f"job {job.key} not enqueued in a transaction: {exc!r}")
+                    return
+                time.sleep(0.5)
 
     def start_workflow(self, flow: WorkflowJob) -> None:
         """Start a workflow (once per key: a start repeated after an error finds the first);
