@@ -55,7 +55,7 @@ class _Staged:
     """What one session's transaction wrote for the outbox (every attempt's: a retried
     transaction writes again, and only what committed is found by :meth:`Outbox.flush`)."""
 
-    jobs: set[str] = field(default_factory=set)
+    jobs: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> its record's fields
     workflows: dict[str, str] = field(default_factory=dict)  # id -> tier
 
 
@@ -104,9 +104,22 @@ class Outbox:
             )
         return session
 
-    def stage_job(self, session: ClientSession, record_id: str) -> None:
+    def stage_job(
+        self,
+        session: ClientSession,
+        record_id: str,
+        *,
+        task: str,
+        key: str,
+        tier: str,
+        message: KeptMessage,
+    ) -> None:
+        """Remember a job written in ``session``'s transaction (what its record holds, so that
+        a publish after a commit known to have happened reads nothing)."""
+        fields: dict[str, Any] = {"_id": record_id, "task": task, "key": key, "tier": tier}
+        fields["message"] = message.document()
         with self._staged_lock:
-            self._staged.setdefault(session, _Staged()).jobs.add(record_id)
+            self._staged.setdefault(session, _Staged()).jobs[record_id] = fields
 
     def stage_workflow(self, session: ClientSession, workflow_id: str, tier: str) -> None:
         with self._staged_lock:
@@ -142,13 +155,20 @@ class Outbox:
         client: ``session.client[db][collection]``."""
         options.setdefault("read_concern", ReadConcern("majority"))
         options.setdefault("write_concern", self._ledger.write_concern)
+
+        def attempt(session: ClientSession) -> T:
+            # A retried attempt starts afresh: what an aborted one staged was rolled back
+            self.discard(session)
+            return callback(session)
+
         with self._ledger.client.start_session() as session:
             try:
-                result = session.with_transaction(callback, **options)
+                result = session.with_transaction(attempt, **options)
             except BaseException:
                 self.discard(session)
                 raise
-            self.flush(session)
+            # Committed, and what is staged is the committed attempt's: published unread
+            self._flush(session, committed=True)
             return result
 
     def discard(self, session: ClientSession) -> None:
@@ -162,6 +182,12 @@ class Outbox:
         what it could not send is the relay's (the records are durable)."""
         if session.in_transaction:
             raise ConfigurationError("flush after the commit: the transaction is still open")
+        return self._flush(session, committed=False)
+
+    def _flush(self, session: ClientSession, *, committed: bool) -> int:
+        """``committed``: the staged work is exactly what committed (:meth:`transaction` saw
+        the commit of the attempt that staged it); else the ledger says what did (an aborted
+        attempt's records do not exist)."""
         with self._staged_lock:
             staged = self._staged.pop(session, None)
         if staged is None:
@@ -169,13 +195,16 @@ class Outbox:
         sent = 0
         try:
             if staged.jobs:
-                # Only what committed and nobody published since (an aborted attempt's ids
-                # find nothing)
-                sent += self._publish(
-                    self._ledger.unpublished(ids=sorted(staged.jobs)), by="committer"
+                ids = sorted(staged.jobs)
+                docs = (
+                    [staged.jobs[i] for i in ids]
+                    if committed
+                    else self._ledger.unpublished(ids=ids)
                 )
+                sent += self._publish(docs, by="committer")
             if staged.workflows:
-                for workflow_id in self._workflow_states(sorted(staged.workflows)):
+                ids = sorted(staged.workflows)
+                for workflow_id in ids if committed else self._workflow_states(ids):
                     self._publish_wake(workflow_id, staged.workflows[workflow_id])
                     sent += 1
         except Exception as exc:

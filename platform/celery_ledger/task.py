@@ -747,17 +747,18 @@ class LedgerTask(Task):  # type: ignore[misc]
                 " the transaction to compose steps or wait"
             )
         outbox.admit(tier)
+        kept = self._kept(args, kwargs, message_headers)
         outcome = self.app.ledger.enqueue(
             record_id,
             task=self.name,
             key=key,
             tier=tier,
-            message=self._kept(args, kwargs, message_headers),
+            message=kept,
             objective=objective(self._slo_seconds(tier), time.time()),
             session=session,
         )
         if outcome is EnqueueOutcome.NEW:
-            outbox.stage_job(session, record_id)
+            outbox.stage_job(session, record_id, task=self.name, key=key, tier=tier, message=kept)
         return self.AsyncResult(record_id)
 
     def _shed(

@@ -104,8 +104,16 @@ def test_the_relay_leaves_a_commit_to_its_committer_for_the_grace_time(w: World)
 def test_a_flush_publishes_only_what_its_transaction_committed(w: World) -> None:
     session = object.__new__(_Session)
     committed = w.committed("b")
-    w.outbox.stage_job(session, committed)  # type: ignore[arg-type]
-    w.outbox.stage_job(session, derive_task_id(TASK, "aborted-attempt"))  # type: ignore[arg-type]
+    kept = KeptMessage.of_call([7], {}, message_headers={})
+    for key in ("b", "aborted-attempt"):
+        w.outbox.stage_job(
+            session,  # type: ignore[arg-type]
+            derive_task_id(TASK, key),
+            task=TASK,
+            key=key,
+            tier="critical",
+            message=kept,
+        )
     w.outbox.stage_workflow(session, "wf-1", "default")  # type: ignore[arg-type]
     w.outbox.stage_workflow(session, "aborted-wf", "default")  # type: ignore[arg-type]
     assert w.outbox.flush(session) == 2  # type: ignore[arg-type]
