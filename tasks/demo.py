@@ -131,6 +131,7 @@ def run_workload(orders: int, emails: int, reports: int) -> dict[str, Any]:
     )
     backfill_orders(run)
     ok &= fulfil_orders(run)
+    ok &= checkout_in_a_transaction(run)
     ok &= vault_cards(run)
     ok &= degrade_while_down(run)
     sample = app.ledger.get(charge.name, jobs[0][1])
@@ -199,6 +200,55 @@ def fulfil_orders(run: int, n: int = 5) -> bool:
         f" {', '.join(e.kind for e in last.history())}"
     )
     console.print(f"  inspect: celery -A tasks ledger workflows history {last.id}")
+    return ok
+
+
+def checkout_in_a_transaction(run: int, n: int = 3) -> bool:
+    """The outbox example (``tasks.checkout``): orders whose fulfilment and email are made in
+    the order's own transaction; the last order's checkout is refused inside its transaction,
+    so it leaves no order, no workflow and no email."""
+    from celery_ledger.keys import derive_task_id
+    from tasks import app
+    from tasks.checkout import SHOP_DB, OutOfStock, place_order
+    from tasks.effects import effects
+    from tasks.fulfilment import fulfil_order
+
+    shop = app.ledger.client.get_database(SHOP_DB)
+    shop.retired_items.update_one({"_id": f"fax-{run}"}, {"$set": {"run": run}}, upsert=True)
+    table = Table(title="celery-ledger demo: checkout in one transaction (tasks/checkout.py)")
+    for column in ("order", "checkout", "order saved", "workflow", "emails"):
+        table.add_column(column, justify="left" if column in ("order", "checkout") else "right")
+    ok = True
+    for i in range(n):
+        order_id = run * 1000 + 950 + i
+        refused = i == n - 1
+        items = ["book", f"fax-{run}"] if refused else ["book"]
+        try:
+            ids = place_order(order_id, customer_id=order_id, items=items, amount_cents=1200)
+        except OutOfStock:
+            ids = None
+        if ids is not None:
+            handle = fulfil_order.handle(ids["workflow"])
+            handle.signal("approved", True)
+            handle.result(timeout=120, propagate=False)
+            status = handle.status().status
+            app.AsyncResult(ids["email"]).get(timeout=60, propagate=False)
+        else:
+            workflow_id = derive_task_id(fulfil_order.name, f"fulfil-{order_id}")
+            state = app.workflow_engine.log.get_state(workflow_id)
+            status = "none" if state is None else str(state.get("status"))
+        emails = effects().count_documents({"kind": "email", "key": f"order-received-{order_id}"})
+        saved = shop.orders.count_documents({"_id": order_id})
+        expected = (0, "none", 0) if refused else (1, "completed", 1)
+        ok &= (saved, status, emails) == expected
+        table.add_row(
+            str(order_id), "refused" if refused else "committed", str(saved), status, str(emails)
+        )
+    console.print(table)
+    console.print(
+        "a refused checkout aborts its transaction: no order, no workflow, no email;"
+        " a committed one runs each once, even if the process dies right after the commit"
+    )
     return ok
 
 
