@@ -234,8 +234,8 @@ class Outbox:
     def _publish(self, docs: list[dict[str, Any]], *, by: str) -> int:
         """Publish each record's kept message (tiers above their mark wait, in the outbox),
         then mark the sent ones published in one write. A record that cannot be published
-        (no kept message, a task no tier of this app runs) is left for another app or an
-        operator, and logged."""
+        here is left: another app's task (its own relay publishes it), or one with no kept
+        message (logged: an operator's)."""
         runtime = self._runtime
         sent: list[str] = []
         held: dict[str, bool] = {}
@@ -246,9 +246,11 @@ class Outbox:
                 tier = doc.get("tier")
                 if tier not in runtime.tiers.names:
                     tier = runtime.tier_of(task)
+                if tier is None:  # another app's task (apps may share a ledger): its relay's
+                    continue
                 message = KeptMessage.from_document(doc.get("message"))
-                if tier is None or message is None or not message.replayable:
-                    logger.warning("outbox: %s (%s) cannot be published here", record_id, task)
+                if message is None or not message.replayable:
+                    logger.warning("outbox: %s (%s) has no message to publish", record_id, task)
                     continue
                 if tier not in held:
                     held[tier] = self._engaged(tier)
