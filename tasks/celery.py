@@ -13,6 +13,7 @@ app = create_app(
         "tasks.reports",
         "tasks.backfills",
         "tasks.fulfilment",
+        "tasks.triggers",
         "tasks.checkout",
     ],
 )

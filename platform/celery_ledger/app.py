@@ -57,6 +57,8 @@ from .routing import DEAD_LETTER, TIERS, Tiers
 from .runtime import Runtime, forget_after_fork
 from .settings import Settings
 from .task import ADMITTED, KEY_SECRET_NEEDED, LedgerTask
+from .triggers import Argument, Trigger
+from .triggers import declare as declare_trigger
 from .worker import LedgerWorkerStep
 from .workflow.api import Workflow, WorkflowCall, WorkflowHandle
 from .workflow.context import Call
@@ -189,8 +191,6 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             idempotent_tasks=(WAKE_TASK,),
         )
 
-    # -- workflows ------------------------------------------------------------------------------
-
     @cached_property
     def outbox(self) -> Outbox:
         """Jobs and workflow starts made in the app's own MongoDB transaction (outbox.py)."""
@@ -223,6 +223,8 @@ class LedgerCelery(Celery):  # type: ignore[misc]
         raise ConfigurationError(
             f"app.enqueue takes a task's or a workflow's .s(...), not {type(work).__name__}"
         )
+
+    # -- workflows ------------------------------------------------------------------------------
 
     @cached_property
     def workflows(self) -> dict[str, Workflow]:
@@ -316,6 +318,40 @@ class LedgerCelery(Celery):  # type: ignore[misc]
     def workflow_handle(self, workflow_id: str) -> WorkflowHandle:
         """The handle of a started workflow, by id."""
         return WorkflowHandle(self, workflow_id)
+
+    # -- change-stream triggers (celery_ledger.triggers) ----------------------------------------
+
+    @cached_property
+    def triggers(self) -> dict[str, Trigger]:
+        """The change-stream triggers declared on this app, by name (their task's name)."""
+        return {}
+
+    def on_change(
+        self,
+        namespace: str,
+        *,
+        match: Any = None,
+        argument: Argument = "document",
+        tier: str | None = None,
+        name: str | None = None,
+        lease_seconds: float | None = None,
+        **task_options: Any,
+    ) -> Callable[[Callable[..., Any]], Any]:
+        """Run the decorated task once per change of ``"database.collection"`` that ``match``
+        (a ``$match`` on the change event) selects: ``@app.on_change("shop.orders",
+        match={"operationType": "insert"}, tier="bulk")``. ``argument``: the changed
+        ``"document"`` (relaxed Extended JSON; None for a delete) or the whole ``"change"``
+        event. Other options are the task's (see :mod:`celery_ledger.triggers`)."""
+        return declare_trigger(
+            self,
+            namespace,
+            match=match,
+            argument=argument,
+            tier=tier,
+            name=name,
+            lease_seconds=lease_seconds,
+            **task_options,
+        )
 
     def admit(self, tier: str) -> None:
         """The tier's backpressure for new work that has no record to be shed into (a

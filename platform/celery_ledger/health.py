@@ -7,6 +7,7 @@ failing). A required tier without a worker is down.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .ledger.store import Ledger
+from .ledger.triggers import TriggerState, TriggerStore
 
 Status = Literal["ok", "warn", "down", "skipped"]
 
@@ -76,6 +78,10 @@ def run_checks(app: Any, *, required: Iterable[str], timeout: float) -> list[Che
         for tier in tiers:
             status: Status = "down" if tier in required_tiers else "skipped"
             checks.append(Check(f"tier {tier}", status, "unknown: the broker is down"))
+    with contextlib.suppress(Exception):  # the modules that declare triggers (as a worker)
+        app.loader.import_default_modules()
+    if getattr(app, "triggers", None):
+        checks.append(_timed("triggers", lambda: _triggers(app, timeout)))
     return checks
 
 
@@ -127,3 +133,48 @@ def _breakers(app: Any) -> tuple[Status, str, dict[str, Any]]:
         return "ok", f"{len(statuses)} breaker(s), none open", {"open": {}}
     detail = ", ".join(f"{name} {state}" for name, state in sorted(not_closed.items()))
     return "warn", detail, {"open": not_closed}
+
+
+def _triggers(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
+    """Change-stream triggers: down while one is stopped (its stream invalidated, its place
+    lost from the oplog): its changes no longer become jobs until it is reset and backfilled."""
+    settings = app.settings
+    ledger = Ledger(
+        uri=settings.mongo_uri,
+        database=settings.mongo_db,
+        collection=settings.ledger_collection,
+        timeout_ms=max(int(timeout * 1000), 100),
+    )
+    try:
+        return trigger_report(TriggerStore(ledger).all(), app.triggers)
+    finally:
+        ledger.close()
+
+
+def trigger_report(
+    states: Iterable[TriggerState], declared: Iterable[str]
+) -> tuple[Status, str, dict[str, Any]]:
+    """The triggers check from the stored states of the ``declared`` triggers."""
+    stored = {state.name: state for state in states}
+    data: dict[str, Any] = {}
+    stopped, unwatched = [], []
+    for name in sorted(declared):
+        state = stored.get(name)
+        if state is None or (state.token is None and not state.problem):
+            unwatched.append(name)
+            data[name] = {"status": "not watched yet"}
+        elif state.problem:
+            stopped.append(f"{name} {state.problem}")
+            data[name] = {"status": state.problem, "detail": state.detail}
+        else:
+            updated = state.updated_at.isoformat() if state.updated_at else None
+            data[name] = {"status": "watching", "changes": state.changes, "saved_at": updated}
+    if stopped:
+        detail = (
+            "stopped: " + ", ".join(stopped) + " (reset with `ledger triggers reset NAME`, then"
+            " backfill the collection)"
+        )
+        return "down", detail, data
+    if unwatched:
+        return "warn", "no watcher has started yet: " + ", ".join(unwatched), data
+    return "ok", f"{len(data)} trigger(s) watching", data

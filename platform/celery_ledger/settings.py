@@ -170,6 +170,26 @@ class Settings(BaseSettings):
         description="The outbox relay leaves a committed job this long to the process that"
         " committed it (its publish right after the commit) before publishing it itself.",
     )
+    triggers_in_workers: bool = Field(
+        True,
+        description="Workers compete to watch the app's change-stream triggers (one watcher"
+        " per trigger across the fleet); false on workers that must not.",
+    )
+    trigger_lease_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="A trigger's watcher lease: a dead watcher is replaced after this"
+        " (a trigger's lease_seconds= overrides it).",
+    )
+    trigger_await_ms: int = Field(
+        500, gt=0, description="How long one change-stream read waits for a change."
+    )
+    trigger_save_every: int = Field(
+        100,
+        ge=1,
+        description="Changes between two saves of a trigger's resume token (it is also saved"
+        " at the end of each read slice and when the stream is idle).",
+    )
     workflow_check_seconds: float = Field(
         120.0,
         gt=0,

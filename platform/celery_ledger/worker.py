@@ -24,6 +24,7 @@ from .envelope import body_problem
 from .errors import ConfigurationError, LedgerError
 from .policies.unrunnable import unrunnable_delay
 from .progress import shutdown_flag
+from .triggers import TriggerRunner, watchers_for
 
 logger = logging.getLogger("celery_ledger.worker")
 EXPIRE_EVERY_SECONDS = 60.0  # as MongoDB's TTL monitor (when ``ttl_index`` is off)
@@ -213,8 +214,17 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             # A lane of its own: within seconds of a committer's death, whatever a reconciler
             # sweep over a large ledger costs
             outbox.append(Every(settings.outbox_relay_seconds, app.outbox.relay_if_leader))
+        # Change-stream triggers: the lease holder of each reads in a lane of its own (its
+        # reads wait on the server); every worker competes, whatever tiers it consumes.
+        triggers: list[Callable[[], object]] = []
+        watchers = watchers_for(app)
+        if watchers:
+            runner = TriggerRunner(watchers)
+            signals.worker_shutting_down.connect(lambda **_: runner.stop(), weak=False)
+            triggers.append(runner)
         return Housekeeping(
             {
+                "triggers": triggers,
                 "deliveries": deliveries,
                 "upkeep": upkeep,
                 "throttle": throttle,

@@ -19,6 +19,7 @@ from .breakers import breakers
 from .dlq import dlq
 from .health import health
 from .keys import keys
+from .triggers import triggers
 from .workflows import workflows
 
 console = Console()
@@ -48,6 +49,7 @@ ledger.add_command(breakers)
 ledger.add_command(health)
 ledger.add_command(keys)
 ledger.add_command(workflows)
+ledger.add_command(triggers)
 
 
 @ledger.command(name="console")

@@ -147,6 +147,23 @@ class LedgerMetrics:
             multiprocess_mode="livemax",
             registry=registry,
         )
+        # Change-stream triggers (celery_ledger.triggers): labels from the app's declarations.
+        self.trigger_changes = counter(
+            "celery_ledger_trigger_changes_total",
+            "Changes of a watched collection turned into jobs (published, or known already).",
+            ("trigger",),
+        )
+        self.trigger_waits = counter(
+            "celery_ledger_trigger_waits_total",
+            "Times a trigger's watcher stopped reading because its tier was above its mark.",
+            ("trigger", "tier"),
+        )
+        self.trigger_problems = counter(
+            "celery_ledger_trigger_problems_total",
+            "Change streams that could not go on (invalidated, history_lost, invalid_token):"
+            " the trigger stops until it is reset.",
+            ("trigger", "problem"),
+        )
 
 
 _active: LedgerMetrics | None = None
@@ -369,6 +386,26 @@ class MetricsObserver(Observer):
         _m().outbox_published.labels(_tier(tier), source).inc(count)
 
 
+# -- change-stream triggers (called by celery_ledger.triggers in a worker's main process) -------
+
+TRIGGER_PROBLEMS = frozenset({"invalidated", "history_lost", "invalid_token"})
+
+
+@_safe
+def trigger_change(trigger: str) -> None:
+    _m().trigger_changes.labels(trigger).inc()
+
+
+@_safe
+def trigger_waited(trigger: str, tier: str) -> None:
+    _m().trigger_waits.labels(trigger, _tier(tier)).inc()
+
+
+@_safe
+def trigger_problem(trigger: str, problem: str) -> None:
+    _m().trigger_problems.labels(trigger, category(problem, TRIGGER_PROBLEMS)).inc()
+
+
 def instrument(
     observers: Any, known_tasks: Callable[[], Container[str]] = tuple
 ) -> MetricsObserver:
@@ -451,6 +488,10 @@ METRIC_NAMES = frozenset(
             for suffix in ("bucket", "sum", "count")
         ),
         "celery_ledger_throttle_engaged",
+        # change-stream triggers
+        "celery_ledger_trigger_changes_total",
+        "celery_ledger_trigger_waits_total",
+        "celery_ledger_trigger_problems_total",
         # sampled on scrape by the worker's exporter
         "celery_ledger_queue_depth",
         "celery_ledger_dead_letters",
