@@ -78,6 +78,7 @@ def run_checks(app: Any, *, required: Iterable[str], timeout: float) -> list[Che
         for tier in tiers:
             status: Status = "down" if tier in required_tiers else "skipped"
             checks.append(Check(f"tier {tier}", status, "unknown: the broker is down"))
+    checks.append(_timed("outbox", lambda: _outbox(app, timeout)))
     with contextlib.suppress(Exception):  # the modules that declare triggers (as a worker)
         app.loader.import_default_modules()
     if getattr(app, "triggers", None):
@@ -178,3 +179,45 @@ def trigger_report(
     if unwatched:
         return "warn", "no watcher has started yet: " + ", ".join(unwatched), data
     return "ok", f"{len(data)} trigger(s) watching", data
+
+
+def _outbox(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
+    """Jobs committed in an app's transaction and still unpublished well past the relay's
+    time (see outbox.py): no worker runs the relay, or their tier is held by backpressure."""
+    settings = app.settings
+    overdue = settings.outbox_grace_seconds + 3 * settings.outbox_relay_seconds
+    ledger = Ledger(
+        uri=settings.mongo_uri,
+        database=settings.mongo_db,
+        collection=settings.ledger_collection,
+        timeout_ms=max(int(timeout * 1000), 100),
+    )
+    try:
+        waiting = ledger.unpublished(older_than_seconds=overdue, limit=OUTBOX_SAMPLE)
+    finally:
+        ledger.close()
+    return outbox_report(waiting, overdue_seconds=overdue)
+
+
+OUTBOX_SAMPLE = 1000  # unpublished records read at most (a count beyond says "1000 or more")
+
+
+def outbox_report(
+    waiting: Iterable[Mapping[str, Any]], *, overdue_seconds: float
+) -> tuple[Status, str, dict[str, Any]]:
+    """The outbox check from the records unpublished past ``overdue_seconds``."""
+    by_tier: dict[str, int] = {}
+    for doc in waiting:
+        tier = str(doc.get("tier"))
+        by_tier[tier] = by_tier.get(tier, 0) + 1
+    total = sum(by_tier.values())
+    if not total:
+        return "ok", "no committed job waits to be published", {"waiting": {}}
+    count = f"{total}" if total < OUTBOX_SAMPLE else f"{OUTBOX_SAMPLE} or more"
+    tiers = ", ".join(f"{tier} {n}" for tier, n in sorted(by_tier.items()))
+    detail = (
+        f"{count} committed job(s) unpublished for over {overdue_seconds:g}s ({tiers}):"
+        " their tier is above its mark, or no worker runs the outbox relay"
+        " (LEDGER_RECONCILE_IN_WORKERS)"
+    )
+    return "warn", detail, {"waiting": by_tier}

@@ -56,3 +56,17 @@ def test_an_unknown_tier_is_a_usage_error() -> None:
     app = create_app("health_usage", settings=Settings(), set_as_current=False)
     result = CliRunner().invoke(health, ["--tiers", "critcal"], obj=SimpleNamespace(app=app))
     assert result.exit_code == 2 and "unknown tier 'critcal'" in result.output
+
+
+def test_the_outbox_check_warns_of_committed_jobs_nobody_publishes() -> None:
+    from celery_ledger.health import OUTBOX_SAMPLE, outbox_report
+
+    assert outbox_report([], overdue_seconds=11)[0] == "ok"
+    status, detail, data = outbox_report(
+        [{"tier": "critical"}, {"tier": "bulk"}, {"tier": "bulk"}], overdue_seconds=11
+    )
+    assert status == "warn" and data == {"waiting": {"bulk": 2, "critical": 1}}
+    assert "3 committed job(s) unpublished for over 11s (bulk 2, critical 1)" in detail
+    assert "LEDGER_RECONCILE_IN_WORKERS" in detail
+    many = [{"tier": "bulk"}] * OUTBOX_SAMPLE
+    assert f"{OUTBOX_SAMPLE} or more" in outbox_report(many, overdue_seconds=11)[1]
