@@ -30,6 +30,7 @@ from kombu.utils import json as kombu_json
 from . import headers
 from .crypto import REDACTED, SEALED_SERIALIZER, sealing
 from .errors import (
+    Backpressure,
     ConfigurationError,
     IdentityError,
     LedgerError,
@@ -87,6 +88,10 @@ _MAX_DEFERRALS = 1_000_000
 # Marks a publish of a job already admitted (a workflow's step): the workflow was admitted
 # when it started, and its log is the step's durable record, so no backpressure, no dedupe.
 ADMITTED = "ledger_admitted"
+# Marks a publish whose caller waits and tries again rather than have its job shed: a
+# change-stream trigger's (a shed change's job would be recorded dead while its stream moved
+# past it). Above the mark, under any policy, it gets ``Backpressure``.
+NEVER_SHED = "ledger_never_shed"
 
 
 _EVENT_TEXT_FIELDS = ("result", "exception", "traceback", "args", "kwargs")
@@ -589,6 +594,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         explicit_key = options.pop("idempotency_key", None)
         call_tier = options.pop("tier", None)
         admitted = bool(options.pop(ADMITTED, False))
+        never_shed = bool(options.pop(NEVER_SHED, False))
         for name in _LEDGER_OWNED_OPTIONS:
             options.pop(name, None)
 
@@ -683,7 +689,9 @@ class LedgerTask(Task):  # type: ignore[misc]
         # A retry republishes a job already admitted and known to the ledger: no backpressure
         # (a shed retry would be lost) and no dedupe.
         is_retry = "retries" in options or admitted
-        if not is_retry and self._shed(tier, record_id, key, args, kwargs, message_headers):
+        if not is_retry and self._shed(
+            tier, record_id, key, args, kwargs, message_headers, never=never_shed
+        ):
             return self.AsyncResult(task_id)
         dedupe = not is_retry and (
             settings.dedupe_on_publish if self.dedupe_on_publish is None else self.dedupe_on_publish
@@ -769,11 +777,14 @@ class LedgerTask(Task):  # type: ignore[misc]
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         message_headers: dict[str, Any],
+        *,
+        never: bool = False,
     ) -> bool:
         """Apply the tier's backpressure; True if the job was shed (recorded, not published).
 
         Raises:
-            Backpressure: the tier is above its mark and its policy is reject, or block timed out.
+            Backpressure: the tier is above its mark and its policy is reject, or block timed
+                out, or its policy is shed and the caller asked ``never`` to be shed.
         """
         try:
             decision = self.app.runtime.gate.check(tier)
@@ -783,6 +794,9 @@ class LedgerTask(Task):  # type: ignore[misc]
         if decision == "publish":
             return False
         depth = self.app.runtime.queue_depths.depth(tier)
+        if never:
+            limit = self.app.runtime.gate.limits[tier]
+            raise Backpressure(tier, depth, limit.high_water or depth)
         dead = DeadJob.of_reason(
             "shed",
             f"shed: tier {tier} above its high-water mark (depth {depth})",

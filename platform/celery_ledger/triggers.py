@@ -56,7 +56,7 @@ from .ledger.dead import DeadJob
 from .ledger.record import State
 from .ledger.store import Ledger, Unclaimed
 from .ledger.triggers import TriggerStore
-from .task import ADMITTED
+from .task import ADMITTED, NEVER_SHED
 
 if TYPE_CHECKING:
     from pymongo.collection import Collection
@@ -676,7 +676,9 @@ def publisher(app: Any) -> Publish:
                         # watcher made room): the message goes out though the job is known.
                         task.apply_async((argument,), idempotency_key=key, **{ADMITTED: True})
                     return True
-            task.apply_async((argument,), idempotency_key=key)
+            # Never shed: above its mark the tier raises Backpressure, and the change is read
+            # again once there is room (a shed job would be dead while the stream moved on)
+            task.apply_async((argument,), idempotency_key=key, **{NEVER_SHED: True})
         except PayloadError as exc:
             _bury_unpublishable(app, task, key, change, exc)
         return False

@@ -164,7 +164,7 @@ def test_what_an_outbox_job_cannot_be_is_refused_before_anything_is_written(
     assert app.ledger.find_raw(derive_task_id(RECORD, token)) is None
 
 
-def test_backpressure_inside_a_transaction(stack: EmbeddedStack, token: str) -> None:
+def test_backpressure_inside_a_transaction(app: Any, stack: EmbeddedStack, token: str) -> None:
     """No worker reads this namespace's queues, so their depth is the test's to set."""
     namespace = f"ns{uuid.uuid4().hex[:6]}"
     limits = {
@@ -262,3 +262,29 @@ def test_a_committer_killed_right_after_its_commit_still_gets_its_work_run(
         client.close()
     print(f"\nrelayed {relayed_after:.1f}s after the committer died")
     assert relayed_after < 20
+
+
+def test_a_publish_that_must_never_be_shed_is_refused_instead(
+    app: Any, stack: EmbeddedStack, token: str
+) -> None:
+    """A change-stream trigger publishes so (its change is read again once there is room):
+    on a shed tier above its mark it gets Backpressure, and no dead record is written."""
+    from celery_ledger.task import NEVER_SHED
+
+    namespace = f"ns{uuid.uuid4().hex[:6]}"
+    limits = {"bulk": {"high_water": 1, "policy": "shed"}}
+    producer = producer_app(stack, "never_shed", queue_namespace=namespace, tier_limits=limits)
+    record = producer.tasks[RECORD]
+    broker = producer.runtime.redis
+    queue = producer.tiers.queue("bulk")
+    broker.rpush(queue, *[b"filler"] * 3)
+    try:
+        with pytest.raises(Backpressure):
+            record.apply_async((token,), tier="bulk", **{NEVER_SHED: True})
+        assert producer.ledger.find_raw(derive_task_id(RECORD, token)) is None
+        record.apply_async((f"{token}-shed",), tier="bulk")  # the ordinary publish is shed
+        shed = producer.ledger.find_raw(derive_task_id(RECORD, f"{token}-shed"))
+        assert shed is not None and shed["state"] == State.DEAD.value
+    finally:
+        broker.delete(queue)
+        producer.close()
