@@ -47,10 +47,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import redis
 from bson import json_util
-from pymongo.errors import OperationFailure
+from bson.codec_options import CodecOptions, DatetimeConversion
+from pymongo.errors import ConnectionFailure, OperationFailure
+
+# The server's codes of passing conditions (an election, a shutdown, a timeout): the driver's
+# own list, the one its retries follow.
+from pymongo.helpers_shared import _RETRYABLE_ERROR_CODES
 
 from .broker import SweepLock
-from .errors import Backpressure, ConfigurationError, PayloadError
+from .errors import Backpressure, ConfigurationError, LedgerUnavailable, PayloadError
 from .keys import derive_task_id
 from .ledger.dead import DeadJob
 from .ledger.record import State
@@ -72,6 +77,7 @@ Argument = Literal["document", "change"]
 DEFAULT_AWAIT_MS = 500
 DEFAULT_SAVE_EVERY = 100
 IDLE_SAVE_SECONDS = 30.0  # an idle stream's token still moves, so a restart never starts far back
+STUCK_AFTER_FAILURES = 5  # the same non-outage error at one place this often: reported
 SLICE_SECONDS = 1.0  # one housekeeping tick reads for about this long, then gives the lane back
 ROOM_SAMPLE_SECONDS = 0.5
 MAX_KEY_CHARS = 512  # the ledger's limit on an idempotency key
@@ -145,6 +151,17 @@ def argument_of(change: Mapping[str, Any], argument: Argument) -> Any:
     if argument == "document":
         return json_safe(change.get("fullDocument"))
     return json_safe(dict(change))
+
+
+def _is_outage(exc: BaseException) -> bool:
+    """An error that passes by itself (a server, a primary or the broker away, a full tier):
+    retried, never reported stuck."""
+    if isinstance(exc, ConnectionFailure | LedgerUnavailable | redis.RedisError | Backpressure):
+        return True
+    if isinstance(exc, OperationFailure):
+        labels = ("RetryableError", "TransientTransactionError", "RetryableWriteError")
+        return exc.code in _RETRYABLE_ERROR_CODES or any(exc.has_error_label(x) for x in labels)
+    return False
 
 
 def problem_of(exc: BaseException) -> str | None:
@@ -327,6 +344,8 @@ class TriggerWatcher:
         self._recovering = False
         self._lock = threading.Lock()
         self._stopped = False
+        self._failures = 0  # ticks in a row that failed at ``_failed_at`` (not outages)
+        self._failed_at: Any = None
 
     def tick(self) -> bool:
         """Read for one slice if this process holds the lease; True if it read (or waited on
@@ -335,11 +354,33 @@ class TriggerWatcher:
         with self._lock:
             if self._stopped:
                 return False
+            place = self._reading.covered if self._reading is not None else None
             try:
-                return self._tick()
-            except Exception:
+                read = self._tick()
+            except Exception as exc:
                 self._close(save=True)
+                self._failed_again(exc, place)
                 raise
+            self._failures = 0
+            return read
+
+    def _failed_again(self, exc: Exception, place: Any) -> None:
+        """An error that comes back at the same place, and is no outage (a change the driver
+        cannot decode, an event over the server's size limit, a pipeline the server refuses),
+        would hold the trigger there for good with only a lane's warning to show: after
+        STUCK_AFTER_FAILURES in a row it is reported as the problem ``stuck`` (stopped, counted,
+        Sentry, health down) for an operator's reset and backfill."""
+        if _is_outage(exc):
+            self._failures = 0
+            return
+        same = self._failures and place == self._failed_at
+        self._failures = self._failures + 1 if same else 1
+        self._failed_at = place
+        fence = self._lease.fence
+        if self._failures >= STUCK_AFTER_FAILURES and fence is not None:
+            self._failures = 0
+            detail = f"{type(exc).__name__} at the same place {STUCK_AFTER_FAILURES} times: {exc}"
+            self._problem(fence, "stuck", detail[:1000])
 
     def stop(self, timeout: float = 5.0) -> None:
         """Save what is covered, close the stream and give up the lease (a worker's stop)."""
@@ -713,6 +754,12 @@ def watchers_for(app: Any) -> list[TriggerWatcher]:
     room = Room(runtime.queue_depths, runtime.gate.limits)
     default_lease = settings.trigger_lease_seconds
     watchers = []
+    # One lane runs every watcher in turn, and a holder renews its lease only in its own tick:
+    # a round of them all (each a slice, or one wait for a change) must fit well inside the
+    # shortest lease, however many triggers the app declares
+    shortest = min(trigger.lease_seconds or default_lease for trigger in app.triggers.values())
+    turn = shortest / (4 * len(app.triggers))
+    await_ms = max(1, min(settings.trigger_await_ms, int(turn * 1000)))
     for trigger in app.triggers.values():
         ttl = trigger.lease_seconds or default_lease
         lease = TriggerLease(
@@ -728,10 +775,9 @@ def watchers_for(app: Any) -> list[TriggerWatcher]:
                 publish=publisher(app),
                 room=room,
                 tier=tier,
-                await_ms=settings.trigger_await_ms,
+                await_ms=await_ms,
                 save_every=settings.trigger_save_every,
-                # a slice well inside the lease, so the holder renews it in time
-                slice_seconds=min(SLICE_SECONDS, ttl / 4),
+                slice_seconds=min(SLICE_SECONDS, turn),
             )
         )
     return watchers
@@ -740,8 +786,15 @@ def watchers_for(app: Any) -> list[TriggerWatcher]:
 def _source(ledger: Ledger, trigger: Trigger) -> Callable[[], Collection[Any]]:
     """The watched collection, on the ledger's deployment (and its client)."""
 
+    # A date MongoDB stores but Python's datetime cannot hold (year 0 or 10000) arrives as a
+    # DatetimeMS instead of failing every read of the stream at that change
+    codec: CodecOptions[Any] = CodecOptions(
+        tz_aware=True, datetime_conversion=DatetimeConversion.DATETIME_AUTO
+    )
+
     def collection() -> Collection[Any]:
-        return ledger.client.get_database(trigger.database).get_collection(trigger.collection)
+        database = ledger.client.get_database(trigger.database)
+        return database.get_collection(trigger.collection, codec_options=codec)
 
     return collection
 

@@ -506,3 +506,34 @@ def test_the_triggers_check_joins_the_others_whether_the_broker_is_up_or_not(
     assert checks["triggers"] == "down"
     assert checks["tier default"] == ("ok" if broker_up else "skipped")
     assert ("breakers" in checks) is broker_up
+
+
+def test_the_same_error_at_one_place_again_and_again_stops_the_trigger_as_stuck() -> None:
+    """A change the driver cannot decode (or an event over the server's size limit) fails
+    every read at its place: reported, not a lane's warning forever."""
+    from bson.errors import InvalidBSON
+
+    from celery_ledger.triggers import STUCK_AFTER_FAILURES
+
+    h = Harness()
+    h.store.state = {"token": token(1), "fence": 1}
+    h.source.fail_with = InvalidBSON("year 10000 is out of range")
+    for _ in range(STUCK_AFTER_FAILURES - 1):
+        with pytest.raises(InvalidBSON):
+            h.watcher.tick()
+    assert h.store.problems == []
+    with pytest.raises(InvalidBSON):
+        h.watcher.tick()
+    assert h.store.problems == ["stuck"] and h.published == []
+
+
+def test_an_outage_however_long_is_never_stuck() -> None:
+    from celery_ledger.triggers import STUCK_AFTER_FAILURES
+
+    h = Harness()
+    h.store.state = {"token": token(1), "fence": 1}
+    h.source.fail_with = OperationFailure("not primary", code=10107)
+    for _ in range(STUCK_AFTER_FAILURES * 2):
+        with pytest.raises(OperationFailure):
+            h.watcher.tick()
+    assert h.store.problems == []

@@ -21,7 +21,7 @@ from pymongo.errors import DuplicateKeyError
 
 from .store import Ledger, translate_errors
 
-PROBLEMS = ("invalidated", "history_lost", "invalid_token")
+PROBLEMS = ("invalidated", "history_lost", "invalid_token", "stuck")
 
 
 @dataclass(frozen=True, slots=True)

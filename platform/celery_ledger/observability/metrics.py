@@ -388,7 +388,7 @@ class MetricsObserver(Observer):
 
 # -- change-stream triggers (called by celery_ledger.triggers in a worker's main process) -------
 
-TRIGGER_PROBLEMS = frozenset({"invalidated", "history_lost", "invalid_token"})
+TRIGGER_PROBLEMS = frozenset({"invalidated", "history_lost", "invalid_token", "stuck"})
 
 
 @_safe

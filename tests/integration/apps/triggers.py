@@ -16,7 +16,8 @@ from tasks.effects import effects
 
 NAME = "triggers"
 TASK = "triggers.on_order"
-LEASE_SECONDS = 3.0
+# Short, so a killed watcher is replaced quickly; a test of who holds it sets a longer one
+LEASE_SECONDS = float(os.environ.get("TRIGGER_TEST_LEASE_SECONDS", "3"))
 EFFECTS = "trigger_effects"  # in reference_world: one document per order, with its runs
 
 
