@@ -632,15 +632,21 @@ class MemoryLedger:
         ids: Sequence[str] | None = None,
         older_than_seconds: float = 0.0,
         limit: int = 500,
+        skip: Callable[[Any], bool] | None = None,
     ) -> list[dict[str, Any]]:
         self._enter("unpublished")
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
+        waiting = [
+            d
+            for d in self.docs.values()
+            if d.get("state") == State.QUEUED and d.get("claimable_at") == UNPUBLISHED
+        ]
+        if ids is not None:
+            return [copy.deepcopy(d) for d in waiting if d["_id"] in ids]
         found = [
             copy.deepcopy(d)
-            for d in self.docs.values()
-            if d.get("state") == State.QUEUED
-            and d.get("claimable_at") == UNPUBLISHED
-            and (d["_id"] in ids if ids is not None else d["unpublished_at"] <= cutoff)
+            for d in waiting
+            if d["unpublished_at"] <= cutoff and (skip is None or not skip(d))
         ]
         return found[:limit]
 

@@ -218,6 +218,6 @@ def outbox_report(
     detail = (
         f"{count} committed job(s) unpublished for over {overdue_seconds:g}s ({tiers}):"
         " their tier is above its mark, or no worker runs the outbox relay"
-        " (LEDGER_RECONCILE_IN_WORKERS)"
+        " (LEDGER_OUTBOX_RELAY_IN_WORKERS)"
     )
     return "warn", detail, {"waiting": by_tier}

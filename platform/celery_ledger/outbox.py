@@ -156,10 +156,17 @@ class Outbox:
         options.setdefault("read_concern", ReadConcern("majority"))
         options.setdefault("write_concern", self._ledger.write_concern)
 
+        ended_by_callback = False
+
         def attempt(session: ClientSession) -> T:
+            nonlocal ended_by_callback
             # A retried attempt starts afresh: what an aborted one staged was rolled back
             self.discard(session)
-            return callback(session)
+            result = callback(session)
+            # A callback may commit or abort the transaction itself (with_transaction then
+            # returns as if committed): only the ledger can say what exists
+            ended_by_callback = not session.in_transaction
+            return result
 
         with self._ledger.client.start_session() as session:
             try:
@@ -167,8 +174,9 @@ class Outbox:
             except BaseException:
                 self.discard(session)
                 raise
-            # Committed, and what is staged is the committed attempt's: published unread
-            self._flush(session, committed=True)
+            # Committed by with_transaction: what is staged is the committed attempt's, and is
+            # published unread
+            self._flush(session, committed=not ended_by_callback)
             return result
 
     def discard(self, session: ClientSession) -> None:
@@ -222,8 +230,16 @@ class Outbox:
     def relay(self, *, limit: int = 500) -> int:
         """Publish committed outbox records that nobody published within the grace time
         (their committing process died, or its publish failed); returns how many."""
-        grace = self._runtime.settings.outbox_grace_seconds
-        docs = self._ledger.unpublished(older_than_seconds=grace, limit=limit)
+        runtime = self._runtime
+        grace = runtime.settings.outbox_grace_seconds
+        held = {tier for tier in runtime.tiers.names if self._engaged(tier)}
+
+        def skip(doc: Mapping[str, Any]) -> bool:
+            """Another app's (its relay's), or held in the outbox by its tier's mark."""
+            tier = runtime.tier_of(str(doc.get("task")))
+            return tier is None or _tier(doc, tier, runtime.tiers.names) in held
+
+        docs = self._ledger.unpublished(older_than_seconds=grace, limit=limit, skip=skip)
         if not docs:
             return 0
         sent = self._publish(docs, by="relay")
@@ -243,11 +259,10 @@ class Outbox:
         try:
             for doc in docs:
                 record_id, task = str(doc["_id"]), str(doc.get("task"))
-                tier = doc.get("tier")
-                if tier not in runtime.tiers.names:
-                    tier = runtime.tier_of(task)
-                if tier is None:  # another app's task (apps may share a ledger): its relay's
-                    continue
+                task_tier = runtime.tier_of(task)
+                if task_tier is None:  # another app's task (apps may share a ledger, and tier
+                    continue  # names): its own relay publishes it to its own queues
+                tier = _tier(doc, task_tier, runtime.tiers.names)
                 message = KeptMessage.from_document(doc.get("message"))
                 if message is None or not message.replayable:
                     logger.warning("outbox: %s (%s) has no message to publish", record_id, task)
@@ -284,13 +299,11 @@ class Outbox:
         except Exception:  # the broker is away: the publish says so
             return False
 
-    def pending(self, *, limit: int = 1000) -> Mapping[str, int]:
-        """Unpublished outbox records by tier (health and the console)."""
-        counts: dict[str, int] = {}
-        for doc in self._ledger.unpublished(older_than_seconds=0.0, limit=limit):
-            tier = str(doc.get("tier"))
-            counts[tier] = counts.get(tier, 0) + 1
-        return counts
+
+def _tier(doc: Mapping[str, Any], task_tier: str, tiers: Iterable[str]) -> str:
+    """The tier a record was enqueued to (a call's choice) if this app has it, else its task's."""
+    tier = doc.get("tier")
+    return tier if isinstance(tier, str) and tier in tiers else task_tier
 
 
 __all__ = ["Outbox"]

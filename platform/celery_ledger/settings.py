@@ -158,6 +158,11 @@ class Settings(BaseSettings):
         description="Every worker's housekeeping runs the reconciler, one sweeper at a time"
         " across the fleet (a lease lock in Redis): no celery beat needed.",
     )
+    outbox_relay_in_workers: bool = Field(
+        True,
+        description="Every worker's housekeeping runs the outbox relay, one relay at a time"
+        " across the fleet (a lease in Redis).",
+    )
     outbox_relay_seconds: float = Field(
         2.0,
         gt=0,

@@ -211,6 +211,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if settings.reconcile_in_workers:
             sweep = app.reconciler.sweep_if_leader
             reconcile.append(Every(settings.reconcile_every_seconds, sweep))
+        if settings.outbox_relay_in_workers:
             # A lane of its own: within seconds of a committer's death, whatever a reconciler
             # sweep over a large ledger costs
             outbox.append(Every(settings.outbox_relay_seconds, app.outbox.relay_if_leader))

@@ -34,6 +34,8 @@ TEST_ENV = {
     "LEDGER_MAX_DELIVERIES": "3",
     # Tests sweep with the reconciler themselves (test_self_healing.py turns the workers' on)
     "LEDGER_RECONCILE_IN_WORKERS": "false",
+    # ...and relay the outbox themselves (test_outbox.py turns the workers' on)
+    "LEDGER_OUTBOX_RELAY_IN_WORKERS": "false",
     "LEDGER_BREAKERS": '{"payments": {"failure_threshold": 3, "cooldown_seconds": 3}}',
     "LEDGER_ESCALATION_CHECK_SECONDS": "0.5",
     # The console's logins (test_console.py): an operator and a viewer.

@@ -98,15 +98,27 @@ def test_a_committed_job_published_twice_runs_once(
 ) -> None:
     """The committer's publish and the relay's both go out (the committer died after its
     publish, before its mark): the copy is a suppressed duplicate."""
+    from celery_ledger.ledger.message import KeptMessage
+
     producer = producer_app(stack, "outbox_twice", outbox_grace_seconds=0.0)
     record = producer.tasks[RECORD]
+    record_id = derive_task_id(RECORD, token)
     with producer.ledger.client.start_session() as session:
         session.with_transaction(lambda s: record.apply_async((token,), session=s))
-        doc = producer.ledger.find_raw(derive_task_id(RECORD, token))
+        doc = producer.ledger.find_raw(record_id)
         assert doc["claimable_at"] == UNPUBLISHED  # committed, not yet sent
-        # The relay (grace 0) and then the committer, both before any claim
-        assert producer.outbox.relay() >= 1
-        producer.outbox.flush(session)
+        # The committer's publish goes out; it dies before its mark...
+        KeptMessage.from_document(doc["message"]).republish(  # type: ignore[union-attr]
+            producer.runtime.publish,
+            producer.runtime.sealer,
+            task=RECORD,
+            record_id=record_id,
+            key=token,
+            tier="default",
+        )
+        # ...so the relay (grace 0) sends it again, before or after its claim
+        assert producer.outbox.relay() == 1
+        producer.outbox.discard(session)
     try:
         wait_for(lambda: effect_count("record", token) == 1, timeout=30, what="the job's run")
         time.sleep(1.5)
@@ -115,6 +127,46 @@ def test_a_committed_job_published_twice_runs_once(
         assert final["state"] == State.SUCCEEDED.value and final["attempts"] == 1
     finally:
         producer.close()
+
+
+def test_what_a_retried_or_self_ended_transaction_leaves(app: Any, token: str) -> None:
+    """A transient error retries the whole transaction: only the committed attempt's jobs run.
+    A callback that aborts (or commits) the transaction itself: the ledger says what exists."""
+    from pymongo.errors import OperationFailure
+
+    record = app.tasks[RECORD]
+    attempts: list[int] = []
+
+    def retried(session: ClientSession) -> None:
+        attempts.append(1)
+        record.apply_async((f"{token}-attempt{len(attempts)}",), session=session)
+        if len(attempts) == 1:
+            raise OperationFailure(
+                "write conflict", code=112, details={"errorLabels": ["TransientTransactionError"]}
+            )
+
+    app.outbox.transaction(retried)
+    assert len(attempts) == 2
+    assert app.AsyncResult(derive_task_id(RECORD, f"{token}-attempt2")).get(timeout=30)
+
+    def declined(session: ClientSession) -> str:
+        record.apply_async((f"{token}-declined",), session=session)
+        session.abort_transaction()
+        return "declined"
+
+    def committed(session: ClientSession) -> str:
+        record.apply_async((f"{token}-committed",), session=session)
+        session.commit_transaction()
+        return "committed"
+
+    assert app.outbox.transaction(declined) == "declined"
+    assert app.outbox.transaction(committed) == "committed"
+    assert app.AsyncResult(derive_task_id(RECORD, f"{token}-committed")).get(timeout=30)
+    time.sleep(1.5)
+    for gone in ("attempt1", "declined"):
+        assert app.ledger.find_raw(derive_task_id(RECORD, f"{token}-{gone}")) is None
+        assert effect_count("record", f"{token}-{gone}") == 0
+    assert effect_count("record", f"{token}-attempt2") == 1
 
 
 def test_a_sensitive_job_is_sealed_in_the_transaction(app: Any, token: str) -> None:
@@ -205,6 +257,7 @@ def test_backpressure_inside_a_transaction(app: Any, stack: EmbeddedStack, token
 
 OUTBOX_WORKERS = {
     "LEDGER_RECONCILE_IN_WORKERS": "true",
+    "LEDGER_OUTBOX_RELAY_IN_WORKERS": "true",
     "LEDGER_OUTBOX_RELAY_SECONDS": "0.5",
     "LEDGER_OUTBOX_GRACE_SECONDS": "1",
     "LEDGER_RECONCILE_EVERY_SECONDS": "1",

@@ -67,6 +67,6 @@ def test_the_outbox_check_warns_of_committed_jobs_nobody_publishes() -> None:
     )
     assert status == "warn" and data == {"waiting": {"bulk": 2, "critical": 1}}
     assert "3 committed job(s) unpublished for over 11s (bulk 2, critical 1)" in detail
-    assert "LEDGER_RECONCILE_IN_WORKERS" in detail
+    assert "LEDGER_OUTBOX_RELAY_IN_WORKERS" in detail
     many = [{"tier": "bulk"}] * OUTBOX_SAMPLE
     assert f"{OUTBOX_SAMPLE} or more" in outbox_report(many, overdue_seconds=11)[1]

@@ -197,3 +197,17 @@ class _Session:
     @property
     def in_transaction(self) -> bool:
         return self.open
+
+
+def test_records_held_back_never_hide_the_ones_that_can_go(w: World) -> None:
+    held = [w.committed(f"held-{n}", tier="bulk") for n in range(600)]
+    other_app = derive_task_id("elsewhere.task", "x")
+    kept = KeptMessage.of_call([1], {}, message_headers={})
+    w.ledger.enqueue(other_app, task="elsewhere.task", key="x", tier="critical", message=kept)
+    w.ledger.mark_unpublished(other_app)  # another app's, in a tier of the same name
+    due = w.committed("due")
+    w.clock.advance(6)
+    w.gate.engaged.add("bulk")
+    assert w.outbox.relay(limit=500) == 1
+    assert [p.options["task_id"] for p in w.ports.tasks] == [due]
+    assert all(w.ledger.docs[r]["claimable_at"] == UNPUBLISHED for r in (*held, other_app))
