@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -110,7 +110,9 @@ def _broker(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
     return "ok", "PING answered", {}
 
 
-def _ledger(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
+@contextlib.contextmanager
+def _short_ledger(app: Any, timeout: float) -> Iterator[Ledger]:
+    """A ledger client of the check's own, whose calls give up after ``timeout``."""
     settings = app.settings
     ledger = Ledger(
         uri=settings.mongo_uri,
@@ -119,10 +121,15 @@ def _ledger(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
         timeout_ms=max(int(timeout * 1000), 100),
     )
     try:
-        ledger.ping()
-        dead = ledger.count_dead()  # a read: credentials and database work
+        yield ledger
     finally:
         ledger.close()
+
+
+def _ledger(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
+    with _short_ledger(app, timeout) as ledger:
+        ledger.ping()
+        dead = ledger.count_dead()  # a read: credentials and database work
     detail = f"ping and read ok; {dead} dead letter(s)"
     return ("warn" if dead else "ok"), detail, {"dead_letters": dead}
 
@@ -139,17 +146,8 @@ def _breakers(app: Any) -> tuple[Status, str, dict[str, Any]]:
 def _triggers(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
     """Change-stream triggers: down while one is stopped (its stream invalidated, its place
     lost from the oplog): its changes no longer become jobs until it is reset and backfilled."""
-    settings = app.settings
-    ledger = Ledger(
-        uri=settings.mongo_uri,
-        database=settings.mongo_db,
-        collection=settings.ledger_collection,
-        timeout_ms=max(int(timeout * 1000), 100),
-    )
-    try:
+    with _short_ledger(app, timeout) as ledger:
         return trigger_report(TriggerStore(ledger).all(), app.triggers)
-    finally:
-        ledger.close()
 
 
 def trigger_report(
@@ -186,16 +184,8 @@ def _outbox(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
     time (see outbox.py): no worker runs the relay, or their tier is held by backpressure."""
     settings = app.settings
     overdue = settings.outbox_grace_seconds + 3 * settings.outbox_relay_seconds
-    ledger = Ledger(
-        uri=settings.mongo_uri,
-        database=settings.mongo_db,
-        collection=settings.ledger_collection,
-        timeout_ms=max(int(timeout * 1000), 100),
-    )
-    try:
+    with _short_ledger(app, timeout) as ledger:
         waiting = ledger.unpublished(older_than_seconds=overdue, limit=OUTBOX_SAMPLE)
-    finally:
-        ledger.close()
     return outbox_report(waiting, overdue_seconds=overdue)
 
 
