@@ -2,8 +2,9 @@
 
 A task's ``slo_seconds`` (or its tier's, ``LEDGER_SLO_SECONDS``) puts ``slo_at`` on its record at
 the first claim (from the job's publish time). Every worker's housekeeping runs
-:meth:`Escalation.check` (one indexed query: only records with an objective not yet met or
-reported have ``slo_at``); the attempt that finishes a job late reports it too. Whoever marks
+:meth:`Escalation.check` (indexed reads of the ledger's ``_objectives``, where only jobs with an
+objective not yet settled have a document, so that no other job's writes pay for an index of
+it); the attempt that finishes a job late reports it too. Whoever marks
 the record first (:meth:`Ledger.mark_late`, a conditional write) reports it: the ``late``
 observer event (metric ``celery_ledger_late_total``, a Sentry event, a log line). The record's
 ``late_at`` makes its status ``late`` to callers polling ``AsyncResult`` or ``app.ledger.get``

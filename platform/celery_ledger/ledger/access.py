@@ -33,6 +33,8 @@ COMPANIONS: dict[str, tuple[str, ...]] = {
     "workflows": READ_WRITE + INDEXES,
     "workflow_events": READ_WRITE + INDEXES,
     "cache": READ_WRITE + INDEXES,  # fallbacks' last good results (policies/fallback.py)
+    "objectives": READ_WRITE + INDEXES,  # latency objectives not yet settled (escalation.py)
+    "triggers": READ_WRITE + INDEXES,  # change-stream triggers' places (triggers.py)
     # Append-only: read and add entries, never change or remove one, and no index either (a
     # TTL index would have the server delete the trail): :func:`provision` makes its indexes.
     "audit": ("find", "insert", "listIndexes", "createCollection", "killCursors"),

@@ -37,6 +37,7 @@ A dead job is written by one method, :meth:`Ledger.bury`, for every way a job ca
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import uuid
@@ -79,6 +80,7 @@ RECENT_OPS = 4  # operation ids a record keeps (see Ledger._end_attempt)
 # after its record expired still has one to fall back on).
 CACHE_RETENTION = timedelta(days=30)
 T = TypeVar("T")
+logger = logging.getLogger("celery_ledger.ledger")
 
 
 # A dead job's copy to the dead letters' queue is due this long after its death unless the
@@ -357,14 +359,17 @@ class Ledger:
                 {"expires_at": {"$exists": False}},
                 {"$set": {"expires_at": self.now() + self.result_retention}},
             )
+            # The records carry two secondary indexes and no more: every write of every job
+            # pays for each index, whether or not it changes its key (measured on the embedded
+            # server: about 0.1-0.15 ms a write an index, sparse ones too). Whatever only some
+            # jobs need has its own companion collection instead (``_objectives``), or rides
+            # this one (degraded results awaiting their replacement: see replacements_due).
             self.collection.create_index(
                 [("state", ASCENDING), ("claimable_at", ASCENDING)], name="state_claimable"
             )
-            # Only jobs with a latency objective not yet met or reported have ``slo_at``; only
-            # degraded results awaiting their replacement have ``replace_due``.
-            self.collection.create_index("slo_at", name="objective", sparse=True)
-            self.collection.create_index("replace_due", name="replacement_due", sparse=True)
+            self._objectives.create_index("slo_at", name="due")
             self._retire_copy_due_index()
+            self._retire_objective_indexes()
         self.ensure_audit_indexes(self._companion("audit"))
 
     def _retire_copy_due_index(self) -> None:
@@ -389,6 +394,69 @@ class Ledger:
         except OperationFailure as exc:
             if exc.code != INDEX_NOT_FOUND:  # another worker dropped it first
                 raise
+
+    def _retire_objective_indexes(self) -> None:
+        """Earlier releases indexed ``slo_at`` and ``replace_due`` on the records (sparse).
+        While the first is there (the first start of this release), the records with an
+        objective still open are copied to ``_objectives`` (idempotent: several workers may do
+        it at once); then both indexes go. ``replace_due`` needs no copy: a degraded result
+        awaiting its replacement already has ``claimable_at`` at its replacement time."""
+        indexes = self.collection.index_information()
+        if "objective" in indexes:
+            for doc in self.collection.find(
+                {"slo_at": {"$exists": True}}, {"slo_at": 1, "slo_seconds": 1}
+            ):
+                self._objectives.update_one(
+                    {"_id": doc["_id"]},
+                    {"$setOnInsert": _objective_doc(doc["slo_at"], doc.get("slo_seconds"))},
+                    upsert=True,
+                )
+        for name in ("objective", "replacement_due"):
+            if name not in indexes:
+                continue
+            try:
+                self.collection.drop_index(name)
+            except OperationFailure as exc:
+                if exc.code != INDEX_NOT_FOUND:  # another worker dropped it first
+                    raise
+
+    @property
+    def _objectives(self) -> Collection[dict[str, Any]]:
+        """Jobs with a latency objective not yet settled, by when they are due (``slo_at``).
+
+        Only jobs with an objective have a document here, so that the records need no index
+        for them (see ensure_indexes). Written after the record that holds the objective
+        (``slo_at`` on the record stays the truth: a finish or a late mark removes it there,
+        in the write that does it), and removed by :meth:`overdue` once due and settled."""
+        return self._companion("objectives")
+
+    def _track_objective(
+        self,
+        record_id: str,
+        slo_at: datetime,
+        slo_seconds: float | None,
+        *,
+        session: ClientSession | None = None,
+    ) -> None:
+        """Put a new record's objective in the escalation's view. Outside a transaction it
+        is best effort: the record was written and the caller must not see it fail (a claim
+        that raised would be put off though it holds its lease). A job whose objective was
+        not tracked is still reported late by the attempt that finishes it late."""
+        update = {"$setOnInsert": _objective_doc(slo_at, slo_seconds)}
+        if session is not None:
+            objectives = self.collection_for(session, "objectives")
+            objectives.update_one({"_id": record_id}, update, upsert=True, session=session)
+            return
+        try:
+            with translate_errors("objective"):
+                self._objectives.update_one({"_id": record_id}, update, upsert=True)
+        except StoreError as exc:
+            logger.warning(
+                "the latency objective of %s is not tracked (%s): only the attempt that"
+                " finishes it reports it late",
+                record_id,
+                exc,
+            )
 
     @staticmethod
     def ensure_audit_indexes(audit: Collection[dict[str, Any]], *, strict: bool = False) -> None:
@@ -664,6 +732,8 @@ class Ledger:
                     {"$inc": {"duplicates": 1}, "$set": {"last_duplicate_at": now}},
                 )
             return Claim(ClaimOutcome.DUPLICATE) if marked.modified_count == 1 else None
+        if claim.upserted and slo_at is not None:  # a new record: its objective is tracked
+            self._track_objective(record_id, slo_at, slo_seconds)
         return Claim(ClaimOutcome.CLAIMED, fence=fence)
 
     # -- outcomes of an attempt (fenced; each recognises its own applied write) --------------
@@ -769,22 +839,50 @@ class Ledger:
     # -- latency objectives -----------------------------------------------------------------
 
     def overdue(self, *, limit: int = 200) -> list[dict[str, Any]]:
-        """Records past their latency objective (``slo_at``) not yet reported late."""
+        """Records past their latency objective (``slo_at``) not yet reported late.
+
+        Reads the due objectives (``_objectives``) a page at a time and the records they name;
+        an objective whose record no longer has ``slo_at`` (the job finished, or was reported)
+        or no longer exists is settled and removed here, in the same pass, so that settled
+        objectives never pile up ahead of open ones however many jobs finish in time."""
+        fields = ("task", "key", "tier", "state", "slo_at", "slo_seconds", "created_at")
+        now = self.now()
+        found: list[dict[str, Any]] = []
+        page = max(limit, 500)
         with translate_errors("escalation query"):
-            return list(
-                self.collection.find(
-                    {"slo_at": {"$lte": self.now()}},
-                    {
-                        "task": 1,
-                        "key": 1,
-                        "tier": 1,
-                        "state": 1,
-                        "slo_at": 1,
-                        "slo_seconds": 1,
-                        "created_at": 1,
-                    },
-                ).limit(limit)
-            )
+            while len(found) < limit:
+                query: dict[str, Any] = {"slo_at": {"$lte": now}}
+                if found:  # open ones stay due: a second page must not read them again
+                    query["_id"] = {"$nin": [d["_id"] for d in found]}
+                due = [
+                    d["_id"]
+                    for d in self._objectives.find(query, {"_id": 1})
+                    .sort("slo_at", ASCENDING)
+                    .limit(page)
+                ]
+                if not due:
+                    break
+                records = {
+                    d["_id"]: d
+                    for d in self.collection.find({"_id": {"$in": due}}, dict.fromkeys(fields, 1))
+                }
+                settled = []
+                for record_id in due:
+                    doc = records.get(record_id)
+                    slo_at = doc.get("slo_at") if doc else None
+                    if slo_at is None:
+                        settled.append(record_id)
+                    elif slo_at > now:  # another writer set the record's first
+                        self._objectives.update_one(
+                            {"_id": record_id}, {"$set": {"slo_at": slo_at}}
+                        )
+                    else:
+                        found.append(doc)  # type: ignore[arg-type]
+                if settled:
+                    self._objectives.delete_many({"_id": {"$in": settled}})
+                if len(due) < page or not settled:
+                    break  # every due objective read, or what is left is open
+        return found[:limit]
 
     def mark_late(self, record_id: str, *, slo_seconds: float | None = None) -> bool:
         """Mark a job late, once: True only for the call that marked it (so it is reported
@@ -1222,7 +1320,13 @@ class Ledger:
             inserted = collection.update_one(
                 {"_id": record_id}, {"$setOnInsert": fields}, upsert=True, session=session
             )
-            return EnqueueOutcome.NEW if inserted.upserted_id is not None else EnqueueOutcome.KNOWN
+            if inserted.upserted_id is None:
+                return EnqueueOutcome.KNOWN
+            if objective and objective.get("slo_at") is not None:
+                self._track_objective(
+                    record_id, objective["slo_at"], objective.get("slo_seconds"), session=session
+                )
+            return EnqueueOutcome.NEW
         else:
             with translate_errors("enqueue"):
                 try:
@@ -1232,6 +1336,8 @@ class Ledger:
                         raise LedgerUnavailable(f"enqueue of {record_id}: outcome unknown") from exc
                     raise StoreError(f"enqueue of {record_id} failed: {exc.details}") from exc
         if result.upserted_count:
+            if objective and objective.get("slo_at") is not None:
+                self._track_objective(record_id, objective["slo_at"], objective.get("slo_seconds"))
             return EnqueueOutcome.NEW
         return EnqueueOutcome.UNPUBLISHED if result.modified_count else EnqueueOutcome.KNOWN
 
@@ -1319,7 +1425,7 @@ class Ledger:
         (with its latency ``objective``: ``slo_at``, ``slo_seconds``)."""
         now = self.now()
         with translate_errors("deferral record"):
-            self.collection.update_one(
+            written = self.collection.update_one(
                 {"_id": record_id},
                 {
                     "$inc": {"deferrals": 1},
@@ -1331,6 +1437,8 @@ class Ledger:
                 },
                 upsert=True,
             )
+        if written.upserted_id is not None and objective and objective.get("slo_at") is not None:
+            self._track_objective(record_id, objective["slo_at"], objective.get("slo_seconds"))
 
     # -- dead letters: triage, replay, purge -------------------------------------------------
 
@@ -1589,17 +1697,18 @@ class Ledger:
         """Degraded results whose replacement is overdue by ``older_than_seconds`` and that
         nothing claimed meanwhile (its message was lost)."""
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
+        # A success is claimable again (claimable_at short of FOREVER) only while a degraded
+        # result awaits its replacement: the sweepers' index finds them among all successes.
+        # Equalities and one range only (see unpublished): updated_at is checked here.
         with translate_errors("reconcile query"):
-            return list(
-                self.collection.find(
-                    {
-                        "replace_due": {"$lt": cutoff},
-                        "state": State.SUCCEEDED.value,
-                        "claimable_at": {"$lt": cutoff},
-                        "updated_at": {"$lt": cutoff},
-                    }
-                ).limit(limit)
-            )
+            docs = self.collection.find(
+                {"state": State.SUCCEEDED.value, "claimable_at": {"$lt": cutoff}}
+            ).limit(limit)
+            return [
+                d
+                for d in docs
+                if d.get("replace_due") is not None and (d.get("updated_at") or EPOCH) < cutoff
+            ]
 
     def mark_reconciled(self, doc: Mapping[str, Any]) -> bool:
         """Note that the reconciler brought the job back now, if nobody changed it since it
@@ -1717,6 +1826,10 @@ def _replacement_pending(doc: Mapping[str, Any]) -> bool:
     """A degraded result whose replacement is scheduled (claimable at ``replace_at``)."""
     degraded = doc.get("degraded")
     return isinstance(degraded, Mapping) and degraded.get("replace_at") is not None
+
+
+def _objective_doc(slo_at: datetime, slo_seconds: Any) -> dict[str, Any]:
+    return {"slo_at": slo_at, "slo_seconds": slo_seconds}
 
 
 def _cache_id(task: str, cache_key: str) -> str:
