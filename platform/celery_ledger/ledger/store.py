@@ -675,6 +675,7 @@ class Ledger:
         }
         if max_attempts is not None:
             claim_filter["attempts"] = {"$lt": max_attempts}
+        claim_filter = _on_one_record(claim_filter)
         fields: dict[str, Any] = {
             "v": SCHEMA_VERSION,
             "tier": tier,
@@ -1826,6 +1827,23 @@ def _replacement_pending(doc: Mapping[str, Any]) -> bool:
     """A degraded result whose replacement is scheduled (claimable at ``replace_at``)."""
     degraded = doc.get("degraded")
     return isinstance(degraded, Mapping) and degraded.get("replace_at") is not None
+
+
+def _on_one_record(conditions: dict[str, Any]) -> dict[str, Any]:
+    """A filter on ``_id`` whose comparisons (``$lt``, ``$lte``, ``$gt``, ``$gte``) also say
+    ``$exists: true``, which a comparison implies: the same matches on any server. The
+    embedded server's planner then goes straight to its ``_id`` lookup; given bare comparisons
+    it first looked for an index on each compared field (measured: 8% of its CPU a job, at the
+    claim). Equalities stay bare: an upsert copies them into the record it inserts."""
+    ranges = ("$lt", "$lte", "$gt", "$gte")
+    return {
+        field: (
+            {**value, "$exists": True}
+            if isinstance(value, dict) and value and all(op in ranges for op in value)
+            else value
+        )
+        for field, value in conditions.items()
+    }
 
 
 def _objective_doc(slo_at: datetime, slo_seconds: Any) -> dict[str, Any]:
