@@ -1,0 +1,140 @@
+"""What each index of the records costs the ledger server, per job, in one run.
+
+    python -m ops.bench.indexes [--jobs 1500] [--repeats 3]
+
+A job here is the ledger's happy path without Celery: one claim and one completion, called
+directly on :class:`~celery_ledger.ledger.Ledger` from this process (every write journaled,
+``w=majority``), so the ledger server's CPU time per job is the cost of the two statements
+alone. Layouts, each on a fresh database, interleaved repeat by repeat:
+
+    current      the records' indexes as ensure_indexes makes them (retention and the
+                 sweepers' ``(state, claimable_at)``)
+    +2 sparse    the same plus the two sparse indexes the records carried until 2026-11-26
+                 (``slo_at``, ``replace_due``), which no job of this run has
+    +1 plain     the same plus one plain index on a field every record has (``tier``)
+
+A sparse index on a field no record carries is not free on the embedded server: it is the
+reason latency objectives now live in a companion collection (see Ledger.ensure_indexes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from celery_ledger.keys import derive_task_id
+from celery_ledger.ledger import Ledger
+
+from .common import median, print_header, print_table, pyplot, running_servers, write_results
+from .throughput import cpu_seconds
+
+TASK = "bench.noop"
+
+
+def _extra_sparse(ledger: Ledger) -> None:
+    ledger.collection.create_index("slo_at", name="objective_old", sparse=True)
+    ledger.collection.create_index("replace_due", name="replacement_due_old", sparse=True)
+
+
+def _extra_plain(ledger: Ledger) -> None:
+    ledger.collection.create_index("tier", name="tier")
+
+
+LAYOUTS: dict[str, Callable[[Ledger], None] | None] = {
+    "current": None,
+    "+2 sparse": _extra_sparse,
+    "+1 plain": _extra_plain,
+}
+
+
+def run_once(url: str, layout: str, jobs: int) -> dict[str, float]:
+    """Claim and complete ``jobs`` new records; the server's CPU ms and the wall ms per job."""
+    database = f"bench_indexes_{uuid.uuid4().hex[:8]}"
+    ledger = Ledger(uri=url, database=database, ttl_index=False)
+    try:
+        ledger.ensure_indexes()
+        extra = LAYOUTS[layout]
+        if extra is not None:
+            extra(ledger)
+        run = uuid.uuid4().hex[:8]
+
+        def job(i: int) -> None:
+            key = f"{run}-{i}"
+            record_id = derive_task_id(TASK, key)
+            claim = ledger.claim(record_id, task=TASK, key=key, tier="default", owner="bench:1")
+            assert claim.fence is not None
+            ledger.complete(record_id, claim.fence, "1", op=uuid.uuid4().hex)
+
+        for i in range(50):  # warm-up: connections, the collection's first pages
+            job(-1 - i)
+        pid = _server_pid
+        cpu_before, started = cpu_seconds(pid), time.perf_counter()
+        for i in range(jobs):
+            job(i)
+        wall, cpu = time.perf_counter() - started, cpu_seconds(pid) - cpu_before
+        return {"server_cpu_ms": 1000 * cpu / jobs, "wall_ms": 1000 * wall / jobs}
+    finally:
+        ledger.client.drop_database(database)
+        ledger.close()
+
+
+_server_pid = 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    global _server_pid
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=1500, help="jobs per run (1500)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per layout (3)")
+    args = parser.parse_args(argv)
+    machine = print_header(
+        "indexes: the ledger server's CPU per job (claim + completion) by index layout",
+        {"jobs": args.jobs, "repeats": args.repeats, "write concern": "w=majority, journaled"},
+    )
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in LAYOUTS}
+    with running_servers("bench-indexes") as servers:
+        _server_pid = servers.ledger.pid
+        for repeat in range(args.repeats):
+            for name in LAYOUTS:
+                result = run_once(servers.ledger.url, name, args.jobs)
+                runs[name].append(result)
+                print(
+                    f"  run {repeat + 1}/{args.repeats} {name:10s}"
+                    f" server {result['server_cpu_ms']:.2f} ms/job,"
+                    f" wall {result['wall_ms']:.2f} ms/job",
+                    flush=True,
+                )
+    medians = {
+        name: {k: median([r[k] for r in results]) for k in ("server_cpu_ms", "wall_ms")}
+        for name, results in runs.items()
+    }
+    base = medians["current"]["server_cpu_ms"]
+    print_table(
+        f"ledger server per job, median of {args.repeats}",
+        ["layout", "server CPU ms/job", "wall ms/job", "server CPU / current"],
+        [
+            (
+                name,
+                f"{m['server_cpu_ms']:.2f}",
+                f"{m['wall_ms']:.2f}",
+                f"{m['server_cpu_ms'] / base:.2f}",
+            )
+            for name, m in medians.items()
+        ],
+    )
+    plt = pyplot()
+    figure, axis = plt.subplots(figsize=(6, 3.2))
+    names = list(medians)
+    axis.bar(names, [medians[n]["server_cpu_ms"] for n in names], color="#4c72b0")
+    axis.set_ylabel("ledger server CPU ms per job")
+    axis.set_title("claim + completion, by the records' index layout")
+    data: dict[str, Any] = {"machine": machine, "runs": runs, "medians": medians}
+    write_results("indexes", data, figure)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
