@@ -346,6 +346,7 @@ class MemoryLedger:
     def overdue(self, *, limit: int = 200) -> list[dict[str, Any]]:
         now = self.now()
         due = [d for d in self.docs.values() if d.get("slo_at") is not None and d["slo_at"] <= now]
+        due.sort(key=lambda d: d["slo_at"])  # as the store reads its objectives: earliest first
         return [copy.deepcopy(d) for d in due[:limit]]
 
     def mark_late(self, record_id: str, *, slo_seconds: float | None = None) -> bool:

@@ -714,35 +714,91 @@ def test_an_objective_from_any_first_write_is_due_and_finished_ones_never_hide_a
     assert [d for d in ledger.overdue() if d["_id"] in mine | set(on_time)] == []
 
 
-def test_a_record_write_pays_for_two_secondary_indexes(stack: Any) -> None:
-    """Every write of every job pays for each index of the records (on the embedded server,
-    about 0.1-0.15 ms a write an index, sparse ones too): they keep the retention index and
-    the sweepers' one, nothing that only some jobs need. A ledger of an earlier release loses
-    its two sparse indexes at the first start, its open objectives moved to ``_objectives``."""
-    store = Ledger(uri=stack.ledger.url, database=f"indexes_{new_id()[:8]}")
-    try:
-        old_objective, settled = new_id(), new_id()
-        slo_at = utcnow() - timedelta(seconds=5)
-        store.collection.insert_many(
-            [
-                {"_id": old_objective, "state": "running", "slo_at": slo_at, "slo_seconds": 3.0},
-                {"_id": settled, "state": "succeeded", "task": TASK, "key": settled},
-            ]
+def test_an_objective_whose_tracking_was_lost_is_tracked_again_by_the_next_claim(
+    world: tuple[Any, Clock],
+) -> None:
+    """A publish whose objective write was lost (its outcome unknown, the process gone) leaves
+    a record with ``slo_at`` the checks cannot see; the job's claim tracks it again."""
+    ledger, clock = world
+    record_id = new_id()
+    objective = {"slo_at": clock() + timedelta(seconds=10), "slo_seconds": 10.0}
+    message = KeptMessage.of_call([1], {}, message_headers={})
+    ledger.enqueue(
+        record_id, task=TASK, key=record_id, tier="default", message=message, objective=objective
+    )
+    if isinstance(ledger, Ledger):
+        ledger.client[ledger.database_name][f"{ledger.collection_name}_objectives"].delete_one(
+            {"_id": record_id}
         )
+    assert claim(ledger, record_id, **objective).outcome is ClaimOutcome.CLAIMED
+    clock.advance(11)
+    assert [d["_id"] for d in ledger.overdue() if d["_id"] == record_id] == [record_id]
+
+
+def test_settled_objectives_are_removed_page_by_page_and_open_ones_read_once(
+    world: tuple[Any, Clock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger, clock = world
+    monkeypatch.setattr("celery_ledger.ledger.store.OBJECTIVE_PAGE", 4)
+    objective = {"slo_at": clock() + timedelta(seconds=10), "slo_seconds": 10.0}
+    finished, open_ = [new_id() for _ in range(11)], [new_id() for _ in range(3)]
+    for record_id in finished + open_:
+        held = claim(ledger, record_id, **objective)
+        if record_id in finished:
+            ledger.complete(record_id, held.fence, "1", op=new_op())
+    clock.advance(11)
+    first = [d["_id"] for d in ledger.overdue(limit=50) if d["_id"] in finished + open_]
+    assert sorted(first) == sorted(open_)  # each once, none of the finished ones
+    if isinstance(ledger, Ledger):
+        objectives = ledger.client[ledger.database_name][f"{ledger.collection_name}_objectives"]
+        left = {d["_id"] for d in objectives.find({"_id": {"$in": finished + open_}})}
+        assert left == set(open_)
+
+
+def test_a_ledger_of_an_earlier_release_keeps_its_sparse_indexes_until_the_upgrade_ends(
+    stack: Any,
+) -> None:
+    """A rolling deploy runs both releases: the earlier one writes ``slo_at`` without an
+    objective document and reads its two sparse indexes. Workers of this release leave them
+    and read the records due on ``objective`` too; ``finish_upgrade`` (once no earlier release
+    runs) copies the open objectives and drops both, leaving the records two secondary indexes
+    (every write of every job pays for each: ``ops/bench/indexes.py``)."""
+    store = Ledger(uri=stack.ledger.url, database=f"upgrade_{new_id()[:8]}")
+    try:
+        due_before, due_during = new_id(), new_id()
+        past = utcnow() - timedelta(seconds=5)
         store.collection.create_index("slo_at", name="objective", sparse=True)
         store.collection.create_index("replace_due", name="replacement_due", sparse=True)
-        store.ensure_indexes()
-        store.ensure_indexes()  # a second worker starting: nothing left to do
-        assert set(store.collection.index_information()) == {
-            "_id_",
-            "retention",
-            "state_claimable",
-        } or set(store.collection.index_information()) == {
-            "_id_",
-            "retention_sweep",
-            "state_claimable",
-        }
-        assert [d["_id"] for d in store.overdue()] == [old_objective]
+        store.collection.insert_one(
+            {
+                "_id": due_before,
+                "state": "running",
+                "task": TASK,
+                "key": due_before,
+                "slo_at": past,
+                "slo_seconds": 3.0,
+            }
+        )
+        store.ensure_indexes()  # this release's first worker: the old indexes stay
+        assert store.legacy_indexes() == ["objective", "replacement_due"]
+        store.collection.insert_one(  # a worker of the earlier release, meanwhile
+            {
+                "_id": due_during,
+                "state": "queued",
+                "task": TASK,
+                "key": due_during,
+                "slo_at": past,
+                "slo_seconds": 3.0,
+            }
+        )
+        assert {d["_id"] for d in store.overdue()} == {due_before, due_during}
+
+        assert store.finish_upgrade() == {"objectives copied": 2, "indexes dropped": 2}
+        assert store.finish_upgrade() == {"objectives copied": 0, "indexes dropped": 0}
+        indexes = set(store.collection.index_information())
+        assert indexes - {"retention", "retention_sweep"} == {"_id_", "state_claimable"}
+        assert len(indexes) == 3
+        assert {d["_id"] for d in store.overdue()} == {due_before, due_during}
     finally:
         store.client.drop_database(store.database_name)
         store.close()

@@ -235,6 +235,20 @@ def stack(
         console.print("stopping...")
 
 
+@ledger.command(name="finish-upgrade")
+@click.pass_context
+def finish_upgrade(ctx: click.Context) -> None:
+    """Retire what an earlier release needed, once none of its workers or producers runs.
+
+    Today: the records' two sparse indexes of releases before 2026-11-26 (``objective``,
+    ``replacement_due``), which every job's writes pay for; their open latency objectives are
+    copied to the ledger's ``_objectives`` first. Until then, workers of this release read
+    both. Idempotent."""
+    report = _app(ctx).ledger.finish_upgrade()
+    for what, count in report.items():
+        console.print(f"{what}: {count}", highlight=False)
+
+
 @ledger.command(name="reconcile")
 @click.option("--dry-run", is_flag=True, help="Report what would be done; change nothing.")
 @click.option("--grace", type=float, default=None, help="Lease grace seconds (setting).")

@@ -48,7 +48,7 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 from bson.errors import BSONError
-from pymongo import ASCENDING, DESCENDING, MongoClient, UpdateOne, WriteConcern
+from pymongo import ASCENDING, DESCENDING, DeleteOne, MongoClient, UpdateOne, WriteConcern
 from pymongo.client_session import ClientSession
 from pymongo.collection import Collection
 from pymongo.errors import (
@@ -97,6 +97,10 @@ COPY_DUE_SHIFT = datetime(5000, 1, 1, tzinfo=UTC) - EPOCH
 # the sweepers' ``(state, claimable_at)`` index, so the outbox relay's query reads those records
 # and nothing else (a backlog of published queued records sits at EPOCH, one second below).
 UNPUBLISHED = EPOCH + timedelta(seconds=1)
+# The records' indexes of releases before 2026-11-26, retired by Ledger.finish_upgrade.
+LEGACY_INDEXES = ("objective", "replacement_due")
+# Due objectives one read of Ledger.overdue takes (settled ones are removed page by page).
+OBJECTIVE_PAGE = 500
 # Unpublished records one outbox read looks through at most (past those, a backlog held by
 # backpressure beyond this many records can hide the rest until it drains).
 UNPUBLISHED_SCAN = 10_000
@@ -359,17 +363,18 @@ class Ledger:
                 {"expires_at": {"$exists": False}},
                 {"$set": {"expires_at": self.now() + self.result_retention}},
             )
-            # The records carry two secondary indexes and no more: every write of every job
-            # pays for each index, whether or not it changes its key (measured on the embedded
-            # server: about 0.1-0.15 ms a write an index, sparse ones too). Whatever only some
-            # jobs need has its own companion collection instead (``_objectives``), or rides
-            # this one (degraded results awaiting their replacement: see replacements_due).
+            # The records carry two secondary indexes and no more: on the embedded server every
+            # write of every job pays for each index, whether or not it changes its key (about
+            # 0.1-0.15 ms a write an index, sparse ones on a field no record has too: see
+            # ops/bench/indexes.py). Whatever only some jobs need has its own companion
+            # collection instead (``_objectives``), or rides this one (degraded results
+            # awaiting their replacement: see replacements_due). A ledger made by an earlier
+            # release keeps its two sparse indexes until finish_upgrade (LEGACY_INDEXES).
             self.collection.create_index(
                 [("state", ASCENDING), ("claimable_at", ASCENDING)], name="state_claimable"
             )
             self._objectives.create_index("slo_at", name="due")
             self._retire_copy_due_index()
-            self._retire_objective_indexes()
         self.ensure_audit_indexes(self._companion("audit"))
 
     def _retire_copy_due_index(self) -> None:
@@ -395,30 +400,45 @@ class Ledger:
             if exc.code != INDEX_NOT_FOUND:  # another worker dropped it first
                 raise
 
-    def _retire_objective_indexes(self) -> None:
-        """Earlier releases indexed ``slo_at`` and ``replace_due`` on the records (sparse).
-        While the first is there (the first start of this release), the records with an
-        objective still open are copied to ``_objectives`` (idempotent: several workers may do
-        it at once); then both indexes go. ``replace_due`` needs no copy: a degraded result
-        awaiting its replacement already has ``claimable_at`` at its replacement time."""
-        indexes = self.collection.index_information()
-        if "objective" in indexes:
-            for doc in self.collection.find(
-                {"slo_at": {"$exists": True}}, {"slo_at": 1, "slo_seconds": 1}
-            ):
-                self._objectives.update_one(
-                    {"_id": doc["_id"]},
-                    {"$setOnInsert": _objective_doc(doc["slo_at"], doc.get("slo_seconds"))},
-                    upsert=True,
+    def legacy_indexes(self) -> list[str]:
+        """The records' indexes an earlier release made that this one no longer needs."""
+        with translate_errors("index listing"):
+            return [n for n in LEGACY_INDEXES if n in self.collection.index_information()]
+
+    def finish_upgrade(self) -> dict[str, int]:
+        """Retire the records' sparse ``objective`` and ``replacement_due`` indexes, once no
+        worker or producer of a release before 2026-11-26 runs (``ledger finish-upgrade``).
+
+        Such a release writes ``slo_at`` on records without an objective document, and its
+        workers read both indexes; so while ``objective`` exists, :meth:`overdue` also reads
+        the records on it, and nothing is retired at a worker's start (a rolling deploy runs
+        both releases at once). This copies the open objectives to ``_objectives`` and drops
+        both indexes; ``replace_due`` needs no copy (a degraded result awaiting its
+        replacement has ``claimable_at`` at its replacement time). Idempotent.
+
+        Returns:
+            ``{"objectives copied": n, "indexes dropped": n}``.
+        """
+        copied = dropped = 0
+        with translate_errors("upgrade"):
+            if "objective" in self.legacy_indexes():
+                # Read to the end before anything is dropped (a cursor on a dropped index dies).
+                open_ones = list(
+                    self.collection.find(
+                        {"slo_at": {"$exists": True}}, {"slo_at": 1, "slo_seconds": 1}
+                    )
                 )
-        for name in ("objective", "replacement_due"):
-            if name not in indexes:
-                continue
-            try:
-                self.collection.drop_index(name)
-            except OperationFailure as exc:
-                if exc.code != INDEX_NOT_FOUND:  # another worker dropped it first
-                    raise
+                for doc in open_ones:
+                    self._track_objective(str(doc["_id"]), doc["slo_at"], doc.get("slo_seconds"))
+                copied = len(open_ones)
+            for name in self.legacy_indexes():
+                try:
+                    self.collection.drop_index(name)
+                    dropped += 1
+                except OperationFailure as exc:
+                    if exc.code != INDEX_NOT_FOUND:  # another run dropped it first
+                        raise
+        return {"objectives copied": copied, "indexes dropped": dropped}
 
     @property
     def _objectives(self) -> Collection[dict[str, Any]]:
@@ -438,11 +458,13 @@ class Ledger:
         *,
         session: ClientSession | None = None,
     ) -> None:
-        """Put a new record's objective in the escalation's view. Outside a transaction it
-        is best effort: the record was written and the caller must not see it fail (a claim
-        that raised would be put off though it holds its lease). A job whose objective was
-        not tracked is still reported late by the attempt that finishes it late."""
-        update = {"$setOnInsert": _objective_doc(slo_at, slo_seconds)}
+        """Put a job's objective in the escalation's view (again: idempotent). Every claim
+        of a job with an objective does it, not only the one that made its record, so that a
+        write whose outcome was lost (the record's, or this one) is made good by the next
+        attempt. Outside a transaction it does not raise: the record was written and the
+        caller must not see it fail (a claim that raised would be put off though it holds its
+        lease); the next claim, or the attempt that finishes the job late, covers for it."""
+        update = {"$set": _objective_doc(slo_at, slo_seconds)}
         if session is not None:
             objectives = self.collection_for(session, "objectives")
             objectives.update_one({"_id": record_id}, update, upsert=True, session=session)
@@ -451,9 +473,9 @@ class Ledger:
             with translate_errors("objective"):
                 self._objectives.update_one({"_id": record_id}, update, upsert=True)
         except StoreError as exc:
-            logger.warning(
-                "the latency objective of %s is not tracked (%s): only the attempt that"
-                " finishes it reports it late",
+            logger.error(
+                "the latency objective of %s is not tracked (%s): until its next claim, only"
+                " the attempt that finishes it reports it late",
                 record_id,
                 exc,
             )
@@ -593,6 +615,8 @@ class Ledger:
             ):
                 # Our own claim, applied by a bulk write whose outcome we did not learn and
                 # sent again (see GroupCommit): fences are unique, so the lease is ours.
+                if slo_at is not None:
+                    self._track_objective(record_id, slo_at, slo_seconds)
                 return Claim(ClaimOutcome.CLAIMED, fence=fence)
             if doc.get("task") != task or doc.get("key") != key:
                 return Claim(ClaimOutcome.CONFLICT)
@@ -733,7 +757,7 @@ class Ledger:
                     {"$inc": {"duplicates": 1}, "$set": {"last_duplicate_at": now}},
                 )
             return Claim(ClaimOutcome.DUPLICATE) if marked.modified_count == 1 else None
-        if claim.upserted and slo_at is not None:  # a new record: its objective is tracked
+        if slo_at is not None:
             self._track_objective(record_id, slo_at, slo_seconds)
         return Claim(ClaimOutcome.CLAIMED, fence=fence)
 
@@ -845,45 +869,52 @@ class Ledger:
         Reads the due objectives (``_objectives``) a page at a time and the records they name;
         an objective whose record no longer has ``slo_at`` (the job finished, or was reported)
         or no longer exists is settled and removed here, in the same pass, so that settled
-        objectives never pile up ahead of open ones however many jobs finish in time."""
-        fields = ("task", "key", "tier", "state", "slo_at", "slo_seconds", "created_at")
+        objectives never pile up ahead of open ones however many jobs finish in time. While an
+        earlier release's ``objective`` index exists (see :meth:`finish_upgrade`), the records
+        due on it are read too: that release's writers track no objective."""
+        fields = dict.fromkeys(
+            ("task", "key", "tier", "state", "slo_at", "slo_seconds", "created_at"), 1
+        )
         now = self.now()
-        found: list[dict[str, Any]] = []
-        page = max(limit, 500)
+        found: dict[Any, dict[str, Any]] = {}
         with translate_errors("escalation query"):
+            if "objective" in self.legacy_indexes():
+                for doc in self.collection.find({"slo_at": {"$lte": now}}, fields).limit(limit):
+                    found[doc["_id"]] = doc
             while len(found) < limit:
                 query: dict[str, Any] = {"slo_at": {"$lte": now}}
                 if found:  # open ones stay due: a second page must not read them again
-                    query["_id"] = {"$nin": [d["_id"] for d in found]}
-                due = [
-                    d["_id"]
-                    for d in self._objectives.find(query, {"_id": 1})
+                    query["_id"] = {"$nin": list(found)}
+                due = {
+                    d["_id"]: d["slo_at"]
+                    for d in self._objectives.find(query, {"slo_at": 1})
                     .sort("slo_at", ASCENDING)
-                    .limit(page)
-                ]
+                    .limit(OBJECTIVE_PAGE)
+                }
                 if not due:
                     break
                 records = {
-                    d["_id"]: d
-                    for d in self.collection.find({"_id": {"$in": due}}, dict.fromkeys(fields, 1))
+                    d["_id"]: d for d in self.collection.find({"_id": {"$in": list(due)}}, fields)
                 }
-                settled = []
-                for record_id in due:
-                    doc = records.get(record_id)
-                    slo_at = doc.get("slo_at") if doc else None
-                    if slo_at is None:
-                        settled.append(record_id)
-                    elif slo_at > now:  # another writer set the record's first
+                settled: list[DeleteOne] = []
+                for record_id, tracked_at in due.items():
+                    record = records.get(record_id)
+                    slo_at = record.get("slo_at") if record else None
+                    if record is None or slo_at is None:
+                        # Filtered on what was read: an objective tracked anew since (the same
+                        # id used again) stays.
+                        settled.append(DeleteOne({"_id": record_id, "slo_at": tracked_at}))
+                    elif slo_at > now:  # tracked ahead of the record's own: follow the record
                         self._objectives.update_one(
                             {"_id": record_id}, {"$set": {"slo_at": slo_at}}
                         )
                     else:
-                        found.append(doc)  # type: ignore[arg-type]
+                        found[record_id] = record
                 if settled:
-                    self._objectives.delete_many({"_id": {"$in": settled}})
-                if len(due) < page or not settled:
+                    self._objectives.bulk_write(settled, ordered=False)
+                if len(due) < OBJECTIVE_PAGE or not settled:
                     break  # every due objective read, or what is left is open
-        return found[:limit]
+        return list(found.values())[:limit]
 
     def mark_late(self, record_id: str, *, slo_seconds: float | None = None) -> bool:
         """Mark a job late, once: True only for the call that marked it (so it is reported
@@ -1336,9 +1367,9 @@ class Ledger:
                     if exc.details.get("writeConcernErrors"):
                         raise LedgerUnavailable(f"enqueue of {record_id}: outcome unknown") from exc
                     raise StoreError(f"enqueue of {record_id} failed: {exc.details}") from exc
+        if objective and objective.get("slo_at") is not None:  # a retried enqueue's too
+            self._track_objective(record_id, objective["slo_at"], objective.get("slo_seconds"))
         if result.upserted_count:
-            if objective and objective.get("slo_at") is not None:
-                self._track_objective(record_id, objective["slo_at"], objective.get("slo_seconds"))
             return EnqueueOutcome.NEW
         return EnqueueOutcome.UNPUBLISHED if result.modified_count else EnqueueOutcome.KNOWN
 
@@ -1426,7 +1457,7 @@ class Ledger:
         (with its latency ``objective``: ``slo_at``, ``slo_seconds``)."""
         now = self.now()
         with translate_errors("deferral record"):
-            written = self.collection.update_one(
+            self.collection.update_one(
                 {"_id": record_id},
                 {
                     "$inc": {"deferrals": 1},
@@ -1438,7 +1469,7 @@ class Ledger:
                 },
                 upsert=True,
             )
-        if written.upserted_id is not None and objective and objective.get("slo_at") is not None:
+        if objective and objective.get("slo_at") is not None:
             self._track_objective(record_id, objective["slo_at"], objective.get("slo_seconds"))
 
     # -- dead letters: triage, replay, purge -------------------------------------------------
@@ -1701,15 +1732,16 @@ class Ledger:
         # A success is claimable again (claimable_at short of FOREVER) only while a degraded
         # result awaits its replacement: the sweepers' index finds them among all successes.
         # Equalities and one range only (see unpublished): updated_at is checked here.
+        found: list[dict[str, Any]] = []
         with translate_errors("reconcile query"):
-            docs = self.collection.find(
+            for doc in self.collection.find(
                 {"state": State.SUCCEEDED.value, "claimable_at": {"$lt": cutoff}}
-            ).limit(limit)
-            return [
-                d
-                for d in docs
-                if d.get("replace_due") is not None and (d.get("updated_at") or EPOCH) < cutoff
-            ]
+            ):
+                if _replacement_pending(doc) and (doc.get("updated_at") or EPOCH) < cutoff:
+                    found.append(doc)
+                    if len(found) == limit:
+                        break
+        return found
 
     def mark_reconciled(self, doc: Mapping[str, Any]) -> bool:
         """Note that the reconciler brought the job back now, if nobody changed it since it
