@@ -730,9 +730,31 @@ def test_an_objective_whose_tracking_was_lost_is_tracked_again_by_the_next_claim
         ledger.client[ledger.database_name][f"{ledger.collection_name}_objectives"].delete_one(
             {"_id": record_id}
         )
-    assert claim(ledger, record_id, **objective).outcome is ClaimOutcome.CLAIMED
+    held = claim(ledger, record_id, **objective)  # the same publish time: the same objective
+    assert held.outcome is ClaimOutcome.CLAIMED
     clock.advance(11)
     assert [d["_id"] for d in ledger.overdue() if d["_id"] == record_id] == [record_id]
+    ledger.complete(record_id, held.fence, "1", op=new_op())  # settled: no other test sees it
+
+
+def test_a_later_deliverys_later_objective_never_pushes_a_stuck_job_out_of_view(
+    world: tuple[Any, Clock],
+) -> None:
+    """A delivery whose message does not carry its publish time computes its objective from
+    now: the earliest tracked stands, or a stuck job would slip out of view with each one."""
+    ledger, clock = world
+    record_id = new_id()
+    message = KeptMessage.of_call([1], {}, message_headers={})
+    first = {"slo_at": clock() + timedelta(seconds=10), "slo_seconds": 10.0}
+    ledger.enqueue(
+        record_id, task=TASK, key=record_id, tier="default", message=message, objective=first
+    )
+    later = {"slo_at": clock() + timedelta(seconds=100), "slo_seconds": 10.0}
+    held = claim(ledger, record_id, **later)
+    assert held.outcome is ClaimOutcome.CLAIMED
+    clock.advance(11)
+    assert [d["_id"] for d in ledger.overdue() if d["_id"] == record_id] == [record_id]
+    ledger.complete(record_id, held.fence, "1", op=new_op())
 
 
 def test_settled_objectives_are_removed_page_by_page_and_open_ones_read_once(
@@ -740,13 +762,14 @@ def test_settled_objectives_are_removed_page_by_page_and_open_ones_read_once(
 ) -> None:
     ledger, clock = world
     monkeypatch.setattr("celery_ledger.ledger.store.OBJECTIVE_PAGE", 4)
-    objective = {"slo_at": clock() + timedelta(seconds=10), "slo_seconds": 10.0}
     finished, open_ = [new_id() for _ in range(11)], [new_id() for _ in range(3)]
     for record_id in finished + open_:
-        held = claim(ledger, record_id, **objective)
+        # The open ones come due last: every page before them holds settled ones only.
+        due = clock() + timedelta(seconds=10 if record_id in finished else 11)
+        held = claim(ledger, record_id, slo_at=due, slo_seconds=10.0)
         if record_id in finished:
             ledger.complete(record_id, held.fence, "1", op=new_op())
-    clock.advance(11)
+    clock.advance(12)
     first = [d["_id"] for d in ledger.overdue(limit=50) if d["_id"] in finished + open_]
     assert sorted(first) == sorted(open_)  # each once, none of the finished ones
     if isinstance(ledger, Ledger):

@@ -428,9 +428,30 @@ class Ledger:
                         {"slo_at": {"$exists": True}}, {"slo_at": 1, "slo_seconds": 1}
                     )
                 )
-                for doc in open_ones:
-                    self._track_objective(str(doc["_id"]), doc["slo_at"], doc.get("slo_seconds"))
-                copied = len(open_ones)
+                # Copied writes that raise (not _track_objective's best effort): an index is
+                # dropped only once every open objective is in _objectives.
+                for start in range(0, len(open_ones), 500):
+                    chunk = open_ones[start : start + 500]
+                    try:
+                        self._objectives.bulk_write(
+                            [
+                                UpdateOne(
+                                    {"_id": doc["_id"]},
+                                    {
+                                        "$min": {"slo_at": doc["slo_at"]},
+                                        "$set": {"slo_seconds": doc.get("slo_seconds")},
+                                    },
+                                    upsert=True,
+                                )
+                                for doc in chunk
+                            ],
+                            ordered=False,
+                        )
+                    except BulkWriteError as exc:
+                        raise StoreError(
+                            f"the open objectives could not be copied; nothing dropped: {exc}"
+                        ) from exc
+                    copied += len(chunk)
             for name in self.legacy_indexes():
                 try:
                     self.collection.drop_index(name)
@@ -458,27 +479,36 @@ class Ledger:
         *,
         session: ClientSession | None = None,
     ) -> None:
-        """Put a job's objective in the escalation's view (again: idempotent). Every claim
-        of a job with an objective does it, not only the one that made its record, so that a
-        write whose outcome was lost (the record's, or this one) is made good by the next
-        attempt. Outside a transaction it does not raise: the record was written and the
+        """Put a job's objective in the escalation's view. Every claim of a job with an
+        objective does it, not only the one that made its record, so that a write whose
+        outcome was lost (the record's, or this one) is made good by the next attempt. The
+        earliest objective stands (``$min``): a later call computing a later one (a message
+        without its publish time) never pushes a stuck job out of the checks' view, and
+        :meth:`overdue` moves an objective forward to its record's own when that is later (an
+        id used anew). Outside a transaction it does not raise: the record was written and the
         caller must not see it fail (a claim that raised would be put off though it holds its
         lease); the next claim, or the attempt that finishes the job late, covers for it."""
-        update = {"$set": _objective_doc(slo_at, slo_seconds)}
+        update = {"$min": {"slo_at": slo_at}, "$set": {"slo_seconds": slo_seconds}}
         if session is not None:
             objectives = self.collection_for(session, "objectives")
             objectives.update_one({"_id": record_id}, update, upsert=True, session=session)
             return
-        try:
-            with translate_errors("objective"):
-                self._objectives.update_one({"_id": record_id}, update, upsert=True)
-        except StoreError as exc:
-            logger.error(
-                "the latency objective of %s is not tracked (%s): until its next claim, only"
-                " the attempt that finishes it reports it late",
-                record_id,
-                exc,
-            )
+        for _ in range(2):  # two upserts of a missing document at once: one loses, then matches
+            try:
+                with translate_errors("objective"):
+                    self._objectives.update_one({"_id": record_id}, update, upsert=True)
+                return
+            except DuplicateKeyError:
+                continue
+            except StoreError as exc:
+                logger.error(
+                    "the latency objective of %s is not tracked (%s): until its next claim,"
+                    " only the attempt that finishes it reports it late",
+                    record_id,
+                    exc,
+                )
+                return
+        logger.error("the latency objective of %s is not tracked (a write race)", record_id)
 
     @staticmethod
     def ensure_audit_indexes(audit: Collection[dict[str, Any]], *, strict: bool = False) -> None:
@@ -911,7 +941,10 @@ class Ledger:
                     else:
                         found[record_id] = record
                 if settled:
-                    self._objectives.bulk_write(settled, ordered=False)
+                    try:
+                        self._objectives.bulk_write(settled, ordered=False)
+                    except BulkWriteError as exc:
+                        raise StoreError(f"settled objectives not removed: {exc}") from exc
                 if len(due) < OBJECTIVE_PAGE or not settled:
                     break  # every due objective read, or what is left is open
         return list(found.values())[:limit]
@@ -1367,11 +1400,17 @@ class Ledger:
                     if exc.details.get("writeConcernErrors"):
                         raise LedgerUnavailable(f"enqueue of {record_id}: outcome unknown") from exc
                     raise StoreError(f"enqueue of {record_id} failed: {exc.details}") from exc
-        if objective and objective.get("slo_at") is not None:  # a retried enqueue's too
+        outcome = (
+            EnqueueOutcome.NEW
+            if result.upserted_count
+            else EnqueueOutcome.UNPUBLISHED
+            if result.modified_count
+            else EnqueueOutcome.KNOWN
+        )
+        # A known job's duplicate publish writes nothing more: its claims track it.
+        if outcome is not EnqueueOutcome.KNOWN and objective and objective.get("slo_at"):
             self._track_objective(record_id, objective["slo_at"], objective.get("slo_seconds"))
-        if result.upserted_count:
-            return EnqueueOutcome.NEW
-        return EnqueueOutcome.UNPUBLISHED if result.modified_count else EnqueueOutcome.KNOWN
+        return outcome
 
     def mark_unpublished(self, record_id: str) -> None:
         """The publish after :meth:`enqueue` failed: keep the record (another producer may have
