@@ -437,10 +437,7 @@ class Ledger:
                             [
                                 UpdateOne(
                                     {"_id": doc["_id"]},
-                                    {
-                                        "$min": {"slo_at": doc["slo_at"]},
-                                        "$set": {"slo_seconds": doc.get("slo_seconds")},
-                                    },
+                                    _objective_update(doc["slo_at"], doc.get("slo_seconds")),
                                     upsert=True,
                                 )
                                 for doc in chunk
@@ -474,8 +471,7 @@ class Ledger:
     def _track_objective(
         self,
         record_id: str,
-        slo_at: datetime,
-        slo_seconds: float | None,
+        objective: Mapping[str, Any] | None,
         *,
         session: ClientSession | None = None,
     ) -> None:
@@ -488,7 +484,9 @@ class Ledger:
         id used anew). Outside a transaction it does not raise: the record was written and the
         caller must not see it fail (a claim that raised would be put off though it holds its
         lease); the next claim, or the attempt that finishes the job late, covers for it."""
-        update = {"$min": {"slo_at": slo_at}, "$set": {"slo_seconds": slo_seconds}}
+        if not objective or objective.get("slo_at") is None:
+            return  # the job has no objective
+        update = _objective_update(objective["slo_at"], objective.get("slo_seconds"))
         if session is not None:
             objectives = self.collection_for(session, "objectives")
             objectives.update_one({"_id": record_id}, update, upsert=True, session=session)
@@ -645,8 +643,7 @@ class Ledger:
             ):
                 # Our own claim, applied by a bulk write whose outcome we did not learn and
                 # sent again (see GroupCommit): fences are unique, so the lease is ours.
-                if slo_at is not None:
-                    self._track_objective(record_id, slo_at, slo_seconds)
+                self._track_objective(record_id, {"slo_at": slo_at, "slo_seconds": slo_seconds})
                 return Claim(ClaimOutcome.CLAIMED, fence=fence)
             if doc.get("task") != task or doc.get("key") != key:
                 return Claim(ClaimOutcome.CONFLICT)
@@ -787,8 +784,7 @@ class Ledger:
                     {"$inc": {"duplicates": 1}, "$set": {"last_duplicate_at": now}},
                 )
             return Claim(ClaimOutcome.DUPLICATE) if marked.modified_count == 1 else None
-        if slo_at is not None:
-            self._track_objective(record_id, slo_at, slo_seconds)
+        self._track_objective(record_id, {"slo_at": slo_at, "slo_seconds": slo_seconds})
         return Claim(ClaimOutcome.CLAIMED, fence=fence)
 
     # -- outcomes of an attempt (fenced; each recognises its own applied write) --------------
@@ -1387,10 +1383,7 @@ class Ledger:
             )
             if inserted.upserted_id is None:
                 return EnqueueOutcome.KNOWN
-            if objective and objective.get("slo_at") is not None:
-                self._track_objective(
-                    record_id, objective["slo_at"], objective.get("slo_seconds"), session=session
-                )
+            self._track_objective(record_id, objective, session=session)
             return EnqueueOutcome.NEW
         else:
             with translate_errors("enqueue"):
@@ -1408,8 +1401,8 @@ class Ledger:
             else EnqueueOutcome.KNOWN
         )
         # A known job's duplicate publish writes nothing more: its claims track it.
-        if outcome is not EnqueueOutcome.KNOWN and objective and objective.get("slo_at"):
-            self._track_objective(record_id, objective["slo_at"], objective.get("slo_seconds"))
+        if outcome is not EnqueueOutcome.KNOWN:
+            self._track_objective(record_id, objective)
         return outcome
 
     def mark_unpublished(self, record_id: str) -> None:
@@ -1508,8 +1501,7 @@ class Ledger:
                 },
                 upsert=True,
             )
-        if objective and objective.get("slo_at") is not None:
-            self._track_objective(record_id, objective["slo_at"], objective.get("slo_seconds"))
+        self._track_objective(record_id, objective)
 
     # -- dead letters: triage, replay, purge -------------------------------------------------
 
@@ -1917,8 +1909,9 @@ def _on_one_record(conditions: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _objective_doc(slo_at: datetime, slo_seconds: Any) -> dict[str, Any]:
-    return {"slo_at": slo_at, "slo_seconds": slo_seconds}
+def _objective_update(slo_at: datetime, slo_seconds: Any) -> dict[str, Any]:
+    """An objective document's upsert: the earliest objective stands (see _track_objective)."""
+    return {"$min": {"slo_at": slo_at}, "$set": {"slo_seconds": slo_seconds}}
 
 
 def _cache_id(task: str, cache_key: str) -> str:
