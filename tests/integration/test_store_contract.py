@@ -825,3 +825,30 @@ def test_a_ledger_of_an_earlier_release_keeps_its_sparse_indexes_until_the_upgra
     finally:
         store.client.drop_database(store.database_name)
         store.close()
+
+
+def test_an_objective_write_that_fails_never_fails_the_claim_that_holds_the_lease(
+    stack: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ledger gone between the claim and its objective's write: the claim still holds
+    the lease and says so (the job runs now); the failure is logged as an error, and the next
+    claim tracks the objective again."""
+    from pymongo.errors import AutoReconnect
+
+    class Unreachable:
+        def update_one(self, *args: Any, **kwargs: Any) -> None:
+            raise AutoReconnect("connection refused")
+
+    store = Ledger(uri=stack.ledger.url, database="ledger_contract_tests")
+    store.ensure_indexes()
+    try:
+        monkeypatch.setattr(Ledger, "_objectives", property(lambda self: Unreachable()))
+        record_id = new_id()
+        held = claim(store, record_id, slo_at=utcnow(), slo_seconds=1.0)
+        assert held.outcome is ClaimOutcome.CLAIMED
+        assert store.find_raw(record_id)["fence"] == held.fence
+        assert any(r.levelname == "ERROR" and record_id in r.getMessage() for r in caplog.records)
+        monkeypatch.undo()
+        store.complete(record_id, held.fence, "1", op=new_op())
+    finally:
+        store.close()
