@@ -4,6 +4,7 @@ cannot drift from the store it stands in for. A controllable clock drives leases
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
@@ -842,6 +843,12 @@ def test_an_objective_write_that_fails_never_fails_the_claim_that_holds_the_leas
     store = Ledger(uri=stack.ledger.url, database="ledger_contract_tests")
     store.ensure_indexes()
     try:
+        # An earlier test's logging set-up (a worker's, a server's) may have disabled or
+        # quietened the store's logger: what is asserted is what the store logs.
+        import celery_ledger.ledger.store as store_module
+
+        monkeypatch.setattr(store_module.logger, "disabled", False)
+        caplog.set_level(logging.ERROR, logger=store_module.logger.name)
         monkeypatch.setattr(Ledger, "_objectives", property(lambda self: Unreachable()))
         record_id = new_id()
         held = claim(store, record_id, slo_at=utcnow(), slo_seconds=1.0)
