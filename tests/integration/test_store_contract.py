@@ -859,3 +859,59 @@ def test_an_objective_write_that_fails_never_fails_the_claim_that_holds_the_leas
         store.complete(record_id, held.fence, "1", op=new_op())
     finally:
         store.close()
+
+
+def test_the_single_record_filter_shape_matches_exactly_what_the_plain_filter_matches(
+    stack: Any,
+) -> None:
+    """The claim's and every fenced write's filter is sent in a shape the embedded server plans
+    faster (each clause also says ``$exists: true``). It must match the same records as the
+    plain filter, on every kind of value a record's field can hold or lack, and an upsert must
+    still copy its equalities into the record it creates."""
+    import itertools
+
+    from celery_ledger.ledger.store import _on_one_record
+
+    store = Ledger(uri=stack.ledger.url, database="ledger_filter_shape_tests")
+    collection = store.collection
+    collection.drop()
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    values: list[Any] = [
+        "missing", None, "t", "u", "", 0, 3, 7, 3.0, True, False, at,
+        at + timedelta(seconds=1), ["t"], {"a": 1},
+    ]  # fmt: skip
+    documents = [
+        {"_id": f"r{n}"} | {f: v for f, v in (("a", a), ("b", b)) if v != "missing"}
+        for n, (a, b) in enumerate(itertools.product(values, repeat=2))
+    ]
+    collection.insert_many(documents)
+    clauses: list[Any] = [
+        "t", 3, 0, 3.0, True, at, {"$lt": 7}, {"$lte": 3}, {"$gt": 0}, {"$gte": at},
+        {"$lt": at + timedelta(seconds=1)}, {"$ne": "t"}, {"$exists": True}, None,
+    ]  # fmt: skip
+
+    def ids(flt: dict[str, Any]) -> list[str]:
+        return sorted(d["_id"] for d in collection.find(flt))
+
+    try:
+        for a, b in itertools.product(clauses, repeat=2):
+            plain = {"a": a, "b": b}
+            shaped = _on_one_record({"_id": "-", **plain})
+            assert next(iter(shaped)) == "_id"  # the lookup stays first and bare
+            del shaped["_id"]
+            assert ids(shaped) == ids(plain), f"{plain} and {shaped} disagree"
+        for doc in documents[::37]:  # and with the record's own _id, as the writes send it
+            plain = {"_id": doc["_id"], "a": {"$lte": 3}, "b": "t"}
+            assert ids(_on_one_record(plain)) == ids(plain)
+        created = collection.update_one(
+            _on_one_record({"_id": "new", "task": "t", "key": "k", "fence": {"$lt": 5}}),
+            {"$set": {"fence": 5}},
+            upsert=True,
+        )
+        assert created.upserted_id == "new"
+        assert collection.find_one({"_id": "new"}) == {
+            "_id": "new", "task": "t", "key": "k", "fence": 5,
+        }  # fmt: skip
+    finally:
+        collection.drop()
+        store.close()
