@@ -126,6 +126,9 @@ class _Ticker:
         self._beats: set[Heartbeat] = set()
         self._wake = threading.Event()
         self._pid = -1
+        # When the thread's current wait ends: a heartbeat due later needs no wake-up. Waking
+        # it for every new attempt cost each task a thread switch (measured in the pool).
+        self._wakes_at = 0.0
 
     def add(self, heartbeat: Heartbeat) -> None:
         with self._lock:
@@ -134,9 +137,14 @@ class _Ticker:
                 self._beats = set()
                 self._wake = threading.Event()
                 thread = threading.Thread(target=self._run, name="ledger-heartbeat", daemon=True)
+                self._wakes_at = 0.0
                 thread.start()
             self._beats.add(heartbeat)
-        self._wake.set()  # a short interval may be due before the current wait ends
+            # Compared under the lock the thread sets it under: either the thread's next
+            # reading of the beats includes this one, or its wait is known here.
+            early = heartbeat.due < self._wakes_at
+        if early:  # a short interval, due before the current wait ends
+            self._wake.set()
 
     def remove(self, heartbeat: Heartbeat) -> None:
         with self._lock:
@@ -153,8 +161,9 @@ class _Ticker:
     def _tick_due(self) -> None:
         with self._lock:
             beats = list(self._beats)
-        now = time.monotonic()
-        wait = min([1.0, *(b.due - now for b in beats)])
+            now = time.monotonic()
+            wait = min([1.0, *(b.due - now for b in beats)])
+            self._wakes_at = now + max(wait, 0.0)
         if wait > 0 and self._wake.wait(wait):
             self._wake.clear()
             return

@@ -1,0 +1,74 @@
+"""The process's heartbeat thread: every lease is extended when it is due, however the
+heartbeats of the process's bodies start and stop around each other."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, cast
+
+from celery_ledger.ledger.store import Ledger
+from celery_ledger.progress import Heartbeat
+
+
+class _Beats:
+    """Stands in for the ledger: records when each record's lease was extended."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+
+    def heartbeat(self, record_id: str, fence: int, lease_seconds: float | None = None) -> None:
+        with self._lock:
+            self.at.setdefault(record_id, []).append(time.monotonic())
+
+
+def _heartbeat(beats: _Beats, record_id: str, interval: float) -> Heartbeat:
+    return Heartbeat(
+        cast(Ledger, cast(Any, beats)),
+        record_id,
+        1,
+        lease_seconds=interval * 3,
+        interval_seconds=interval,
+    )
+
+
+def test_a_short_interval_started_while_the_thread_waits_on_a_long_one_beats_on_time() -> None:
+    beats = _Beats()
+    long = _heartbeat(beats, "long", 30.0).start()
+    time.sleep(0.2)  # the thread is now in its longest wait (a second: the shutdown watch)
+    short = _heartbeat(beats, "short", 0.1)
+    started = time.monotonic()
+    short.start()
+    try:
+        deadline = started + 5
+        while len(beats.at.get("short", [])) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first = beats.at["short"][0] - started
+        # Due 0.1 s after it started, and not left until the thread's wait of up to a second
+        # ends: that wait is cut short for it.
+        assert first < 0.6, f"first beat {first:.2f} s after start"
+        assert len(beats.at["short"]) >= 3
+        assert "long" not in beats.at  # not due: never extended early
+    finally:
+        short.stop()
+        long.stop()
+
+
+def test_a_stopped_heartbeat_extends_nothing_more_and_the_others_go_on() -> None:
+    beats = _Beats()
+    first = _heartbeat(beats, "first", 0.05).start()
+    second = _heartbeat(beats, "second", 0.05).start()
+    try:
+        deadline = time.monotonic() + 5
+        while len(beats.at.get("first", [])) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first.stop()
+        stopped_with = len(beats.at["first"])
+        before = len(beats.at.get("second", []))
+        time.sleep(0.5)
+        assert len(beats.at["first"]) == stopped_with
+        assert len(beats.at["second"]) > before + 2
+    finally:
+        first.stop()
+        second.stop()
