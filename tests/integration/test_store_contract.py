@@ -828,6 +828,64 @@ def test_a_ledger_of_an_earlier_release_keeps_its_sparse_indexes_until_the_upgra
         store.close()
 
 
+@pytest.mark.parametrize("failure", ["write refused", "ledger unreachable"])
+def test_an_upgrade_whose_copy_fails_drops_nothing_and_a_second_run_finishes_it(
+    stack: Any, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """finish-upgrade drops the earlier release's indexes only once every open objective is
+    copied: a copy the ledger refuses, or one cut off by an outage, fails the command with a
+    clear error and leaves both indexes (their objectives are still read from the records);
+    run again, it finishes."""
+    from pymongo.errors import AutoReconnect
+
+    from celery_ledger.errors import LedgerError
+
+    store = Ledger(uri=stack.ledger.url, database=f"upgrade_{new_id()[:8]}")
+    try:
+        store.collection.create_index("slo_at", name="objective", sparse=True)
+        store.collection.create_index("replace_due", name="replacement_due", sparse=True)
+        store.ensure_indexes()
+        due = new_id()
+        store.collection.insert_one(
+            {
+                "_id": due,
+                "state": "running",
+                "task": TASK,
+                "key": due,
+                "slo_at": utcnow() - timedelta(seconds=5),
+                "slo_seconds": 3.0,
+            }
+        )
+        real = store._objectives
+
+        class Failing:
+            def bulk_write(self, *args: Any, **kwargs: Any) -> None:
+                if failure == "ledger unreachable":
+                    raise AutoReconnect("connection refused")
+                raise BulkWriteError(
+                    {"writeErrors": [{"index": 0, "code": 121, "errmsg": "refused"}]}
+                )
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+        monkeypatch.setattr(Ledger, "_objectives", property(lambda self: Failing()))
+        with pytest.raises(LedgerError) as raised:
+            store.finish_upgrade()
+        if failure == "write refused":
+            assert "nothing dropped" in str(raised.value)
+        assert store.legacy_indexes() == ["objective", "replacement_due"]
+        assert [d["_id"] for d in store.overdue()] == [due]  # still seen on the record
+
+        monkeypatch.undo()
+        assert store.finish_upgrade() == {"objectives copied": 1, "indexes dropped": 2}
+        assert store.legacy_indexes() == []
+        assert [d["_id"] for d in store.overdue()] == [due]  # now from its copied objective
+    finally:
+        store.client.drop_database(store.database_name)
+        store.close()
+
+
 def test_an_objective_write_that_fails_never_fails_the_claim_that_holds_the_lease(
     stack: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
