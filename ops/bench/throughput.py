@@ -61,10 +61,16 @@ from .common import (
     write_results,
 )
 
-# (ratio, numerator, denominator, goal): the goals, each measured in the same run.
+# (ratio, numerator, denominator, goal): the goals, each measured in the same run. The
+# 1.0x goal is against task_track_started "and the same write concern" (plain-mongo-durable).
 GOALS: list[tuple[str, str, str, float]] = [
     ("prefork: ledger / plain-mongo", "ledger", "plain-mongo", 0.8),
-    ("prefork: ledger / plain-mongo-started", "ledger", "plain-mongo-started", 1.0),
+    (
+        "prefork, same durability: ledger / plain-mongo-durable",
+        "ledger",
+        "plain-mongo-durable",
+        1.0,
+    ),
     ("threads: ledger / plain-mongo", "ledger-threads", "plain-mongo-threads", 1.0),
     ("gevent: ledger / plain-mongo", "ledger-gevent", "plain-mongo-gevent", 1.0),
     ("stretch, prefork: ledger / plain-redis", "ledger", "plain-redis", 0.6),
@@ -354,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             met = "yes" if ratios[label] >= goal else "NO"
             goal_rows.append([label, f"{ratios[label]:.2f}", f">= {goal}", met])
     for label, numerator, denominator in (
-        ("same durability: ledger / plain-mongo-durable", "ledger", "plain-mongo-durable"),
+        ("started, w=1: ledger / plain-mongo-started", "ledger", "plain-mongo-started"),
         ("security's cost: ledger-secured / ledger", "ledger-secured", "ledger"),
         (
             "group commit: ledger-threads / ledger-threads-alone",
