@@ -15,8 +15,10 @@ from types import TracebackType
 
 # Which process this is, counted up in every forked child: cheaper to compare on every use of
 # a lock than ``os.getpid()``, which is a system call each time (a few per task, measured in the
-# pool's profile).
+# pool's profile). Python runs the hook after every ``os.fork`` (billiard's pool forks with it);
+# where there is no such hook, every use compares the process id as before.
 _generation = 0
+_AT_FORK = hasattr(os, "register_at_fork")
 
 
 def _forked() -> None:
@@ -24,20 +26,28 @@ def _forked() -> None:
     _generation += 1
 
 
-os.register_at_fork(after_in_child=_forked)
+if _AT_FORK:
+    os.register_at_fork(after_in_child=_forked)
+
+
+def process_generation() -> int:
+    """A number that differs in a forked child from its parent's (the fork-detection of every
+    per-process object here: locks, the heartbeat thread)."""
+    return _generation if _AT_FORK else os.getpid()
 
 
 class ForkSafeLock:
     """A non-reentrant lock, fresh in every forked child (a context manager)."""
 
     def __init__(self) -> None:
-        self._generation = _generation
+        self._generation = process_generation()
         self._lock = threading.Lock()
 
     def _current(self) -> threading.Lock:
-        if self._generation != _generation:
+        generation = process_generation()
+        if self._generation != generation:
             self._lock = threading.Lock()
-            self._generation = _generation
+            self._generation = generation
         return self._lock
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:

@@ -31,7 +31,7 @@ from . import tracecontext
 from .crypto import Sealer
 from .errors import CircuitOpen, ConfigurationError, Interrupted, LeaseLost, LedgerError
 from .ledger.store import Ledger
-from .locks import ForkSafeLock
+from .locks import ForkSafeLock, process_generation
 from .policies.retry import RETRYABLE_BY_DEFAULT
 
 logger = logging.getLogger("celery_ledger.progress")
@@ -125,15 +125,15 @@ class _Ticker:
         self._lock = ForkSafeLock()
         self._beats: set[Heartbeat] = set()
         self._wake = threading.Event()
-        self._pid = -1
+        self._generation = -1
         # When the thread's current wait ends: a heartbeat due later needs no wake-up. Waking
         # it for every new attempt cost each task a thread switch (measured in the pool).
         self._wakes_at = 0.0
 
     def add(self, heartbeat: Heartbeat) -> None:
         with self._lock:
-            if self._pid != os.getpid():  # none yet, or a forked child: its own thread
-                self._pid = os.getpid()
+            if self._generation != process_generation():  # none yet, or a forked child
+                self._generation = process_generation()
                 self._beats = set()
                 self._wake = threading.Event()
                 thread = threading.Thread(target=self._run, name="ledger-heartbeat", daemon=True)

@@ -144,3 +144,36 @@ def test_a_forked_child_reports_latency_through_a_client_of_its_own() -> None:
         release.set()
         thread.join()
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def test_a_fork_safe_lock_held_by_a_parent_thread_at_the_fork_is_free_in_the_child() -> None:
+    """Every per-process object of the library guards itself with a ForkSafeLock: a child
+    forked while one of its parent's threads holds it must take it at once."""
+    from celery_ledger.locks import ForkSafeLock
+
+    lock = ForkSafeLock()
+    with lock:  # the parent's first use: its lock object exists before the fork
+        pass
+    release, holding = threading.Event(), threading.Barrier(2)
+
+    def hold() -> None:
+        with lock:
+            holding.wait()
+            release.wait(30)
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    holding.wait()
+    try:
+
+        def takes_it() -> bool:
+            with lock:  # hangs (SIGALRM) if the child kept the parent's held lock
+                return True
+
+        assert in_child(takes_it, seconds=5) == 0
+        assert not lock.acquire(blocking=False)  # the parent's lock is still held: the same
+    finally:
+        release.set()
+        thread.join()
+    with lock:  # and free again in the parent once its thread let go
+        pass

@@ -774,13 +774,15 @@ class Ledger:
             # A degraded result awaiting its replacement is not a duplicate's: read it.
             with translate_errors("claim"):
                 marked = self.collection.update_one(
-                    {
-                        "_id": record_id,
-                        "task": task,
-                        "key": key,
-                        "state": State.SUCCEEDED.value,
-                        "degraded.replace_at": None,
-                    },
+                    _on_one_record(
+                        {
+                            "_id": record_id,
+                            "task": task,
+                            "key": key,
+                            "state": State.SUCCEEDED.value,
+                            "degraded.replace_at": None,
+                        }
+                    ),
                     {"$inc": {"duplicates": 1}, "$set": {"last_duplicate_at": now}},
                 )
             return Claim(ClaimOutcome.DUPLICATE) if marked.modified_count == 1 else None
@@ -1146,7 +1148,7 @@ class Ledger:
             if push:
                 update["$push"] = push
             with translate_errors("dead record"):
-                return self.collection.update_one(flt, update).matched_count == 1
+                return self.collection.update_one(_on_one_record(flt), update).matched_count == 1
         return self._bury_unclaimed(record_id, fields, push, match, task, key, tier, now, dead)
 
     def _bury_unclaimed(
@@ -1325,12 +1327,14 @@ class Ledger:
         False if the fence no longer holds or the step is already recorded (the caller aborts).
         """
         result = self.collection.update_one(
-            {
-                "_id": record_id,
-                "fence": fence,
-                "state": State.RUNNING.value,
-                f"steps.{name}": {"$exists": False},
-            },
+            _on_one_record(
+                {
+                    "_id": record_id,
+                    "fence": fence,
+                    "state": State.RUNNING.value,
+                    f"steps.{name}": {"$exists": False},
+                }
+            ),
             {"$set": {f"steps.{name}": {"result": result_json, "at": self.now(), "atomic": True}}},
             session=session,
         )
@@ -1895,8 +1899,11 @@ def _replacement_pending(doc: Mapping[str, Any]) -> bool:
 
 def _on_one_record(conditions: dict[str, Any]) -> dict[str, Any]:
     """The same filter on ``_id``, in the shape every server matches alike and the embedded
-    server plans at once: every clause but ``_id`` also says ``$exists: true``, which it
-    already implies (a comparison; an equality with a value that is not null).
+    server plans at once: each clause but ``_id`` that is an equality or a comparison with a
+    string, number or date also says ``$exists: true``, which it already implies (such a
+    value never matches a missing field, MongoDB comparing within a type). Others (null,
+    ``MinKey``, ``MaxKey``, ``$ne``, ``$exists``, lists, documents) stay as they are: a null
+    or ``$lte: None`` does match a missing field.
 
     Why: given a filter of several fields, SecantusDB's planner looks for an index on each
     bare equality or bare comparison before it takes the ``_id`` lookup, re-reading its index
@@ -1905,17 +1912,24 @@ def _on_one_record(conditions: dict[str, Any]) -> dict[str, Any]:
     upsert still copies ``{"$eq": v, ...}`` into the record it inserts, as it does a bare
     ``v`` (MongoDB seeds from whichever operator of a clause implies an equality). ``_id``
     stays bare and first: its lookup is the plan."""
-    ranges = ("$lt", "$lte", "$gt", "$gte")
     shaped: dict[str, Any] = {"_id": conditions["_id"]}
     for field, value in conditions.items():
         if field == "_id":
             continue
-        if isinstance(value, dict) and value and all(op in ranges for op in value):
+        if (
+            isinstance(value, dict)
+            and value
+            and all(op in _COMPARISONS and isinstance(bound, _TYPED) for op, bound in value.items())
+        ):
             value = {**value, "$exists": True}
-        elif isinstance(value, str | int | float | datetime):
+        elif isinstance(value, _TYPED):
             value = {"$eq": value, "$exists": True}
         shaped[field] = value
     return shaped
+
+
+_COMPARISONS = ("$lt", "$lte", "$gt", "$gte")
+_TYPED = (str, int, float, datetime)  # values that match only a present field (not null)
 
 
 def _objective_update(slo_at: datetime, slo_seconds: Any) -> dict[str, Any]:
