@@ -9,6 +9,7 @@ an *alias* of the job: the ledger records which job it names, so its result can 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import inspect
@@ -65,15 +66,27 @@ def derive_task_id(task_name: str, key: str) -> str:
     return str(uuid.uuid5(TASK_ID_NAMESPACE, json.dumps([task_name, key])))
 
 
+def _signature(func: Callable[..., Any]) -> inspect.Signature:
+    """A task's signature, read once: building it is most of what binding a call costs (every
+    publish with a key template binds one). A callable that cannot be hashed is read each time."""
+    try:
+        return _cached_signature(func)
+    except TypeError:  # unhashable
+        return inspect.signature(func)
+
+
+_cached_signature = functools.lru_cache(maxsize=1024)(inspect.signature)
+
+
 def bind_arguments(
     func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The call's arguments by parameter name, defaults applied (for key templates)."""
     try:
-        bound = inspect.signature(func).bind(*args, **kwargs)
+        bound = _signature(func).bind(*args, **kwargs)
     except TypeError as exc:
         raise PayloadError(
-            f"arguments do not match {func.__name__}{inspect.signature(func)}: {exc}"
+            f"arguments do not match {func.__name__}{_signature(func)}: {exc}"
         ) from exc
     bound.apply_defaults()
     return dict(bound.arguments)
