@@ -132,8 +132,9 @@ class _Ticker:
 
     def add(self, heartbeat: Heartbeat) -> None:
         with self._lock:
-            if self._generation != process_generation():  # none yet, or a forked child
-                self._generation = process_generation()
+            generation = process_generation()
+            if self._generation != generation:  # none yet, or a forked child
+                self._generation = generation
                 self._beats = set()
                 self._wake = threading.Event()
                 thread = threading.Thread(target=self._run, name="ledger-heartbeat", daemon=True)

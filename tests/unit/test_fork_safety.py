@@ -177,3 +177,41 @@ def test_a_fork_safe_lock_held_by_a_parent_thread_at_the_fork_is_free_in_the_chi
         thread.join()
     with lock:  # and free again in the parent once its thread let go
         pass
+
+
+def test_a_group_commit_queue_held_by_a_parent_writer_at_the_fork_is_fresh_in_the_child() -> None:
+    """A threads pool's writers share one queue: a child forked while a parent writer holds
+    it (or leads a flush) sends its own writes at once."""
+    from types import SimpleNamespace
+
+    from celery_ledger.ledger.group_commit import GroupCommit, Statement
+
+    class Collection:
+        def bulk_write(self, requests: list[Any], ordered: bool) -> Any:
+            return SimpleNamespace(matched_count=len(requests), upserted_ids={})
+
+    writes = GroupCommit(lambda: Collection())  # type: ignore[arg-type, return-value]
+    writes.write([Statement({"_id": "a"}, {"$set": {"x": 1}})])  # the parent's queue exists
+    queue = writes._here()
+    release, holding = threading.Event(), threading.Barrier(2)
+
+    def hold() -> None:
+        with queue.cond:
+            queue.flushing = True  # a parent writer leading a flush
+            holding.wait()
+            release.wait(30)
+            queue.flushing = False
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    holding.wait()
+    try:
+
+        def writes_at_once() -> bool:
+            (outcome,) = writes.write([Statement({"_id": "b"}, {"$set": {"x": 1}})])
+            return outcome.matched is True
+
+        assert in_child(writes_at_once, seconds=5) == 0
+    finally:
+        release.set()
+        thread.join()

@@ -29,7 +29,6 @@ the outcome rules above are the ledger's own.
 from __future__ import annotations
 
 import copy
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,8 @@ from typing import Any, NamedTuple
 from pymongo import UpdateOne
 from pymongo.collection import Collection
 from pymongo.errors import BulkWriteError, ConnectionFailure, WriteConcernError
+
+from ..locks import process_generation
 
 # Statements per bulk write: large enough to take a full pool's writes at once, small enough
 # that one flush never holds its writers long.
@@ -88,16 +89,16 @@ class GroupCommit:
     ) -> None:
         self._collection = collection
         self._max_batch = max_batch
-        self._pid = os.getpid()
+        self._generation = process_generation()
         self._queue = _Queue()
         self.flushes = 0  # bulk writes sent (for tests and benchmarks)
         self.statements = 0
 
     def _here(self) -> _Queue:
         # A forked child starts with one thread and must not inherit a lock held at the fork.
-        if self._pid != os.getpid():
+        if self._generation != process_generation():
             self._queue = _Queue()
-            self._pid = os.getpid()
+            self._generation = process_generation()
         return self._queue
 
     def write(self, ops: Sequence[Statement]) -> list[Outcome]:
