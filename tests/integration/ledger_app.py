@@ -505,10 +505,31 @@ def describe(*args: Any, **kwargs: Any) -> list[str]:
 WORKFLOW_CODE = os.environ.get("WORKFLOW_CODE", "v1")
 
 
+GATE_SECONDS = 120.0
+
+
+def pass_gate(token: str, name: str) -> None:
+    """Record that step ``name`` reached its gate, then wait until the test opens it.
+
+    A test that kills a worker while a step waits here knows no effect is in flight: an effect
+    outside an atomic step, cut off after it happened and before its completion was recorded,
+    runs again (the README's documented window), so a kill left to timing can land there.
+    """
+    key = f"{token}:{name}"
+    record_effect("wf_reached", key)
+    deadline = time.monotonic() + GATE_SECONDS
+    while not effects().count_documents({"kind": "wf_gate", "key": key}, limit=1):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the gate of step {name} stayed shut for {GATE_SECONDS} s")
+        time.sleep(0.05)
+
+
 @app.task(idempotency_key="{token}")
-def wf_step(token: str, name: str, pause: float = 0.0) -> str:
-    """One effect per workflow step (counted by the tests)."""
+def wf_step(token: str, name: str, pause: float = 0.0, gated: bool = False) -> str:
+    """One effect per workflow step (counted by the tests); a gated step waits for the test."""
     time.sleep(pause)
+    if gated:
+        pass_gate(token, name)
     record_effect("wf_step", f"{token}:{name}")
     return f"{name}-done"
 
@@ -534,17 +555,20 @@ def order_flow(
     signal: str | None = None,
     signal_timeout: float | None = None,
     pause: float = 0.0,
+    gated: bool = False,
 ) -> dict[str, Any]:
     """Sequential steps, each with a compensation; a timer, a signal, a fan-out; maybe a
-    last step that fails for good."""
+    last step that fails for good. ``gated``: every step waits for the test (pass_gate)."""
+    # ungated steps keep the arguments the other tests read in the log
+    gate, part_gate = ((True,), (0.0, True)) if gated else ((), ())
     done = []
     for i in range(steps):
-        done.append(wf.run(wf_step, token, f"s{i}", pause))
+        done.append(wf.run(wf_step, token, f"s{i}", pause, *gate))
         wf.compensate(wf_undo, token, f"s{i}")
     if sleep:
         wf.sleep(sleep)
     got = wf.wait_signal(signal, timeout=signal_timeout) if signal else None
-    parts = wf.gather([wf_step.s(token, f"g{i}") for i in range(2)])
+    parts = wf.gather([wf_step.s(token, f"g{i}", *part_gate) for i in range(2)])
     if fail_at_end:
         wf.run(wf_refuse, token, "last")
     return {"done": done, "parts": parts, "signal": got}

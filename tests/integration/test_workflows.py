@@ -297,19 +297,39 @@ def test_a_workflow_whose_worker_is_killed_after_each_step_runs_every_step_once(
     producer = producer_app(isolated, "wf_crash_producer", workflow_check_seconds=3)
     flows = workflows_of(producer)
     token = f"crash-{uuid.uuid4().hex[:8]}"
+    world = world_of(isolated)
+
+    def reached(name: str) -> int:
+        return step_effects(isolated, token, "wf_reached")[name]
+
+    def open_gate(name: str) -> None:
+        world.effects.insert_one({"kind": "wf_gate", "key": f"{token}:{name}"})
+
+    # Given a workflow whose every step waits at a gate the test opens (pass_gate)
     worker = start_worker(isolated, "w1")
     steps = 4
-    handle = flows["order"].start(token, steps=steps, pause=0.3)
+    names = [f"s{i}" for i in range(steps)] + ["g0", "g1"]
+    handle = flows["order"].start(token, steps=steps, gated=True)
     for i in range(steps):
-        wait_for(
-            lambda i=i: step_effects(isolated, token)[f"s{i}"] >= 1, timeout=90, what=f"step {i}"
-        )
-        worker.kill()  # the whole worker: main process and pool, mid-workflow
+        wait_for(lambda i=i: reached(f"s{i}") >= 1, timeout=90, what=f"step {i} at its gate")
+        open_gate(f"s{i}")
+        wait_for(lambda i=i: step_effects(isolated, token)[f"s{i}"] >= 1, what=f"step {i}")
+        # When the whole worker (main process and pool) is killed after each step, while the
+        # next step waits at its gate: killed mid-workflow, with no step's effect in flight
+        # (an effect cut off between itself and its completion record would run again, as
+        # the README says; a kill left to timing could land there)
+        wait_for(lambda i=i: reached(names[i + 1]) >= 1, timeout=90, what=f"{names[i + 1]}")
+        worker.kill()
         worker = start_worker(isolated, f"w{i + 2}")
+    for name in ("g0", "g1"):
+        open_gate(name)
+    # Then the workflow finishes, each step's effect happened once: a completed step is never
+    # run again, and each step cut off at its gate ran again on a live worker
     result = handle.result(timeout=120)
     assert result["done"] == [f"s{i}-done" for i in range(steps)]
     effects = step_effects(isolated, token)
     assert effects == Counter({**{f"s{i}": 1 for i in range(steps)}, "g0": 1, "g1": 1})
+    assert all(reached(name) >= 2 for name in names[1 : steps + 1])
     assert step_effects(isolated, token, "wf_undo") == Counter()
     assert_sequential_log(handle)
     producer.close()
