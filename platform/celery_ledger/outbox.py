@@ -232,12 +232,12 @@ class Outbox:
         (their committing process died, or its publish failed); returns how many."""
         runtime = self._runtime
         grace = runtime.settings.outbox_grace_seconds
-        held = {tier for tier in runtime.tiers.names if self._engaged(tier)}
+        held = {tier for tier in runtime.tiers.names if runtime.gate.holds(tier)}
 
         def skip(doc: Mapping[str, Any]) -> bool:
             """Another app's (its relay's), or held in the outbox by its tier's mark."""
             tier = runtime.tier_of(str(doc.get("task")))
-            return tier is None or _tier(doc, tier, runtime.tiers.names) in held
+            return tier is None or runtime.tiers.of_record(doc.get("tier"), tier) in held
 
         docs = self._ledger.unpublished(older_than_seconds=grace, limit=limit, skip=skip)
         if not docs:
@@ -262,13 +262,13 @@ class Outbox:
                 task_tier = runtime.tier_of(task)
                 if task_tier is None:  # another app's task (apps may share a ledger, and tier
                     continue  # names): its own relay publishes it to its own queues
-                tier = _tier(doc, task_tier, runtime.tiers.names)
+                tier = runtime.tiers.of_record(doc.get("tier"), task_tier)
                 message = KeptMessage.from_document(doc.get("message"))
                 if message is None or not message.replayable:
                     logger.warning("outbox: %s (%s) has no message to publish", record_id, task)
                     continue
                 if tier not in held:
-                    held[tier] = self._engaged(tier)
+                    held[tier] = runtime.gate.holds(tier)
                 if held[tier]:
                     continue
                 try:
@@ -292,18 +292,6 @@ class Outbox:
             for tier, count in per_tier.items():
                 runtime.observers.outbox_published(tier, by, count)
         return len(sent)
-
-    def _engaged(self, tier: str) -> bool:
-        try:
-            return self._runtime.gate.engaged_now(tier)
-        except Exception:  # the broker is away: the publish says so
-            return False
-
-
-def _tier(doc: Mapping[str, Any], task_tier: str, tiers: Iterable[str]) -> str:
-    """The tier a record was enqueued to (a call's choice) if this app has it, else its task's."""
-    tier = doc.get("tier")
-    return tier if isinstance(tier, str) and tier in tiers else task_tier
 
 
 __all__ = ["Outbox"]

@@ -3,8 +3,10 @@
 It finds (1) running records whose lease ended a grace period ago (their worker died, and Redis
 would only redeliver the message after its visibility timeout, an hour by default), and (2)
 queued or retrying records untouched for a long time (a lost retry, a message lost before its
-first claim), and queued records whose first publish failed, at once; (3) degraded results whose
-replacement is as overdue (its message was lost: see policies/fallback.py). For each, a job
+first claim), and queued records whose first publish failed, at once (a record never published
+whose tier is above its backpressure mark is left in the outbox: the relay publishes it under
+the mark); (3) degraded results whose replacement is as overdue (its message was lost: see
+policies/fallback.py). For each, a job
 whose message still waits in its tier's queue or the delayed set is only slow and is left alone
 (under a deep backlog, copies would cost a claim each). Else it puts the job's unacknowledged
 message back on its queue, so it comes back exactly as sent, or republishes it from the message
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .broker import BrokerView, SweepLock
 from .ledger.message import KeptMessage
 from .ledger.record import State
+from .ledger.store import UNPUBLISHED
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -48,6 +51,7 @@ class ReconcileReport:
     stale_retrying: int = 0
     stale_replacements: int = 0  # degraded results whose replacement's message was lost
     still_waiting: int = 0  # their message is still queued or delayed: left alone
+    held: int = 0  # never published, their tier above its mark: the outbox relay's, later
     workflows_woken: int = 0  # active workflows nothing woke within their check time
     wakes_restored: int = 0  # workflow wakes a dead worker held, put back on their queue
     failed: int = 0  # a record that raised: counted and skipped
@@ -170,10 +174,18 @@ class Reconciler:
             return
         runtime = self._runtime
         task = str(doc.get("task"))
+        task_tier = runtime.tier_of(task)
+        tier = None if task_tier is None else runtime.tiers.of_record(doc.get("tier"), task_tier)
+        if tier is not None and doc.get("claimable_at") == UNPUBLISHED and runtime.gate.holds(tier):
+            # Never published (enqueued in an app's transaction, or its publish failed), and its
+            # tier is above its mark: it waits in the outbox, durable, until the relay publishes
+            # it under the mark; a copy from here would skip the mark. Left unmarked, so the
+            # relay still sees it (while a tier is held, at most ``limit`` such records can
+            # hide later stale records from one sweep: the tier drains meanwhile).
+            report.held += 1
+            return
         message = KeptMessage.from_document(doc.get("message"))
-        republishable = (
-            message is not None and message.replayable and runtime.tier_of(task) is not None
-        )
+        republishable = message is not None and message.replayable and tier is not None
         if record_id not in unacked and not republishable:
             report.skipped.append(record_id)
             # Out of view until its grace (or stale time) passes again, so that records nothing
@@ -188,10 +200,7 @@ class Reconciler:
         if not republishable:
             report.skipped.append(record_id)
             return
-        assert message is not None
-        tier = doc.get("tier")
-        if tier not in runtime.tiers.names:
-            tier = runtime.tier_of(task)
+        assert message is not None and tier is not None
         message.republish(
             runtime.publish,
             runtime.sealer,

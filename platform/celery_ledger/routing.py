@@ -74,6 +74,11 @@ class Tiers:
     def dead_letter_queue(self) -> str:
         return self._queues[DEAD_LETTER]
 
+    def of_record(self, recorded: object, task_tier: str) -> str:
+        """The tier a job's record says it was enqueued to (a call's choice) if this app has
+        it, else its task's (``task_tier``)."""
+        return recorded if isinstance(recorded, str) and recorded in self.names else task_tier
+
     def tier_of_queue(self, queue: str) -> str | None:
         """The tier whose queue this is (``dead_letter`` for the dead letters'), or None."""
         return self._tiers_of_queue.get(queue)

@@ -144,6 +144,24 @@ def test_reject_engages_above_high_water_and_releases_at_low_water() -> None:
     assert gate.check("bulk") == "publish"
 
 
+def test_work_that_can_wait_is_held_above_the_mark_and_let_go_when_nobody_can_tell() -> None:
+    gate, broker, _ = make(TierLimit(100, "block"), depth=101)
+
+    assert gate.holds("bulk") and not gate.holds("critical")  # critical has no mark
+    broker.lengths["bulk"] = 95  # hysteresis, as for a publish
+    assert gate.holds("bulk")
+    broker.lengths["bulk"] = 90
+    assert not gate.holds("bulk")
+
+    class Away(FakeBroker):
+        def pipeline(self, transaction: bool = True) -> FakePipeline:
+            raise ConnectionError("broker away")
+
+    depths = QueueDepths(Away(), TIERS, ttl_seconds=0)  # type: ignore[arg-type]
+    away = BackpressureGate(depths, {"bulk": TierLimit(100, "block")})
+    assert not away.holds("bulk")  # a depth nobody can read holds nothing for good
+
+
 def test_shed_counts_and_calls_back_until_released() -> None:
     shed: list[str] = []
     gate, broker, _ = make(TierLimit(10, "shed", low_water=5), depth=11, on_shed=shed.append)

@@ -35,6 +35,9 @@ class FakeGate:
     def engaged_now(self, tier: str) -> bool:
         return tier in self.engaged
 
+    def holds(self, tier: str) -> bool:
+        return tier in self.engaged
+
     def policy(self, tier: str) -> str | None:
         return self.policies.get(tier, "block")
 

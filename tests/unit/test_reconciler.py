@@ -43,6 +43,16 @@ class FakeBroker:
 
 
 @dataclass
+class FakeGate:
+    """Backpressure: the tiers above their mark."""
+
+    engaged: set[str] = field(default_factory=set)
+
+    def holds(self, tier: str) -> bool:
+        return tier in self.engaged
+
+
+@dataclass
 class FakeLock:
     held: bool = True
 
@@ -58,6 +68,7 @@ class World:
         self.outbox = Outbox()
         self.lock = FakeLock()
         self.sealer = Sealer([NEW_KEY])
+        self.gate = FakeGate()
         self.runtime = SimpleNamespace(
             ledger=self.ledger,
             settings=Settings(reconcile_lease_grace_seconds=10, reconcile_stale_after_seconds=900),
@@ -65,6 +76,7 @@ class World:
             tiers=Tiers(TIERS, default="default"),
             publish=self.outbox.publish,
             tier_of=lambda name: "critical" if name == TASK else None,
+            gate=self.gate,
         )
         self.reconciler = Reconciler(self.runtime, self.broker, self.lock)  # type: ignore[arg-type]
 
@@ -153,6 +165,37 @@ def test_a_job_whose_first_publish_failed_is_published_on_the_next_sweep(world: 
     report = world.reconciler.sweep()
 
     assert report.republished == 1 and world.outbox.tasks[0].options["task_id"] == record_id
+
+
+@pytest.mark.parametrize("tier", ["critical", "bulk"])
+def test_a_job_never_published_waits_in_the_outbox_while_its_tier_is_above_its_mark(
+    world: World, tier: str
+) -> None:
+    # Given jobs never published (enqueued in an app's transaction, or their publish failed),
+    # one enqueued to a tier above its mark, long past the stale time
+    held, free = derive_task_id(TASK, "held"), derive_task_id(TASK, "free")
+    for record_id, key, to in ((held, "held", tier), (free, "free", "default")):
+        message = KeptMessage.of_call([1], {}, message_headers={"ledger_key": key})
+        world.ledger.enqueue(record_id, task=TASK, key=key, tier=to, message=message)
+        world.ledger.mark_unpublished(record_id)
+    world.gate.engaged.add(tier)
+    world.clock.advance(901)
+
+    # When the reconciler sweeps
+    report = world.reconciler.sweep()
+
+    # Then only the other tier's job is published: the held one stays in the outbox, still in
+    # the relay's view, nothing past the mark
+    assert report.held == 1 and report.republished == 1
+    assert [t.options["task_id"] for t in world.outbox.tasks] == [free]
+    assert [d["_id"] for d in world.ledger.unpublished()] == [held]
+    # And once the tier is back under its mark, it goes, once
+    world.gate.engaged.clear()
+    report = world.reconciler.sweep()
+    assert report.held == 0 and report.republished == 1
+    assert [t.options["task_id"] for t in world.outbox.tasks] == [free, held]
+    assert world.outbox.tasks[1].options["tier"] == tier
+    assert world.reconciler.sweep().republished == 0
 
 
 def test_a_record_that_cannot_be_opened_is_counted_and_the_sweep_goes_on(world: World) -> None:

@@ -153,6 +153,16 @@ class BackpressureGate:
             return False
         return self._update(tier, limit, self.depths.depth(tier))
 
+    def holds(self, tier: str) -> bool:
+        """Whether durable work that can wait where it is (a job in the outbox) waits there:
+        :meth:`engaged_now`, except that a broker that cannot tell lets it go (the publish
+        then says what is wrong, and a job that waits for a depth nobody can read waits for
+        good)."""
+        try:
+            return self.engaged_now(tier)
+        except Exception:
+            return False
+
     def policy(self, tier: str) -> Policy | None:
         """The tier's policy above its mark (None: the tier has no mark)."""
         limit = self.limits.get(tier)
