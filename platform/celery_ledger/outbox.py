@@ -38,8 +38,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pymongo.client_session import ClientSession
 from pymongo.read_concern import ReadConcern
 
-from .errors import Backpressure, ConfigurationError, LedgerError
-from .ledger.message import KeptMessage
+from .errors import Backpressure, ConfigurationError, StoreError
+from .ledger.dead import DeadJob
+from .ledger.message import KeptMessage, UnreplayableMessage
+from .ledger.record import State
+from .ledger.store import UNPUBLISHED, Unchanged
 from .locks import ForkSafeLock
 
 if TYPE_CHECKING:
@@ -47,6 +50,9 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 logger = logging.getLogger("celery_ledger.outbox")
+# How long the relay passes over a record it could not open, and how many it remembers.
+PASS_OVER_SECONDS = 300.0
+PASS_OVER_MAX = 10_000
 T = TypeVar("T")
 
 
@@ -82,6 +88,8 @@ class Outbox:
             weakref.WeakKeyDictionary()
         )
         self._staged_lock = ForkSafeLock()
+        # Records this process could not open (a key it lacks), by id: until when to pass over.
+        self._passed_over: dict[str, float] = {}
 
     # -- in the transaction ---------------------------------------------------------------------
 
@@ -235,9 +243,14 @@ class Outbox:
         held = {tier for tier in runtime.tiers.names if runtime.gate.holds(tier)}
 
         def skip(doc: Mapping[str, Any]) -> bool:
-            """Another app's (its relay's), or held in the outbox by its tier's mark."""
+            """Another app's (its relay's), held in the outbox by its tier's mark, or one this
+            process cannot open (for now)."""
             tier = runtime.tier_of(str(doc.get("task")))
-            return tier is None or runtime.tiers.of_record(doc.get("tier"), tier) in held
+            return (
+                tier is None
+                or runtime.tiers.of_record(doc.get("tier"), tier) in held
+                or self._passed_over_now(str(doc["_id"]))
+            )
 
         docs = self._ledger.unpublished(older_than_seconds=grace, limit=limit, skip=skip)
         if not docs:
@@ -249,9 +262,11 @@ class Outbox:
 
     def _publish(self, docs: list[dict[str, Any]], *, by: str) -> int:
         """Publish each record's kept message (tiers above their mark wait, in the outbox),
-        then mark the sent ones published in one write. A record that cannot be published
-        here is left: another app's task (its own relay publishes it), or one with no kept
-        message (logged: an operator's)."""
+        then mark the sent ones published in one write. Another app's task is left (its own
+        relay publishes it); a record with no kept message, or one whose arguments cannot be
+        rebuilt, is recorded dead with the reason; one sealed with a key this process lacks is
+        passed over for ``PASS_OVER_SECONDS`` (logged as an error; the health check reports it
+        unpublished)."""
         runtime = self._runtime
         sent: list[str] = []
         held: dict[str, bool] = {}
@@ -265,24 +280,31 @@ class Outbox:
                 tier = runtime.tiers.of_record(doc.get("tier"), task_tier)
                 message = KeptMessage.from_document(doc.get("message"))
                 if message is None or not message.replayable:
-                    logger.warning("outbox: %s (%s) has no message to publish", record_id, task)
+                    self._bury(doc, task, tier, "outbox: no message to publish was kept", message)
                     continue
                 if tier not in held:
                     held[tier] = runtime.gate.holds(tier)
                 if held[tier]:
                     continue
                 try:
-                    message.republish(
-                        runtime.publish,
-                        runtime.sealer,
-                        task=task,
-                        record_id=record_id,
-                        key=str(doc.get("key")),
-                        tier=str(tier),
-                    )
-                except LedgerError as exc:  # its arguments cannot be rebuilt (a rotated key)
-                    logger.warning("outbox: %s cannot be published: %s", record_id, exc)
+                    message.arguments(runtime.sealer)
+                except UnreplayableMessage as exc:
+                    self._bury(doc, task, tier, f"outbox: unpublishable message: {exc}", message)
                     continue
+                except StoreError as exc:
+                    # Sealed with a key this process lacks: an operator may bring the key back
+                    # (or another worker has it), so it is passed over for a while, not buried
+                    self._pass_over(record_id)
+                    logger.error("outbox: %s (%s) cannot be opened: %s", record_id, task, exc)
+                    continue
+                message.republish(
+                    runtime.publish,
+                    runtime.sealer,
+                    task=task,
+                    record_id=record_id,
+                    key=str(doc.get("key")),
+                    tier=str(tier),
+                )
                 sent.append(record_id)
                 per_tier[tier] = per_tier.get(tier, 0) + 1
         finally:
@@ -292,6 +314,47 @@ class Outbox:
             for tier, count in per_tier.items():
                 runtime.observers.outbox_published(tier, by, count)
         return len(sent)
+
+    def _bury(
+        self,
+        doc: Mapping[str, Any],
+        task: str,
+        tier: str,
+        reason: str,
+        message: KeptMessage | None,
+    ) -> None:
+        """A record no relay can ever publish would stay in the relay's view for good, read
+        and logged at every pass: it is recorded dead with the reason instead (an operator sees
+        it among the dead letters), if it is still exactly as read."""
+        dead = DeadJob.of_reason("bad-arguments", reason, task=task, message=message)
+        match = Unchanged(int(doc.get("fence", 0)), State.QUEUED.value, UNPUBLISHED)
+        record_id = str(doc["_id"])
+        try:
+            buried = self._ledger.bury(
+                record_id, dead, match=match, task=task, key=str(doc.get("key")), tier=tier
+            )
+        except StoreError as exc:  # the next pass tries again
+            logger.warning("outbox: %s could not be recorded dead: %s", record_id, exc)
+            return
+        if buried:
+            logger.error("outbox: %s (%s) recorded dead: %s", record_id, task, reason)
+
+    def _pass_over(self, record_id: str) -> None:
+        """Leave ``record_id`` out of the relay's reads for ``PASS_OVER_SECONDS`` (records that
+        cannot be published here never fill a read's window and hide the rest)."""
+        now = self._ledger.now().timestamp()  # the relay's clock (its grace's too)
+        with self._staged_lock:
+            self._passed_over[record_id] = now + PASS_OVER_SECONDS
+            if len(self._passed_over) > PASS_OVER_MAX:
+                self._passed_over = {
+                    rid: until for rid, until in self._passed_over.items() if until > now
+                }
+                while len(self._passed_over) > PASS_OVER_MAX:  # the earliest go first
+                    del self._passed_over[next(iter(self._passed_over))]
+
+    def _passed_over_now(self, record_id: str) -> bool:
+        until = self._passed_over.get(record_id)
+        return until is not None and until > self._ledger.now().timestamp()
 
 
 __all__ = ["Outbox"]

@@ -129,6 +129,32 @@ def test_a_committed_job_published_twice_runs_once(
         producer.close()
 
 
+def test_a_committed_job_no_relay_can_publish_is_recorded_dead_with_its_reason(
+    app: Any, stack: EmbeddedStack, token: str
+) -> None:
+    producer = producer_app(stack, "outbox_unpublishable", outbox_grace_seconds=0.0)
+    record = producer.tasks[RECORD]
+    record_id = derive_task_id(RECORD, token)
+    try:
+        # Given a committed job whose kept message is gone (an operator's edit, a bad restore)
+        with producer.ledger.client.start_session() as session:
+            session.with_transaction(lambda s: record.apply_async((token,), session=s))
+            producer.outbox.discard(session)  # its committer died before publishing
+        producer.ledger.collection.update_one({"_id": record_id}, {"$unset": {"message": ""}})
+        # When the relay reads it
+        assert producer.outbox.relay() == 0
+        # Then it is recorded dead with the reason, among the dead letters, out of the relay's
+        # view (never read and logged again at every pass)
+        doc = producer.ledger.find_raw(record_id)
+        assert doc["state"] == State.DEAD.value and doc["death"] == "bad-arguments"
+        assert doc["dead_reason"] == "outbox: no message to publish was kept"
+        assert producer.dead_letters.get(record_id) is not None
+        assert producer.ledger.unpublished(ids=[record_id]) == []
+        assert effect_count("record", token) == 0
+    finally:
+        producer.close()
+
+
 def test_what_a_retried_or_self_ended_transaction_leaves(app: Any, token: str) -> None:
     """A transient error retries the whole transaction: only the committed attempt's jobs run.
     A callback that aborts (or commits) the transaction itself: the ledger says what exists."""

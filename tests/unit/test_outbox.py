@@ -15,14 +15,16 @@ from celery_ledger.errors import Backpressure, ConfigurationError
 from celery_ledger.events import Observer, Observers
 from celery_ledger.keys import derive_task_id
 from celery_ledger.ledger.message import KeptMessage
+from celery_ledger.ledger.record import State
 from celery_ledger.ledger.store import EPOCH, UNPUBLISHED
-from celery_ledger.outbox import Outbox
+from celery_ledger.outbox import PASS_OVER_SECONDS, Outbox
 from celery_ledger.routing import TIERS, Tiers
 from tests.fakes import Clock, MemoryLedger
 from tests.fakes import Outbox as Ports
 
 TASK = "shop.charge"
 KEY = "AcKyJ2oLnrAAy_LZcIqJcLFxu0NMYeTJnp7JIrpzIs4="
+OLD_KEY = "0qFzQc5xoZQhPWiz7RlXDGRcus0k650e5VRXFgPRCH8="
 
 
 @dataclass
@@ -159,18 +161,57 @@ def test_reject_is_the_only_policy_that_refuses_inside_a_transaction(w: World) -
     w.outbox.admit("critical")
 
 
-def test_what_cannot_be_published_is_left_and_the_rest_goes(w: World) -> None:
+def test_what_cannot_be_published_is_left_or_recorded_dead_and_the_rest_goes(w: World) -> None:
+    # Given committed jobs: one with no kept message, one whose kept message is unreadable,
+    # another app's, and a sound one
     bare = w.committed("e", message=False)
+    broken = w.committed("e2")
+    w.ledger.docs[broken]["message"] = {"raw_base64": "W25vdCBqc29u", "raw_kind": "body"}
     unknown_task = derive_task_id("elsewhere.task", "f")
     kept = KeptMessage.of_call([1], {}, message_headers={})
     w.ledger.enqueue(unknown_task, task="elsewhere.task", key="f", tier="nope", message=kept)
     w.ledger.mark_unpublished(unknown_task)
     fine = w.committed("g")
     w.clock.advance(6)
+    # When the relay runs
     assert w.outbox.relay() == 1
+    # Then the sound one goes; the two no relay can ever publish are recorded dead with the
+    # reason (out of the relay's view, among the dead letters); another app's is its relay's
     assert [p.options["task_id"] for p in w.ports.tasks] == [fine]
-    assert w.ledger.docs[bare]["claimable_at"] == UNPUBLISHED  # for an operator (or its app)
+    for record_id, reason in ((bare, "no message"), (broken, "unpublishable message")):
+        doc = w.ledger.docs[record_id]
+        assert doc["state"] == State.DEAD and doc["death"] == "bad-arguments"
+        assert doc["dead_reason"].startswith("outbox: ") and reason in doc["dead_reason"]
     assert w.ledger.docs[unknown_task]["claimable_at"] == UNPUBLISHED
+    assert w.outbox.relay() == 0 and len(w.ports.tasks) == 1
+
+
+def test_a_job_sealed_with_a_key_this_process_lacks_never_hides_the_rest(w: World) -> None:
+    # Given 3 committed jobs sealed with a key rotated out of this worker, and a sound one
+    old = Sealer([OLD_KEY])
+    sealed = []
+    for n in range(3):
+        record_id = derive_task_id(TASK, f"old-{n}")
+        kept = KeptMessage.of_call(["4242"], {}, message_headers={}, sealer=old)
+        w.ledger.enqueue(record_id, task=TASK, key=f"old-{n}", tier="critical", message=kept)
+        w.ledger.mark_unpublished(record_id)
+        sealed.append(record_id)
+    w.clock.advance(6)
+    fine = w.committed("fine")
+    w.clock.advance(6)
+    # When the relay reads 2 at a time (in the records' order: 2 sealed ones first)
+    assert w.outbox.relay(limit=2) == 0
+    # Then the ones it cannot open are passed over, not buried (the key may come back), and
+    # never fill its window: the sound one goes on the next pass
+    assert w.outbox.relay(limit=2) == 1
+    assert [p.options["task_id"] for p in w.ports.tasks] == [fine]
+    assert all(w.ledger.docs[r]["claimable_at"] == UNPUBLISHED for r in sealed)
+    # And once the key is back, after the pass-over time, they go
+    w.runtime.sealer = Sealer([KEY, OLD_KEY])
+    w.clock.advance(PASS_OVER_SECONDS - 1)
+    assert w.outbox.relay() == 0
+    w.clock.advance(2)
+    assert w.outbox.relay() == 3
 
 
 def test_a_broker_that_fails_midway_leaves_only_the_unsent_for_later(w: World) -> None:
