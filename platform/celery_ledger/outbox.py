@@ -297,14 +297,7 @@ class Outbox:
                     self._pass_over(record_id)
                     logger.error("outbox: %s (%s) cannot be opened: %s", record_id, task, exc)
                     continue
-                message.republish(
-                    runtime.publish,
-                    runtime.sealer,
-                    task=task,
-                    record_id=record_id,
-                    key=str(doc.get("key")),
-                    tier=str(tier),
-                )
+                message.republish_record(runtime.publish, runtime.sealer, doc, tier=tier)
                 sent.append(record_id)
                 per_tier[tier] = per_tier.get(tier, 0) + 1
         finally:

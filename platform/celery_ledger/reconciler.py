@@ -201,12 +201,5 @@ class Reconciler:
             report.skipped.append(record_id)
             return
         assert message is not None and tier is not None
-        message.republish(
-            runtime.publish,
-            runtime.sealer,
-            task=task,
-            record_id=record_id,
-            key=str(doc.get("key")),
-            tier=str(tier),
-        )
+        message.republish_record(runtime.publish, runtime.sealer, doc, tier=tier)
         report.republished += 1

@@ -241,6 +241,20 @@ class KeptMessage:
             sealed=self.sealed,
         )
 
+    def republish_record(
+        self, publish: Publish, sealer: Sealer, record: Mapping[str, Any], *, tier: str
+    ) -> None:
+        """:meth:`republish` as the job whose ledger record is ``record`` (its id, task and
+        key: a job the ledger knows, published from the message its record keeps)."""
+        self.republish(
+            publish,
+            sealer,
+            task=str(record.get("task")),
+            record_id=str(record["_id"]),
+            key=str(record.get("key")),
+            tier=tier,
+        )
+
 
 def carried_headers(message_headers: Mapping[str, Any]) -> dict[str, Any]:
     """What a republish must carry of a message's headers (BSON-safe): the ledger's own,
