@@ -311,7 +311,9 @@ def test_a_workflow_whose_worker_is_killed_after_each_step_runs_every_step_once(
     names = [f"s{i}" for i in range(steps)] + ["g0", "g1"]
     handle = flows["order"].start(token, steps=steps, gated=True)
     for i in range(steps):
-        wait_for(lambda i=i: reached(f"s{i}") >= 1, timeout=90, what=f"step {i} at its gate")
+        # (a step cut off at its gate by the last kill reaches it again on the new worker)
+        times = 1 if i == 0 else 2
+        wait_for(lambda i=i, n=times: reached(f"s{i}") >= n, timeout=90, what=f"s{i} at its gate")
         open_gate(f"s{i}")
         wait_for(lambda i=i: step_effects(isolated, token)[f"s{i}"] >= 1, what=f"step {i}")
         # When the whole worker (main process and pool) is killed after each step, while the
@@ -329,7 +331,7 @@ def test_a_workflow_whose_worker_is_killed_after_each_step_runs_every_step_once(
     assert result["done"] == [f"s{i}-done" for i in range(steps)]
     effects = step_effects(isolated, token)
     assert effects == Counter({**{f"s{i}": 1 for i in range(steps)}, "g0": 1, "g1": 1})
-    assert all(reached(name) >= 2 for name in names[1 : steps + 1])
+    assert reached("g0") >= 2  # (s1 to s3: waited for above)
     assert step_effects(isolated, token, "wf_undo") == Counter()
     assert_sequential_log(handle)
     producer.close()
