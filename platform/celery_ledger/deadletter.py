@@ -457,11 +457,11 @@ class DeadLetters:
         if task_tier is None:
             return ReplayOutcome(record_id, False, f"task {task} is not registered here")
         # A poison message's queue is what the message said of itself: route by the task.
-        tier = task_tier if doc.get("death") in ("poison", "unknown-task") else doc.get("tier")
-        tier = tier if tier in self._runtime.tiers.names else task_tier
+        routed = doc.get("death") not in ("poison", "unknown-task")
+        tier = self._runtime.tiers.of_record(doc.get("tier") if routed else None, task_tier)
         try:
             message.arguments(self._runtime.sealer)
-        except (UnreplayableMessage, StoreError, ValueError) as exc:
+        except StoreError as exc:  # UnreplayableMessage included
             return ReplayOutcome(record_id, False, f"cannot rebuild the arguments: {exc}")
         # Only a raw message can be unauthenticated: the other kept messages were built by a
         # worker from a delivery it had verified. One that a worker requiring signatures

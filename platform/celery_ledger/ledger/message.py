@@ -170,8 +170,14 @@ class KeptMessage:
             StoreError: sealed with a key no longer in ``LEDGER_ENCRYPTION_KEYS``.
         """
         if self.args_json is not None:
-            args = kombu_json.loads(sealer.open(self.args_json))
-            kwargs = kombu_json.loads(sealer.open(self.kwargs_json or "{}"))
+            args_text, kwargs_text = (
+                sealer.open(self.args_json),
+                sealer.open(self.kwargs_json or "{}"),
+            )
+            try:
+                args, kwargs = kombu_json.loads(args_text), kombu_json.loads(kwargs_text)
+            except (ValueError, TypeError) as exc:  # a damaged record: never a worker's crash
+                raise UnreplayableMessage(f"the kept arguments are not JSON: {exc}") from exc
         elif self.raw_base64 is not None:
             args, kwargs = self._raw_arguments(sealer)
         else:
@@ -217,14 +223,18 @@ class KeptMessage:
         record_id: str,
         key: str,
         tier: str,
+        arguments: tuple[list[Any], dict[str, Any]] | None = None,
     ) -> None:
         """Publish the job again under its own identity (``record_id`` as the task id), to
         ``tier``, with the ledger headers it was published with.
 
+        ``arguments``: the call's arguments if the caller has already read them (with
+        :meth:`arguments`), so that they are not opened twice.
+
         Raises:
             UnreplayableMessage: the arguments cannot be rebuilt.
         """
-        args, kwargs = self.arguments(sealer)
+        args, kwargs = arguments if arguments is not None else self.arguments(sealer)
         carried = {name: self.headers[name] for name in headers.CARRIED if name in self.headers}
         carried.update({headers.KEY: key, headers.TIER: tier})
         retries = self.headers.get("retries")
@@ -242,7 +252,13 @@ class KeptMessage:
         )
 
     def republish_record(
-        self, publish: Publish, sealer: Sealer, record: Mapping[str, Any], *, tier: str
+        self,
+        publish: Publish,
+        sealer: Sealer,
+        record: Mapping[str, Any],
+        *,
+        tier: str,
+        arguments: tuple[list[Any], dict[str, Any]] | None = None,
     ) -> None:
         """:meth:`republish` as the job whose ledger record is ``record`` (its id, task and
         key: a job the ledger knows, published from the message its record keeps)."""
@@ -253,6 +269,7 @@ class KeptMessage:
             record_id=str(record["_id"]),
             key=str(record.get("key")),
             tier=tier,
+            arguments=arguments,
         )
 
 
