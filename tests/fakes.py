@@ -835,6 +835,19 @@ class MemoryLedger:
         doc["reconciled"] = doc.get("reconciled", 0) + 1
         return True
 
+    def note_held(self, expected: dict[str, Any]) -> bool:
+        self._enter("note_held")
+        doc = self.docs.get(expected["_id"])
+        if (
+            doc is None
+            or doc.get("state") != State.QUEUED
+            or doc.get("claimable_at") != UNPUBLISHED
+            or doc.get("updated_at") != expected.get("updated_at")
+        ):
+            return False
+        doc["updated_at"] = self.now()
+        return True
+
 
 class MemoryRedis:
     """The Redis list and string commands the engines use, in memory."""

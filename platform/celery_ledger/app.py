@@ -204,6 +204,7 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             ),
             workflow_states=self.workflow_engine.log.running,
             lock=lock,
+            announce_dead=lambda record_id: self.dead_letters.announce_record(record_id),
         )
 
     def enqueue(self, session: ClientSession, work: Signature | WorkflowCall) -> Any:

@@ -181,7 +181,8 @@ def trigger_report(
 
 def _outbox(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
     """Jobs committed in an app's transaction and still unpublished well past the relay's
-    time (see outbox.py): no worker runs the relay, or their tier is held by backpressure."""
+    time (see outbox.py): no worker runs the relay, their tier is held by backpressure, or
+    they are sealed with a key the relay's worker lacks."""
     settings = app.settings
     overdue = settings.outbox_grace_seconds + 3 * settings.outbox_relay_seconds
     with _short_ledger(app, timeout) as ledger:
@@ -207,7 +208,8 @@ def outbox_report(
     tiers = ", ".join(f"{tier} {n}" for tier, n in sorted(by_tier.items()))
     detail = (
         f"{count} committed job(s) unpublished for over {overdue_seconds:g}s ({tiers}):"
-        " their tier is above its mark, or no worker runs the outbox relay"
-        " (LEDGER_OUTBOX_RELAY_IN_WORKERS)"
+        " their tier is above its mark, no worker runs the outbox relay"
+        " (LEDGER_OUTBOX_RELAY_IN_WORKERS), or they are sealed with a key the relay's worker"
+        " lacks (its log says so)"
     )
     return "warn", detail, {"waiting": by_tier}

@@ -75,8 +75,12 @@ class Outbox:
         publish_wake: Callable[[str, str], None],
         workflow_states: Callable[[list[str]], Iterable[str]],
         lock: SweepLock | None = None,
+        announce_dead: Callable[[str], None] | None = None,
     ) -> None:
         self._runtime = runtime
+        # The dead-letter flow's announcement of a record the relay recorded dead (its metric,
+        # Sentry, and its copy to the dead letters' queue without waiting for housekeeping).
+        self._announce_dead = announce_dead
         self._ledger = runtime.ledger
         self._publish_wake = publish_wake
         # Which of these workflows' state documents exist (committed), by id.
@@ -280,14 +284,15 @@ class Outbox:
                 tier = runtime.tiers.of_record(doc.get("tier"), task_tier)
                 message = KeptMessage.from_document(doc.get("message"))
                 if message is None or not message.replayable:
-                    self._bury(doc, task, tier, "outbox: no message to publish was kept", message)
+                    reason = "outbox: no replayable message was kept"
+                    self._bury(doc, task, tier, reason, message)
                     continue
                 if tier not in held:
                     held[tier] = runtime.gate.holds(tier)
                 if held[tier]:
                     continue
                 try:
-                    message.arguments(runtime.sealer)
+                    arguments = message.arguments(runtime.sealer)
                 except UnreplayableMessage as exc:
                     self._bury(doc, task, tier, f"outbox: unpublishable message: {exc}", message)
                     continue
@@ -297,7 +302,9 @@ class Outbox:
                     self._pass_over(record_id)
                     logger.error("outbox: %s (%s) cannot be opened: %s", record_id, task, exc)
                     continue
-                message.republish_record(runtime.publish, runtime.sealer, doc, tier=tier)
+                message.republish_record(
+                    runtime.publish, runtime.sealer, doc, tier=tier, arguments=arguments
+                )
                 sent.append(record_id)
                 per_tier[tier] = per_tier.get(tier, 0) + 1
         finally:
@@ -329,8 +336,12 @@ class Outbox:
         except StoreError as exc:  # the next pass tries again
             logger.warning("outbox: %s could not be recorded dead: %s", record_id, exc)
             return
-        if buried:
+        if not buried:
+            return
+        if self._announce_dead is None:
             logger.error("outbox: %s (%s) recorded dead: %s", record_id, task, reason)
+        else:  # logged as every dead letter is
+            self._announce_dead(record_id)
 
     def _pass_over(self, record_id: str) -> None:
         """Leave ``record_id`` out of the relay's reads for ``PASS_OVER_SECONDS`` (records that

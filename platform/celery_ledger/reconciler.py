@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .broker import BrokerView, SweepLock
+from .errors import StoreError
 from .ledger.message import KeptMessage
 from .ledger.record import State
 from .ledger.store import UNPUBLISHED
@@ -179,13 +180,24 @@ class Reconciler:
         if tier is not None and doc.get("claimable_at") == UNPUBLISHED and runtime.gate.holds(tier):
             # Never published (enqueued in an app's transaction, or its publish failed), and its
             # tier is above its mark: it waits in the outbox, durable, until the relay publishes
-            # it under the mark; a copy from here would skip the mark. Left unmarked, so the
-            # relay still sees it (while a tier is held, at most ``limit`` such records can
-            # hide later stale records from one sweep: the tier drains meanwhile).
+            # it under the mark; a copy from here would skip the mark. It stays in the relay's
+            # view, and leaves this sweep's for the stale time (never filling its window).
             report.held += 1
+            self._ledger.note_held(doc)
             return
         message = KeptMessage.from_document(doc.get("message"))
         republishable = message is not None and message.replayable and tier is not None
+        arguments = None
+        if republishable and record_id not in unacked:
+            assert message is not None
+            try:  # before the mark: a record it cannot open stays where it is
+                arguments = message.arguments(runtime.sealer)
+            except StoreError as exc:  # a key rotated out, a damaged record
+                report.failed += 1
+                logger.warning("reconcile: %s cannot be republished: %s", record_id, exc)
+                if doc.get("claimable_at") != UNPUBLISHED:  # else the relay's (passed over)
+                    self._ledger.mark_reconciled(doc)  # out of view until its stale time
+                return
         if record_id not in unacked and not republishable:
             report.skipped.append(record_id)
             # Out of view until its grace (or stale time) passes again, so that records nothing
@@ -201,5 +213,7 @@ class Reconciler:
             report.skipped.append(record_id)
             return
         assert message is not None and tier is not None
-        message.republish_record(runtime.publish, runtime.sealer, doc, tier=tier)
+        message.republish_record(
+            runtime.publish, runtime.sealer, doc, tier=tier, arguments=arguments
+        )
         report.republished += 1

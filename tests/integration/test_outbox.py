@@ -147,7 +147,7 @@ def test_a_committed_job_no_relay_can_publish_is_recorded_dead_with_its_reason(
         # view (never read and logged again at every pass)
         doc = producer.ledger.find_raw(record_id)
         assert doc["state"] == State.DEAD.value and doc["death"] == "bad-arguments"
-        assert doc["dead_reason"] == "outbox: no message to publish was kept"
+        assert doc["dead_reason"] == "outbox: no replayable message was kept"
         assert producer.dead_letters.get(record_id) is not None
         assert producer.ledger.unpublished(ids=[record_id]) == []
         assert effect_count("record", token) == 0

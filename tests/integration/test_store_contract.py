@@ -24,6 +24,7 @@ from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import ErrorEntry
 from celery_ledger.ledger.store import (
     COPY_GRACE,
+    UNPUBLISHED,
     EnqueueOutcome,
     Fenced,
     HeldBy,
@@ -333,6 +334,43 @@ def test_the_outbox_relay_sees_unpublished_jobs_until_published_or_claimed(
     assert seen(older_than_seconds=0) == {failed}
     assert ledger.find_raw(published)["state"] == State.QUEUED
     assert claim(ledger, published).outcome is ClaimOutcome.CLAIMED
+
+
+def test_a_held_outbox_job_and_one_no_relay_can_publish(world: tuple[Any, Clock]) -> None:
+    ledger, clock = world
+    held, gone, bare = new_id(), new_id(), new_id()
+    for record_id in (held, gone, bare):
+        message = KeptMessage.of_call([1], {}, message_headers={"ledger_key": record_id})
+        ledger.enqueue(record_id, task=TASK, key=record_id, tier="bulk", message=message)
+        ledger.mark_unpublished(record_id)
+    clock.advance(2)
+
+    def stale() -> set[str]:
+        return {d["_id"] for d in ledger.stale(State.QUEUED, older_than_seconds=1)}
+
+    # A record held by backpressure, noted as read (once), leaves the reconciler's stale view
+    # for its stale time and stays in the relay's
+    [doc] = [d for d in ledger.stale(State.QUEUED, older_than_seconds=1) if d["_id"] == held]
+    assert ledger.note_held(doc) and not ledger.note_held(doc)
+    assert held not in stale()
+    assert held in {d["_id"] for d in ledger.unpublished(older_than_seconds=1)}
+    clock.advance(2)
+    assert held in stale()
+    # The relay's skip is applied before its limit
+    found = ledger.unpublished(older_than_seconds=1, limit=1, skip=lambda d: d["_id"] != bare)
+    assert [d["_id"] for d in found] == [bare]
+    # A record recorded dead as the relay read it: only if it is still exactly that
+    [read_gone] = ledger.unpublished(ids=[gone])
+    [read_bare] = ledger.unpublished(ids=[bare])
+    ledger.mark_published([gone])  # published by its committer meanwhile
+    dead = DeadJob.of_reason("bad-arguments", "outbox: test", task=TASK)
+    for doc, applies in ((read_gone, False), (read_bare, True)):
+        match = Unchanged(int(doc.get("fence", 0)), State.QUEUED.value, UNPUBLISHED)
+        buried = ledger.bury(doc["_id"], dead, match=match, task=TASK, key=doc["_id"], tier="bulk")
+        assert buried is applies
+    assert ledger.find_raw(gone)["state"] == State.QUEUED.value
+    assert ledger.find_raw(bare)["state"] == State.DEAD.value
+    assert bare not in {d["_id"] for d in ledger.unpublished(older_than_seconds=0)}
 
 
 def test_the_reconcilers_views_and_its_mark(world: tuple[Any, Clock]) -> None:

@@ -60,6 +60,7 @@ class World:
         self.gate = FakeGate()
         self.events = Published()
         self.wakes: list[tuple[str, str]] = []
+        self.announced: list[str] = []  # dead letters announced (metric, Sentry, queue copy)
         self.runtime = SimpleNamespace(
             ledger=self.ledger,
             settings=Settings(outbox_grace_seconds=5),
@@ -74,6 +75,7 @@ class World:
             self.runtime,  # type: ignore[arg-type]
             publish_wake=lambda wf, tier: self.wakes.append((wf, tier)),
             workflow_states=lambda ids: [i for i in ids if not i.startswith("aborted")],
+            announce_dead=self.announced.append,
         )
 
     def committed(self, key: str, *, tier: str = "critical", message: bool = True) -> str:
@@ -162,11 +164,13 @@ def test_reject_is_the_only_policy_that_refuses_inside_a_transaction(w: World) -
 
 
 def test_what_cannot_be_published_is_left_or_recorded_dead_and_the_rest_goes(w: World) -> None:
-    # Given committed jobs: one with no kept message, one whose kept message is unreadable,
+    # Given committed jobs: one with no kept message, two whose kept message is unreadable,
     # another app's, and a sound one
     bare = w.committed("e", message=False)
     broken = w.committed("e2")
     w.ledger.docs[broken]["message"] = {"raw_base64": "W25vdCBqc29u", "raw_kind": "body"}
+    damaged = w.committed("e3")  # its arguments are not JSON (a damaged record)
+    w.ledger.docs[damaged]["message"]["args_json"] = "[not json"
     unknown_task = derive_task_id("elsewhere.task", "f")
     kept = KeptMessage.of_call([1], {}, message_headers={})
     w.ledger.enqueue(unknown_task, task="elsewhere.task", key="f", tier="nope", message=kept)
@@ -178,12 +182,30 @@ def test_what_cannot_be_published_is_left_or_recorded_dead_and_the_rest_goes(w: 
     # Then the sound one goes; the two no relay can ever publish are recorded dead with the
     # reason (out of the relay's view, among the dead letters); another app's is its relay's
     assert [p.options["task_id"] for p in w.ports.tasks] == [fine]
-    for record_id, reason in ((bare, "no message"), (broken, "unpublishable message")):
+    for record_id, reason in (
+        (bare, "no replayable message"),
+        (broken, "no usable arguments"),
+        (damaged, "not JSON"),
+    ):
         doc = w.ledger.docs[record_id]
         assert doc["state"] == State.DEAD and doc["death"] == "bad-arguments"
         assert doc["dead_reason"].startswith("outbox: ") and reason in doc["dead_reason"]
+    assert sorted(w.announced) == sorted([bare, broken, damaged])
     assert w.ledger.docs[unknown_task]["claimable_at"] == UNPUBLISHED
-    assert w.outbox.relay() == 0 and len(w.ports.tasks) == 1
+    assert w.outbox.relay() == 0 and len(w.ports.tasks) == 1 and len(w.announced) == 3
+
+
+def test_a_record_claimed_or_published_since_the_read_is_never_recorded_dead(w: World) -> None:
+    # Given a committed job with no kept message, read by the relay...
+    bare = w.committed("late", message=False)
+    w.clock.advance(6)
+    [read] = w.ledger.unpublished(older_than_seconds=5)
+    # ...then published and claimed by another process before the relay's write
+    w.ledger.mark_published([bare])
+    # When the relay would record it dead as read
+    w.outbox._bury(read, TASK, "critical", "outbox: test", None)
+    # Then nothing changes: the write applies only to the record exactly as read
+    assert w.ledger.docs[bare]["state"] == State.QUEUED and not w.announced
 
 
 def test_a_job_sealed_with_a_key_this_process_lacks_never_hides_the_rest(w: World) -> None:

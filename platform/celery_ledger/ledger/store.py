@@ -1800,6 +1800,23 @@ class Ledger:
             )
         return result.matched_count == 1
 
+    def note_held(self, doc: Mapping[str, Any]) -> bool:
+        """A never-published record that its tier's backpressure holds in the outbox, as read
+        in ``doc``: untouched again for the reconciler's stale time (out of its stale view
+        meanwhile, so that held records never fill a sweep's window and hide the rest), still
+        in the relay's (``claimable_at`` and ``unpublished_at`` are left as they are)."""
+        with translate_errors("reconcile mark"):
+            result = self.collection.update_one(
+                {
+                    "_id": doc["_id"],
+                    "state": State.QUEUED.value,
+                    "claimable_at": UNPUBLISHED,
+                    "updated_at": doc.get("updated_at"),
+                },
+                {"$set": {"updated_at": self.now()}},
+            )
+        return result.matched_count == 1
+
     # -- results of tasks outside the ledger protocol (Celery's own, plain tasks) ------------
 
     def store_plain(self, task_id: str, fields: dict[str, Any]) -> None:
