@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import threading
 import time
 import uuid
 from argparse import Namespace
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -33,12 +35,14 @@ from celery_ledger.health import run_checks
 from celery_ledger.keys import derive_task_id
 from celery_ledger.ledger.triggers import TriggerStore
 from celery_ledger.triggers import change_key
+from tests.integration.apps import dying_trigger as hooked
 from tests.integration.apps import triggers as trigger_app
 
 from .conftest import producer_app
 from .helpers import wait_for
 
 MODULE = "tests.integration.apps.triggers"
+HOOKED_MODULE = "tests.integration.apps.dying_trigger"  # the same app, dying once at a publish
 LEASE_KEY = f"{trigger_app.NAME}:ledger:trigger:{trigger_app.TASK}"
 
 
@@ -79,12 +83,16 @@ class TriggerWorld:
         self.store = TriggerStore(self.probe.ledger)
         self.redis.delete(LEASE_KEY)  # a lease a killed worker of an earlier test left
 
-    def start(self, name: str, *tiers: str, concurrency: int = 2) -> WorkerProcess:
-        worker = self.stack.start_worker(
+    def start(
+        self, name: str, *tiers: str, concurrency: int = 2, app: str = MODULE, **env: str
+    ) -> WorkerProcess:
+        """A worker of ``app`` (the trigger app, or a variant of it) with ``env`` of its own."""
+        stack = self.stack if app == MODULE else replace(self.stack, app_module=app, workers=[])
+        worker = stack.start_worker(
             self.stack.queues_of(*tiers),
             concurrency=concurrency,
             name=f"{name}@127.0.0.1",
-            env=self.env,
+            env={**self.env, **env},
         )
         self.workers[name] = worker
         return worker
@@ -104,6 +112,22 @@ class TriggerWorld:
         effects = self.world.get_collection(trigger_app.EFFECTS)
         found = effects.find({"_id": {"$regex": f"^{self.collection_name}-"}}, {"runs": 1})
         return {doc["_id"]: doc["runs"] for doc in found}
+
+    def in_broker(self, task_id: str) -> list[str]:
+        """The keys of this test's queues (ready, or delivered and unacknowledged) that hold a
+        message of ``task_id``."""
+        found = []
+        for key in self.redis.scan_iter(match=f"{self.namespace}*"):
+            kind = self.redis.type(key)
+            if kind == b"list":
+                values = self.redis.lrange(key, 0, -1)
+            elif kind == b"hash":
+                values = self.redis.hvals(key)
+            else:
+                continue
+            if any(task_id.encode() in value for value in values):
+                found.append(key.decode())
+        return found
 
     def describe(self) -> str:
         """What a failing wait shows: runs, records by state, the trigger's place."""
@@ -232,6 +256,104 @@ def test_each_inserted_order_runs_once_while_the_watcher_is_killed_twice(
     assert holders[1] != holders[0] and holders[2] != holders[1]
     state = w.store.load(trigger_app.TASK)
     assert state is not None and state.problem is None and state.changes >= total
+
+
+def test_a_watcher_killed_between_a_changes_record_and_its_message_is_recovered(
+    world: Callable[..., TriggerWorld], tmp_path: Path
+) -> None:
+    # Given a trigger watched by one worker of two (the watcher consumes no bulk: it runs no
+    # job), which dies as it publishes order 12's job: its record written, its message not
+    # (the crash: the before_task_publish hook of apps/dying_trigger.py); the other worker
+    # runs the jobs and waits for the lease. No reconciler runs anywhere.
+    w = world(TRIGGER_TEST_LEASE_SECONDS="5")  # time to look at the broker before a takeover
+    total, doomed = 30, 12
+    doomed_order = f"{w.collection_name}-{doomed}"
+    marker = tmp_path / "watcher-died"
+    watcher = w.start(
+        "td1",
+        "default",
+        concurrency=1,
+        app=HOOKED_MODULE,
+        **{hooked.DIE_AT_ORDER: doomed_order, hooked.DIE_MARKER: str(marker)},
+    )
+    wait_for(w.watching, timeout=30, what="a watcher")
+    first = w.holder()
+    assert first is not None and first.endswith(f":{watcher.pid}")
+    w.start("td2")
+
+    # When 30 orders come in (their changes' record ids read from a stream of our own)
+    with w.orders.watch() as stream:
+        w.orders.insert_many([order(w, n) for n in range(total)])
+        changes = [wait_for(stream.try_next, timeout=10, what="a change") for _ in range(total)]
+    ids = [derive_task_id(trigger_app.TASK, change_key(c)) for c in changes]
+    assert [c["fullDocument"]["_id"] for c in changes][doomed] == doomed_order
+    # Then the watcher's worker is SIGKILLed at order 12's publish, and at that moment (before
+    # any takeover) its job is recorded queued, unclaimed, with no message in the broker;
+    # the orders after it have no record
+    assert watcher.process.wait(30) == -signal.SIGKILL
+    assert marker.read_text() == f"{watcher.pid} {doomed_order}"
+    record = w.probe.ledger.find_raw(ids[doomed])
+    assert record is not None, "the record is written before the message"
+    assert (record["state"], record["attempts"]) == (State.QUEUED.value, 0)
+    assert w.in_broker(ids[doomed]) == []
+    known = w.probe.ledger.collection.count_documents({"_id": {"$in": ids}})
+    assert known == doomed + 1
+    assert w.holder() == first, "the lease was taken over before the look: nothing is shown"
+
+    # Then the other worker takes the watch over from the stored token
+    wait_for(
+        lambda: (x := w.holder()) is not None and x != first,
+        timeout=30,
+        what="another watcher",
+    )
+    # And every order's job ran exactly once, the one whose message was lost included
+    try:
+        runs = wait_for(lambda: len(r := w.runs()) == total and r, timeout=60, what="30 runs")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {w.describe()}") from None
+    assert runs == {f"{w.collection_name}-{n}": 1 for n in range(total)}
+    # (the effect is written by the body, its record's completion just after)
+
+    def records() -> dict[str, tuple[str, int]]:
+        found = w.probe.ledger.collection.find({"task": trigger_app.TASK})
+        return {doc["_id"]: (doc["state"], doc["attempts"]) for doc in found}
+
+    succeeded = dict.fromkeys(ids, (State.SUCCEEDED.value, 1))
+    try:
+        wait_for(lambda: records() == succeeded, timeout=10, what="30 succeeded records")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {records()}") from None
+    state = w.store.load(trigger_app.TASK)
+    assert state is not None and state.problem is None
+
+
+def test_a_watcher_stopped_warmly_saves_its_place_and_gives_its_watch_up_at_once(
+    world: Callable[..., TriggerWorld],
+) -> None:
+    # Given two workers, one watching with a 30 s lease, and orders it turned into jobs
+    w = world(TRIGGER_TEST_LEASE_SECONDS="30")
+    w.start("tw1")
+    wait_for(w.watching, timeout=30, what="a watcher")
+    w.start("tw2")
+    holder = w.holder()
+    assert holder is not None
+    victim = next(n for n, wk in w.workers.items() if holder.endswith(f":{wk.pid}"))
+    w.orders.insert_many([order(w, n) for n in range(20)])
+    wait_for(lambda: len(w.runs()) == 20, timeout=60, what="20 runs")
+    # When its worker is stopped warmly (SIGTERM: a deploy, a scale-down)
+    stopped_at = time.monotonic()
+    w.workers[victim].process.send_signal(signal.SIGTERM)
+    assert w.workers[victim].process.wait(30) == 0
+    # Then the other worker watches well before the lease would have ended (it was given up),
+    # from the place the stopped one saved: the next orders run once, the earlier ones not again
+    taken = wait_for(
+        lambda: (x := w.holder()) is not None and x != holder and x, timeout=20, what="takeover"
+    )
+    assert time.monotonic() - stopped_at < 20, "the lease ran out: it was not given up"
+    assert not taken.endswith(f":{w.workers[victim].pid}")
+    w.orders.insert_many([order(w, n) for n in range(20, 30)])
+    runs = wait_for(lambda: len(r := w.runs()) == 30 and r, timeout=60, what="30 runs")
+    assert runs == {f"{w.collection_name}-{n}": 1 for n in range(30)}
 
 
 def test_two_watchers_never_read_at_once(world: Callable[..., TriggerWorld]) -> None:
