@@ -41,9 +41,19 @@ class Housekeeping:
     reconciler sweep over a large ledger must not hold back a retry that only needs the broker.
     """
 
-    def __init__(self, lanes: dict[str, list[Callable[[], object]]], *, interval: float) -> None:
+    def __init__(
+        self,
+        lanes: dict[str, list[Callable[[], object]]],
+        *,
+        interval: float,
+        on_stop: tuple[Callable[[], object], ...] = (),
+    ) -> None:
         self._lanes = {name: jobs for name, jobs in lanes.items() if jobs}
         self._interval = interval
+        # What the worker's stop runs before the lanes end (the trigger watchers save their
+        # place and give up their leases): from the worker's shutdown sequence, never from the
+        # signal handler that starts it, where waiting on a lane's lock blocks the worker.
+        self._on_stop = on_stop
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -57,6 +67,13 @@ class Housekeeping:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        for hook in self._on_stop:
+            try:
+                hook()
+            except Exception as exc:  # the worker stops anyway; leases end by themselves
+                logger.warning(
+                    "housekeeping stop %s failed: %s", getattr(hook, "__qualname__", hook), exc
+                )
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             if thread is not threading.current_thread():
@@ -218,11 +235,12 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         # Change-stream triggers: the lease holder of each reads in a lane of its own (its
         # reads wait on the server); every worker competes, whatever tiers it consumes.
         triggers: list[Callable[[], object]] = []
+        stops: tuple[Callable[[], object], ...] = ()
         watchers = watchers_for(app)
         if watchers:
             runner = TriggerRunner(watchers)
-            signals.worker_shutting_down.connect(lambda **_: runner.stop(), weak=False)
             triggers.append(runner)
+            stops = (runner.stop,)  # save each watcher's place, give up its lease
         return Housekeeping(
             {
                 "triggers": triggers,
@@ -233,6 +251,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 "outbox": outbox,
             },
             interval=settings.defer_poll_seconds,
+            on_stop=stops,
         )
 
 

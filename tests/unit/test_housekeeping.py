@@ -53,3 +53,31 @@ def test_a_failing_job_does_not_stop_its_lane() -> None:
     finally:
         keeping.stop()
     assert calls.count("broken") >= 3
+
+
+def test_the_stop_hooks_run_from_the_workers_stop_and_a_failing_one_stops_nothing() -> None:
+    # Given housekeeping with a lane mid-job and two stop hooks, the first failing
+    in_job = threading.Event()
+    finish = threading.Event()
+    stopped: list[str] = []
+
+    def job() -> None:
+        in_job.set()
+        finish.wait(10)
+
+    def broken() -> None:
+        stopped.append("broken")
+        raise RuntimeError("ledger away")
+
+    def hook() -> None:
+        stopped.append("hook")
+        finish.set()  # a watcher gives its lease up, its tick ends
+
+    keeping = Housekeeping({"triggers": [job]}, interval=0.01, on_stop=(broken, hook))
+    keeping.start()
+    assert in_job.wait(10) and not stopped  # nothing at start, nor from a signal handler
+    # When the worker stops
+    keeping.stop(timeout=10)
+    # Then every hook ran, in order, and the lanes ended
+    assert stopped == ["broken", "hook"]
+    assert not any(t.is_alive() for t in keeping._threads)
