@@ -237,6 +237,21 @@ def test_a_record_that_cannot_be_opened_is_counted_and_the_sweep_goes_on(world: 
     assert report.failed == 1 and report.republished == 1
 
 
+def test_a_never_published_job_it_cannot_open_stays_in_the_outbox(world: World) -> None:
+    # Given a job whose first publish failed, sealed with a key this process lacks
+    record_id = derive_task_id(TASK, "k-sealed")
+    sealed = KeptMessage.of_call(["4242"], {}, message_headers={}, sealer=Sealer([OLD_KEY]))
+    world.ledger.enqueue(record_id, task=TASK, key="k-sealed", tier="critical", message=sealed)
+    world.ledger.mark_unpublished(record_id)
+    world.clock.advance(1)
+    # When the reconciler sweeps
+    report = world.reconciler.sweep()
+    # Then it is counted as failed and left where the outbox relay (and the health check)
+    # see it, for when the key is back
+    assert report.failed == 1 and report.republished == 0 and not world.outbox.tasks
+    assert [d["_id"] for d in world.ledger.unpublished()] == [record_id]
+
+
 def test_a_job_of_a_task_not_registered_here_is_skipped(world: World) -> None:
     record_id = derive_task_id("other.task", "k")
     world.ledger.claim(
