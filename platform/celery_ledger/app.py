@@ -205,6 +205,7 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             workflow_states=self.workflow_engine.log.running,
             lock=lock,
             announce_dead=lambda record_id: self.dead_letters.announce_record(record_id),
+            wake_due_workflows=self.workflow_engine.wake_overdue,
         )
 
     def enqueue(self, session: ClientSession, work: Signature | WorkflowCall) -> Any:
@@ -247,6 +248,7 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             default_tier=settings.default_tier,
             snapshot_every=settings.workflow_snapshot_every,
             check_seconds=settings.workflow_check_seconds,
+            committer_grace_seconds=settings.outbox_grace_seconds,
             max_payload_bytes=settings.max_payload_bytes,
             max_result_bytes=settings.max_result_bytes,
             open_text=self.sealer.open,

@@ -11,8 +11,8 @@ document is written *in the app's transaction*, and nothing is published yet:
 - the committing process dies between the commit and that publish, or the broker refuses it:
   the relay (every worker's housekeeping, one relay at a time across the fleet, every
   ``LEDGER_OUTBOX_RELAY_SECONDS``) publishes records left unpublished for
-  ``LEDGER_OUTBOX_GRACE_SECONDS``; a workflow started so is woken by the reconciler's check,
-  which its state document is due for from the start.
+  ``LEDGER_OUTBOX_GRACE_SECONDS``, and wakes the workflows due for a check: a workflow started
+  in a transaction is due once that grace has passed.
 
 Both may publish one job (a flush that died after its publish, before its mark): the copy is
 a duplicate delivery, which the claim suppresses, so the job still runs once.
@@ -76,8 +76,13 @@ class Outbox:
         workflow_states: Callable[[list[str]], Iterable[str]],
         lock: SweepLock | None = None,
         announce_dead: Callable[[str], None] | None = None,
+        wake_due_workflows: Callable[[], int] | None = None,
     ) -> None:
         self._runtime = runtime
+        # The workflow engine's wake of workflows due for a check: a workflow started in a
+        # transaction is due once its committer's grace has passed, so a committer that died
+        # before its wake costs a relay period, not a reconciler sweep.
+        self._wake_due_workflows = wake_due_workflows
         # The dead-letter flow's announcement of a record the relay recorded dead (its metric,
         # Sentry, and its copy to the dead letters' queue without waiting for housekeeping).
         self._announce_dead = announce_dead
@@ -97,17 +102,23 @@ class Outbox:
 
     # -- in the transaction ---------------------------------------------------------------------
 
-    @staticmethod
-    def require_transaction(session: Any) -> ClientSession:
-        """``session`` if it is a pymongo session inside a transaction.
+    def require_transaction(self, session: Any) -> ClientSession:
+        """``session`` if it is a pymongo session of the ledger's client inside a transaction.
 
         Raises:
             ConfigurationError: it is not (a write outside a transaction would publish
-                nothing and promise nothing).
+                nothing and promise nothing; a transaction spans one client's deployment).
         """
         if not isinstance(session, ClientSession):
             raise ConfigurationError(
                 f"session= takes a pymongo ClientSession, not {type(session).__name__}"
+            )
+        if session.client is not self._ledger.client:
+            raise ConfigurationError(
+                "session= takes a session of the ledger's client (app.ledger.client"
+                ".start_session(), or app.outbox.transaction(...)): the job's record is written"
+                " in its transaction, and a transaction spans one client; reach the app's"
+                " collections through session.client"
             )
         if not session.in_transaction:
             raise ConfigurationError(
@@ -257,11 +268,13 @@ class Outbox:
             )
 
         docs = self._ledger.unpublished(older_than_seconds=grace, limit=limit, skip=skip)
-        if not docs:
-            return 0
-        sent = self._publish(docs, by="relay")
+        sent = self._publish(docs, by="relay") if docs else 0
         if sent:
             logger.warning("outbox relay: published %d job(s) their committer did not", sent)
+        if self._wake_due_workflows is not None:
+            woken = self._wake_due_workflows()
+            if woken:
+                logger.info("outbox relay: woke %d workflow(s) due for a check", woken)
         return sent
 
     def _publish(self, docs: list[dict[str, Any]], *, by: str) -> int:

@@ -226,8 +226,11 @@ def test_a_workflow_started_in_a_transaction_runs_only_if_it_commits(app: Any, t
 
 
 def test_what_an_outbox_job_cannot_be_is_refused_before_anything_is_written(
-    app: Any, token: str
+    app: Any, stack: EmbeddedStack, token: str
 ) -> None:
+    from tests.integration.ledger_app import WORKFLOWS
+
+    assert stack.ledger is not None
     record = app.tasks[RECORD]
     with app.ledger.client.start_session() as session:
         with pytest.raises(ConfigurationError, match="start one first"):
@@ -239,6 +242,17 @@ def test_what_an_outbox_job_cannot_be_is_refused_before_anything_is_written(
         session.abort_transaction()
     with pytest.raises(ConfigurationError, match="ClientSession"):
         record.apply_async((token,), session="not a session")
+    # A session of another client (the app's own, even on the same deployment): the record
+    # could not be written in its transaction
+    other: MongoClient[dict[str, Any]] = MongoClient(stack.ledger.url)
+    try:
+        with other.start_session() as session, session.start_transaction():
+            with pytest.raises(ConfigurationError, match="the ledger's client"):
+                record.apply_async((token,), session=session)
+            with pytest.raises(ConfigurationError, match="the ledger's client"):
+                WORKFLOWS["order"].start_with((token,), {"steps": 1}, session=session)
+    finally:
+        other.close()
     assert app.ledger.find_raw(derive_task_id(RECORD, token)) is None
 
 
@@ -286,7 +300,8 @@ OUTBOX_WORKERS = {
     "LEDGER_OUTBOX_RELAY_IN_WORKERS": "true",
     "LEDGER_OUTBOX_RELAY_SECONDS": "0.5",
     "LEDGER_OUTBOX_GRACE_SECONDS": "1",
-    "LEDGER_RECONCILE_EVERY_SECONDS": "1",
+    # the relay alone brings the committer's work back (the reconciler's sweep is far off)
+    "LEDGER_RECONCILE_EVERY_SECONDS": "600",
 }
 
 
@@ -317,7 +332,8 @@ def test_a_committer_killed_right_after_its_commit_still_gets_its_work_run(
     # Then the workers alone run the job, within seconds, once
     wait_for(lambda: runs() == 1, timeout=30, what="the relayed job")
     relayed_after = time.monotonic() - died
-    # And the workflow's first wake, lost with the committer, comes from the reconciler
+    # And the workflow's first wake, lost with the committer, comes from the relay (its state
+    # is due for a check once the committer's grace has passed), within seconds
     producer = producer_app(isolated, "outbox_probe")
     try:
         from tests.integration.ledger_app import WORKFLOWS
@@ -332,6 +348,7 @@ def test_a_committer_killed_right_after_its_commit_still_gets_its_work_run(
             timeout=60,
             what="the workflow's run",
         )
+        woken_after = time.monotonic() - died
         time.sleep(1.5)
         assert runs() == 1
         doc = producer.ledger.get(RECORD, token)
@@ -339,8 +356,8 @@ def test_a_committer_killed_right_after_its_commit_still_gets_its_work_run(
     finally:
         producer.close()
         client.close()
-    print(f"\nrelayed {relayed_after:.1f}s after the committer died")
-    assert relayed_after < 20
+    print(f"\nrelayed {relayed_after:.1f}s, workflow done {woken_after:.1f}s after the death")
+    assert relayed_after < 20 and woken_after < 60
 
 
 def test_a_publish_that_must_never_be_shed_is_refused_instead(

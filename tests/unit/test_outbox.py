@@ -76,7 +76,15 @@ class World:
             publish_wake=lambda wf, tier: self.wakes.append((wf, tier)),
             workflow_states=lambda ids: [i for i in ids if not i.startswith("aborted")],
             announce_dead=self.announced.append,
+            wake_due_workflows=self.wake_due,
         )
+        self.checks = 0
+
+    def wake_due(self) -> int:
+        """The engine's wake of workflows due for a check (one started in a transaction is due
+        once the committer's grace has passed)."""
+        self.checks += 1
+        return 1
 
     def committed(self, key: str, *, tier: str = "critical", message: bool = True) -> str:
         """A job an app's transaction wrote and committed (not yet published)."""
@@ -106,6 +114,14 @@ def test_the_relay_leaves_a_commit_to_its_committer_for_the_grace_time(w: World)
     assert w.ledger.docs[record_id]["claimable_at"] == EPOCH  # out of the relay's view
     assert w.outbox.relay() == 0  # once
     assert w.events.counts == [("critical", "relay", 1)]
+
+
+def test_every_relay_pass_wakes_the_workflows_due_nothing_else_woke(w: World) -> None:
+    # (a workflow started in a transaction whose committer died: a relay period, not a sweep)
+    assert w.outbox.relay() == 0 and w.checks == 1
+    w.committed("wf-job")
+    w.clock.advance(6)
+    assert w.outbox.relay() == 1 and w.checks == 2
 
 
 def test_a_flush_publishes_only_what_its_transaction_committed(w: World) -> None:

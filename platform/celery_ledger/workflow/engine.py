@@ -132,6 +132,7 @@ class WorkflowEngine:
         snapshot_every: int,
         check_seconds: float,
         max_payload_bytes: int,
+        committer_grace_seconds: float = 0.0,
         max_result_bytes: int = 16 * 1024 * 1024,
         open_text: Callable[[str], str] = lambda text: text,
         seal_text: Callable[[str], str] | None = None,
@@ -144,6 +145,9 @@ class WorkflowEngine:
         self.default_tier = default_tier
         self.snapshot_every = snapshot_every
         self.check_seconds = check_seconds
+        # A workflow started in an app's transaction is due for a check once its committer has
+        # had this long to wake it (the outbox's grace): only a committer that died leaves it.
+        self.committer_grace_seconds = committer_grace_seconds
         self.max_payload_bytes = max_payload_bytes
         self.max_result_bytes = max_result_bytes
         self.open_text = open_text
@@ -196,6 +200,7 @@ class WorkflowEngine:
             )
         tier = definition.tier or self.default_tier
         now = self.log.now()
+        first_check = self.committer_grace_seconds if session else self.check_seconds
         created = self.log.create(
             {
                 "_id": workflow_id,
@@ -204,7 +209,7 @@ class WorkflowEngine:
                 "tier": tier,
                 "args": self._sealed(arguments) if definition.sensitive else arguments,
                 "parent": parent,
-                "check_at": now if session else now + timedelta(seconds=self.check_seconds),
+                "check_at": now + timedelta(seconds=first_check),
             },
             session=session,
         )
