@@ -101,3 +101,34 @@ def test_the_tail_read_pages_past_its_limit_through_pending_documents_and_events
             assert sum(1 for d in docs if isinstance(d.get("seq"), str)) == 8
     finally:
         app.close()
+
+
+def test_stuck_workflows_never_hide_the_ones_due_for_a_check(stack: Any) -> None:
+    app = build(
+        {
+            "LEDGER_BROKER_URL": stack.broker.url,
+            "LEDGER_MONGO_URI": stack.ledger.url,
+            "LEDGER_MONGO_DB": f"due_{uuid.uuid4().hex[:8]}",
+        }
+    )
+    try:
+        log = WorkflowLog(app.ledger, retention_seconds=3600)
+        log.ensure_indexes()
+        # Given 3 workflows stuck (waiting for an operator) while due, as an earlier release
+        # left them, one stuck now, and one running whose check is due
+        stuck = [f"stuck-{n}" for n in range(3)]
+        for workflow_id in stuck:
+            log.create({"_id": workflow_id, "workflow": "t", "key": workflow_id})
+            log.states.update_one({"_id": workflow_id}, {"$set": {"status": "stuck"}})
+        log.create({"_id": "stuck-now", "workflow": "t", "key": "stuck-now"})
+        log.set_status("stuck-now", "stuck", error="changed code")
+        log.create({"_id": "running", "workflow": "t", "key": "running"})
+        # When the checks read 3 at a time
+        first, second = log.due_for_check(limit=3), log.due_for_check(limit=3)
+        # Then the stuck ones are read at most once (parked until an operator's retry), and
+        # the running one is found
+        assert [d["_id"] for d in first + second] == ["running"]
+        assert log.get_state("stuck-now")["check_at"].year == 9999
+        assert all(log.get_state(w)["check_at"].year == 9999 for w in stuck)
+    finally:
+        app.close()

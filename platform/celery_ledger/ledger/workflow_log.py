@@ -43,6 +43,8 @@ SIGNAL_MARK = "~s:"
 CANCEL_MARK = "~cancel"
 EVENTS_BELOW = 2**62  # above every event's number (a comparison with a number matches numbers)
 ACTIVE = ("running", "compensating", "stuck")
+# The active states a wake moves on (a stuck workflow waits for an operator's retry).
+WAKEABLE = ("running", "compensating")
 # Kinds of the documents beside the events (no sequence): never the kind of an event.
 PENDING_SIGNAL = "pending_signal"
 CANCEL_REQUEST = "cancel_request"
@@ -124,6 +126,8 @@ class WorkflowLog:
         update: dict[str, Any] = {"status": status, "updated_at": now, **fields}
         if status in ACTIVE:
             update.setdefault("expires_at", None)
+            if status not in WAKEABLE:  # stuck: an operator's retry sets its check again
+                update.setdefault("check_at", FOREVER)
         else:
             update["expires_at"] = now + self.retention
             update["check_at"] = FOREVER
@@ -171,9 +175,17 @@ class WorkflowLog:
     def due_for_check(self, *, limit: int = 200) -> list[dict[str, Any]]:
         """Active workflows whose check time passed (their wake-up may be lost)."""
         with translate_errors("workflow check query"):
-            docs = self.states.find({"check_at": {"$lte": self.now()}}).limit(limit)
-            # A stuck workflow waits for an operator, not for a wake.
-            return [d for d in docs if d.get("status") in ("running", "compensating")]
+            docs = list(self.states.find({"check_at": {"$lte": self.now()}}).limit(limit))
+            # A stuck workflow waits for an operator (whose retry sets its check again), not
+            # for a wake: out of this view, so that stuck ones never fill the window and hide
+            # the rest (a state stuck before set_status parked it is parked here)
+            parked = [d["_id"] for d in docs if d.get("status") not in WAKEABLE]
+            if parked:
+                self.states.update_many(
+                    {"_id": {"$in": parked}, "status": {"$nin": list(WAKEABLE)}},
+                    {"$set": {"check_at": FOREVER}},
+                )
+        return [d for d in docs if d.get("status") in WAKEABLE]
 
     def listing(self, *, status: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         query: dict[str, Any] = {} if status is None else {"status": status}
