@@ -835,8 +835,8 @@ class MemoryLedger:
         doc["reconciled"] = doc.get("reconciled", 0) + 1
         return True
 
-    def note_held(self, expected: dict[str, Any]) -> bool:
-        self._enter("note_held")
+    def leave_unpublished(self, expected: dict[str, Any]) -> bool:
+        self._enter("leave_unpublished")
         doc = self.docs.get(expected["_id"])
         if (
             doc is None

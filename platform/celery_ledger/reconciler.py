@@ -183,7 +183,7 @@ class Reconciler:
             # it under the mark; a copy from here would skip the mark. It stays in the relay's
             # view, and leaves this sweep's for the stale time (never filling its window).
             report.held += 1
-            self._ledger.note_held(doc)
+            self._ledger.leave_unpublished(doc)
             return
         message = KeptMessage.from_document(doc.get("message"))
         republishable = message is not None and message.replayable and tier is not None
@@ -195,7 +195,9 @@ class Reconciler:
             except StoreError as exc:  # a key rotated out, a damaged record
                 report.failed += 1
                 logger.warning("reconcile: %s cannot be republished: %s", record_id, exc)
-                if doc.get("claimable_at") != UNPUBLISHED:  # else the relay's (passed over)
+                if doc.get("claimable_at") == UNPUBLISHED:  # the relay's (it passes it over)
+                    self._ledger.leave_unpublished(doc)
+                else:
                     self._ledger.mark_reconciled(doc)  # out of view until its stale time
                 return
         if record_id not in unacked and not republishable:

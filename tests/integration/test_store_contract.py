@@ -351,7 +351,7 @@ def test_a_held_outbox_job_and_one_no_relay_can_publish(world: tuple[Any, Clock]
     # A record held by backpressure, noted as read (once), leaves the reconciler's stale view
     # for its stale time and stays in the relay's
     [doc] = [d for d in ledger.stale(State.QUEUED, older_than_seconds=1) if d["_id"] == held]
-    assert ledger.note_held(doc) and not ledger.note_held(doc)
+    assert ledger.leave_unpublished(doc) and not ledger.leave_unpublished(doc)
     assert held not in stale()
     assert held in {d["_id"] for d in ledger.unpublished(older_than_seconds=1)}
     clock.advance(2)

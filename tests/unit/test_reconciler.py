@@ -199,21 +199,32 @@ def test_a_job_never_published_waits_in_the_outbox_while_its_tier_is_above_its_m
     assert {t.options["task_id"]: t.options["tier"] for t in world.outbox.tasks}[held] == tier
 
 
-def test_jobs_held_in_the_outbox_never_fill_the_sweeps_window(world: World) -> None:
-    # Given 3 never-published jobs of a held tier, and a lost job, all past the stale time
-    for n in range(3):
-        record_id = derive_task_id(TASK, f"held-{n}")
-        message = KeptMessage.of_call([1], {}, message_headers={"ledger_key": f"held-{n}"})
-        world.ledger.enqueue(record_id, task=TASK, key=f"held-{n}", tier="bulk", message=message)
-        world.ledger.mark_unpublished(record_id)
-    lost = world.running_job("lost")
+def test_jobs_left_to_the_outbox_never_fill_the_sweeps_window(world: World) -> None:
+    # Given never-published jobs the reconciler leaves to the relay (2 of a held tier, 2
+    # sealed with a key it lacks), then a queued job whose message was lost, all stale
+    old = Sealer([OLD_KEY])
+    for n in range(4):
+        key = f"left-{n}"
+        message = KeptMessage.of_call(
+            [1], {}, message_headers={"ledger_key": key}, sealer=old if n >= 2 else None
+        )
+        tier = "bulk" if n < 2 else "critical"
+        world.ledger.enqueue(
+            derive_task_id(TASK, key), task=TASK, key=key, tier=tier, message=message
+        )
+        world.ledger.mark_unpublished(derive_task_id(TASK, key))
+    world.clock.advance(1)
+    lost = derive_task_id(TASK, "lost")
+    message = KeptMessage.of_call([2], {}, message_headers={"ledger_key": "lost"})
+    world.ledger.enqueue(lost, task=TASK, key="lost", tier="critical", message=message)
     world.gate.engaged.add("bulk")
     world.clock.advance(901)
     # When the reconciler sweeps 2 records at a time
-    first, second = (world.reconciler.sweep(limit=2) for _ in range(2))
-    # Then the held ones are read once, and the lost job comes back on the next sweep
-    assert first.held + second.held == 3
+    sweeps = [world.reconciler.sweep(limit=2) for _ in range(3)]
+    # Then each job left to the relay is read once, and the lost job comes back
+    assert sum(r.held for r in sweeps) == 2 and sum(r.failed for r in sweeps) == 2
     assert [t.options["task_id"] for t in world.outbox.tasks] == [lost]
+    assert len(world.ledger.unpublished()) == 4  # still the relay's
 
 
 def test_a_record_that_cannot_be_opened_is_counted_and_the_sweep_goes_on(world: World) -> None:

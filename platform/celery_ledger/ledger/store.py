@@ -1800,10 +1800,11 @@ class Ledger:
             )
         return result.matched_count == 1
 
-    def note_held(self, doc: Mapping[str, Any]) -> bool:
-        """A never-published record that its tier's backpressure holds in the outbox, as read
-        in ``doc``: untouched again for the reconciler's stale time (out of its stale view
-        meanwhile, so that held records never fill a sweep's window and hide the rest), still
+    def leave_unpublished(self, doc: Mapping[str, Any]) -> bool:
+        """A never-published record the reconciler leaves to the outbox relay (its tier held
+        by backpressure, or its message sealed with a key the sweeper lacks), as read in
+        ``doc``: untouched again for the reconciler's stale time (out of its stale view
+        meanwhile, so that such records never fill a sweep's window and hide the rest), still
         in the relay's (``claimable_at`` and ``unpublished_at`` are left as they are)."""
         with translate_errors("reconcile mark"):
             result = self.collection.update_one(
