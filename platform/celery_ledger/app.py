@@ -205,7 +205,7 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             workflow_states=self.workflow_engine.log.running,
             lock=lock,
             announce_dead=lambda record_id: self.dead_letters.announce_record(record_id),
-            wake_due_workflows=self.workflow_engine.wake_overdue,
+            wake_due_workflows=lambda limit: self.workflow_engine.wake_overdue(limit=limit),
         )
 
     def enqueue(self, session: ClientSession, work: Signature | WorkflowCall) -> Any:

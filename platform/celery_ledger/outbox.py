@@ -50,6 +50,9 @@ if TYPE_CHECKING:
     from .runtime import Runtime
 
 logger = logging.getLogger("celery_ledger.outbox")
+# Workflows a relay pass wakes at most (a backlog of due checks after an outage is the
+# reconciler's, whose sweep takes up to 200; a pass stays well within the relay's lease).
+WAKES_PER_PASS = 20
 # How long the relay passes over a record it could not open, and how many it remembers.
 PASS_OVER_SECONDS = 300.0
 PASS_OVER_MAX = 10_000
@@ -76,7 +79,7 @@ class Outbox:
         workflow_states: Callable[[list[str]], Iterable[str]],
         lock: SweepLock | None = None,
         announce_dead: Callable[[str], None] | None = None,
-        wake_due_workflows: Callable[[], int] | None = None,
+        wake_due_workflows: Callable[[int], int] | None = None,
     ) -> None:
         self._runtime = runtime
         # The workflow engine's wake of workflows due for a check: a workflow started in a
@@ -102,23 +105,17 @@ class Outbox:
 
     # -- in the transaction ---------------------------------------------------------------------
 
-    def require_transaction(self, session: Any) -> ClientSession:
-        """``session`` if it is a pymongo session of the ledger's client inside a transaction.
+    @staticmethod
+    def require_transaction(session: Any) -> ClientSession:
+        """``session`` if it is a pymongo session inside a transaction.
 
         Raises:
             ConfigurationError: it is not (a write outside a transaction would publish
-                nothing and promise nothing; a transaction spans one client's deployment).
+                nothing and promise nothing).
         """
         if not isinstance(session, ClientSession):
             raise ConfigurationError(
                 f"session= takes a pymongo ClientSession, not {type(session).__name__}"
-            )
-        if session.client is not self._ledger.client:
-            raise ConfigurationError(
-                "session= takes a session of the ledger's client (app.ledger.client"
-                ".start_session(), or app.outbox.transaction(...)): the job's record is written"
-                " in its transaction, and a transaction spans one client; reach the app's"
-                " collections through session.client"
             )
         if not session.in_transaction:
             raise ConfigurationError(
@@ -252,7 +249,8 @@ class Outbox:
 
     def relay(self, *, limit: int = 500) -> int:
         """Publish committed outbox records that nobody published within the grace time
-        (their committing process died, or its publish failed); returns how many."""
+        (their committing process died, or its publish failed), then wake up to
+        ``WAKES_PER_PASS`` workflows due for a check; returns how many records it published."""
         runtime = self._runtime
         grace = runtime.settings.outbox_grace_seconds
         held = {tier for tier in runtime.tiers.names if runtime.gate.holds(tier)}
@@ -272,7 +270,7 @@ class Outbox:
         if sent:
             logger.warning("outbox relay: published %d job(s) their committer did not", sent)
         if self._wake_due_workflows is not None:
-            woken = self._wake_due_workflows()
+            woken = self._wake_due_workflows(WAKES_PER_PASS)
             if woken:
                 logger.info("outbox relay: woke %d workflow(s) due for a check", woken)
         return sent

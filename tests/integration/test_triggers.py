@@ -265,7 +265,7 @@ def test_a_watcher_killed_between_a_changes_record_and_its_message_is_recovered(
     # job), which dies as it publishes order 12's job: its record written, its message not
     # (the crash: the before_task_publish hook of apps/dying_trigger.py); the other worker
     # runs the jobs and waits for the lease. No reconciler runs anywhere.
-    w = world(TRIGGER_TEST_LEASE_SECONDS="5")  # time to look at the broker before a takeover
+    w = world(TRIGGER_TEST_LEASE_SECONDS="10")  # time to look at the broker before a takeover
     total, doomed = 30, 12
     doomed_order = f"{w.collection_name}-{doomed}"
     marker = tmp_path / "watcher-died"

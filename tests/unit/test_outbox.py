@@ -17,7 +17,7 @@ from celery_ledger.keys import derive_task_id
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import State
 from celery_ledger.ledger.store import EPOCH, UNPUBLISHED
-from celery_ledger.outbox import PASS_OVER_SECONDS, Outbox
+from celery_ledger.outbox import PASS_OVER_SECONDS, WAKES_PER_PASS, Outbox
 from celery_ledger.routing import TIERS, Tiers
 from tests.fakes import Clock, MemoryLedger
 from tests.fakes import Outbox as Ports
@@ -80,9 +80,10 @@ class World:
         )
         self.checks = 0
 
-    def wake_due(self) -> int:
+    def wake_due(self, limit: int) -> int:
         """The engine's wake of workflows due for a check (one started in a transaction is due
         once the committer's grace has passed)."""
+        assert limit == WAKES_PER_PASS
         self.checks += 1
         return 1
 

@@ -177,8 +177,8 @@ class WorkflowEngine:
 
         ``session``: the state document is written in that session's transaction (the app's
         own) and no wake is published (the caller's outbox publishes it after the commit). It
-        is due for the reconciler's check at once: a committing process that dies before
-        that publish leaves it to the next sweep.
+        is due for a check once ``committer_grace_seconds`` have passed: a committing process
+        that dies before that publish leaves it to the outbox relay's next pass.
 
         Raises:
             PayloadError: the arguments do not fit the workflow's signature, are not JSON, or
