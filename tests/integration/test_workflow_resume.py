@@ -60,19 +60,25 @@ def test_a_thousand_step_workflow_reads_as_little_per_resume_at_the_end_as_at_th
     assert {marks[m].reads for m in marks} == {2}
 
 
-def test_the_tail_read_pages_past_its_limit_through_pending_documents_and_events(
-    stack: Any,
-) -> None:
+def fresh_log(stack: Any, prefix: str) -> tuple[Any, WorkflowLog]:
+    """An app on a database of its own, and its workflow log with its indexes."""
     app = build(
         {
             "LEDGER_BROKER_URL": stack.broker.url,
             "LEDGER_MONGO_URI": stack.ledger.url,
-            "LEDGER_MONGO_DB": f"tail_{uuid.uuid4().hex[:8]}",
+            "LEDGER_MONGO_DB": f"{prefix}_{uuid.uuid4().hex[:8]}",
         }
     )
+    log = WorkflowLog(app.ledger, retention_seconds=3600)
+    log.ensure_indexes()
+    return app, log
+
+
+def test_the_tail_read_pages_past_its_limit_through_pending_documents_and_events(
+    stack: Any,
+) -> None:
+    app, log = fresh_log(stack, "tail")
     try:
-        log = WorkflowLog(app.ledger, retention_seconds=3600)
-        log.ensure_indexes()
         wf = f"wf-{uuid.uuid4().hex[:8]}"
         other = f"{wf}x"  # an id that extends this one: never part of its log
         started = {"kind": "started", "data": {"workflow": "t", "args": "[[], {}]", "key": "k"}}
@@ -104,16 +110,8 @@ def test_the_tail_read_pages_past_its_limit_through_pending_documents_and_events
 
 
 def test_stuck_workflows_never_hide_the_ones_due_for_a_check(stack: Any) -> None:
-    app = build(
-        {
-            "LEDGER_BROKER_URL": stack.broker.url,
-            "LEDGER_MONGO_URI": stack.ledger.url,
-            "LEDGER_MONGO_DB": f"due_{uuid.uuid4().hex[:8]}",
-        }
-    )
+    app, log = fresh_log(stack, "due")
     try:
-        log = WorkflowLog(app.ledger, retention_seconds=3600)
-        log.ensure_indexes()
         # Given 3 workflows stuck (waiting for an operator) while due, as an earlier release
         # left them, one stuck now, and one running whose check is due
         stuck = [f"stuck-{n}" for n in range(3)]
