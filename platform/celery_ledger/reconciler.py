@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .broker import BrokerView, SweepLock
-from .errors import StoreError
 from .ledger.message import KeptMessage
 from .ledger.record import State
 from .ledger.store import UNPUBLISHED
@@ -158,9 +157,24 @@ class Reconciler:
             except Exception as exc:  # one bad record never stops the sweep
                 report.failed += 1
                 logger.warning("reconcile: %s failed: %s", doc.get("_id"), exc)
+                self._set_aside(doc)
         if report.found_any:
             logger.warning("reconcile: %s", report.as_dict())
         return report
+
+    def _set_aside(self, doc: dict[str, Any]) -> None:
+        """Out of the sweep's view until its grace or stale time passes again, as read in
+        ``doc``, so that records it
+        leaves (held, nothing to bring them back from, or failing) never fill its window and
+        hide the rest. A never-published one stays in the outbox relay's view: it is the
+        relay's (another app's relay's, if its task is not registered here)."""
+        try:
+            if doc.get("claimable_at") == UNPUBLISHED:
+                self._ledger.leave_unpublished(doc)
+            else:
+                self._ledger.mark_reconciled(doc)
+        except Exception as exc:  # the ledger is away: the next sweep reads it again
+            logger.warning("reconcile: %s could not be set aside: %s", doc.get("_id"), exc)
 
     def _bring_back(
         self,
@@ -183,28 +197,19 @@ class Reconciler:
             # it under the mark; a copy from here would skip the mark. It stays in the relay's
             # view, and leaves this sweep's for the stale time (never filling its window).
             report.held += 1
-            self._ledger.leave_unpublished(doc)
+            self._set_aside(doc)
             return
         message = KeptMessage.from_document(doc.get("message"))
         republishable = message is not None and message.replayable and tier is not None
         arguments = None
         if republishable and record_id not in unacked:
             assert message is not None
-            try:  # before the mark: a record it cannot open stays where it is
-                arguments = message.arguments(runtime.sealer)
-            except StoreError as exc:  # a key rotated out, a damaged record
-                report.failed += 1
-                logger.warning("reconcile: %s cannot be republished: %s", record_id, exc)
-                if doc.get("claimable_at") == UNPUBLISHED:  # the relay's (it passes it over)
-                    self._ledger.leave_unpublished(doc)
-                else:
-                    self._ledger.mark_reconciled(doc)  # out of view until its stale time
-                return
+            # Before the mark: one it cannot open (a key rotated out, a damaged record) raises
+            # into the sweep, which sets it aside as it was
+            arguments = message.arguments(runtime.sealer)
         if record_id not in unacked and not republishable:
             report.skipped.append(record_id)
-            # Out of view until its grace (or stale time) passes again, so that records nothing
-            # can bring back never crowd the sweep's limit and hide the ones it can.
-            self._ledger.mark_reconciled(doc)
+            self._set_aside(doc)
             return
         if not self._ledger.mark_reconciled(doc):
             return  # changed since it was read (claimed, finished, or another sweep)

@@ -263,6 +263,29 @@ def test_a_never_published_job_it_cannot_open_stays_in_the_outbox(world: World) 
     assert [d["_id"] for d in world.ledger.unpublished()] == [record_id]
 
 
+def test_records_it_cannot_handle_are_set_aside_and_never_hide_the_rest(world: World) -> None:
+    # Given stale queued records it cannot handle (a damaged kept message; another app's job
+    # never published), then a queued job whose message was lost
+    damaged, foreign, lost = (derive_task_id(TASK, k) for k in ("damaged", "foreign", "lost"))
+    for record_id, key in ((damaged, "damaged"), (lost, "lost")):
+        message = KeptMessage.of_call([1], {}, message_headers={"ledger_key": key})
+        world.ledger.enqueue(record_id, task=TASK, key=key, tier="critical", message=message)
+        world.clock.advance(1)
+    world.ledger.docs[damaged]["message"]["headers"] = 5  # not a mapping: reading it raises
+    foreign = derive_task_id("elsewhere.task", "foreign")
+    message = KeptMessage.of_call([1], {}, message_headers={})
+    world.ledger.enqueue(foreign, task="elsewhere.task", key="f", tier="critical", message=message)
+    world.ledger.mark_unpublished(foreign)
+    world.clock.advance(901)
+    # When the reconciler sweeps one record at a time
+    sweeps = [world.reconciler.sweep(limit=1) for _ in range(3)]
+    # Then each is read once and set aside, and the lost job comes back
+    assert sum(r.failed for r in sweeps) == 1 and sum(len(r.skipped) for r in sweeps) == 1
+    assert [t.options["task_id"] for t in world.outbox.tasks] == [lost]
+    # And another app's never-published job stays in the outbox, for its own relay
+    assert [d["_id"] for d in world.ledger.unpublished()] == [foreign]
+
+
 def test_a_job_of_a_task_not_registered_here_is_skipped(world: World) -> None:
     record_id = derive_task_id("other.task", "k")
     world.ledger.claim(
