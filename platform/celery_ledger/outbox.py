@@ -100,7 +100,8 @@ class Outbox:
             weakref.WeakKeyDictionary()
         )
         self._staged_lock = ForkSafeLock()
-        # Records this process could not open (a key it lacks), by id: until when to pass over.
+        # Records this process could not publish (a key it lacks, a damaged record), by id:
+        # until when to pass over them (read and written by the relay's one lane).
         self._passed_over: dict[str, float] = {}
 
     # -- in the transaction ---------------------------------------------------------------------
@@ -288,31 +289,16 @@ class Outbox:
         per_tier: dict[str, int] = {}
         try:
             for doc in docs:
-                record_id, task = str(doc["_id"]), str(doc.get("task"))
-                task_tier = runtime.tier_of(task)
-                if task_tier is None:  # another app's task (apps may share a ledger, and tier
-                    continue  # names): its own relay publishes it to its own queues
-                tier = runtime.tiers.of_record(doc.get("tier"), task_tier)
-                message = KeptMessage.from_document(doc.get("message"))
-                if message is None or not message.replayable:
-                    reason = "outbox: no replayable message was kept"
-                    self._bury(doc, task, tier, reason, message)
-                    continue
-                if tier not in held:
-                    held[tier] = runtime.gate.holds(tier)
-                if held[tier]:
-                    continue
+                record_id = str(doc["_id"])
                 try:
-                    arguments = message.arguments(runtime.sealer)
-                except UnreplayableMessage as exc:
-                    self._bury(doc, task, tier, f"outbox: unpublishable message: {exc}", message)
-                    continue
-                except StoreError as exc:
-                    # Sealed with a key this process lacks: an operator may bring the key back
-                    # (or another worker has it), so it is passed over for a while, not buried
+                    ready = self._ready(doc, held)
+                except Exception as exc:  # a damaged record is never in the way of the rest
                     self._pass_over(record_id)
-                    logger.error("outbox: %s (%s) cannot be opened: %s", record_id, task, exc)
+                    logger.error("outbox: %s cannot be published: %r", record_id, exc)
                     continue
+                if ready is None:
+                    continue
+                message, tier, arguments = ready
                 message.republish_record(
                     runtime.publish, runtime.sealer, doc, tier=tier, arguments=arguments
                 )
@@ -325,6 +311,38 @@ class Outbox:
             for tier, count in per_tier.items():
                 runtime.observers.outbox_published(tier, by, count)
         return len(sent)
+
+    def _ready(
+        self, doc: Mapping[str, Any], held: dict[str, bool]
+    ) -> tuple[KeptMessage, str, tuple[list[Any], dict[str, Any]]] | None:
+        """A record's message, tier and arguments, if the relay publishes it now; else None,
+        having left it (another app's task: its own relay publishes it; a tier above its
+        mark), recorded it dead (nothing to publish it from) or passed over it (sealed with a
+        key this process lacks: an operator may bring the key back, or another worker has it)."""
+        runtime = self._runtime
+        record_id, task = str(doc["_id"]), str(doc.get("task"))
+        task_tier = runtime.tier_of(task)
+        if task_tier is None:  # another app's task (apps may share a ledger, and tier names)
+            return None
+        tier = runtime.tiers.of_record(doc.get("tier"), task_tier)
+        message = KeptMessage.from_document(doc.get("message"))
+        if message is None or not message.replayable:
+            self._bury(doc, task, tier, "outbox: no replayable message was kept", message)
+            return None
+        if tier not in held:
+            held[tier] = runtime.gate.holds(tier)
+        if held[tier]:
+            return None
+        try:
+            arguments = message.arguments(runtime.sealer)
+        except UnreplayableMessage as exc:
+            self._bury(doc, task, tier, f"outbox: unpublishable message: {exc}", message)
+            return None
+        except StoreError as exc:
+            self._pass_over(record_id)
+            logger.error("outbox: %s (%s) cannot be opened: %s", record_id, task, exc)
+            return None
+        return message, tier, arguments
 
     def _bury(
         self,
@@ -358,14 +376,10 @@ class Outbox:
         """Leave ``record_id`` out of the relay's reads for ``PASS_OVER_SECONDS`` (records that
         cannot be published here never fill a read's window and hide the rest)."""
         now = self._ledger.now().timestamp()  # the relay's clock (its grace's too)
-        with self._staged_lock:
-            self._passed_over[record_id] = now + PASS_OVER_SECONDS
-            if len(self._passed_over) > PASS_OVER_MAX:
-                self._passed_over = {
-                    rid: until for rid, until in self._passed_over.items() if until > now
-                }
-                while len(self._passed_over) > PASS_OVER_MAX:  # the earliest go first
-                    del self._passed_over[next(iter(self._passed_over))]
+        self._passed_over[record_id] = now + PASS_OVER_SECONDS
+        if len(self._passed_over) > PASS_OVER_MAX:  # the expired, then the first to expire
+            live = sorted((until, rid) for rid, until in self._passed_over.items() if until > now)
+            self._passed_over = {rid: until for until, rid in live[-PASS_OVER_MAX:]}
 
     def _passed_over_now(self, record_id: str) -> bool:
         until = self._passed_over.get(record_id)

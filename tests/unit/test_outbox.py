@@ -8,6 +8,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from celery_ledger import Settings
 from celery_ledger.crypto import Sealer
@@ -294,3 +296,47 @@ def test_records_held_back_never_hide_the_ones_that_can_go(w: World) -> None:
     assert w.outbox.relay(limit=500) == 1
     assert [p.options["task_id"] for p in w.ports.tasks] == [due]
     assert all(w.ledger.docs[r]["claimable_at"] == UNPUBLISHED for r in (*held, other_app))
+
+
+ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
+)
+FIELDS = ("task", "tier", "key", "fence", "message")
+MESSAGE_FIELDS = ("args_json", "kwargs_json", "headers", "raw_base64", "raw_kind", "queue")
+
+
+@given(
+    damage=st.lists(
+        st.tuples(st.sampled_from(FIELDS + MESSAGE_FIELDS), ANY), min_size=1, max_size=4
+    )
+)
+def test_no_value_in_a_committed_record_stops_the_relay_or_hides_the_rest(
+    damage: list[tuple[str, Any]],
+) -> None:
+    # Given a committed record with any values in its fields and its kept message's, read
+    # before a sound one
+    w = World()
+    damaged = w.committed("damaged")
+    for name, value in damage:
+        doc = w.ledger.docs[damaged]
+        if name in MESSAGE_FIELDS and isinstance(doc.get("message"), dict):
+            doc["message"][name] = value
+        elif name in FIELDS:
+            doc[name] = value
+    w.clock.advance(1)
+    sound = w.committed("sound")
+    w.clock.advance(6)
+    # When the relay runs, twice
+    w.outbox.relay()
+    w.outbox.relay()
+    # Then it never raises, the sound job goes once, and the damaged one is published, left,
+    # recorded dead or passed over: never twice, never in the way
+    sent = [p.options["task_id"] for p in w.ports.tasks]
+    assert sent.count(sound) == 1 and sent.count(damaged) <= 1
