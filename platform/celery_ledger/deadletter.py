@@ -460,7 +460,7 @@ class DeadLetters:
         routed = doc.get("death") not in ("poison", "unknown-task")
         tier = self._runtime.tiers.of_record(doc.get("tier") if routed else None, task_tier)
         try:
-            message.arguments(self._runtime.sealer)
+            arguments = message.arguments(self._runtime.sealer)
         except StoreError as exc:  # UnreplayableMessage included
             return ReplayOutcome(record_id, False, f"cannot rebuild the arguments: {exc}")
         # Only a raw message can be unauthenticated: the other kept messages were built by a
@@ -486,7 +486,9 @@ class DeadLetters:
         if dry_run:
             return ReplayOutcome(record_id, True, f"would replay to {where} (dry run)", forced)
         if elsewhere:
-            return self._replay_elsewhere(record_id, message, target, tier, actor, forced)
+            return self._replay_elsewhere(
+                record_id, message, arguments, target, tier, actor, forced
+            )
         reopened = self._ledger.reopen(record_id, actor=actor)
         if reopened is None:
             return ReplayOutcome(record_id, False, "no longer dead: nothing to do")
@@ -498,6 +500,7 @@ class DeadLetters:
                 record_id=record_id,
                 key=str(doc.get("key")),
                 tier=tier,
+                arguments=arguments,
             )
         except Exception as exc:
             self._ledger.undo_reopen(record_id, reopened)
@@ -510,6 +513,7 @@ class DeadLetters:
         self,
         record_id: str,
         message: KeptMessage,
+        arguments: tuple[list[Any], dict[str, Any]],
         target: Identity,
         tier: str,
         actor: str,
@@ -526,6 +530,7 @@ class DeadLetters:
                 record_id=target.record_id,
                 key=target.key,
                 tier=tier,
+                arguments=arguments,
             )
         except Exception as exc:
             return ReplayOutcome(record_id, False, f"publish failed, left dead: {exc}")
