@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from celery_ledger import Settings
 from celery_ledger.crypto import Sealer
-from celery_ledger.errors import Backpressure, ConfigurationError
+from celery_ledger.errors import Backpressure, ConfigurationError, LedgerUnavailable
 from celery_ledger.events import Observer, Observers
 from celery_ledger.keys import derive_task_id
 from celery_ledger.ledger.message import KeptMessage
@@ -21,7 +21,7 @@ from celery_ledger.ledger.record import State
 from celery_ledger.ledger.store import EPOCH, UNPUBLISHED
 from celery_ledger.outbox import PASS_OVER_SECONDS, WAKES_PER_PASS, Outbox
 from celery_ledger.routing import TIERS, Tiers
-from tests.fakes import Clock, MemoryLedger
+from tests.fakes import Clock, Fault, MemoryLedger
 from tests.fakes import Outbox as Ports
 
 TASK = "shop.charge"
@@ -340,3 +340,20 @@ def test_no_value_in_a_committed_record_stops_the_relay_or_hides_the_rest(
     # recorded dead or passed over: never twice, never in the way
     sent = [p.options["task_id"] for p in w.ports.tasks]
     assert sent.count(sound) == 1 and sent.count(damaged) <= 1
+
+
+@pytest.mark.parametrize("applied", [False, True])
+def test_a_ledger_outage_as_a_record_is_recorded_dead_loses_nothing(
+    w: World, applied: bool
+) -> None:
+    # Given a committed job with no kept message, and the ledger failing its dead write
+    # (before it applied, or after: the reply lost)
+    bare = w.committed("outage", message=False)
+    w.clock.advance(6)
+    w.ledger.faults.append(Fault("bury", LedgerUnavailable("ledger away"), applied=applied))
+    # When the relay runs through the outage, and again after it
+    w.outbox.relay()
+    w.outbox.relay()
+    # Then the record ends dead, once, and nothing was published
+    assert w.ledger.docs[bare]["state"] == State.DEAD and not w.ports.tasks
+    assert w.announced == ([] if applied else [bare])  # a lost reply: housekeeping copies it
