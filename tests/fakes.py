@@ -162,11 +162,13 @@ class MemoryLedger:
         alias: str | None = None,
         slo_at: datetime | None = None,
         slo_seconds: float | None = None,
+        new: bool = False,  # the store's choice of write only: the same outcome either way
     ) -> Claim:
         fault = self._enter("claim")
         now = self.now()
         lease = timedelta(seconds=lease_seconds or self.lease_seconds)
         doc = self.docs.get(record_id)
+        created = doc is None
         if alias is not None and alias not in self.docs:
             self.docs[alias] = {
                 "_id": alias,
@@ -245,7 +247,7 @@ class MemoryLedger:
         if message is not None:
             doc["message"] = message.document()
         self._leave(fault)
-        return Claim(ClaimOutcome.CLAIMED, fence=fence)
+        return Claim(ClaimOutcome.CLAIMED, fence=fence, created=created)
 
     # -- outcomes of an attempt ------------------------------------------------------------------
 

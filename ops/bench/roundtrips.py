@@ -58,6 +58,10 @@ class Attempt:
     failed: int = 0
 
 
+# Where each write command carries its statements.
+STATEMENTS = {"update": "updates", "delete": "deletes", "insert": "documents"}
+
+
 class DeliveryCommands(monitoring.CommandListener):
     """MongoDB commands issued by the worker thread while it runs a delivery."""
 
@@ -79,8 +83,9 @@ class DeliveryCommands(monitoring.CommandListener):
             return
         if self._current is not None and threading.get_ident() == self._thread:
             detail = event.command_name
-            if event.command_name in ("update", "delete", "insert"):
-                detail += f"x{len(event.command.get(event.command_name + 's', []) or [])}"
+            statements = STATEMENTS.get(event.command_name)
+            if statements is not None:
+                detail += f"x{len(event.command.get(statements, []) or [])}"
             self._current.commands.append(f"{detail}:{event.command.get(event.command_name)}")
 
     def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:

@@ -296,6 +296,7 @@ PROPERTY_CHECKS: dict[str, Check] = {
     "priority": _optional(_count(256)),  # kombu's restore makes an int of it
     "correlation_id": _optional(_text),
     "reply_to": _optional(_text),
+    ledger_headers.NEW: _optional(_flag),
 }
 _REQUIRED_PROPERTIES = ("delivery_tag", "delivery_info")
 

@@ -114,6 +114,8 @@ class Delivery:
     enqueued_at: float | None = None
     expires: datetime | None = None
     wants_result: bool = False  # a chain or callbacks follow: a duplicate returns the result
+    new: bool = False  # the message's ``ledger_new`` property (see headers.NEW)
+    redelivered: bool = False  # a copy kombu restored (its worker died, or it was handed back)
 
     @property
     def record_id(self) -> str:
@@ -122,6 +124,13 @@ class Delivery:
     @property
     def job(self) -> Job:
         return Job(self.identity.task, self.tier, self.identity.record_id, self.identity.key)
+
+    @property
+    def first_publish(self) -> bool:
+        """Whether the message says it is its job's first publish and no record was written
+        for it (then the claim tries an insert). A hint: a wrong one costs a write, never a
+        wrong claim."""
+        return self.new and not self.redelivered and self.retries == 0 and self.deferrals == 0
 
     def republish_headers(self, **changes: Any) -> dict[str, Any]:
         """The message's headers for a copy of it, with the validated key and tier."""
@@ -264,6 +273,7 @@ class Guard:
                 message=delivery.kept(self.runtime.sealer if policy.sensitive else None),
                 max_attempts=policy.max_attempts,
                 alias=delivery.identity.alias,
+                new=delivery.first_publish,
                 **self._objective(delivery, policy),
             )
         except LedgerUnavailable as exc:
@@ -293,7 +303,7 @@ class Guard:
         if claim.outcome is ClaimOutcome.CONFLICT:
             return self._conflict(delivery, policy)
         replacing = False
-        if policy.fallback is not None:
+        if policy.fallback is not None and not claim.created:
             try:
                 replacing = self._replacing(delivery.record_id, claim.fence)
             except LedgerError as exc:  # not knowing, it must not run: back when it answers

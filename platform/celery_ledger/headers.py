@@ -29,6 +29,16 @@ WORKFLOW_TIER = "ledger_workflow_tier"
 # carried over (a republish signs again).
 SIGNATURE = "ledger_signature"
 
+# A message *property*, not a header: true on a job's first publish when no ledger record was
+# written for it (``apply_async`` without ``dedupe_on_publish``), so that the first claim is
+# tried as an insert, the cheapest write. It says something of this one publish only: a
+# property is never copied by a retry or a deferral (Celery copies the headers), and a worker
+# of an earlier release ignores a property it does not know, where it refuses an unknown
+# ``ledger_`` header (so producers may be upgraded before workers). A hint: wrong either way,
+# the claim costs one more write and claims the same.
+NEW = "ledger_new"
+PROPERTIES = (NEW,)
+
 # Headers a republish copies from the original message (see KeptMessage).
 CARRIED = (
     KEY,

@@ -56,7 +56,14 @@ from .policies.backoff import Jitter
 from .policies.fallback import Fallback
 from .policies.retry import RetryPolicy
 from .progress import Execution, Step, batches
-from .untrusted import expiry_of, float_or_none, request_header, retries_done
+from .untrusted import (
+    expiry_of,
+    float_or_none,
+    redelivered,
+    request_header,
+    request_property,
+    retries_done,
+)
 
 if TYPE_CHECKING:
     from .app import LedgerCelery
@@ -66,7 +73,7 @@ logger = logging.getLogger("celery_ledger.task")
 _Result: TypeAlias = AsyncResult
 
 # Options a call may not pass through to the broker: the ledger owns them.
-_LEDGER_OWNED_OPTIONS = ("ignore_result",)
+_LEDGER_OWNED_OPTIONS = ("ignore_result", headers.NEW)
 # Options a job enqueued in a transaction cannot carry: its record keeps the call only.
 _NOT_IN_OUTBOX = ("chain", "countdown", "eta", "expires")
 # Marks a publish of a delivery's own arguments again (a retry, a deferral): see
@@ -471,6 +478,8 @@ class LedgerTask(Task):  # type: ignore[misc]
             enqueued_at=float_or_none(request_header(request, headers.ENQUEUED_AT)),
             expires=expiry_of(request.expires),
             wants_result=bool(request.callbacks or request.chain),
+            new=request_property(request, headers.NEW) is True,
+            redelivered=redelivered(request),
         )
 
     def signature_from_request(
@@ -716,6 +725,9 @@ class LedgerTask(Task):  # type: ignore[misc]
             else:
                 if outcome is EnqueueOutcome.KNOWN:
                     return self.AsyncResult(task_id)
+        if not is_retry and not dedupe:
+            # A first publish with no record written: its claim may insert the record.
+            options[headers.NEW] = True
         try:
             return publish_now()
         except Exception:

@@ -31,6 +31,20 @@ def request_header(request: Any, name: str) -> Any:
     return value
 
 
+def request_property(request: Any, name: str) -> Any:
+    """A property of the current message (``request.properties``), or None."""
+    properties = getattr(request, "properties", None)
+    return properties.get(name) if isinstance(properties, dict) else None
+
+
+def redelivered(request: Any) -> bool:
+    """Whether kombu marked the current message a restored copy (its worker died with it
+    unacknowledged, or it was handed back): in its delivery info and, on Redis, its headers."""
+    info = getattr(request, "delivery_info", None)
+    marked = isinstance(info, dict) and info.get("redelivered") is True
+    return marked or request_header(request, "redelivered") is True
+
+
 def float_or_none(value: Any) -> float | None:
     """A finite number from a header, or None (raw messages may carry anything)."""
     try:

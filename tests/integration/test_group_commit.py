@@ -26,7 +26,12 @@ def store(stack: Any) -> Iterator[Ledger]:
     ledger.close()
 
 
-def test_concurrent_writers_share_flushes_and_each_gets_its_own_outcome(store: Ledger) -> None:
+@pytest.mark.parametrize("new", [False, True], ids=["conditional", "told-new"])
+def test_concurrent_writers_share_flushes_and_each_gets_its_own_outcome(
+    store: Ledger, new: bool
+) -> None:
+    # ``new``: every claim is told its job is new (a first publish), so the batches mix inserts
+    # (two of which collide with records that exist) with the completions' updates.
     ids = [uuid.uuid4().hex for _ in range(WRITERS)]
     # One record is finished already (a duplicate), one is held by a live lease elsewhere
     done, held = ids[0], ids[1]
@@ -40,7 +45,9 @@ def test_concurrent_writers_share_flushes_and_each_gets_its_own_outcome(store: L
 
     def writer(record_id: str, index: int) -> None:
         barrier.wait(10)
-        claim = store.claim(record_id, task="t", key=record_id, tier="default", owner=f"w{index}")
+        claim = store.claim(
+            record_id, task="t", key=record_id, tier="default", owner=f"w{index}", new=new
+        )
         outcomes[record_id] = claim.outcome
         if claim.outcome is not ClaimOutcome.CLAIMED:
             return

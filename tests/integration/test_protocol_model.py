@@ -292,6 +292,7 @@ class Message:
     headers: dict[str, Any]
     retries: int = 0
     task_id: str | None = None
+    new: bool = False  # the ledger_new property: a first publish that wrote no record
 
 
 @dataclass
@@ -551,6 +552,7 @@ class ProtocolModel(RuleBasedStateMachine):
             headers=message.headers,
             retries=message.retries,
             deferrals=int(message.headers.get("ledger_deferrals", 0)),
+            new=message.new,
         )
 
     def ready(self) -> list[Message]:
@@ -618,12 +620,16 @@ class ProtocolModel(RuleBasedStateMachine):
                     record_id, task=TASK, key=key, tier=TIER, message=kept
                 )
             except LedgerUnavailable:
-                pass  # published without its queued record
+                dedupe = False  # published without its queued record
             else:
                 if outcome is EnqueueOutcome.KNOWN:
                     self.accepted.add(key)
                     return key
         self._enqueue_message(key, 0.0, message_headers, 0, record_id)
+        # No record written: the claim is told the job is new (an insert first). A key
+        # published again, or a copy the broker restores, says so though its record exists:
+        # the insert collides and the claim decides as ever.
+        self.broker.queued[-1].new = not dedupe
         self.accepted.add(key)
         return key
 

@@ -27,5 +27,10 @@ def test_round_trips_per_delivery(stack: Any) -> None:
         "one retry: both attempts": 4,
         "dead-letter": 3,
     }, commands
-    # one round trip per operation on the happy path: nothing rides a bulk it does not need
-    assert [c.split(":")[0] for c in commands["happy path"]] == ["updatex1", "updatex1"]
+    # one round trip per operation on the happy path: nothing rides a bulk it does not need;
+    # a first publish's claim is an insert, and so is a client's duplicate publish's (refused)
+    kinds = {case: [c.split(":")[0] for c in found] for case, found in commands.items()}
+    assert kinds["happy path"] == ["insertx1", "updatex1"]
+    assert kinds["suppressed duplicate"] == ["insertx1", "updatex1"]
+    # a retry's claim takes the record that exists: the conditional claim, no insert tried
+    assert kinds["one retry: both attempts"] == ["insertx1", "updatex1", "updatex1", "updatex1"]

@@ -96,6 +96,83 @@ def test_claim_outcomes_for_each_state(world: tuple[Any, Clock]) -> None:
     assert claim(ledger, other).outcome is ClaimOutcome.DEAD
 
 
+@pytest.mark.parametrize("new", [False, True], ids=["conditional", "told-new"])
+def test_a_claim_told_its_job_is_new_decides_as_the_conditional_claim_in_every_state(
+    world: tuple[Any, Clock], new: bool
+) -> None:
+    # ``new`` is a message's hint (its first publish, no record written): the claim tries an
+    # insert first. Whatever the record's state, the outcome and the record are the same.
+    ledger, clock = world
+
+    def told(record_id: str, owner: str = "w:1", **options: Any) -> Any:
+        return claim(ledger, record_id, owner, new=new, **options)
+
+    fresh = new_id()
+    first = told(fresh)
+    assert first.outcome is ClaimOutcome.CLAIMED and first.created
+    held = told(fresh, "w:2")
+    assert held.outcome is ClaimOutcome.BUSY and held.retry_at is not None
+    ledger.complete(fresh, first.fence, "1", op=new_op())
+    assert told(fresh).outcome is ClaimOutcome.DUPLICATE
+    assert ledger.find_raw(fresh)["duplicates"] == 1
+    # a retrying record, a queued one (written at publish) and a lease that ended: claimed
+    retrying = new_id()
+    fence = told(retrying).fence
+    ledger.record_retry(retrying, fence, error(), retry_at=utcnow(), op=new_op(), retries=1)
+    again = told(retrying)
+    assert again.outcome is ClaimOutcome.CLAIMED and not again.created and again.fence > fence
+    assert ledger.find_raw(retrying)["attempts"] == 2
+    queued = new_id()
+    message = KeptMessage.of_call([1], {}, message_headers={"ledger_key": queued})
+    ledger.enqueue(queued, task=TASK, key=queued, tier="bulk", message=message)
+    taken = told(queued)
+    assert taken.outcome is ClaimOutcome.CLAIMED and not taken.created
+    assert ledger.find_raw(queued)["state"] == State.RUNNING
+    lapsed = new_id()
+    lost = told(lapsed).fence
+    clock.advance(61)
+    took_over = told(lapsed, "w:2")
+    assert took_over.outcome is ClaimOutcome.CLAIMED and took_over.fence > lost
+    assert ledger.find_raw(lapsed)["inflight"] == 2
+    # the attempts budget, a dead job and another job's record: as ever
+    budget = new_id()
+    ledger.release(budget, told(budget, max_attempts=1).fence, op=new_op())
+    assert told(budget, max_attempts=1).killed
+    assert told(budget).outcome is ClaimOutcome.DEAD
+    other = new_id()
+    told(other)
+    conflict = ledger.claim(other, task="other", key=other, tier="default", owner="w:2", new=new)
+    assert conflict.outcome is ClaimOutcome.CONFLICT
+    assert ledger.find_raw(other)["task"] == TASK
+
+
+def test_the_record_a_first_claims_insert_makes_is_the_one_the_upsert_makes(
+    world: tuple[Any, Clock],
+) -> None:
+    ledger, _clock = world
+    made = {}
+    for new in (False, True):
+        record_id, alias = new_id(), new_id()
+        message = KeptMessage.of_call([1], {}, message_headers={"ledger_tier": "default"})
+        due = utcnow() + timedelta(days=1)  # never due in the other tests' views
+        found = claim(
+            ledger, record_id, new=new, message=message, alias=alias, slo_at=due, slo_seconds=5
+        )
+        assert found.outcome is ClaimOutcome.CLAIMED and found.created
+        assert ledger.resolve(alias)["_id"] == record_id
+        record = ledger.find_raw(record_id)
+        assert (record["key"], record["fence"]) == (record_id, found.fence)
+        # the same fields with the same values, but for the job's own id, key, fence and times
+        made[new] = {
+            name: type(value)
+            if name in ("_id", "key", "fence") or isinstance(value, datetime)
+            else value
+            for name, value in record.items()
+        }
+        ledger.complete(record_id, found.fence, "1", op=new_op())  # out of the objectives' view
+    assert made[True] == made[False]
+
+
 def test_a_stale_holder_cannot_overwrite_the_new_holder(world: tuple[Any, Clock]) -> None:
     ledger, clock = world
     record_id = new_id()

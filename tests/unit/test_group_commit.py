@@ -14,7 +14,7 @@ import pytest
 from bson.errors import InvalidDocument
 from pymongo.errors import AutoReconnect, BulkWriteError, ConnectionFailure, WriteConcernError
 
-from celery_ledger.ledger.group_commit import GroupCommit, Outcome, Statement, _outcomes
+from celery_ledger.ledger.group_commit import GroupCommit, Insert, Outcome, Statement, _outcomes
 
 CLAIM = Statement({"_id": "a"}, {"$set": {"x": 1}}, upsert=True)
 END = Statement({"_id": "b", "fence": 1}, {"$set": {"x": 1}})
@@ -32,6 +32,20 @@ def test_each_statement_gets_its_own_outcome() -> None:
         Outcome(matched=False, error={"index": 1, "code": 11000}),
         Outcome(matched=False, upserted=True),
         Outcome(matched=True),
+        Outcome(matched=True),
+    ]
+
+
+def test_an_insert_inserted_unless_it_failed_and_is_never_in_the_matched_total() -> None:
+    new = Insert({"_id": "c", "x": 1})
+    details = {
+        "writeErrors": [{"index": 1, "code": 11000}],  # a document with its _id exists
+        "upserted": [],  # the server lists upserts only, never inserts
+        "nMatched": 1,  # the plain update
+    }
+    assert _outcomes([new, new, END], details) == [
+        Outcome(matched=False, upserted=True),
+        Outcome(matched=False, error={"index": 1, "code": 11000}),
         Outcome(matched=True),
     ]
 

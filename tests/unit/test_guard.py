@@ -224,6 +224,34 @@ def test_a_live_lease_puts_the_delivery_off_until_it_ends(h: Harness) -> None:
     assert h.recorder.names() == ["deferred"]
 
 
+@pytest.mark.parametrize(
+    ("changes", "first"),
+    [
+        ({"new": True}, True),
+        ({}, False),  # no property: another producer, or a record written at publish
+        ({"new": True, "retries": 1}, False),  # a retry's copy
+        ({"new": True, "deferrals": 1}, False),  # a deferral's copy
+        ({"new": True, "redelivered": True}, False),  # restored after its worker died
+    ],
+)
+def test_only_a_first_publish_without_a_record_claims_by_insert(
+    h: Harness, changes: dict[str, Any], first: bool
+) -> None:
+    delivery = h.delivery(**changes)
+    asked: list[bool] = []
+    claim = h.ledger.claim
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs["new"])
+        return claim(*args, **kwargs)
+
+    h.ledger.claim = spy  # type: ignore[method-assign]
+    _verdict, body = h.run(delivery=delivery)
+
+    assert delivery.first_publish is first and asked == [first]
+    assert body.runs == 1 and h.record["state"] == State.SUCCEEDED
+
+
 def test_the_ledger_unreachable_at_the_claim_defers_with_backoff(h: Harness) -> None:
     h.ledger.fail("claim", LedgerUnavailable("down"))
     verdict, body = h.run(delivery=h.delivery(deferrals=3))

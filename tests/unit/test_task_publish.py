@@ -30,6 +30,7 @@ from celery_ledger import (
 )
 from celery_ledger.keys import default_key, derive_task_id
 from celery_ledger.ledger.store import EnqueueOutcome
+from celery_ledger.task import ADMITTED
 
 SENTINEL = object()
 
@@ -755,6 +756,55 @@ def test_no_dedupe_by_default(
 
     assert ledger.enqueued == []
     assert len(published) == 1
+
+
+# -- the first claim's hint ---------------------------------------------------------------------
+
+
+def test_a_first_publish_without_a_record_tells_its_claim_the_job_is_new(
+    add: LedgerTask, published: list[Published]
+) -> None:
+    add.apply_async((1, 2))
+
+    assert only(published).options["ledger_new"] is True  # a property of the message
+
+
+@pytest.mark.parametrize("outcome", [EnqueueOutcome.NEW, EnqueueOutcome.UNPUBLISHED])
+def test_a_publish_that_wrote_the_jobs_record_never_says_it_is_new(
+    app: LedgerCelery, add: LedgerTask, published: list[Published], outcome: EnqueueOutcome
+) -> None:
+    app.runtime.ledger = FakeLedger(outcome=outcome)  # type: ignore[assignment]
+    add.dedupe_on_publish = True
+
+    add.apply_async((1, 2), ledger_new=True)
+
+    assert "ledger_new" not in only(published).options
+
+
+def test_with_the_ledger_down_a_deduplicated_publish_wrote_nothing_and_says_new(
+    app: LedgerCelery, add: LedgerTask, published: list[Published]
+) -> None:
+    app.runtime.ledger = FakeLedger(down=True)  # type: ignore[assignment]
+    add.dedupe_on_publish = True
+
+    add.apply_async((1, 2))
+
+    assert only(published).options["ledger_new"] is True  # a property of the message
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"retries": 1, "root_id": "r"}, {"retries": 0}, {ADMITTED: True}],
+    ids=["retry", "deferral", "admitted"],
+)
+def test_a_copy_of_a_known_job_never_says_it_is_new(
+    add: LedgerTask, published: list[Published], options: dict[str, Any]
+) -> None:
+    # an admitted job (a trigger's queued record, a workflow's step) may have its record
+    # already; and a caller's own option never decides
+    add.apply_async((1, 2), ledger_new=True, **options)
+
+    assert "ledger_new" not in only(published).options
 
 
 def test_a_retry_is_never_deduplicated(

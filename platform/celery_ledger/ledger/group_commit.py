@@ -1,9 +1,9 @@
 """Group commit: the ledger writes of one process's concurrent tasks share one bulk write.
 
 A threads or gevent pool runs many tasks in one process, and each claim and completion is a
-single-document update on ``_id``. Sent one by one, every update pays its own round trip and
-its own journal flush (``j=True``, ``w=majority``); sent together as one unordered
-``bulk_write``, they pay one. Databases call this group commit.
+single-document write on ``_id`` (an update, or a first claim's insert). Sent one by one,
+every write pays its own round trip and its own journal flush (``j=True``, ``w=majority``);
+sent together as one unordered ``bulk_write``, they pay one. Databases call this group commit.
 
 The batching is *natural* (a leader and its followers, the usual group-commit shape): the first
 writer to arrive while nothing is being flushed becomes the leader and sends at once what is
@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from pymongo import UpdateOne
+from pymongo import InsertOne, UpdateOne
 from pymongo.collection import Collection
 from pymongo.errors import BulkWriteError, ConnectionFailure, WriteConcernError
 
@@ -53,6 +53,16 @@ class Statement(NamedTuple):
     upsert: bool = False
 
 
+class Insert(NamedTuple):
+    """One new document, as ``Collection.insert_one`` takes it: its outcome is ``upserted``
+    (inserted), or the server's error (a duplicate key: a document with its ``_id`` exists)."""
+
+    document: dict[str, Any]
+
+
+Write = Statement | Insert
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """One statement's outcome: ``error`` (the server's write error document), ``upserted`` (it
@@ -66,7 +76,7 @@ class Outcome:
 
 @dataclass(eq=False)
 class _Entry:
-    ops: Sequence[Statement]
+    ops: Sequence[Write]
     done: bool = False
     outcomes: list[Outcome] = field(default_factory=list)
     error: BaseException | None = None
@@ -101,7 +111,7 @@ class GroupCommit:
             self._generation = process_generation()
         return self._queue
 
-    def write(self, ops: Sequence[Statement]) -> list[Outcome]:
+    def write(self, ops: Sequence[Write]) -> list[Outcome]:
         """Send ``ops`` (unordered), alone or with other writers' ops; their outcomes in order.
 
         Raises what ``Collection.bulk_write`` raises for the whole batch (a connection failure,
@@ -195,7 +205,12 @@ class GroupCommit:
         ops = [op for entry in batch for op in entry.ops]
         self.flushes += 1
         self.statements += len(ops)
-        requests = [UpdateOne(op.filter, op.update, upsert=op.upsert) for op in ops]
+        requests = [
+            InsertOne(op.document)
+            if isinstance(op, Insert)
+            else UpdateOne(op.filter, op.update, upsert=op.upsert)
+            for op in ops
+        ]
         try:
             result = self._collection().bulk_write(requests, ordered=False)
             details: dict[str, Any] = {
@@ -218,14 +233,19 @@ class GroupCommit:
             start += len(entry.ops)
 
 
-def _outcomes(ops: Sequence[Statement], details: dict[str, Any]) -> list[Outcome]:
+def _outcomes(ops: Sequence[Write], details: dict[str, Any]) -> list[Outcome]:
     errors = {int(e["index"]): e for e in details.get("writeErrors", [])}
-    upserted = {int(u["index"]) for u in details.get("upserted", [])}
-    plain = [i for i, op in enumerate(ops) if i not in errors and not op.upsert]
+    # An insert that did not fail inserted; the server counts it in neither total.
+    upserted = {int(u["index"]) for u in details.get("upserted", [])} | {
+        i for i, op in enumerate(ops) if isinstance(op, Insert) and i not in errors
+    }
+    plain = [
+        i for i, op in enumerate(ops) if i not in errors and i not in upserted and not _upsert(op)
+    ]
     # An upsert that neither failed nor inserted matched a document; the rest of the total
     # belongs to the plain updates.
     upserts_matched = sum(
-        1 for i, op in enumerate(ops) if op.upsert and i not in errors and i not in upserted
+        1 for i, op in enumerate(ops) if _upsert(op) and i not in errors and i not in upserted
     )
     plain_all_matched = int(details.get("nMatched", 0)) - upserts_matched == len(plain)
     result: list[Outcome] = []
@@ -234,8 +254,12 @@ def _outcomes(ops: Sequence[Statement], details: dict[str, Any]) -> list[Outcome
             result.append(Outcome(matched=False, error=errors[i]))
         elif i in upserted:
             result.append(Outcome(matched=False, upserted=True))
-        elif op.upsert:
+        elif _upsert(op):
             result.append(Outcome(matched=True))
         else:
             result.append(Outcome(matched=True if plain_all_matched else None))
     return result
+
+
+def _upsert(op: Write) -> bool:
+    return isinstance(op, Statement) and op.upsert
