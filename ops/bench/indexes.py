@@ -16,6 +16,11 @@ alone. Layouts, each on a fresh database, interleaved repeat by repeat:
     bare filters the current indexes, with the claim's and the completion's filters sent as
                  they were until 2026-11-27 (equalities bare; see ``_on_one_record`` in the
                  ledger's store), to show what their shape costs the embedded server
+    upsert claim the current indexes, every claim the conditional upsert (as before the first
+                 publish's claim became an insert, the ``ledger_new`` message property)
+
+In every other layout a claim is told its job is new (``new=True``), as a worker claims the
+first delivery of a job published by ``apply_async``.
 
 A sparse index on a field no record carries is not free on the embedded server: it is the
 reason latency objectives now live in a companion collection (see Ledger.ensure_indexes).
@@ -53,6 +58,7 @@ LAYOUTS: dict[str, Callable[[Ledger], None] | None] = {
     "+2 sparse": _extra_sparse,
     "+1 plain": _extra_plain,
     "bare filters": None,
+    "upsert claim": None,
 }
 
 _SHAPED = ledger_store._on_one_record
@@ -87,7 +93,14 @@ def run_once(url: str, layout: str, jobs: int) -> dict[str, float]:
         def job(i: int) -> None:
             key = f"{run}-{i}"
             record_id = derive_task_id(TASK, key)
-            claim = ledger.claim(record_id, task=TASK, key=key, tier="default", owner="bench:1")
+            claim = ledger.claim(
+                record_id,
+                task=TASK,
+                key=key,
+                tier="default",
+                owner="bench:1",
+                new=layout != "upsert claim",
+            )
             assert claim.fence is not None
             ledger.complete(record_id, claim.fence, "1", op=uuid.uuid4().hex)
 
