@@ -324,6 +324,7 @@ RESERVED_STAMP_NAMES = frozenset(
         "exchange_type",
         "idempotency_key",  # the ledger's publish options (LedgerTask.apply_async)
         "tier",
+        *ledger_headers.PROPERTIES,  # publish options that become message properties
         *CELERY_HEADER_CHECKS,
         *LEDGER_HEADER_CHECKS,
         *WORKER_SET_HEADERS,

@@ -128,8 +128,8 @@ class Delivery:
     @property
     def first_publish(self) -> bool:
         """Whether the message says it is its job's first publish and no record was written
-        for it (then the claim tries an insert). A hint: a wrong one costs a write, never a
-        wrong claim."""
+        for it (then the claim tries an insert). A hint: a wrong one costs at most two writes,
+        never a wrong claim."""
         return self.new and not self.redelivered and self.retries == 0 and self.deferrals == 0
 
     def republish_headers(self, **changes: Any) -> dict[str, Any]:

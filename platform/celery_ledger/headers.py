@@ -35,7 +35,7 @@ SIGNATURE = "ledger_signature"
 # property is never copied by a retry or a deferral (Celery copies the headers), and a worker
 # of an earlier release ignores a property it does not know, where it refuses an unknown
 # ``ledger_`` header (so producers may be upgraded before workers). A hint: wrong either way,
-# the claim costs one more write and claims the same.
+# the claim costs at most two more writes and claims the same.
 NEW = "ledger_new"
 PROPERTIES = (NEW,)
 

@@ -99,8 +99,10 @@ BOUND_HEADERS = (
     "headers",
 )
 # Headers a signature leaves out, and why that is safe. Any other header (tracing's
-# ``sentry-trace``, ``baggage``, ``traceparent``; kombu's ``redelivered``) is not read by the
-# platform or Celery to decide anything.
+# ``sentry-trace``, ``baggage``, ``traceparent``) is not read by the platform or Celery to decide
+# anything; kombu's ``redelivered`` only turns off the first claim's insert (a write's cost),
+# as the unsigned ``ledger_new`` property turns it on (see headers.NEW). Message properties are
+# never signed: none decides what happens to a job.
 UNBOUND_HEADERS: dict[str, str] = {
     HEADER: "the signature itself",
     ledger_headers.SENT_AT: "stamped after the signature (before_task_publish); queue-wait"

@@ -13,6 +13,7 @@ import pytest
 from celery_ledger import LeaseLost, State
 from celery_ledger.errors import StoreError
 from celery_ledger.ledger import ClaimOutcome, Ledger
+from celery_ledger.ledger.group_commit import Insert, Statement, Write
 from celery_ledger.ledger.store import new_op
 
 WRITERS = 16
@@ -86,3 +87,63 @@ def test_concurrent_writers_share_flushes_and_each_gets_its_own_outcome(
     sent = store.writes.statements - statements
     assert sent >= 30
     assert store.writes.flushes - flushes < 30, (store.writes.flushes - flushes, sent)
+
+
+def test_a_batch_of_inserts_upserts_and_updates_gives_each_its_outcome(store: Ledger) -> None:
+    # pymongo sends a mixed bulk as two commands (its inserts, then its updates): the outcomes
+    # must still line up with the statements, on the real server.
+    taken, matched, missing, collides = (uuid.uuid4().hex for _ in range(4))
+    store.collection.insert_many([{"_id": taken}, {"_id": matched}, {"_id": collides}])
+    fresh, upserted = uuid.uuid4().hex, uuid.uuid4().hex
+    ops: list[Write] = [
+        Insert({"_id": fresh, "n": 1}),
+        Statement({"_id": matched}, {"$set": {"n": 1}}),
+        Insert({"_id": taken, "n": 1}),  # exists: a duplicate key
+        Statement({"_id": upserted, "n": {"$exists": False}}, {"$set": {"n": 1}}, upsert=True),
+        Statement({"_id": collides, "n": 5}, {"$set": {"n": 1}}, upsert=True),  # collides
+    ]
+    outcomes = store.writes.write(ops)
+    assert [(o.upserted, o.matched, (o.error or {}).get("code")) for o in outcomes] == [
+        (True, False, None),
+        (False, True, None),
+        (False, False, 11000),
+        (True, False, None),
+        (False, False, 11000),
+    ]
+    # and with an update that matched nothing, the plain ones are unknown (each checks its own)
+    unknown = store.writes.write(
+        [
+            Insert({"_id": uuid.uuid4().hex}),
+            *[
+                Statement({"_id": record_id}, {"$set": {"n": 2}})
+                for record_id in (matched, missing)
+            ],
+        ]
+    )
+    assert [o.matched for o in unknown] == [False, None, None] and unknown[0].upserted
+    assert store.collection.count_documents({"_id": {"$in": [fresh, upserted]}, "n": 1}) == 2
+
+
+def test_a_first_claims_insert_sent_again_after_it_applied_is_recognised(
+    store: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A flush that failed for another writer's statement is sent again writer by writer: a
+    # claim whose insert had applied then collides with its own record. It must claim (its
+    # fence, one attempt), never count itself a duplicate or wait for its own lease.
+    write = store.writes.write
+    sent: list[Any] = []
+
+    def applied_then_sent_again(ops: Any) -> Any:
+        if not sent and isinstance(ops[0], Insert):
+            sent.append(write(ops))  # applied, its outcome lost with the batch
+        return write(ops)
+
+    monkeypatch.setattr(store.writes, "write", applied_then_sent_again)
+    record_id = uuid.uuid4().hex
+    claim = store.claim(record_id, task="t", key=record_id, tier="default", owner="w", new=True)
+
+    assert sent and sent[0][0].upserted  # the first send inserted it
+    assert claim.outcome is ClaimOutcome.CLAIMED
+    record = store.find_raw(record_id)
+    assert record is not None and record["fence"] == claim.fence
+    assert (record["attempts"], record["inflight"], record.get("duplicates")) == (1, 1, None)

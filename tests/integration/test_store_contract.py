@@ -149,12 +149,12 @@ def test_a_claim_told_its_job_is_new_decides_as_the_conditional_claim_in_every_s
 def test_the_record_a_first_claims_insert_makes_is_the_one_the_upsert_makes(
     world: tuple[Any, Clock],
 ) -> None:
-    ledger, _clock = world
+    ledger, clock = world
     made = {}
     for new in (False, True):
         record_id, alias = new_id(), new_id()
         message = KeptMessage.of_call([1], {}, message_headers={"ledger_tier": "default"})
-        due = utcnow() + timedelta(days=1)  # never due in the other tests' views
+        due = clock() + timedelta(days=1)  # never due in the other tests' views
         found = claim(
             ledger, record_id, new=new, message=message, alias=alias, slo_at=due, slo_seconds=5
         )
@@ -162,13 +162,18 @@ def test_the_record_a_first_claims_insert_makes_is_the_one_the_upsert_makes(
         assert ledger.resolve(alias)["_id"] == record_id
         record = ledger.find_raw(record_id)
         assert (record["key"], record["fence"]) == (record_id, found.fence)
-        # the same fields with the same values, but for the job's own id, key, fence and times
+        # the same fields with the same values, but for the job's own id, key and fence, and
+        # every time as an offset from the claim's own (the lease's end, the objective, ...)
+        started = record["started_at"]
         made[new] = {
             name: type(value)
-            if name in ("_id", "key", "fence") or isinstance(value, datetime)
+            if name in ("_id", "key", "fence")
+            else value - started
+            if isinstance(value, datetime)
             else value
             for name, value in record.items()
         }
+        clock.advance(1.5)  # the second claim's times are all later: offsets must still agree
         ledger.complete(record_id, found.fence, "1", op=new_op())  # out of the objectives' view
     assert made[True] == made[False]
 

@@ -252,6 +252,25 @@ def test_only_a_first_publish_without_a_record_claims_by_insert(
     assert body.runs == 1 and h.record["state"] == State.SUCCEEDED
 
 
+def test_a_claim_that_made_the_record_skips_the_read_for_a_degraded_result(h: Harness) -> None:
+    # A task with a fallback reads its claimed record (is this a degraded result's
+    # replacement?) unless its claim made the record: nothing can be on it yet.
+    reads: list[str] = []
+    find_raw = h.ledger.find_raw
+
+    def spy(record_id: str) -> Any:
+        reads.append(record_id)
+        return find_raw(record_id)
+
+    h.ledger.find_raw = spy  # type: ignore[method-assign]
+    fallback = Fallback.of(Placeholder(1))
+    h.run(fails(ConnectionError("gateway timeout")), fallback=fallback)  # made: no read
+    assert reads == []
+    h.clock.advance(10)
+    h.run(delivery=h.delivery(retries=1), fallback=fallback)  # the retry's claim: one read
+    assert reads == [RECORD] and h.record["state"] == State.SUCCEEDED
+
+
 def test_the_ledger_unreachable_at_the_claim_defers_with_backoff(h: Harness) -> None:
     h.ledger.fail("claim", LedgerUnavailable("down"))
     verdict, body = h.run(delivery=h.delivery(deferrals=3))

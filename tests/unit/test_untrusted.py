@@ -131,3 +131,39 @@ def test_a_retry_goes_to_the_tier_the_guard_checked(monkeypatch: pytest.MonkeyPa
         job.pop_request()
     # Then the retry is published to the checked tier (a call option beats the header)
     assert asked["tier"] == "bulk"
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "new", "redelivered"),
+    [
+        (
+            {"properties": {"ledger_new": True}, "delivery_info": {"redelivered": False}},
+            True,
+            False,
+        ),
+        ({"properties": {"ledger_new": 1}}, False, False),  # only true is the hint
+        ({"properties": "junk", "delivery_info": None}, False, False),
+        ({"properties": {"ledger_new": True}, "delivery_info": {"redelivered": True}}, True, True),
+        ({"properties": {}, "headers": {"redelivered": True}}, False, True),  # kombu's restore
+    ],
+)
+def test_a_deliverys_first_publish_hint_is_read_from_the_messages_property(
+    request_fields: dict[str, Any], new: bool, redelivered: bool
+) -> None:
+    app = create_app(
+        "unit",
+        settings=Settings(broker_url="redis://127.0.0.1:1/0", mongo_uri="mongodb://127.0.0.1:1/"),
+        set_as_current=False,
+    )
+
+    @app.task(shared=False, name="unit.job")  # type: ignore[untyped-decorator]
+    def job(x: int) -> None:
+        pass
+
+    job.push_request(id="m-1", retries=0, **request_fields)
+    try:
+        delivery = job._delivery((1,), {})
+    finally:
+        job.pop_request()
+    assert (delivery.new, delivery.redelivered) == (new, redelivered)
+    assert delivery.first_publish is (new and not redelivered)

@@ -3,7 +3,8 @@
 A threads or gevent pool runs many tasks in one process, and each claim and completion is a
 single-document write on ``_id`` (an update, or a first claim's insert). Sent one by one,
 every write pays its own round trip and its own journal flush (``j=True``, ``w=majority``);
-sent together as one unordered ``bulk_write``, they pay one. Databases call this group commit.
+sent together as one unordered ``bulk_write``, they pay one (two when the batch holds inserts
+and updates: pymongo sends each kind as its own command). Databases call this group commit.
 
 The batching is *natural* (a leader and its followers, the usual group-commit shape): the first
 writer to arrive while nothing is being flushed becomes the leader and sends at once what is

@@ -18,8 +18,9 @@ A claim is one write on the common path (a claim that succeeds):
    a server has (no filter to evaluate, no update to apply: on the embedded server the upsert
    claim costs 1.20x the CPU per job, ``ops.bench.indexes``). If a record exists after all (a
    client's duplicate publish), the insert collides on ``_id`` and changes nothing; then the
-   marker below, and only if that does not match either, the conditional upsert: the hint can
-   cost a write, never a wrong claim.
+   marker below, and only if that does not match either, the conditional upsert: a wrong hint
+   costs up to two writes (on a claimable record: the insert and the marker), never a wrong
+   claim.
 2. only when the claim did not match, a duplicate marker: ``$inc duplicates`` on the same
    ``_id`` if it already ``succeeded`` (a suppressed duplicate: two operations).
 
@@ -616,7 +617,7 @@ class Ledger:
         own id when it is not ``record_id``; ``slo_at`` when a new record's job is late (its
         latency objective from its enqueue time). ``new``: the message says no record was
         written for the job (its first publish): the claim is tried as an insert first. A
-        hint only: wrong, it costs a write and claims the same.
+        hint only: wrong, it costs up to two writes and claims the same.
 
         Raises:
             LedgerUnavailable: unreachable, or the claim's outcome is unknown (the caller puts
