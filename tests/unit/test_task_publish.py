@@ -744,7 +744,9 @@ def test_dedupe_with_the_ledger_down_still_publishes(
 
     add.apply_async((1, 2))
 
-    assert len(published) == 1
+    # with the first claim's hint: most likely nothing was written; if the record was after
+    # all (its reply lost), the claim's insert collides and the conditional claim takes it
+    assert only(published).options["ledger_new"] is True
 
 
 def test_no_dedupe_by_default(
@@ -779,19 +781,6 @@ def test_a_publish_that_wrote_the_jobs_record_never_says_it_is_new(
     add.apply_async((1, 2), ledger_new=True)
 
     assert "ledger_new" not in only(published).options
-
-
-def test_with_the_ledger_down_a_deduplicated_publish_goes_out_with_the_hint(
-    app: LedgerCelery, add: LedgerTask, published: list[Published]
-) -> None:
-    # Most likely nothing was written; if the record was after all (its reply lost), the
-    # claim's insert collides and the conditional claim takes it: two writes more, once.
-    app.runtime.ledger = FakeLedger(down=True)  # type: ignore[assignment]
-    add.dedupe_on_publish = True
-
-    add.apply_async((1, 2))
-
-    assert only(published).options["ledger_new"] is True  # a property of the message
 
 
 @pytest.mark.parametrize(
