@@ -75,7 +75,7 @@ from ..locks import ForkSafeLock
 from ..reseal import Reseal, Tally, reseal_tree
 from ..tracecontext import ledger_operation
 from .dead import DeadJob
-from .group_commit import MAX_BATCH, GroupCommit, Insert, Statement, Write
+from .group_commit import MAX_BATCH, GroupCommit, Insert, Outcome, Statement, Write
 from .message import KeptMessage
 from .record import SCHEMA_VERSION, ErrorEntry, LedgerRecord, State
 
@@ -781,11 +781,7 @@ class Ledger:
                     upsert=True,
                 )
             )
-        with translate_errors("claim"):
-            claim, *others = self.writes.write(ops)
-        errors = [o.error for o in (claim, *others) if o.error is not None]
-        if any(e is not claim.error or e.get("code") != DUPLICATE_KEY for e in errors):
-            raise StoreError(f"ledger claim of {record_id} failed: {errors}")
+        claim = self._write_claim(record_id, ops)
         if claim.error is not None:
             # Not claimable. A duplicate of a finished job is the common reason: count it
             # (the marker modifies the record iff it succeeded); anything else needs a read.
@@ -810,14 +806,21 @@ class Ledger:
             # A record exists that no success marks (queued, retrying, held, dead, or this
             # claim's own insert applied by a write sent again): the conditional claim decides.
             # Its marker is not sent twice: a job that ended meanwhile is read, then counted.
-            with translate_errors("claim"):
-                (claim,) = self.writes.write([Statement(claim_filter, update, upsert=True)])
+            claim = self._write_claim(record_id, [Statement(claim_filter, update, upsert=True)])
             if claim.error is not None:
-                if claim.error.get("code") != DUPLICATE_KEY:
-                    raise StoreError(f"ledger claim of {record_id} failed: {claim.error}")
                 return None
         self._track_objective(record_id, {"slo_at": slo_at, "slo_seconds": slo_seconds})
         return Claim(ClaimOutcome.CLAIMED, fence=fence, created=claim.upserted)
+
+    def _write_claim(self, record_id: str, ops: list[Write]) -> Outcome:
+        """Send a claim's statements (the claim first, an alias after it); the claim's outcome.
+        Only the claim may fail, and only on a duplicate key (the record is not claimable)."""
+        with translate_errors("claim"):
+            claim, *others = self.writes.write(ops)
+        errors = [o.error for o in (claim, *others) if o.error is not None]
+        if any(e is not claim.error or e.get("code") != DUPLICATE_KEY for e in errors):
+            raise StoreError(f"ledger claim of {record_id} failed: {errors}")
+        return claim
 
     # -- outcomes of an attempt (fenced; each recognises its own applied write) --------------
 
