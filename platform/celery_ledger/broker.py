@@ -112,7 +112,7 @@ class RedisBroker:
             found[record_id] = Unacked(
                 tag.decode() if isinstance(tag, bytes) else str(tag),
                 str(routing_key),  # kombu names each queue's list after its routing key
-                json.dumps(message).encode(),
+                _restored_copy(message),
             )
         return found
 
@@ -163,7 +163,7 @@ class RedisBroker:
                 continue
             if task not in names:
                 continue
-            unacked = Unacked(tag.decode(), str(routing_key), json.dumps(message).encode())
+            unacked = Unacked(tag.decode(), str(routing_key), _restored_copy(message))
             restored += self.restore(unacked)
         return restored
 
@@ -174,6 +174,22 @@ class RedisBroker:
                 args=[message.tag, message.queue, message.payload],
             )
         )
+
+
+def _restored_copy(message: dict[str, Any]) -> bytes:
+    """The payload that puts ``message`` back on its queue, marked redelivered as kombu marks
+    the copies it restores itself: in its headers and its delivery info. The mark is what tells
+    the claim that the job's record may exist (the message's ``ledger_new`` property says the
+    publish wrote none): without it the claim tries the insert first, and a record that exists
+    costs it up to two writes more. A signature does not cover it (it binds the headers in
+    signing.BOUND_HEADERS), as it does not cover the mark kombu adds."""
+    message_headers, properties = message.get("headers"), message.get("properties")
+    if isinstance(message_headers, dict):
+        message_headers["redelivered"] = True
+    info = properties.get("delivery_info") if isinstance(properties, dict) else None
+    if isinstance(info, dict):
+        info["redelivered"] = True
+    return json.dumps(message).encode()
 
 
 def oldest_ages(client: redis.Redis, queues: Iterable[str], now: float) -> dict[str, float | None]:

@@ -9,7 +9,8 @@ the mark); (3) degraded results whose replacement is as overdue (its message was
 policies/fallback.py). For each, a job
 whose message still waits in its tier's queue or the delayed set is only slow and is left alone
 (under a deep backlog, copies would cost a claim each). Else it puts the job's unacknowledged
-message back on its queue, so it comes back exactly as sent, or republishes it from the message
+message back on its queue, so it comes back as sent (marked redelivered, as kombu marks the copies
+it restores), or republishes it from the message
 kept on the record, under the job's own identity and with its headers (age, retry state).
 Fencing keeps this safe against a slow original holder: the new delivery claims with a higher
 token, and the old holder's late writes are refused.
