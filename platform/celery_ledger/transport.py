@@ -8,7 +8,9 @@ non-JSON item, or an envelope whose fields have the wrong types (see
 decode-error hook for this transport, so ``_brpop_read`` and ``_get`` are restated here with
 the decode guarded: such an item is kept, with its queue and the reason, in the app's poison
 list (the transport option ``ledger_poison_key``, set by ``create_app``) and the worker goes on.
-Everything else is kombu's (selected through Celery's ``broker_transport`` setting).
+Everything else is kombu's (selected through Celery's ``broker_transport`` setting), but for
+one saving: the channel reuses its Redis client for the commands it sends outside the event
+loop (see :meth:`Channel.conn_or_acquire`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import base64
 import json
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from queue import Empty
 from typing import Any
 
@@ -54,6 +58,27 @@ class Channel(kombu_redis.Channel):
         "ledger_poison_key",
         "ledger_restore_visible",
     )
+
+    _ledger_client: tuple[Any, Any] | None = None  # (the pool, a client of it)
+
+    @contextmanager
+    def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
+        """kombu's, with the client kept: kombu makes a new ``redis.Redis`` for every publish,
+        acknowledgement and queue-length read, and making one (its table of reply handlers,
+        some 170 entries) costs about as much CPU as sending the command. Measured here: a
+        ledger task's publish fell from 0.37 to 0.32 ms of the producer's CPU (plain Celery's:
+        0.33). A client holds no connection of its own (each command takes one from the
+        channel's pool and gives it back) and may be shared by threads, so one per pool does
+        what a new one per command did. When kombu replaces the pool (after a connection
+        error) a new client is made on the new one."""
+        if client:
+            yield client
+            return
+        pool = self.pool
+        kept = self._ledger_client
+        if kept is None or kept[0] is not pool:
+            kept = self._ledger_client = (pool, self._create_client())
+        yield kept[1]
 
     def _brpop_read(self, **options: Any) -> bool | None:
         try:
