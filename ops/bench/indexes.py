@@ -18,10 +18,10 @@ alone. Layouts, each on a fresh database, interleaved repeat by repeat:
                  ledger's store), to show what their shape costs the embedded server
     upsert claim the current indexes, every claim the conditional upsert (as before the first
                  publish's claim became an insert, the ``ledger_new`` message property)
-    8 at once    the current layout, jobs run 8 at a time on 8 threads (claims together, then
-                 completions together), so group commit sends them as shared bulk writes: what
-                 a threads pool does, and what a prefork worker's parent process would do if it
-                 claimed its prefetched messages in one bulk write (see the README, Throughput)
+    8 at once    the current layout, jobs run 8 at a time on 8 threads, each its claim then its
+                 completion: group commit sends together the writes that queue while a flush is
+                 in flight, as in a threads pool (see the README, Throughput, for what a prefork
+                 worker's parent claiming its prefetched messages in one bulk write would save)
 
 In every other layout a claim is told its job is new (``new=True``), as a worker claims the
 first delivery of a job published by ``apply_async``.

@@ -69,8 +69,9 @@ class Channel(kombu_redis.Channel):
         ledger task's publish fell from 0.37 to 0.32 ms of the producer's CPU (plain Celery's:
         0.33). A client holds no connection of its own (each command takes one from the
         channel's pool and gives it back) and may be shared by threads, so one per pool does
-        what a new one per command did. When kombu replaces the pool (after a connection
-        error) a new client is made on the new one."""
+        what a new one per command did (a connection the broker closed is opened again by the
+        pool, under any client). When kombu drops the pool (a channel whose first ping fails,
+        after a fork, on close) a new client is made on the new one."""
         if client:
             yield client
             return

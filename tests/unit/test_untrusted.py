@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta, timezone
 from types import SimpleNamespace
 from typing import Any
@@ -167,3 +168,45 @@ def test_a_deliverys_first_publish_hint_is_read_from_the_messages_property(
         job.pop_request()
     assert (delivery.new, delivery.redelivered) == (new, redelivered)
     assert delivery.first_publish is (new and not redelivered)
+
+
+def test_a_copy_the_reconciler_puts_back_is_not_a_first_publish() -> None:
+    from celery_ledger.broker import _restored_copy
+
+    app = create_app(
+        "unit",
+        settings=Settings(broker_url="redis://127.0.0.1:1/0", mongo_uri="mongodb://127.0.0.1:1/"),
+        set_as_current=False,
+    )
+
+    @app.task(shared=False, name="unit.job")  # type: ignore[untyped-decorator]
+    def job(x: int) -> None:
+        pass
+
+    # Given a first publish's message as a dead worker left it unacknowledged
+    held = {
+        "body": "e30=",
+        "headers": {"task": "unit.job", "id": "m-1"},
+        "properties": {
+            "ledger_new": True,
+            "delivery_info": {"exchange": "", "routing_key": "default"},
+        },
+    }
+    # When the reconciler puts it back, the copy a worker receives is marked as kombu marks its own
+    copy = json.loads(_restored_copy(held))
+    job.push_request(
+        id="m-1",
+        retries=0,
+        headers=copy["headers"],
+        properties=copy["properties"],
+        delivery_info=copy["properties"]["delivery_info"],
+    )
+    try:
+        delivery = job._delivery((1,), {})
+    finally:
+        job.pop_request()
+    # Then its claim is not tried as an insert: the job's record exists
+    assert delivery.new and delivery.redelivered and not delivery.first_publish
+    # And a message of an odd shape is put back as it was, not refused
+    odd = {"headers": "junk", "properties": {"delivery_info": None}}
+    assert json.loads(_restored_copy(odd)) == odd

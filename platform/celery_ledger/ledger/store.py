@@ -16,7 +16,7 @@ A claim is one write on the common path (a claim that succeeds):
    (``new``: see ``Delivery.first_publish``) is claimed by a plain insert of the record the
    upsert would have made: on a new record that is the same document, and the cheapest write
    a server has (no filter to evaluate, no update to apply: on the embedded server the upsert
-   claim costs 1.20x the CPU per job, ``ops.bench.indexes``). If a record exists after all (a
+   claim costs 1.16x-1.20x the CPU per job, ``ops.bench.indexes``). If a record exists after all (a
    client's duplicate publish), the insert collides on ``_id`` and changes nothing; then the
    marker below, and only if that does not match either, the conditional upsert: a wrong hint
    costs up to two writes (on a claimable record: the insert and the marker), never a wrong
