@@ -134,6 +134,25 @@ def test_a_retry_goes_to_the_tier_the_guard_checked(monkeypatch: pytest.MonkeyPa
     assert asked["tier"] == "bulk"
 
 
+def _delivery_of(**request_fields: Any) -> Any:
+    """The delivery a worker builds of a request with these fields (message ``m-1``)."""
+    app = create_app(
+        "unit",
+        settings=Settings(broker_url="redis://127.0.0.1:1/0", mongo_uri="mongodb://127.0.0.1:1/"),
+        set_as_current=False,
+    )
+
+    @app.task(shared=False, name="unit.job")  # type: ignore[untyped-decorator]
+    def job(x: int) -> None:
+        pass
+
+    job.push_request(id="m-1", retries=0, **request_fields)
+    try:
+        return job._delivery((1,), {})
+    finally:
+        job.pop_request()
+
+
 @pytest.mark.parametrize(
     ("request_fields", "new", "redelivered"),
     [
@@ -151,37 +170,13 @@ def test_a_retry_goes_to_the_tier_the_guard_checked(monkeypatch: pytest.MonkeyPa
 def test_a_deliverys_first_publish_hint_is_read_from_the_messages_property(
     request_fields: dict[str, Any], new: bool, redelivered: bool
 ) -> None:
-    app = create_app(
-        "unit",
-        settings=Settings(broker_url="redis://127.0.0.1:1/0", mongo_uri="mongodb://127.0.0.1:1/"),
-        set_as_current=False,
-    )
-
-    @app.task(shared=False, name="unit.job")  # type: ignore[untyped-decorator]
-    def job(x: int) -> None:
-        pass
-
-    job.push_request(id="m-1", retries=0, **request_fields)
-    try:
-        delivery = job._delivery((1,), {})
-    finally:
-        job.pop_request()
+    delivery = _delivery_of(**request_fields)
     assert (delivery.new, delivery.redelivered) == (new, redelivered)
     assert delivery.first_publish is (new and not redelivered)
 
 
 def test_a_copy_the_reconciler_puts_back_is_not_a_first_publish() -> None:
     from celery_ledger.broker import _restored_copy
-
-    app = create_app(
-        "unit",
-        settings=Settings(broker_url="redis://127.0.0.1:1/0", mongo_uri="mongodb://127.0.0.1:1/"),
-        set_as_current=False,
-    )
-
-    @app.task(shared=False, name="unit.job")  # type: ignore[untyped-decorator]
-    def job(x: int) -> None:
-        pass
 
     # Given a first publish's message as a dead worker left it unacknowledged
     held = {
@@ -194,17 +189,11 @@ def test_a_copy_the_reconciler_puts_back_is_not_a_first_publish() -> None:
     }
     # When the reconciler puts it back, the copy a worker receives is marked as kombu marks its own
     copy = json.loads(_restored_copy(held))
-    job.push_request(
-        id="m-1",
-        retries=0,
+    delivery = _delivery_of(
         headers=copy["headers"],
         properties=copy["properties"],
         delivery_info=copy["properties"]["delivery_info"],
     )
-    try:
-        delivery = job._delivery((1,), {})
-    finally:
-        job.pop_request()
     # Then its claim is not tried as an insert: the job's record exists
     assert delivery.new and delivery.redelivered and not delivery.first_publish
     # And a message of an odd shape is put back as it was, not refused
