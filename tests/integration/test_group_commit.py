@@ -124,6 +124,36 @@ def test_a_batch_of_inserts_upserts_and_updates_gives_each_its_outcome(store: Le
     assert store.collection.count_documents({"_id": {"$in": [fresh, upserted]}, "n": 1}) == 2
 
 
+def test_a_statement_sent_alone_gets_the_outcome_it_gets_in_a_batch(store: Ledger) -> None:
+    # A flush of one statement goes as its own command (insert_one, update_one, as a prefork
+    # child's every write): the outcomes must be what a bulk write reports, duplicate keys too.
+    taken, matched, collides, missing = (uuid.uuid4().hex for _ in range(4))
+    store.collection.insert_many([{"_id": taken}, {"_id": matched}, {"_id": collides}])
+    fresh, upserted = uuid.uuid4().hex, uuid.uuid4().hex
+    cases: list[tuple[Write, tuple[bool, bool | None, int | None]]] = [
+        (Insert({"_id": fresh, "n": 1}), (True, False, None)),
+        (Statement({"_id": matched}, {"$set": {"n": 1}}), (False, True, None)),
+        (Insert({"_id": taken, "n": 1}), (False, False, 11000)),  # exists: a duplicate key
+        (
+            Statement({"_id": upserted, "n": {"$exists": False}}, {"$set": {"n": 1}}, upsert=True),
+            (True, False, None),
+        ),
+        (
+            Statement({"_id": collides, "n": 5}, {"$set": {"n": 1}}, upsert=True),
+            (False, False, 11000),
+        ),
+        # matched nothing: unknown, as from a bulk write (the writer checks its own)
+        (Statement({"_id": missing}, {"$set": {"n": 2}}), (False, None, None)),
+    ]
+    flushes = store.writes.flushes
+    for op, expected in cases:
+        (outcome,) = store.writes.write([op])
+        assert (outcome.upserted, outcome.matched, (outcome.error or {}).get("code")) == expected
+    assert store.writes.flushes == flushes + len(cases)
+    assert store.collection.count_documents({"_id": {"$in": [fresh, upserted]}, "n": 1}) == 2
+    assert store.find_raw(missing) is None
+
+
 def test_a_first_claims_insert_sent_again_after_it_applied_is_recognised(
     store: Ledger, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from bson.errors import InvalidDocument
+from pymongo import UpdateOne
 from pymongo.errors import AutoReconnect, BulkWriteError, ConnectionFailure, WriteConcernError
 
 from celery_ledger.ledger.group_commit import GroupCommit, Insert, Outcome, Statement, _outcomes
@@ -58,7 +59,9 @@ def test_a_total_short_of_the_plain_updates_leaves_each_of_them_unknown() -> Non
 
 
 class Scripted:
-    """``bulk_write`` that holds the first call until released, so that writers queue."""
+    """A collection whose first write is held until released, so that writers queue. Writes
+    are recorded as lists of requests: a bulk write's, or a lone statement's (``update_one``,
+    ``insert_one``, which group commit sends for a flush of one)."""
 
     def __init__(self, fail: Any = None) -> None:
         self.calls: list[list[Any]] = []
@@ -66,8 +69,7 @@ class Scripted:
         self.release = threading.Event()
         self.fail = fail
 
-    def bulk_write(self, requests: list[Any], ordered: bool) -> Any:
-        assert ordered is False
+    def _run(self, requests: list[Any]) -> None:
         self.calls.append(requests)
         if len(self.calls) == 1:
             self.first.set()
@@ -77,10 +79,22 @@ class Scripted:
             if problem is not None:
                 raise problem
 
+    def bulk_write(self, requests: list[Any], ordered: bool) -> Any:
+        assert ordered is False
+        self._run(requests)
         result = types.SimpleNamespace()
         result.matched_count = sum(1 for r in requests if not r._upsert)
         result.upserted_ids = {i: None for i, r in enumerate(requests) if r._upsert}
         return result
+
+    def update_one(self, filter: Any, update: Any, upsert: bool = False) -> Any:
+        try:
+            self._run([UpdateOne(filter, update, upsert=upsert)])
+        except BulkWriteError as exc:  # what pymongo raises for one statement instead
+            raise WriteConcernError("not confirmed", details=exc.details) from exc
+        return types.SimpleNamespace(
+            matched_count=0 if upsert else 1, upserted_id=filter["_id"] if upsert else None
+        )
 
 
 def run_writers(group: GroupCommit, scripted: Scripted, n: int) -> list[Any]:
@@ -242,7 +256,7 @@ def test_an_interrupted_leader_leaves_the_others_unknown_and_its_own_write_unsen
     calls = 0
 
     class Collection:
-        def bulk_write(self, requests: list[Any], ordered: bool) -> Any:
+        def update_one(self, *args: Any, **kwargs: Any) -> Any:  # a lone write's command
             nonlocal calls
             calls += 1
             raise Interrupted

@@ -12,7 +12,9 @@ queued, its own write included; writers that arrive while that flush is in fligh
 go together in the next one. So a process running one task at a time (a prefork child, solo)
 sends each write at once, as before, and waits for nothing; only writers that would have waited
 for the connection anyway are coalesced. Nothing is delayed by a timer: a linger of even a
-fraction of a millisecond would cost every lone write its whole length.
+fraction of a millisecond would cost every lone write its whole length. A flush of one
+statement sends it as the single-document command it is, which reaches the server as a bulk
+write of one would, with less work on the client.
 
 Every writer gets its own statements' outcomes back. An unordered bulk write reports write
 errors (a claim's duplicate key, the signal that the record was not claimable) and upserts per
@@ -37,7 +39,7 @@ from typing import Any, NamedTuple
 
 from pymongo import InsertOne, UpdateOne
 from pymongo.collection import Collection
-from pymongo.errors import BulkWriteError, ConnectionFailure, WriteConcernError
+from pymongo.errors import BulkWriteError, ConnectionFailure, WriteConcernError, WriteError
 
 from ..locks import process_generation
 
@@ -206,6 +208,33 @@ class GroupCommit:
         ops = [op for entry in batch for op in entry.ops]
         self.flushes += 1
         self.statements += len(ops)
+        details = self._send_alone(ops[0]) if len(ops) == 1 else self._send_bulk(ops)
+        outcomes = _outcomes(ops, details)
+        start = 0
+        for entry in batch:
+            entry.outcomes = outcomes[start : start + len(entry.ops)]
+            start += len(entry.ops)
+
+    def _send_alone(self, op: Write) -> dict[str, Any]:
+        """One statement as the single-document command it is (``insert_one``, ``update_one``),
+        its outcome told in a bulk write's terms. The server receives the same command as from
+        a bulk write of one; the client skips pymongo's bulk bookkeeping, about a tenth of the
+        CPU of a prefork child's ledger calls, whose writes always go alone. A statement's own
+        error (a duplicate key) is its outcome; a write concern not confirmed raises, as from a
+        bulk write (outcome unknown)."""
+        collection = self._collection()
+        try:
+            if isinstance(op, Insert):
+                collection.insert_one(op.document)
+                return {"nMatched": 0, "upserted": [], "writeErrors": []}
+            result = collection.update_one(op.filter, op.update, upsert=op.upsert)
+        except WriteError as exc:
+            error = {"code": exc.code, "errmsg": str(exc), **(exc.details or {}), "index": 0}
+            return {"nMatched": 0, "upserted": [], "writeErrors": [error]}
+        upserted = [] if result.upserted_id is None else [{"index": 0}]
+        return {"nMatched": result.matched_count, "upserted": upserted, "writeErrors": []}
+
+    def _send_bulk(self, ops: Sequence[Write]) -> dict[str, Any]:
         requests = [
             InsertOne(op.document)
             if isinstance(op, Insert)
@@ -214,11 +243,6 @@ class GroupCommit:
         ]
         try:
             result = self._collection().bulk_write(requests, ordered=False)
-            details: dict[str, Any] = {
-                "nMatched": result.matched_count,
-                "upserted": [{"index": i} for i in result.upserted_ids or {}],
-                "writeErrors": [],
-            }
         except BulkWriteError as exc:
             details = dict(exc.details)
             if details.get("writeConcernErrors"):
@@ -227,11 +251,12 @@ class GroupCommit:
                     f" {details['writeConcernErrors']}",
                     details=details,
                 ) from exc
-        outcomes = _outcomes(ops, details)
-        start = 0
-        for entry in batch:
-            entry.outcomes = outcomes[start : start + len(entry.ops)]
-            start += len(entry.ops)
+            return details
+        return {
+            "nMatched": result.matched_count,
+            "upserted": [{"index": i} for i in result.upserted_ids or {}],
+            "writeErrors": [],
+        }
 
 
 def _outcomes(ops: Sequence[Write], details: dict[str, Any]) -> list[Outcome]:
