@@ -124,59 +124,6 @@ def test_a_batch_of_inserts_upserts_and_updates_gives_each_its_outcome(store: Le
     assert store.collection.count_documents({"_id": {"$in": [fresh, upserted]}, "n": 1}) == 2
 
 
-def test_a_statement_sent_alone_gets_the_outcome_it_gets_in_a_batch(
-    store: Ledger, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A flush of one plain update goes as its own command (update_one: a prefork child's
-    # completion); an insert or an upsert alone goes as a bulk write of one, whose reply keeps
-    # a duplicate key and a write concern error together. Each gets a batch's outcome.
-    taken, matched, collides, missing, claimed = (uuid.uuid4().hex for _ in range(5))
-    store.collection.insert_many(
-        [{"_id": taken}, {"_id": matched}, {"_id": collides}, {"_id": claimed, "n": 0}]
-    )
-    fresh, upserted = uuid.uuid4().hex, uuid.uuid4().hex
-    cases: list[tuple[Write, str, tuple[bool, bool | None, int | None]]] = [
-        (Insert({"_id": fresh, "n": 1}), "bulk", (True, False, None)),
-        (Statement({"_id": matched}, {"$set": {"n": 1}}), "alone", (False, True, None)),
-        (Insert({"_id": taken, "n": 1}), "bulk", (False, False, 11000)),  # a duplicate key
-        (
-            Statement({"_id": upserted, "n": {"$exists": False}}, {"$set": {"n": 1}}, upsert=True),
-            "bulk",
-            (True, False, None),
-        ),
-        (  # an upsert that finds its record: a claim of a job that exists
-            Statement({"_id": claimed, "n": 0}, {"$set": {"n": 1}}, upsert=True),
-            "bulk",
-            (False, True, None),
-        ),
-        (
-            Statement({"_id": collides, "n": 5}, {"$set": {"n": 1}}, upsert=True),
-            "bulk",
-            (False, False, 11000),
-        ),
-        # matched nothing: unknown, as from a bulk write (the writer checks its own)
-        (Statement({"_id": missing}, {"$set": {"n": 2}}), "alone", (False, None, None)),
-        # its own error (a field that cannot be incremented): its outcome, not a raise
-        (Statement({"_id": matched}, {"$inc": {"n": "x"}}), "alone", (False, False, 14)),
-    ]
-    paths: list[str] = []
-    for name in ("alone", "bulk"):
-        send = getattr(store.writes, f"_send_{name}")
-        monkeypatch.setattr(
-            store.writes,
-            f"_send_{name}",
-            lambda *args, _send=send, _name=name: paths.append(_name) or _send(*args),
-        )
-    for op, path, expected in cases:
-        (outcome,) = store.writes.write([op])
-        assert (outcome.upserted, outcome.matched, (outcome.error or {}).get("code")) == expected
-        assert paths.pop() == path
-    assert (
-        store.collection.count_documents({"_id": {"$in": [fresh, upserted, claimed]}, "n": 1}) == 3
-    )
-    assert store.find_raw(missing) is None
-
-
 def test_a_first_claims_insert_sent_again_after_it_applied_is_recognised(
     store: Ledger, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -186,9 +186,9 @@ def test_a_group_commit_queue_held_by_a_parent_writer_at_the_fork_is_fresh_in_th
 
     from celery_ledger.ledger.group_commit import GroupCommit, Statement
 
-    class Collection:  # every write here goes alone: group commit sends it as update_one
-        def update_one(self, *args: Any, **kwargs: Any) -> Any:
-            return SimpleNamespace(matched_count=1, upserted_id=None)
+    class Collection:
+        def bulk_write(self, requests: list[Any], ordered: bool) -> Any:
+            return SimpleNamespace(matched_count=len(requests), upserted_ids={})
 
     writes = GroupCommit(lambda: Collection())  # type: ignore[arg-type, return-value]
     writes.write([Statement({"_id": "a"}, {"$set": {"x": 1}})])  # the parent's queue exists

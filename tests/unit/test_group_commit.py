@@ -12,14 +12,7 @@ from typing import Any
 
 import pytest
 from bson.errors import InvalidDocument
-from pymongo import UpdateOne
-from pymongo.errors import (
-    AutoReconnect,
-    BulkWriteError,
-    ConnectionFailure,
-    WriteConcernError,
-    WriteError,
-)
+from pymongo.errors import AutoReconnect, BulkWriteError, ConnectionFailure, WriteConcernError
 
 from celery_ledger.ledger.group_commit import GroupCommit, Insert, Outcome, Statement, _outcomes
 
@@ -65,9 +58,7 @@ def test_a_total_short_of_the_plain_updates_leaves_each_of_them_unknown() -> Non
 
 
 class Scripted:
-    """A collection whose first write is held until released, so that writers queue. Writes
-    are recorded as lists of requests: a bulk write's, or a lone plain update's (``update_one``,
-    which group commit sends for a flush of one plain update)."""
+    """``bulk_write`` that holds the first call until released, so that writers queue."""
 
     def __init__(self, fail: Any = None) -> None:
         self.calls: list[list[Any]] = []
@@ -75,7 +66,8 @@ class Scripted:
         self.release = threading.Event()
         self.fail = fail
 
-    def _run(self, requests: list[Any]) -> None:
+    def bulk_write(self, requests: list[Any], ordered: bool) -> Any:
+        assert ordered is False
         self.calls.append(requests)
         if len(self.calls) == 1:
             self.first.set()
@@ -85,21 +77,10 @@ class Scripted:
             if problem is not None:
                 raise problem
 
-    def bulk_write(self, requests: list[Any], ordered: bool) -> Any:
-        assert ordered is False
-        self._run(requests)
         result = types.SimpleNamespace()
         result.matched_count = sum(1 for r in requests if not r._upsert)
         result.upserted_ids = {i: None for i, r in enumerate(requests) if r._upsert}
         return result
-
-    def update_one(self, filter: Any, update: Any, upsert: bool = False) -> Any:
-        assert upsert is False  # an upsert goes as a bulk write, alone too
-        try:
-            self._run([UpdateOne(filter, update)])
-        except BulkWriteError as exc:  # what pymongo raises for one statement instead
-            raise WriteConcernError("not confirmed", details=exc.details) from exc
-        return types.SimpleNamespace(matched_count=1, upserted_id=None)
 
 
 def run_writers(group: GroupCommit, scripted: Scripted, n: int) -> list[Any]:
@@ -261,7 +242,7 @@ def test_an_interrupted_leader_leaves_the_others_unknown_and_its_own_write_unsen
     calls = 0
 
     class Collection:
-        def update_one(self, *args: Any, **kwargs: Any) -> Any:  # a lone write's command
+        def bulk_write(self, requests: list[Any], ordered: bool) -> Any:
             nonlocal calls
             calls += 1
             raise Interrupted
@@ -270,27 +251,3 @@ def test_an_interrupted_leader_leaves_the_others_unknown_and_its_own_write_unsen
     with pytest.raises(Interrupted):
         group.write([END])
     assert calls == 1 and not group._queue.entries and not group._queue.flushing
-
-
-def test_a_lone_plain_update_goes_as_update_one_and_its_own_error_is_its_outcome() -> None:
-    sent: list[str] = []
-
-    class Collection:
-        def update_one(self, filter: Any, update: Any, upsert: bool = False) -> Any:
-            sent.append("update_one")
-            if filter["_id"] == "bad":
-                raise WriteError("cannot increment", 14, {"index": 0, "code": 14})
-            return types.SimpleNamespace(matched_count=1, upserted_id=None)
-
-        def bulk_write(self, requests: list[Any], ordered: bool) -> Any:
-            sent.append("bulk_write")
-            return types.SimpleNamespace(matched_count=0, upserted_ids={0: None})
-
-    group = GroupCommit(lambda: Collection())  # type: ignore[arg-type,return-value]
-    assert group.write([END]) == [Outcome(matched=True)]
-    (failed,) = group.write([Statement({"_id": "bad"}, {"$inc": {"n": "x"}})])
-    assert failed.matched is False and failed.error is not None and failed.error["code"] == 14
-    # a claim (an upsert) or a first claim (an insert) alone still goes as a bulk write
-    assert group.write([CLAIM]) == [Outcome(matched=False, upserted=True)]
-    assert group.write([Insert({"_id": "c"})]) == [Outcome(matched=False, upserted=True)]
-    assert sent == ["update_one", "update_one", "bulk_write", "bulk_write"]

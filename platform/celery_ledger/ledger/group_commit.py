@@ -12,9 +12,7 @@ queued, its own write included; writers that arrive while that flush is in fligh
 go together in the next one. So a process running one task at a time (a prefork child, solo)
 sends each write at once, as before, and waits for nothing; only writers that would have waited
 for the connection anyway are coalesced. Nothing is delayed by a timer: a linger of even a
-fraction of a millisecond would cost every lone write its whole length. A flush of one plain
-update sends it as the single-document command it is, which reaches the server as a bulk write
-of one would, with less work on the client.
+fraction of a millisecond would cost every lone write its whole length.
 
 Every writer gets its own statements' outcomes back. An unordered bulk write reports write
 errors (a claim's duplicate key, the signal that the record was not claimable) and upserts per
@@ -39,7 +37,7 @@ from typing import Any, NamedTuple
 
 from pymongo import InsertOne, UpdateOne
 from pymongo.collection import Collection
-from pymongo.errors import BulkWriteError, ConnectionFailure, WriteConcernError, WriteError
+from pymongo.errors import BulkWriteError, ConnectionFailure, WriteConcernError
 
 from ..locks import process_generation
 
@@ -104,7 +102,7 @@ class GroupCommit:
         self._max_batch = max_batch
         self._generation = process_generation()
         self._queue = _Queue()
-        self.flushes = 0  # flushes sent, bulk or alone (for tests and benchmarks)
+        self.flushes = 0  # bulk writes sent (for tests and benchmarks)
         self.statements = 0
 
     def _here(self) -> _Queue:
@@ -117,9 +115,8 @@ class GroupCommit:
     def write(self, ops: Sequence[Write]) -> list[Outcome]:
         """Send ``ops`` (unordered), alone or with other writers' ops; their outcomes in order.
 
-        Raises what ``Collection.bulk_write`` (or ``update_one``, for a plain update alone)
-        raises for the whole batch (a connection failure, or ``WriteConcernError`` when the
-        write concern was not confirmed: outcome unknown).
+        Raises what ``Collection.bulk_write`` raises for the whole batch (a connection failure,
+        or ``WriteConcernError`` when the write concern was not confirmed: outcome unknown).
         """
         entry = _Entry(ops)
         if self._max_batch == 1:  # group commit off: each writer sends its own, concurrently
@@ -209,37 +206,6 @@ class GroupCommit:
         ops = [op for entry in batch for op in entry.ops]
         self.flushes += 1
         self.statements += len(ops)
-        op = ops[0]
-        if len(ops) == 1 and isinstance(op, Statement) and not op.upsert:
-            details = self._send_alone(op)
-        else:
-            details = self._send_bulk(ops)
-        outcomes = _outcomes(ops, details)
-        start = 0
-        for entry in batch:
-            entry.outcomes = outcomes[start : start + len(entry.ops)]
-            start += len(entry.ops)
-
-    def _send_alone(self, op: Statement) -> dict[str, Any]:
-        """A plain update (no upsert) sent alone, as the single-document command it is
-        (``update_one``), its outcome told in a bulk write's terms. The server receives the
-        same command as from a bulk write of one; the client skips pymongo's bulk bookkeeping
-        (a prefork child's writes always go alone: its completions take this path).
-
-        Only for a statement whose write errors are its own failure, never an expected outcome:
-        pymongo raises a single write's write error and drops a write concern error reported
-        with it, so a statement that failed (a document too large) is reported failed, as it
-        is. Inserts and upserts, whose duplicate key is the ordinary sign of a record that
-        exists (a claim of a job that ran), go as a bulk write, whose reply keeps both: a
-        duplicate key on a write whose write concern was not confirmed must stay unknown."""
-        try:
-            result = self._collection().update_one(op.filter, op.update, upsert=False)
-        except WriteError as exc:
-            error = {"code": exc.code, "errmsg": str(exc), **(exc.details or {}), "index": 0}
-            return {"nMatched": 0, "upserted": [], "writeErrors": [error]}
-        return {"nMatched": result.matched_count, "upserted": [], "writeErrors": []}
-
-    def _send_bulk(self, ops: Sequence[Write]) -> dict[str, Any]:
         requests = [
             InsertOne(op.document)
             if isinstance(op, Insert)
@@ -248,6 +214,11 @@ class GroupCommit:
         ]
         try:
             result = self._collection().bulk_write(requests, ordered=False)
+            details: dict[str, Any] = {
+                "nMatched": result.matched_count,
+                "upserted": [{"index": i} for i in result.upserted_ids or {}],
+                "writeErrors": [],
+            }
         except BulkWriteError as exc:
             details = dict(exc.details)
             if details.get("writeConcernErrors"):
@@ -256,12 +227,11 @@ class GroupCommit:
                     f" {details['writeConcernErrors']}",
                     details=details,
                 ) from exc
-            return details
-        return {
-            "nMatched": result.matched_count,
-            "upserted": [{"index": i} for i in result.upserted_ids or {}],
-            "writeErrors": [],
-        }
+        outcomes = _outcomes(ops, details)
+        start = 0
+        for entry in batch:
+            entry.outcomes = outcomes[start : start + len(entry.ops)]
+            start += len(entry.ops)
 
 
 def _outcomes(ops: Sequence[Write], details: dict[str, Any]) -> list[Outcome]:
