@@ -29,7 +29,8 @@ Each run also reads the CPU time of every process (worker, pool processes, ledge
 broker, this producer) from /proc, and the table of CPU milliseconds per task shows where the
 time goes: on a 2-core machine where all of them share the CPU, that is the profile that counts.
 
-``--compare-library DIR`` adds ``ledger-compared``: the ledger configuration on a worker that
+``--compare-library DIR`` adds ``<name>-compared`` for each ledger configuration chosen
+(``ledger-compared``, ``ledger-threads-compared``, ...): the same configuration on a worker that
 imports celery_ledger from DIR (another commit's ``platform/``, e.g. from ``git worktree add``),
 so that a change is measured side by side with what it replaced, in one run (the producer, this
 process, keeps the current library).
@@ -46,7 +47,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import import_module
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,20 @@ CONFIGURATIONS = (
 )
 
 
+def compared(configuration: Configuration, library: Path) -> Configuration:
+    """``configuration`` on a worker that imports celery_ledger from ``library``."""
+    return replace(
+        configuration,
+        name=f"{configuration.name}-compared",
+        description=f"{configuration.description}, the worker's library from {library}",
+        database=f"{configuration.database}_compared" if configuration.database else None,
+        extra_env=(
+            *configuration.extra_env,
+            ("PYTHONPATH", f"{library}{os.pathsep}{REPO}"),
+        ),
+    )
+
+
 def ledger_commands(servers: Servers) -> dict[str, int]:
     """The ledger server's command counters (SecantusDB counts a command, a bulk write of
     many statements once: so these are round trips, the producer's result reads included)."""
@@ -306,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compare-library",
         default="",
-        help="a directory holding another celery_ledger (its platform/): adds ledger-compared",
+        help="a directory holding another celery_ledger (its platform/): adds <name>-compared",
     )
     parser.add_argument(
         "--only",
@@ -314,27 +329,15 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated configuration names (default: all but the gevent ones)",
     )
     args = parser.parse_args(argv)
-    configurations: tuple[Configuration, ...] = CONFIGURATIONS
+    wanted = set(args.only.split(",")) if args.only else None
+    chosen = [c for c in CONFIGURATIONS if (c.name in wanted if wanted else c.pool != "gevent")]
     if args.compare_library:
         library = Path(args.compare_library).resolve()
         if not (library / "celery_ledger" / "__init__.py").is_file():
             parser.error(f"--compare-library: no celery_ledger package in {library}")
-        configurations = (
-            *CONFIGURATIONS,
-            Configuration(
-                "ledger-compared",
-                "ops.bench.apps.ledger",
-                f"celery-ledger, the worker's library from {library}",
-                "bench_ledger_compared",
-                extra_env=(("PYTHONPATH", f"{library}{os.pathsep}{REPO}"),),
-            ),
-        )
-    chosen = [
-        c
-        for c in configurations
-        if c.name == "ledger-compared"
-        or (c.name in args.only.split(",") if args.only else c.pool != "gevent")
-    ]
+        # Each ledger configuration chosen runs twice: on this library and on the other one,
+        # interleaved with the rest, so that a change is measured on every pool it touches.
+        chosen += [compared(c, library) for c in chosen if c.name.startswith("ledger")]
 
     config = {
         "tasks": args.tasks,
@@ -384,14 +387,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     ratios: dict[str, float] = {}
     goal_rows = []
+    comparisons = [
+        (
+            f"this library / the compared one: {c.name} / {c.name}-compared",
+            c.name,
+            f"{c.name}-compared",
+        )
+        for c in chosen
+        if not c.name.endswith("-compared")
+    ]
     for label, numerator, denominator, goal in GOALS:
         if {numerator, denominator} <= medians.keys():
             ratios[label] = medians[numerator] / medians[denominator]
             met = "yes" if ratios[label] >= goal else "NO"
             goal_rows.append([label, f"{ratios[label]:.2f}", f">= {goal}", met])
     for label, numerator, denominator in (
+        *comparisons,
         ("started, w=1: ledger / plain-mongo-started", "ledger", "plain-mongo-started"),
-        ("this library / the compared one: ledger / ledger-compared", "ledger", "ledger-compared"),
         ("security's cost: ledger-secured / ledger", "ledger-secured", "ledger"),
         (
             "group commit: ledger-threads / ledger-threads-alone",
