@@ -1,13 +1,16 @@
-"""A threads-pool worker (what teams run for I/O-bound tasks), end to end: with group commit
-coalescing the ledger writes of the tasks running at once (its batching and per-writer outcomes
-are tested in test_group_commit.py), duplicates delivered together still run each body once and
-every job ends with its own outcome."""
+"""A threads-pool or gevent-pool worker (what teams run for I/O-bound tasks), end to end: with
+group commit coalescing the ledger writes of the tasks running at once (its batching and
+per-writer outcomes are tested in test_group_commit.py), duplicates delivered together still run
+each body once and every job ends with its own outcome. (Under gevent the ledger's threads, the
+heartbeat's and pymongo's, are greenlets, and the worker drains without an event loop: the
+transport's credit repair, test_transport_credit.py, keeps it taking work.)"""
 
 from __future__ import annotations
 
 import threading
 import uuid
 
+import pytest
 from pymongo import MongoClient
 
 from celery_ledger import State
@@ -20,10 +23,13 @@ JOBS = 60
 COPIES = 3
 
 
-def test_duplicates_on_a_threads_pool_run_each_body_once(isolated: EmbeddedStack) -> None:
+@pytest.mark.parametrize("pool", ["threads", "gevent"])
+def test_duplicates_on_a_threads_or_gevent_pool_run_each_body_once(
+    isolated: EmbeddedStack, pool: str
+) -> None:
     assert isolated.ledger is not None
     isolated.start_worker(
-        isolated.queues_of("default"), concurrency=16, pool="threads", name="threads@127.0.0.1"
+        isolated.queues_of("default"), concurrency=16, pool=pool, name=f"{pool}@127.0.0.1"
     )
     producer = producer_app(isolated, "threads_producer")
     record = shared_task(producer, "tests.integration.ledger_app.record")
@@ -32,7 +38,7 @@ def test_duplicates_on_a_threads_pool_run_each_body_once(isolated: EmbeddedStack
     tokens = [f"{run}-{i}" for i in range(JOBS)]
 
     # Given every job published three times at once (a retrying producer), and jobs that fail
-    # once and retry, all on one worker of 16 threads
+    # once and retry, all on one worker of 16 threads or greenlets
     def publish(token: str) -> None:
         record.apply_async((token, 0.05))
 
