@@ -19,11 +19,13 @@ queue and database and a fresh worker per run: ``--concurrency`` prefork process
                         ledger's writes of tasks running at once)
     ledger-threads-alone
                         ledger-threads with group commit off (each write sent alone)
-    plain-mongo-gevent, ledger-gevent
-                        the same on the gevent pool; only with --only (and gevent installed:
-                        the bench extra): on 2026-11-25 plain Celery itself ran 37 tasks/s
-                        there (26 ms a task: Celery's gevent pool with the Redis transport),
-                        the ledger 6, too slow to run by default
+    plain-mongo-gevent, plain-mongo-gevent-transport, ledger-gevent
+                        the same on the gevent pool, the second on celery-ledger's broker
+                        transport; only with --only (and gevent installed: the bench extra).
+                        Celery's gevent pool on kombu's Redis transport stalls whenever every
+                        slot is busy (it sits out its 2-second drain with free slots: see
+                        celery_ledger.transport), which made plain Celery run 18 to 54 tasks/s
+                        here, too slow to run by default
 
 Each run also reads the CPU time of every process (worker, pool processes, ledger server,
 broker, this producer) from /proc, and the table of CPU milliseconds per task shows where the
@@ -189,6 +191,14 @@ CONFIGURATIONS = (
         "plain Celery, MongoDB result backend, gevent pool",
         "bench_plain_mongo_gevent",
         pool="gevent",
+    ),
+    Configuration(
+        "plain-mongo-gevent-transport",
+        "ops.bench.apps.plain_mongo",
+        "plain Celery, MongoDB result backend, gevent pool, on celery-ledger's broker transport",
+        "bench_plain_mongo_gevent_transport",
+        pool="gevent",
+        extra_env=(("BENCH_LEDGER_TRANSPORT", "1"),),
     ),
     Configuration(
         "ledger-gevent",
@@ -404,6 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, numerator, denominator in (
         *comparisons,
         ("started, w=1: ledger / plain-mongo-started", "ledger", "plain-mongo-started"),
+        (
+            "gevent, the same transport: ledger / plain-mongo-gevent-transport",
+            "ledger-gevent",
+            "plain-mongo-gevent-transport",
+        ),
         ("security's cost: ledger-secured / ledger", "ledger-secured", "ledger"),
         (
             "group commit: ledger-threads / ledger-threads-alone",

@@ -11,7 +11,8 @@ def build_plain(env: Mapping[str, str], *, backend: str, track_started: bool) ->
     """A plain Celery app on ``BENCH_BROKER_URL`` whose one task is ``bench.noop``.
 
     Delivery settings match ``create_app`` (JSON, ``acks_late``, ``reject_on_worker_lost``,
-    prefetch 1) unless ``BENCH_PLAIN_DEFAULTS=1`` asks for Celery's own defaults.
+    prefetch 1) unless ``BENCH_PLAIN_DEFAULTS=1`` asks for Celery's own defaults; kombu's Redis
+    transport unless ``BENCH_LEDGER_TRANSPORT=1`` asks for celery-ledger's.
     """
     app = Celery(
         "bench_plain", broker=env["BENCH_BROKER_URL"], backend=backend, set_as_current=False
@@ -24,6 +25,11 @@ def build_plain(env: Mapping[str, str], *, backend: str, track_started: bool) ->
         result_serializer="json",
         accept_content=["json"],
     )
+    if env.get("BENCH_LEDGER_TRANSPORT") == "1":
+        # Only the broker transport of celery-ledger (its credit repair for pools without an
+        # event loop, its kept Redis client): a baseline that differs from the ledger in the
+        # ledger alone.
+        app.conf.broker_transport = "celery_ledger.transport:Transport"
     if env.get("BENCH_PLAIN_DEFAULTS") != "1":
         app.conf.update(
             task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1
