@@ -24,7 +24,7 @@ queue and database and a fresh worker per run: ``--concurrency`` prefork process
                         transport; only with --only (and gevent installed: the bench extra).
                         Celery's gevent pool on kombu's Redis transport stalls whenever every
                         slot is busy (it sits out its 2-second drain with free slots: see
-                        celery_ledger.transport), which made plain Celery run 18 to 54 tasks/s
+                        celery_ledger.transport), which made plain Celery run 10 to 54 tasks/s
                         here, too slow to run by default
 
 Each run also reads the CPU time of every process (worker, pool processes, ledger server,

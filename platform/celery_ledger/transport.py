@@ -159,7 +159,7 @@ class Channel(kombu_redis.Channel):
 # greenlet returns credit but wakes nobody: the worker sits out the rest of the 2 seconds with
 # free slots. With acks_late and a prefetch of one per slot (create_app's settings) credit runs
 # out whenever every slot is busy, so a loaded gevent worker stalled again and again (6 tiny
-# tasks a second here, plain Celery 18 to 54). kombu's poller cannot be woken from another
+# tasks a second here, plain Celery 10 to 54). kombu's poller cannot be woken from another
 # greenlet or thread, so the wait is bounded instead: re-checked every 5 ms, only while a
 # channel lacks credit (every slot busy). Measured: about 0.15 ms of CPU a check, 3% of a core
 # while every slot is busy, against a free slot left idle for up to 2 seconds.
