@@ -177,7 +177,8 @@ def poll_timeout(channels: Iterable[Any], timeout: float | None) -> float | None
 # kombu sweeps for messages left unacknowledged past the visibility timeout on every tenth call
 # of ``maybe_restore_messages``, which its poller makes at each wait that ends without a message:
 # once per 2-second drain on an idle synloop worker. The rechecks above end a wait every 5 ms
-# while credit is out, so calls are spaced by time here, as often as those drains came.
+# while credit is out, so those calls are spaced by time here, as often as the drains came.
+# (An event loop calls it from its own timer, ``unacked_restore_interval``: left as it is.)
 RESTORE_CALL_SECONDS = 2.0
 
 
@@ -191,10 +192,11 @@ class MultiChannelPoller(kombu_redis.MultiChannelPoller):
         return super().get(callback, poll_timeout(self._channels, timeout))
 
     def maybe_restore_messages(self) -> Any:
-        now = time.monotonic()
-        if now - self._restore_called_at < RESTORE_CALL_SECONDS:
-            return None
-        self._restore_called_at = now
+        if self._in_protected_read:  # from a drain's wait (``get``), not an event loop's timer
+            now = time.monotonic()
+            if now - self._restore_called_at < RESTORE_CALL_SECONDS:
+                return None
+            self._restore_called_at = now
         return super().maybe_restore_messages()
 
 

@@ -75,6 +75,7 @@ def test_rechecks_do_not_multiply_the_sweeps_for_unacknowledged_messages() -> No
     poller = MultiChannelPoller()
     channel = _Sweeping()
     poller._channels = {channel}  # type: ignore[assignment]
+    poller._in_protected_read = True  # as kombu's get() sets it around its wait
     for _ in range(50):
         poller.maybe_restore_messages()
     # Then kombu's sweep is asked once, not once a wait (it scans on every tenth ask)
@@ -83,3 +84,8 @@ def test_rechecks_do_not_multiply_the_sweeps_for_unacknowledged_messages() -> No
     poller._restore_called_at -= RESTORE_CALL_SECONDS
     poller.maybe_restore_messages()
     assert channel.sweeps == [10, 10]
+    # An event loop's timer (outside a drain's wait) asks at its own interval, unspaced
+    poller._in_protected_read = False
+    poller.maybe_restore_messages()
+    poller.maybe_restore_messages()
+    assert channel.sweeps == [10, 10, 10, 10]
