@@ -2,21 +2,24 @@
 
 ``ops.bench.throughput`` reads every process's CPU from /proc while they all share the machine;
 on a 2-core machine whose speed drifts, a difference of a tenth of a millisecond in the pool
-is lost in its noise. This benchmark measures only what a pool process does with a message
-(Celery's tracer, the task's ledger work, the result's writes, the acknowledgement), in this
-process, with nothing else of the benchmark running beside it:
+is lost in its noise. This benchmark measures what a worker does with a message once it has
+it (Celery's tracer, the task's ledger work, the result's writes, the acknowledgement, which a
+prefork worker's parent sends), in this process, with nothing else of the benchmark running
+beside it:
 
 1. publish N tiny tasks of a configuration (the throughput benchmark's apps and queues);
-2. take the messages off the broker (kombu), and run each through
-   ``celery.worker.request.Request.execute``: the tracer a solo or prefork pool runs, and the
-   ack, without the prefork pool's pipe;
+2. take the messages off the broker (kombu), and run each through its task's request class
+   (``Request.execute``, celery-ledger's ``LedgerRequest``): the tracer a solo or prefork pool
+   runs, and the acknowledgement, without the prefork pool's pipe;
 3. time the CPU of this process (``time.process_time``) over the N executions, configurations
    interleaved, median of the repeats;
 4. once more under ``cProfile`` (timed by CPU), to say where the time goes: the profile's
    time of each function goes to the layer of its file (celery-ledger, pymongo and bson,
-   Celery and kombu), a function of neither (the standard library, a builtin) to its callers'
-   layers in proportion; the layers' shares are applied to the unprofiled CPU, since a
-   profiler slows calls, not waits, and slows code of many small calls most.
+   Celery and kombu), a function of none of them (the standard library, a builtin, redis-py)
+   to its callers' layers in proportion; the layers' shares are applied to the unprofiled
+   CPU, since a profiler slows code of many small calls most. (cProfile sees this thread
+   only; the CPU time counts every thread of the process, the ledger's heartbeat thread and
+   pymongo's monitors included.)
 
 The ledger server runs in its own process and is not counted here: its share is in
 ``ops.bench.throughput`` and ``ops.bench.indexes``.
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import Any
 
-from celery.worker.request import Request
+from celery.utils.imports import symbol_by_name
 from kombu.entity import Queue
 
 from .common import (
@@ -120,13 +123,25 @@ def run_once(
     try:
         with app.connection_for_read() as connection:
             queue = connection.SimpleQueue(Queue(configuration.queue))
-            queue.clear()  # what an earlier run's consumer put back when it closed
+            queue.clear()  # anything an earlier run left (an interrupted one's messages)
             for i in range(WARM + tasks):
                 task.apply_async((run, i), queue=configuration.queue)
             messages = [queue.get(timeout=30) for _ in range(WARM + tasks)]
 
+            # The task's own request class (celery-ledger's keeps the message's checks), acking
+            # and rejecting as Celery's consumer does
+            request_class = symbol_by_name(task.Request)
+
             def execute(i: int) -> None:
-                request = Request(messages[i], app=app, task=task, hostname=hostname)
+                message = messages[i]
+                request = request_class(
+                    message,
+                    on_ack=message.ack_log_error,
+                    on_reject=message.reject_log_error,
+                    app=app,
+                    task=task,
+                    hostname=hostname,
+                )
                 if list(request.args) != [run, i]:
                     raise AssertionError(f"{configuration.name}: message {i} is {request.args}")
                 returned = request.execute()
