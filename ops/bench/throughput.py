@@ -340,14 +340,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     wanted = set(args.only.split(",")) if args.only else None
+    unknown = sorted((wanted or set()) - {c.name for c in CONFIGURATIONS})
+    if unknown:
+        parser.error(f"--only: no configuration named {', '.join(unknown)}")
     chosen = [c for c in CONFIGURATIONS if (c.name in wanted if wanted else c.pool != "gevent")]
     if args.compare_library:
         library = Path(args.compare_library).resolve()
         if not (library / "celery_ledger" / "__init__.py").is_file():
             parser.error(f"--compare-library: no celery_ledger package in {library}")
-        # Each ledger configuration chosen runs twice: on this library and on the other one,
-        # interleaved with the rest, so that a change is measured on every pool it touches.
-        chosen += [compared(c, library) for c in chosen if c.name.startswith("ledger")]
+        # Each ledger configuration chosen runs twice, on this library and then on the other
+        # one, so that a change is measured on every pool it touches, each pair side by side.
+        chosen = [
+            twin
+            for c in chosen
+            for twin in ((c, compared(c, library)) if c.name.startswith("ledger") else (c,))
+        ]
 
     config = {
         "tasks": args.tasks,
@@ -370,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 runs.append(result)
                 print(
-                    f"  run {repeat + 1}/{args.repeats} {configuration.name:<20}"
+                    f"  run {repeat + 1}/{args.repeats} {configuration.name:<30}"
                     f" {result.tasks_per_second:7.1f} tasks/s ({result.seconds:.2f}s)",
                     flush=True,
                 )

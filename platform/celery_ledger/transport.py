@@ -175,9 +175,9 @@ def poll_timeout(channels: Iterable[Any], timeout: float | None) -> float | None
 
 
 # kombu sweeps for messages left unacknowledged past the visibility timeout on every tenth call
-# of ``maybe_restore_messages``, which its poller makes at each wait that ends without a message:
-# once per 2-second drain on an idle synloop worker. The rechecks above end a wait every 5 ms
-# while credit is out, so those calls are spaced by time here, as often as the drains came.
+# of ``maybe_restore_messages``, which its poller makes at each wait that ends with no reply at
+# all: while credit is out, once per 2-second drain. The rechecks above end such a wait every
+# 5 ms, so those calls are spaced by time here, as often as the drains came.
 # (An event loop calls it from its own timer, ``unacked_restore_interval``: left as it is.)
 RESTORE_CALL_SECONDS = 2.0
 

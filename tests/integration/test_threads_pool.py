@@ -2,8 +2,8 @@
 group commit coalescing the ledger writes of the tasks running at once (its batching and
 per-writer outcomes are tested in test_group_commit.py), duplicates delivered together still run
 each body once and every job ends with its own outcome. (Under gevent the ledger's threads, the
-heartbeat's and pymongo's, are greenlets, and the worker drains without an event loop: the
-transport's credit repair, test_transport_credit.py, keeps it taking work.)"""
+heartbeat's and pymongo's, are greenlets, and the worker drains the broker without an event
+loop; how soon it takes work when a slot frees is test_transport_credit.py's.)"""
 
 from __future__ import annotations
 

@@ -26,9 +26,9 @@ def build_plain(env: Mapping[str, str], *, backend: str, track_started: bool) ->
         accept_content=["json"],
     )
     if env.get("BENCH_LEDGER_TRANSPORT") == "1":
-        # Only the broker transport of celery-ledger (its credit repair for pools without an
-        # event loop, its kept Redis client): a baseline that differs from the ledger in the
-        # ledger alone.
+        # celery-ledger's broker transport class (its credit repair for pools without an event
+        # loop, its kept Redis client), without the rest of create_app's settings: a baseline
+        # that drains the broker as the ledger's workers do.
         app.conf.broker_transport = "celery_ledger.transport:Transport"
     if env.get("BENCH_PLAIN_DEFAULTS") != "1":
         app.conf.update(
