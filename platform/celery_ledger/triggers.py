@@ -598,11 +598,14 @@ class TriggerRunner:
             if not active:
                 return
 
-    def stop(self) -> None:
-        """The worker stops: end the reading, save each watcher's place, give up the leases."""
+    def stop(self, timeout: float = 5.0) -> None:
+        """The worker stops: end the reading, save each watcher's place, give up the leases,
+        all within ``timeout`` (a watcher still waiting when it is spent keeps its lease, which
+        ends by itself)."""
         self._stop.set()
+        deadline = self._clock() + timeout
         for watcher in self.watchers:
-            watcher.stop()
+            watcher.stop(timeout=max(0.0, deadline - self._clock()))
 
 
 def _count(event: str, *args: Any) -> None:

@@ -46,13 +46,15 @@ class Housekeeping:
         lanes: dict[str, list[Callable[[], object]]],
         *,
         interval: float,
-        on_stop: tuple[Callable[[], object], ...] = (),
+        on_stop: tuple[Callable[[float], object], ...] = (),
     ) -> None:
         self._lanes = {name: jobs for name, jobs in lanes.items() if jobs}
         self._interval = interval
         # What the worker's stop runs before the lanes end (the trigger watchers save their
         # place and give up their leases): from the worker's shutdown sequence, never from the
-        # signal handler that starts it, where waiting on a lane's lock blocks the worker.
+        # signal handler that starts it, where waiting on a lane's lock blocks the worker. Each
+        # hook is given what is left of the stop's time: a cold stop (terminate) must not wait
+        # out a warm stop's patience for a hook stuck behind an outage.
         self._on_stop = on_stop
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -67,14 +69,14 @@ class Housekeeping:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        deadline = time.monotonic() + timeout
         for hook in self._on_stop:
             try:
-                hook()
+                hook(max(0.0, deadline - time.monotonic()))
             except Exception as exc:  # the worker stops anyway; leases end by themselves
                 logger.warning(
                     "housekeeping stop %s failed: %s", getattr(hook, "__qualname__", hook), exc
                 )
-        deadline = time.monotonic() + timeout
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
@@ -235,7 +237,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         # Change-stream triggers: the lease holder of each reads in a lane of its own (its
         # reads wait on the server); every worker competes, whatever tiers it consumes.
         triggers: list[Callable[[], object]] = []
-        stops: tuple[Callable[[], object], ...] = ()
+        stops: tuple[Callable[[float], object], ...] = ()
         watchers = watchers_for(app)
         if watchers:
             runner = TriggerRunner(watchers)

@@ -65,11 +65,11 @@ def test_the_stop_hooks_run_from_the_workers_stop_and_a_failing_one_stops_nothin
         in_job.set()
         finish.wait(10)
 
-    def broken() -> None:
+    def broken(timeout: float) -> None:
         stopped.append("broken")
         raise RuntimeError("ledger away")
 
-    def hook() -> None:
+    def hook(timeout: float) -> None:
         stopped.append("hook")
         finish.set()  # a watcher gives its lease up, its tick ends
 
@@ -81,3 +81,20 @@ def test_the_stop_hooks_run_from_the_workers_stop_and_a_failing_one_stops_nothin
     # Then every hook ran, in order, and the lanes ended
     assert stopped == ["broken", "hook"]
     assert not any(t.is_alive() for t in keeping._threads)
+
+
+def test_a_cold_stop_gives_its_hooks_only_what_is_left_of_its_second() -> None:
+    # Given a stop hook stuck behind an outage (it uses all the time it is given)
+    given: list[float] = []
+
+    def stuck(timeout: float) -> None:
+        given.append(timeout)
+        threading.Event().wait(timeout)
+
+    keeping = Housekeeping({}, interval=0.01, on_stop=(stuck, stuck))
+    # When the worker stops cold
+    keeping.terminate()
+    # Then the first hook had the cold stop's second, not a warm stop's patience, and the
+    # second what was left of it
+    assert 0.9 < given[0] <= 1.0
+    assert given[1] < 0.1

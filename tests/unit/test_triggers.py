@@ -400,6 +400,24 @@ def test_stop_saves_the_place_and_gives_up_the_lease() -> None:
     assert not h.watcher.tick()
 
 
+def test_stop_shares_its_time_among_the_watchers() -> None:
+    # Given two watchers each stuck behind an outage: a stop waits all the time it is given
+    now = [0.0]
+    given: list[float] = []
+
+    class Stuck:
+        def stop(self, timeout: float = 5.0) -> None:
+            given.append(timeout)
+            now[0] += timeout
+
+    runner = TriggerRunner([Stuck(), Stuck()], clock=lambda: now[0])  # type: ignore[list-item]
+    # When the worker stops with a second to spare
+    runner.stop(timeout=1.0)
+    # Then the first watcher had the second, the next what was left (not a second each): the
+    # leases of those that could not stop end by themselves
+    assert given == [1.0, 0.0]
+
+
 # -- declaration, health, metrics --------------------------------------------------------------
 
 
