@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from pymongo import monitoring
 from pymongo.errors import BulkWriteError
 
 from celery_ledger import CommitLost, LeaseLost, LedgerUnavailable, State
@@ -907,7 +908,22 @@ def test_a_ledger_of_an_earlier_release_keeps_its_sparse_indexes_until_the_upgra
     and read the records due on ``objective`` too; ``finish_upgrade`` (once no earlier release
     runs) copies the open objectives and drops both, leaving the records two secondary indexes
     (every write of every job pays for each: ``ops/bench/indexes.py``)."""
-    store = Ledger(uri=stack.ledger.url, database=f"upgrade_{new_id()[:8]}")
+    listings: list[str] = []
+
+    class Listings(monitoring.CommandListener):
+        def started(self, event: monitoring.CommandStartedEvent) -> None:
+            if event.command_name == "listIndexes":
+                listings.append(event.database_name)
+
+        def succeeded(self, event: Any) -> None:
+            pass
+
+        def failed(self, event: Any) -> None:
+            pass
+
+    store = Ledger(
+        uri=stack.ledger.url, database=f"upgrade_{new_id()[:8]}", event_listeners=[Listings()]
+    )
     try:
         due_before, due_during = new_id(), new_id()
         past = utcnow() - timedelta(seconds=5)
@@ -943,6 +959,10 @@ def test_a_ledger_of_an_earlier_release_keeps_its_sparse_indexes_until_the_upgra
         assert indexes - {"retention", "retention_sweep"} == {"_id_", "state_claimable"}
         assert len(indexes) == 3
         assert {d["_id"] for d in store.overdue()} == {due_before, due_during}
+        # Once seen gone, the escalation check stops listing the indexes at every pass
+        listings.clear()
+        assert {d["_id"] for d in store.overdue()} == {due_before, due_during}
+        assert listings == []
     finally:
         store.client.drop_database(store.database_name)
         store.close()

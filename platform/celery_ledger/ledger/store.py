@@ -280,6 +280,10 @@ class Ledger:
         self._collection: Collection[dict[str, Any]] | None = None
         # Claims and attempt endings of this process's concurrent tasks share bulk writes.
         self.writes = GroupCommit(lambda: self.collection, max_batch=group_commit_max)
+        # Once an earlier release's ``objective`` index is seen gone it stays gone (only
+        # ``ledger finish-upgrade`` drops it, once no such release runs): the escalation
+        # check stops listing the indexes at every pass.
+        self._objective_index_gone = False
 
     # -- connection -------------------------------------------------------------------------
 
@@ -412,7 +416,9 @@ class Ledger:
     def legacy_indexes(self) -> list[str]:
         """The records' indexes an earlier release made that this one no longer needs."""
         with translate_errors("index listing"):
-            return [n for n in LEGACY_INDEXES if n in self.collection.index_information()]
+            found = [n for n in LEGACY_INDEXES if n in self.collection.index_information()]
+        self._objective_index_gone = "objective" not in found
+        return found
 
     def finish_upgrade(self) -> dict[str, int]:
         """Retire the records' sparse ``objective`` and ``replacement_due`` indexes, once no
@@ -939,7 +945,7 @@ class Ledger:
         now = self.now()
         found: dict[Any, dict[str, Any]] = {}
         with translate_errors("escalation query"):
-            if "objective" in self.legacy_indexes():
+            if not self._objective_index_gone and "objective" in self.legacy_indexes():
                 for doc in self.collection.find({"slo_at": {"$lte": now}}, fields).limit(limit):
                     found[doc["_id"]] = doc
             while len(found) < limit:
