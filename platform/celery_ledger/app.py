@@ -187,7 +187,7 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             runtime,
             broker,
             lock,
-            wake_overdue_workflows=self.workflow_engine.wake_overdue,
+            wake_overdue_workflows=lambda held: self.workflow_engine.wake_overdue(held=held),
             idempotent_tasks=(WAKE_TASK,),
         )
 
@@ -205,7 +205,9 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             workflow_states=self.workflow_engine.log.running,
             lock=lock,
             announce_dead=lambda record_id: self.dead_letters.announce_record(record_id),
-            wake_due_workflows=lambda limit: self.workflow_engine.wake_overdue(limit=limit),
+            wake_due_workflows=lambda limit, held: self.workflow_engine.wake_overdue(
+                limit=limit, held=held
+            ),
         )
 
     def enqueue(self, session: ClientSession, work: Signature | WorkflowCall) -> Any:

@@ -79,7 +79,7 @@ class Outbox:
         workflow_states: Callable[[list[str]], Iterable[str]],
         lock: SweepLock | None = None,
         announce_dead: Callable[[str], None] | None = None,
-        wake_due_workflows: Callable[[int], int] | None = None,
+        wake_due_workflows: Callable[[int, frozenset[str]], int] | None = None,
     ) -> None:
         self._runtime = runtime
         # The workflow engine's wake of workflows due for a check: a workflow started in a
@@ -254,7 +254,7 @@ class Outbox:
         ``WAKES_PER_PASS`` workflows due for a check; returns how many records it published."""
         runtime = self._runtime
         grace = runtime.settings.outbox_grace_seconds
-        held = {tier for tier in runtime.tiers.names if runtime.gate.holds(tier)}
+        held = runtime.gate.held(runtime.tiers.names)
 
         def skip(doc: Mapping[str, Any]) -> bool:
             """Another app's (its relay's), held in the outbox by its tier's mark, or one this
@@ -271,7 +271,7 @@ class Outbox:
         if sent:
             logger.warning("outbox relay: published %d job(s) their committer did not", sent)
         if self._wake_due_workflows is not None:
-            woken = self._wake_due_workflows(WAKES_PER_PASS)
+            woken = self._wake_due_workflows(WAKES_PER_PASS, held)
             if woken:
                 logger.info("outbox relay: woke %d workflow(s) due for a check", woken)
         return sent

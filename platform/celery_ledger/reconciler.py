@@ -80,7 +80,7 @@ class Reconciler:
         broker: BrokerView,
         lock: SweepLock | None = None,
         *,
-        wake_overdue_workflows: Callable[[], int] | None = None,
+        wake_overdue_workflows: Callable[[frozenset[str]], int] | None = None,
         idempotent_tasks: tuple[str, ...] = (),
     ) -> None:
         self._runtime = runtime
@@ -144,7 +144,9 @@ class Reconciler:
                 logger.warning("reconcile: restoring stranded wakes failed: %s", exc)
         if not dry_run and self._wake_overdue_workflows is not None:
             try:
-                report.workflows_woken = self._wake_overdue_workflows()
+                # Not those of a tier above its mark: they stay due until it drains
+                held = self._runtime.gate.held(self._runtime.tiers.names)
+                report.workflows_woken = self._wake_overdue_workflows(held)
             except Exception as exc:  # the jobs' part of the sweep goes on
                 report.failed += 1
                 logger.warning("reconcile: waking overdue workflows failed: %s", exc)

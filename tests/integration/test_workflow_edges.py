@@ -108,6 +108,35 @@ def test_a_timer_is_kept_on_the_state_so_the_reconcilers_checks_never_pass_it(
     assert state_doc(engine_app, handle.id)["checks"] >= 5
 
 
+def test_a_workflow_of_a_tier_above_its_mark_stays_due_and_is_woken_once_it_drains(
+    engine_app: Any,
+) -> None:
+    # Given a workflow whose wake was lost, due for a check, its tier above its mark
+    def waits(wf: Any, order: int) -> str:
+        wf.sleep(60)
+        return "woke"
+
+    flow = engine_app.workflow(waits, name="edges.held", idempotency_key="{order}")
+    handle = flow.start(4)
+    engine = engine_app.workflow_engine
+    assert engine.wake(handle.id) == "suspended"
+    tier = state_doc(engine_app, handle.id)["tier"]
+    states = engine.log.states
+    time.sleep(CHECK_SECONDS + 0.1)  # its log has been still for a check time
+    due = engine.log.now()
+    states.update_one({"_id": handle.id}, {"$set": {"check_at": due}})
+    # When the checks run while the tier is held
+    others = {t for t in engine_app.runtime.tiers.names if t != tier}
+    engine.wake_overdue(held={tier})
+    # Then it is neither woken nor put off: still due
+    assert aware(state_doc(engine_app, handle.id)["check_at"]) == due.replace(
+        microsecond=due.microsecond // 1000 * 1000
+    )
+    # And once the tier drains (another tier's hold changes nothing), it is woken
+    assert engine.wake_overdue(held=others) >= 1
+    assert aware(state_doc(engine_app, handle.id)["check_at"]) > due
+
+
 def test_a_timers_wake_that_comes_early_is_published_again_for_when_it_is_due(
     engine_app: Any,
 ) -> None:

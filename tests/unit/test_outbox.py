@@ -42,6 +42,9 @@ class FakeGate:
     def holds(self, tier: str) -> bool:
         return tier in self.engaged
 
+    def held(self, tiers: Any) -> frozenset[str]:
+        return frozenset(t for t in tiers if self.holds(t))
+
     def policy(self, tier: str) -> str | None:
         return self.policies.get(tier, "block")
 
@@ -81,12 +84,14 @@ class World:
             wake_due_workflows=self.wake_due,
         )
         self.checks = 0
+        self.held_at_checks: list[frozenset[str]] = []
 
-    def wake_due(self, limit: int) -> int:
+    def wake_due(self, limit: int, held: frozenset[str]) -> int:
         """The engine's wake of workflows due for a check (one started in a transaction is due
         once the committer's grace has passed)."""
         assert limit == WAKES_PER_PASS
         self.checks += 1
+        self.held_at_checks.append(held)
         return 1
 
     def committed(self, key: str, *, tier: str = "critical", message: bool = True) -> str:
@@ -125,6 +130,15 @@ def test_every_relay_pass_wakes_the_workflows_due_nothing_else_woke(w: World) ->
     w.committed("wf-job")
     w.clock.advance(6)
     assert w.outbox.relay() == 1 and w.checks == 2
+
+
+def test_the_relay_leaves_the_workflows_of_a_tier_above_its_mark_due(w: World) -> None:
+    # (a wake would add to the queue that is too deep: they are checked once it drains)
+    w.gate.engaged.add("bulk")
+    w.outbox.relay()
+    w.gate.engaged.clear()
+    w.outbox.relay()
+    assert w.held_at_checks == [frozenset({"bulk"}), frozenset()]
 
 
 def test_a_flush_publishes_only_what_its_transaction_committed(w: World) -> None:

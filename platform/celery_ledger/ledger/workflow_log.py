@@ -24,7 +24,7 @@ Op shapes follow the ledger's (see ``store.py``): reads and writes on ``_id`` (r
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -172,10 +172,17 @@ class WorkflowLog:
             at = at.replace(tzinfo=UTC)
         return at if isinstance(at, datetime) else None
 
-    def due_for_check(self, *, limit: int = 200) -> list[dict[str, Any]]:
-        """Active workflows whose check time passed (their wake-up may be lost)."""
+    def due_for_check(
+        self, *, limit: int = 200, skip_tiers: Iterable[str] = ()
+    ) -> list[dict[str, Any]]:
+        """Active workflows whose check time passed (their wake-up may be lost), but those of
+        ``skip_tiers`` (held by backpressure: they stay due, and do not fill the window)."""
+        query: dict[str, Any] = {"check_at": {"$lte": self.now()}}
+        skipped = sorted(skip_tiers)
+        if skipped:
+            query["tier"] = {"$nin": skipped}
         with translate_errors("workflow check query"):
-            docs = list(self.states.find({"check_at": {"$lte": self.now()}}).limit(limit))
+            docs = list(self.states.find(query).limit(limit))
             # A stuck workflow waits for an operator (whose retry sets its check again), not
             # for a wake: out of this view, so that stuck ones never fill the window and hide
             # the rest (a state stuck before set_status parked it is parked here)

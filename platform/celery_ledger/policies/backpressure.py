@@ -163,6 +163,10 @@ class BackpressureGate:
         except Exception:
             return False
 
+    def held(self, tiers: Iterable[str]) -> frozenset[str]:
+        """Those of ``tiers`` whose durable work waits where it is (:meth:`holds`)."""
+        return frozenset(tier for tier in tiers if self.holds(tier))
+
     def policy(self, tier: str) -> Policy | None:
         """The tier's policy above its mark (None: the tier has no mark)."""
         limit = self.limits.get(tier)

@@ -27,7 +27,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
@@ -737,17 +737,19 @@ class WorkflowEngine:
 
     # -- the reconciler's part ------------------------------------------------------------------
 
-    def wake_overdue(self, *, limit: int = 200) -> int:
+    def wake_overdue(self, *, limit: int = 200, held: Iterable[str] = ()) -> int:
         """Wake active workflows nothing woke within the check time (their wake-up was lost,
         or a step's message was): each wake republishes what is missing. One whose log grew
         within the check time is not woken (it advances: its wakes are not lost), and one
         that stays still through its checks (a long timer, a signal, a step behind a backlog)
         is checked half as often each time, down to one check in MAX_CHECK_DOUBLINGS
         doublings: checks are reads and a wake of every waiting workflow at every check would
-        take the workers' time from the steps they wait for."""
+        take the workers' time from the steps they wait for. Workflows of the ``held`` tiers
+        (above their backpressure mark) are left due: a wake would add to the queue that is
+        too deep, and checks them once it drains."""
         woken = 0
         now = self.log.now()
-        for doc in self.log.due_for_check(limit=limit):
+        for doc in self.log.due_for_check(limit=limit, skip_tiers=held):
             workflow_id = str(doc["_id"])
             last = self.log.last_event_at(workflow_id)
             if last is not None and (now - last).total_seconds() < self.check_seconds:
