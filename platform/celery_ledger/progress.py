@@ -53,6 +53,25 @@ def shutdown_flag(parent_pid: int) -> Path:
     return Path(tempfile.gettempdir()) / f"celery-ledger-shutdown-{parent_pid}"
 
 
+# The worker's main process, recorded there at its start (its prefork children inherit it). A
+# body runs in that process on a threads, gevent, eventlet or solo pool, in a child of it on
+# prefork: its parent's pid names the right flag only in the second case.
+_main_pid: int | None = None
+
+
+def serve_shutdown_flag() -> Path:
+    """In a worker's main process at its start: the flag its warm shutdown will create."""
+    global _main_pid
+    _main_pid = os.getpid()
+    return shutdown_flag(_main_pid)
+
+
+def watched_shutdown_flag() -> Path:
+    """The flag a running body watches: its worker's main process's (the parent's pid, where
+    no worker recorded one: a pool process made otherwise)."""
+    return shutdown_flag(_main_pid if _main_pid is not None else os.getppid())
+
+
 class Heartbeat:
     """Extends one lease while the body runs, from the process's heartbeat thread.
 
@@ -75,7 +94,7 @@ class Heartbeat:
         self._lease_seconds = lease_seconds
         self.interval = interval_seconds
         self.due = 0.0
-        self._flag = shutdown_flag(os.getppid())
+        self._flag = watched_shutdown_flag()
         self._lock = ForkSafeLock()  # a tick in progress finishes before stop() returns
         self._stopped = False
         self.lost = False

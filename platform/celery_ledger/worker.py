@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import os
 import threading
 import time
 import uuid
@@ -23,7 +22,7 @@ from .delayed import DelayedPublisher
 from .envelope import body_problem
 from .errors import ConfigurationError, LedgerError
 from .policies.unrunnable import unrunnable_delay
-from .progress import shutdown_flag
+from .progress import serve_shutdown_flag
 from .triggers import TriggerRunner, watchers_for
 
 logger = logging.getLogger("celery_ledger.worker")
@@ -172,7 +171,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         missing = app.missing_keys()
         if missing:  # it could open, seal or key none of their jobs: refuse to start
             raise ConfigurationError("; ".join(missing))
-        flag = shutdown_flag(os.getpid())
+        flag = serve_shutdown_flag()
         flag.unlink(missing_ok=True)
         # On warm shutdown, tell running bodies (in the pool processes) to checkpoint and yield.
         signals.worker_shutting_down.connect(lambda **_: flag.touch(), weak=False)

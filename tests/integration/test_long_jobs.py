@@ -197,14 +197,17 @@ def test_max_age_and_time_limits_retire_to_the_dead_letter_flow(
     assert effect_count("hard", token) == 0
 
 
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_sigterm_checkpoints_requeues_and_another_worker_finishes(
-    stack: Any, app: Any, token: str, victim_workers: list[Any]
+    stack: Any, app: Any, token: str, victim_workers: list[Any], pool: str
 ) -> None:
+    """On every pool: a prefork body runs in a child of the worker's main process, a threads
+    (gevent, solo) body in that process itself; each hears of its warm shutdown."""
     from tests.integration.ledger_app import backfill_docs
 
     make_source(token)
     queue = f"long-{uuid.uuid4().hex[:6]}"
-    first = stack.start_worker(queue, concurrency=1, name=f"{queue}-a@127.0.0.1")
+    first = stack.start_worker(queue, concurrency=1, pool=pool, name=f"{queue}-a@127.0.0.1")
     victim_workers.append(first)
     result = backfill_docs.apply_async((token,), queue=queue)
     wait_for(lambda: reads(token) >= 1000, timeout=60, what="progress")
