@@ -796,6 +796,10 @@ class MemoryLedger:
             if d.get("state") == State.RUNNING and d["claimable_at"] < cutoff
         ][:limit]
 
+    def states_of(self, record_ids: Sequence[str]) -> dict[str, str]:
+        self._enter("states_of")
+        return {i: str(d.get("state")) for i in record_ids if (d := self.docs.get(i)) is not None}
+
     def stale(
         self, state: State, *, older_than_seconds: float, limit: int = 500
     ) -> list[dict[str, Any]]:

@@ -64,6 +64,17 @@ class Unacked:
     payload: bytes
 
 
+@dataclass(frozen=True)
+class Stranded:
+    """A message unacknowledged since ``since`` (seconds since the epoch, when a worker took
+    it): its task's name and its job's record id, when it is a ledger job's."""
+
+    message: Unacked
+    task: str | None
+    record_id: str | None
+    since: float
+
+
 class BrokerView(Protocol):
     """The reconciler's view of the broker (a fake one in unit tests)."""
 
@@ -76,8 +87,8 @@ class BrokerView(Protocol):
     def restore(self, message: Unacked) -> bool:
         """Put an unacknowledged message back on its queue; False if it was gone already."""
 
-    def restore_stale(self, task_names: Iterable[str], *, older_than_seconds: float) -> int:
-        """Put back every message of these tasks unacknowledged for longer than that."""
+    def stranded(self, *, older_than_seconds: float, limit: int) -> list[Stranded]:
+        """Messages unacknowledged for longer than that, oldest first (at most ``limit``)."""
 
 
 class RedisBroker:
@@ -144,28 +155,44 @@ class RedisBroker:
                 found.add(record_id)
         return found
 
-    def restore_stale(self, task_names: Iterable[str], *, older_than_seconds: float) -> int:
-        """Idempotent messages (a workflow's wake) that a dead worker held come back now, not
-        after the visibility timeout: kombu's index scores each by its delivery time. One that
-        a live but slow worker still holds runs twice, which such a task allows."""
-        names = set(task_names)
+    def stranded(self, *, older_than_seconds: float, limit: int) -> list[Stranded]:
+        """kombu's index scores each unacknowledged message by the time a worker took it; the
+        hash holds the message. One acknowledged between the two reads is passed over."""
         cutoff = time.time() - older_than_seconds
-        tags = cast("list[bytes]", self._client.zrangebyscore(self._unacked_index_key, 0, cutoff))
-        restored = 0
-        for tag in tags:
-            payload = self._client.hget(self._unacked_key, tag)
+        scored = cast(
+            "list[tuple[bytes, float]]",
+            self._client.zrangebyscore(
+                self._unacked_index_key, 0, cutoff, start=0, num=limit, withscores=True
+            ),
+        )
+        if not scored:
+            return []
+        payloads = cast(
+            "list[bytes | None]", self._client.hmget(self._unacked_key, [t for t, _ in scored])
+        )
+        found: list[Stranded] = []
+        for (tag, since), payload in zip(scored, payloads, strict=True):
             if payload is None:
                 continue
             try:
                 message, _exchange, routing_key = json.loads(payload)
-                task = message["headers"]["task"]
-            except (ValueError, KeyError, TypeError):
-                continue
-            if task not in names:
-                continue
-            unacked = Unacked(tag.decode(), str(routing_key), _restored_copy(message))
-            restored += self.restore(unacked)
-        return restored
+                message_headers = message["headers"]
+                task = message_headers.get("task")
+                # Only a message naming its job's key names its record for sure (the guard
+                # may key one without it by its arguments)
+                keyed = isinstance(message_headers, dict) and headers.KEY in message_headers
+                record_id = record_id_of(message_headers) if keyed else None
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # not a task message kombu could restore either: its own sweep's
+            found.append(
+                Stranded(
+                    Unacked(tag.decode(), str(routing_key), _restored_copy(message)),
+                    task if isinstance(task, str) else None,
+                    record_id,
+                    float(since),
+                )
+            )
+        return found
 
     def restore(self, message: Unacked) -> bool:
         return bool(

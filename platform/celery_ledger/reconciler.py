@@ -6,7 +6,10 @@ queued or retrying records untouched for a long time (a lost retry, a message lo
 first claim), and queued records whose first publish failed, at once (a record never published
 whose tier is above its backpressure mark is left in the outbox: the relay publishes it under
 the mark); (3) degraded results whose replacement is as overdue (its message was lost: see
-policies/fallback.py). For each, a job
+policies/fallback.py); (4) this app's jobs' messages a worker took and holds unacknowledged,
+without a running claim, for a lease and the grace (it died before its claim, or after a claim
+it released for a requeue it never sent), and workflow wakes held a minute: these are put back
+on their queue. For each of (1) to (3), a job
 whose message still waits in its tier's queue or the delayed set is only slow and is left alone
 (under a deep backlog, copies would cost a claim each). Else it puts the job's unacknowledged
 message back on its queue, so it comes back as sent (marked redelivered, as kombu marks the copies
@@ -28,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .broker import BrokerView, SweepLock
+from .broker import BrokerView, Stranded, SweepLock
 from .ledger.message import KeptMessage
 from .ledger.record import State
 from .ledger.store import UNPUBLISHED
@@ -41,6 +44,8 @@ logger = logging.getLogger("celery_ledger.reconciler")
 # A workflow's wake takes well under a second; one unacknowledged this long was held by a worker
 # that died (or one so slow that running the wake twice costs nothing).
 STRANDED_AFTER_SECONDS = 60.0
+# Unacknowledged messages one sweep looks at, oldest first.
+STRANDED_PER_SWEEP = 500
 
 
 @dataclass
@@ -55,6 +60,9 @@ class ReconcileReport:
     held: int = 0  # never published, their tier above its mark: the outbox relay's, later
     workflows_woken: int = 0  # active workflows nothing woke within their check time
     wakes_restored: int = 0  # workflow wakes a dead worker held, put back on their queue
+    # jobs' messages a worker took and died holding before its claim, or after its claim
+    # ended without an outcome (released for a requeue it never sent), put back on their queue
+    stranded_restored: int = 0
     failed: int = 0  # a record that raised: counted and skipped
     skipped: list[str] = field(default_factory=list)  # nothing to republish it from (or no task)
 
@@ -68,6 +76,7 @@ class ReconcileReport:
             or self.stale_queued
             or self.stale_retrying
             or self.stale_replacements
+            or self.stranded_restored
         )
 
 
@@ -134,14 +143,6 @@ class Reconciler:
         ]
         for counter, _ in candidates:
             setattr(report, counter, getattr(report, counter) + 1)
-        if not dry_run and self._idempotent_tasks:
-            try:
-                report.wakes_restored = self._broker.restore_stale(
-                    self._idempotent_tasks, older_than_seconds=STRANDED_AFTER_SECONDS
-                )
-            except Exception as exc:
-                report.failed += 1
-                logger.warning("reconcile: restoring stranded wakes failed: %s", exc)
         if not dry_run and self._wake_overdue_workflows is not None:
             try:
                 # Not those of a tier above its mark: they stay due until it drains
@@ -150,20 +151,79 @@ class Reconciler:
             except Exception as exc:  # the jobs' part of the sweep goes on
                 report.failed += 1
                 logger.warning("reconcile: waking overdue workflows failed: %s", exc)
-        if dry_run or not candidates:
+        if dry_run:
             return report
-        unacked = self._broker.unacked()
-        waiting = self._broker.waiting()
-        for _, doc in candidates:
-            try:
-                self._bring_back(doc, unacked, waiting, report)
-            except Exception as exc:  # one bad record never stops the sweep
-                report.failed += 1
-                logger.warning("reconcile: %s failed: %s", doc.get("_id"), exc)
-                self._set_aside(doc)
+        if candidates:
+            unacked = self._broker.unacked()
+            waiting = self._broker.waiting()
+            for _, doc in candidates:
+                try:
+                    self._bring_back(doc, unacked, waiting, report)
+                except Exception as exc:  # one bad record never stops the sweep
+                    report.failed += 1
+                    logger.warning("reconcile: %s failed: %s", doc.get("_id"), exc)
+                    self._set_aside(doc)
+        try:  # after the records' part: what it brought back is not stranded
+            self._restore_stranded(report, grace=grace, handled={d["_id"] for _, d in candidates})
+        except Exception as exc:  # the ledger or the broker is away: the next sweep's
+            report.failed += 1
+            logger.warning("reconcile: restoring stranded messages failed: %s", exc)
         if report.found_any:
             logger.warning("reconcile: %s", report.as_dict())
         return report
+
+    def _restore_stranded(
+        self, report: ReconcileReport, *, grace: float, handled: set[Any]
+    ) -> None:
+        """Put back the messages of this app's jobs that a worker took and holds without a
+        live claim, long after it took them: its process died before the claim, or after a
+        claim it released for a requeue it never sent (a warm shutdown cut short, a broker
+        away at the requeue). kombu would restore them only after its visibility timeout (an
+        hour by default), and the job's record says nothing is wrong (none yet, or ``queued``).
+
+        A job's message is unacknowledged from its take to its acknowledgement, its whole
+        run for a long job: one whose record is running is left alone (a lease that ended is
+        the expired leases' part of the sweep, which also republishes a message that is gone),
+        and so is one the records' part of this sweep handled. A claim follows a take within
+        milliseconds, so a message held a whole lease (and the grace) without one is stranded,
+        or waits behind a busy process (a large prefetch): its copy then costs a claim, which
+        tells the job's second delivery and acknowledges it."""
+        runtime = self._runtime
+        jobs_after = runtime.settings.lease_seconds + grace
+        found = self._broker.stranded(
+            older_than_seconds=min(STRANDED_AFTER_SECONDS, jobs_after), limit=STRANDED_PER_SWEEP
+        )
+        if not found:
+            return
+        now = self._ledger.now().timestamp()  # kombu scores by the wall clock (time.time)
+        jobs: list[Stranded] = []
+        for entry in found:
+            if entry.task in self._idempotent_tasks:
+                if now - entry.since >= STRANDED_AFTER_SECONDS:
+                    report.wakes_restored += self._broker.restore(entry.message)
+            elif (
+                entry.record_id is not None
+                and entry.task is not None
+                and runtime.tier_of(entry.task) is not None  # this app's job (not a plain task)
+                and now - entry.since >= jobs_after
+            ):
+                jobs.append(entry)
+        if not jobs:
+            return
+        states = self._ledger.states_of([str(entry.record_id) for entry in jobs])
+        for entry in jobs:
+            state = states.get(str(entry.record_id))
+            if state == State.RUNNING.value or entry.record_id in handled:
+                continue
+            if self._broker.restore(entry.message):
+                report.stranded_restored += 1
+                logger.warning(
+                    "reconcile: %s (%s) put back on %s: taken %.0fs ago, no live claim",
+                    entry.record_id,
+                    state or "no record",
+                    entry.message.queue,
+                    now - entry.since,
+                )
 
     def _set_aside(self, doc: dict[str, Any]) -> None:
         """Out of the sweep's view until its grace or stale time passes again, as read in

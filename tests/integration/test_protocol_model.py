@@ -57,6 +57,7 @@ from hypothesis.stateful import (
 from pymongo.errors import BulkWriteError, WriteConcernError
 
 from celery_ledger import Settings
+from celery_ledger.broker import Stranded
 from celery_ledger.crypto import Sealer
 from celery_ledger.deadletter import DeadLetters
 from celery_ledger.errors import LeaseLost, LedgerError, LedgerUnavailable, PermanentError
@@ -303,6 +304,7 @@ class ModelBroker:
     queued: list[Message] = field(default_factory=list)
     unacked: dict[int, Message] = field(default_factory=dict)  # serial -> message
     orphaned: set[int] = field(default_factory=set)  # unacked by a worker that died
+    taken_at: dict[int, datetime] = field(default_factory=dict)  # when a worker took each
 
     # BrokerView
     def unacked_by_record(self) -> dict[str, Message]:
@@ -334,6 +336,13 @@ class BrokerView:
 
     def restore(self, message: Any) -> bool:
         return self._broker.restore(message)
+
+    def stranded(self, *, older_than_seconds: float, limit: int) -> list[Stranded]:
+        broker = self._broker
+        return [
+            Stranded(m, TASK, broker.record_of(m.key), broker.taken_at[m.serial].timestamp())
+            for m in broker.unacked.values()
+        ][:limit]
 
 
 # -- bodies ---------------------------------------------------------------------------------------
@@ -565,6 +574,7 @@ class ProtocolModel(RuleBasedStateMachine):
         broker = self.broker
         broker.queued.remove(message)
         broker.unacked[message.serial] = message
+        broker.taken_at[message.serial] = self.clock()
         body = ModelBody(self, message, plan, depth)
         try:
             verdict = self.guard.run(

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from celery_ledger import Settings
-from celery_ledger.broker import Unacked
+from celery_ledger.broker import Stranded, Unacked
 from celery_ledger.crypto import Sealer
 from celery_ledger.errors import StoreError
 from celery_ledger.keys import derive_task_id
@@ -21,6 +21,7 @@ from celery_ledger.routing import TIERS, Tiers
 from tests.fakes import Clock, MemoryLedger, Outbox
 
 TASK = "shop.charge"
+WAKE = "celery_ledger.workflow.wake"
 OLD_KEY = "AcKyJ2oLnrAAy_LZcIqJcLFxu0NMYeTJnp7JIrpzIs4="
 NEW_KEY = "0qFzQc5xoZQhPWiz7RlXDGRcus0k650e5VRXFgPRCH8="
 
@@ -30,6 +31,10 @@ class FakeBroker:
     unacked_messages: dict[str, Unacked] = field(default_factory=dict)
     waiting_ids: set[str] = field(default_factory=set)
     restored: list[str] = field(default_factory=list)
+    taken: list[Stranded] = field(default_factory=list)  # unacknowledged, by time taken
+
+    def stranded(self, *, older_than_seconds: float, limit: int) -> list[Stranded]:
+        return list(self.taken)[:limit]
 
     def unacked(self) -> dict[str, Unacked]:
         return dict(self.unacked_messages)
@@ -78,7 +83,17 @@ class World:
             tier_of=lambda name: "critical" if name == TASK else None,
             gate=self.gate,
         )
-        self.reconciler = Reconciler(self.runtime, self.broker, self.lock)  # type: ignore[arg-type]
+        self.reconciler = Reconciler(
+            self.runtime,  # type: ignore[arg-type]
+            self.broker,
+            self.lock,  # type: ignore[arg-type]
+            idempotent_tasks=(WAKE,),
+        )
+
+    def taken(self, tag: str, *, record_id: str | None, task: str = TASK, ago: float) -> None:
+        """A message a worker took ``ago`` seconds ago and has not acknowledged."""
+        since = self.clock().timestamp() - ago
+        self.broker.taken.append(Stranded(Unacked(tag, "critical", b"{}"), task, record_id, since))
 
     def running_job(self, key: str, **headers: Any) -> str:
         """A job claimed by a worker that then died (no heartbeat: the lease runs out)."""
@@ -344,3 +359,73 @@ def test_records_nothing_can_bring_back_never_hide_the_ones_it_can(world: World)
     second = world.reconciler.sweep(limit=3)
     assert second.republished == 1
     assert [p.options["task_id"] for p in world.outbox.tasks] == [brought_back]
+
+
+# -- messages a worker took and holds without a live claim ------------------------------------
+# The lease is 60 s and the grace 10 s: a message held 70 s without a live claim is stranded.
+
+
+def test_a_message_taken_by_a_worker_that_died_before_its_claim_is_put_back(
+    world: World,
+) -> None:
+    world.taken("no-claim", record_id=derive_task_id(TASK, "k1"), ago=71)
+    world.taken("just-taken", record_id=derive_task_id(TASK, "k2"), ago=30)
+    report = world.reconciler.sweep()
+    assert world.broker.restored == ["no-claim"] and report.stranded_restored == 1
+
+
+def test_a_running_jobs_message_is_left_while_its_lease_is_live(world: World) -> None:
+    # (a long job's message stays unacknowledged for its whole run, heartbeats renew the lease)
+    record_id = world.running_job("long")
+    world.clock.advance(50)
+    world.ledger.heartbeat(record_id, world.ledger.docs[record_id]["fence"], 60)
+    world.clock.advance(50)
+    world.taken("long", record_id=record_id, ago=100)
+    report = world.reconciler.sweep()
+    assert world.broker.restored == [] and report.stranded_restored == 0
+
+
+def test_a_dead_holders_message_is_put_back_once_by_the_expired_leases_part(
+    world: World,
+) -> None:
+    record_id = world.running_job("dead")
+    world.clock.advance(71)
+    world.broker.unacked_messages[record_id] = Unacked("dead", "critical", b"{}")
+    world.taken("dead", record_id=record_id, ago=71)
+    report = world.reconciler.sweep()
+    assert world.broker.restored == ["dead"]
+    assert report.restored_from_broker == 1 and report.stranded_restored == 0
+
+
+def test_a_released_jobs_message_that_never_went_back_is_put_back(world: World) -> None:
+    # (a warm shutdown released the claim; the main process died before its requeue)
+    record_id = world.running_job("released")
+    fence = world.ledger.docs[record_id]["fence"]
+    world.ledger.release(record_id, fence, op="shutdown")
+    world.clock.advance(80)
+    world.taken("released", record_id=record_id, ago=80)
+    report = world.reconciler.sweep()
+    assert world.broker.restored == ["released"] and report.stranded_restored == 1
+    assert world.ledger.docs[record_id]["state"] == State.QUEUED.value  # the claim's, later
+
+
+def test_plain_tasks_and_unkeyed_messages_are_left_to_kombu(world: World) -> None:
+    # (a plain Celery task may run for an hour and is not idempotent; a message without its
+    # job's key may be keyed by its arguments: its record id is not known here)
+    world.taken("plain", record_id=derive_task_id("other.task", "k"), task="other.task", ago=999)
+    world.taken("unkeyed", record_id=None, ago=999)
+    world.reconciler.sweep()
+    assert world.broker.restored == []
+
+
+def test_a_wake_is_put_back_after_a_minute(world: World) -> None:
+    world.taken("old-wake", record_id=None, task=WAKE, ago=61)
+    world.taken("new-wake", record_id=None, task=WAKE, ago=10)
+    report = world.reconciler.sweep()
+    assert world.broker.restored == ["old-wake"] and report.wakes_restored == 1
+
+
+def test_a_dry_run_puts_nothing_back(world: World) -> None:
+    world.taken("no-claim", record_id=derive_task_id(TASK, "k1"), ago=999)
+    world.reconciler.sweep(dry_run=True)
+    assert world.broker.restored == []

@@ -1781,6 +1781,14 @@ class Ledger:
                 ).limit(limit)
             )
 
+    def states_of(self, record_ids: Sequence[str]) -> dict[str, str]:
+        """Each existing record's state, by id."""
+        if not record_ids:
+            return {}
+        with translate_errors("reconcile query"):
+            docs = self.collection.find({"_id": {"$in": list(record_ids)}}, {"state": 1})
+            return {str(doc["_id"]): str(doc.get("state")) for doc in docs}
+
     def stale(
         self, state: State, *, older_than_seconds: float, limit: int = 500
     ) -> list[dict[str, Any]]:
