@@ -25,11 +25,12 @@ from __future__ import annotations
 import json
 import logging
 import random
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import redis
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
@@ -730,7 +731,12 @@ class Attempt:
             return self.interrupted()
         except SoftTimeLimitExceeded as exc:
             limit = self.policy.soft_time_limit
-            return self.retired(f"time limit exceeded (soft, {limit}s)", Verdict.raises(exc))
+            reason = (
+                f"time limit exceeded (soft, {limit}s)"
+                if limit is not None
+                else "time limit exceeded (soft: SoftTimeLimitExceeded raised by the body)"
+            )
+            return self.retired(reason, Verdict.raises(exc))
         except CircuitOpen as exc:
             return self.circuit_open(exc)
         except RetryNotPublished as exc:
@@ -748,7 +754,11 @@ class Attempt:
         except LedgerUnavailable as exc:
             return self.ledger_unavailable(exc)
         except Exception as exc:
-            return self.failed(exc)
+            return self.failed(_readable(exc))
+        except BaseException as exc:
+            if _pool_stop(exc):
+                raise  # the pool ends this greenlet (a cold stop): as a killed process
+            return self.not_an_exception(_readable(exc))
         return self.succeeded(retval)
 
     # -- outcomes -----------------------------------------------------------------------------
@@ -763,7 +773,7 @@ class Attempt:
         """Record the result (``degraded``: a fallback's, replaced at ``replace_at``)."""
         try:
             result_json = json.dumps(retval, allow_nan=False)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:  # (nested past the stack)
             return self.dead(
                 PermanentError(f"{self.policy.name} returned a value JSON cannot hold: {exc}"),
                 reason=f"result not JSON: {exc}",
@@ -924,6 +934,14 @@ class Attempt:
 
     def retry(self, retry: Retry) -> Verdict:
         """The body (or Celery's autoretry) asked for a retry, already published by Celery."""
+        if retry.sig is None:
+            # Raised by hand (``raise Retry()``), not by ``self.retry()``: nothing was
+            # published, and a record left retrying would wait for the stale sweep.
+            reason = (
+                "the body raised celery.exceptions.Retry itself, which publishes nothing:"
+                " call self.retry(...) (or raise a retryable error) to retry"
+            )
+            return self.dead(retry, reason=reason, verdict=Verdict.raises(PermanentError(reason)))
         self._report_to_breaker(retry.exc)
         delay = _seconds_until(retry.when, self.ledger.now())
         self._record_retry(retry.exc or retry, delay)
@@ -958,8 +976,22 @@ class Attempt:
             retry = self.body.retry(exc, decision.delay_seconds, message_headers)
         except RetryNotPublished as not_published:
             return self.retry_not_published(not_published)
+        except PermanentError as unpublishable:  # (a retry that can never be published)
+            reason = str(unpublishable)
+            return self.dead(exc, reason=reason, verdict=Verdict.raises(unpublishable))
         self._record_retry(exc, decision.delay_seconds)
         return Verdict.raises(retry)
+
+    def not_an_exception(self, exc: BaseException) -> Verdict:
+        """The body raised a ``BaseException`` that is not an ``Exception`` (``sys.exit()``,
+        ``KeyboardInterrupt``, ``GeneratorExit``...): a bug of the body, never retried. Celery
+        is told of a ``PermanentError`` instead: one of these raised into it ends a solo
+        worker, and a prefork pool process."""
+        reason = (
+            f"the body raised {type(exc).__module__}.{type(exc).__qualname__}, which is not"
+            " an Exception: not retried"
+        )
+        return self.dead(exc, reason=reason, verdict=Verdict.raises(PermanentError(reason)))
 
     def _record_retry(self, exc: BaseException, delay: float) -> None:
         error = self._error(exc, "retry", planned_delay_seconds=delay)
@@ -1289,3 +1321,31 @@ def objective(slo_seconds: float | None, enqueued_at: float | None) -> dict[str,
         "slo_at": datetime.fromtimestamp(since + slo_seconds, UTC),
         "slo_seconds": slo_seconds,
     }
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _readable(exc: _E) -> _E | PermanentError:
+    """``exc``, or a :class:`PermanentError` naming its type when its text cannot be read (its
+    ``__str__`` or ``__repr__`` raises): every record of a failure writes the text, and a raise
+    there would leave the job running without an outcome until its lease ended, again at every
+    delivery. Such an error is the body's bug: not retried."""
+    try:
+        str(exc)
+        repr(exc)
+    except Exception as broken:
+        return PermanentError(
+            f"{type(exc).__module__}.{type(exc).__qualname__} raised; its text could not be"
+            f" read ({type(broken).__name__} in its __str__ or __repr__)"
+        )
+    return exc
+
+
+def _pool_stop(exc: BaseException) -> bool:
+    """Whether ``exc`` is a green pool ending the greenlet that runs the body (gevent's and
+    eventlet's ``GreenletExit``, at a cold stop): the job is not at fault, and its message goes
+    back as a killed process's does."""
+    greenlet = sys.modules.get("greenlet")
+    exit_type = getattr(greenlet, "GreenletExit", None)
+    return isinstance(exit_type, type) and isinstance(exc, exit_type)

@@ -25,6 +25,7 @@ from celery.canvas import Signature
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 from celery.worker.request import Request
+from kombu.exceptions import EncodeError
 from kombu.utils import json as kombu_json
 
 from . import headers
@@ -36,6 +37,7 @@ from .errors import (
     LedgerError,
     LedgerUnavailable,
     PayloadError,
+    PermanentError,
     RetryNotPublished,
 )
 from .guard import Delivery, Replaced, TaskPolicy, Verdict, objective
@@ -527,8 +529,13 @@ class LedgerTask(Task):  # type: ignore[misc]
             )
         except Reject as reject:
             # Celery turns a failed publish of the retry into Reject(requeue=False): dropped.
-            if not reject.requeue and isinstance(reject.reason, Exception):
-                raise RetryNotPublished(f"retry not published: {reject.reason}") from reject
+            reason = reject.reason
+            if not reject.requeue and isinstance(reason, _NEVER_PUBLISHABLE):
+                # (a countdown or eta that is no time, arguments the serializer refuses): put
+                # back, the delivery would ask for the same retry for ever
+                raise PermanentError(f"retry not publishable: {reason}") from reject
+            if not reject.requeue and isinstance(reason, Exception):
+                raise RetryNotPublished(f"retry not published: {reason}") from reject
             raise
 
     def on_replace(self, sig: Signature) -> Any:
@@ -966,6 +973,15 @@ class _Body:
         return bind_arguments(self._task.run, self._delivery.args, self._delivery.kwargs)
 
 
+# The latest time a publish may be due: every due time is kept as a date (in the ledger and
+# its records' leases, which add to it), and a countdown that is no time (infinite, or of
+# billions of years) must be a clear error, not a date that overflows later.
+LATEST_DUE = datetime(9000, 1, 1, tzinfo=UTC).timestamp()
+# What a retry's publish raised that publishing again can never mend (a countdown or eta that
+# is no time, arguments the serializer refuses).
+_NEVER_PUBLISHABLE = (ValueError, TypeError, OverflowError, EncodeError)
+
+
 def _follow(verdict: Verdict) -> Any:
     """Celery's control flow for the guard's verdict."""
     if verdict.kind == "return":
@@ -974,7 +990,13 @@ def _follow(verdict: Verdict) -> Any:
         raise Ignore(verdict.reason)
     if verdict.kind == "requeue":
         raise Reject(verdict.reason, requeue=True)
-    raise verdict.value
+    exc = verdict.value
+    if isinstance(exc, MemoryError) or not isinstance(exc, Exception):
+        # The outcome is recorded; Celery only learns that the job failed. Its main process
+        # re-raises a task's MemoryError, which ends the worker, and a BaseException raised
+        # into it ends a solo worker and a prefork pool process.
+        raise PermanentError(f"{type(exc).__name__}: {exc}"[:2000]) from None
+    raise exc
 
 
 def _from_canvas(options: dict[str, Any]) -> bool:
@@ -1004,15 +1026,36 @@ def _no_direct_runs(task: str, how: str) -> ConfigurationError:
     )
 
 
-def _due_time(countdown: float | None, eta: datetime | str | None) -> float | None:
+def _due_time(countdown: Any, eta: Any) -> float | None:
+    """When a publish with ``countdown`` (seconds) or ``eta`` (a datetime, or its ISO text) is
+    due, in seconds since the epoch; None: now.
+
+    Raises:
+        PayloadError: neither is a time (not a number, not finite, not a date), or it is
+            later than ``LATEST_DUE``: the ledger keeps every due time as a date.
+    """
     if countdown is not None:
-        return time.time() + float(countdown)
-    if isinstance(eta, str):
-        eta = datetime.fromisoformat(eta)
-    if isinstance(eta, datetime):
-        # A naive eta is UTC, as Celery reads it (the app's timezone is UTC).
-        return (eta if eta.tzinfo else eta.replace(tzinfo=UTC)).timestamp()
-    return None
+        try:
+            due = time.time() + float(countdown)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise PayloadError(f"countdown={countdown!r} is not a number of seconds") from exc
+    elif eta is not None:
+        try:
+            when = datetime.fromisoformat(eta) if isinstance(eta, str) else eta
+            if not isinstance(when, datetime):
+                raise TypeError(type(eta).__name__)
+            # A naive eta is UTC, as Celery reads it (the app's timezone is UTC).
+            due = (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise PayloadError(f"eta={eta!r} is not a date ({exc})") from exc
+    else:
+        return None
+    if not due <= LATEST_DUE:  # (NaN and infinity included)
+        raise PayloadError(
+            f"a publish due at {countdown=}, {eta=} is later than the ledger can keep (the"
+            " year 9000)"
+        )
+    return due
 
 
 __all__ = ["LedgerRequest", "LedgerTask"]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 from fractions import Fraction
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from celery_ledger.policies.backoff import backoff_seconds
+from celery_ledger.policies.retry import retry_after_seconds
 
 # Realistic delays: a base of a microsecond up to minutes (or none), a cap up to ~4 months.
 bases = st.just(0.0) | st.floats(min_value=1e-6, max_value=300.0)
@@ -166,3 +168,12 @@ def test_sub_second_base_works() -> None:
 
 def test_no_jitter_reaches_the_cap_even_for_a_tiny_base() -> None:
     assert backoff_seconds(100, base_seconds=1e-30, cap_seconds=1.0, jitter="none") == 1.0
+
+
+@pytest.mark.parametrize("hint", [float("inf"), float("nan"), 10**400, "soon", -3])
+def test_a_retry_after_hint_that_is_no_time_is_ignored_or_floored(hint: Any) -> None:
+    class Throttled(ConnectionError):
+        retry_after = hint
+
+    seconds = retry_after_seconds(Throttled())
+    assert seconds == (0.0 if hint == -3 else None)

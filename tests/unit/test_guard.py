@@ -403,12 +403,100 @@ def test_a_retry_that_cannot_be_published_hands_the_message_back(h: Harness) -> 
 
 
 def test_a_retry_the_body_asked_for_is_recorded(h: Harness) -> None:
-    retry = Retry(exc=ConnectionError("later"), when=3)
+    # (self.retry() raises Retry with the signature it published)
+    retry = Retry(exc=ConnectionError("later"), when=3, sig=SimpleNamespace())
     verdict, _ = h.run(fails(retry))
 
     assert verdict == Verdict.raises(retry)
     assert h.record["state"] == State.RETRYING
     assert h.record["errors"][-1]["planned_delay_seconds"] == 3
+
+
+def test_a_retry_raised_by_hand_published_nothing_and_is_a_dead_letter(h: Harness) -> None:
+    verdict, body = h.run(fails(Retry(exc=ConnectionError("later"), when=3)))
+
+    assert h.record["state"] == State.DEAD and body.runs == 1
+    assert "call self.retry(...)" in h.record["dead_reason"]
+    assert isinstance(verdict.value, PermanentError)
+
+
+class SystemExitsOnItsOwn(BaseException):
+    pass
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [SystemExit(1), SystemExit(0), KeyboardInterrupt(), GeneratorExit(), SystemExitsOnItsOwn()],
+    ids=lambda e: type(e).__name__,
+)
+def test_a_base_exception_from_the_body_is_a_dead_letter_never_retried(
+    h: Harness, exc: BaseException
+) -> None:
+    verdict, body = h.run(fails(exc))
+
+    assert h.record["state"] == State.DEAD and body.retries == []
+    assert "which is not an Exception: not retried" in h.record["dead_reason"]
+    assert type(exc).__qualname__ in h.record["dead_reason"]
+    # Celery is handed an Exception: a BaseException raised into it ends a solo worker
+    assert isinstance(verdict.value, PermanentError)
+
+
+def test_a_greenlet_ended_by_its_pool_is_not_the_jobs_fault() -> None:
+    greenlet = pytest.importorskip("greenlet")
+    h = Harness()
+    with pytest.raises(greenlet.GreenletExit):
+        h.run(fails(greenlet.GreenletExit()))
+    assert h.record["state"] == State.RUNNING  # its lease ends; its message comes back
+
+
+class Unprintable(ConnectionError):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ broke")
+
+
+class Unrepresentable(Exception):
+    def __repr__(self) -> str:
+        raise RuntimeError("__repr__ broke")
+
+    __str__ = __repr__
+
+
+@pytest.mark.parametrize("exc", [Unprintable(), Unrepresentable()], ids=lambda e: type(e).__name__)
+def test_an_error_whose_text_cannot_be_read_is_a_dead_letter_naming_its_type(
+    h: Harness, exc: Exception
+) -> None:
+    verdict, body = h.run(fails(exc))
+
+    assert h.record["state"] == State.DEAD and body.retries == [] and body.runs == 1
+    assert type(exc).__qualname__ in h.record["dead_reason"]
+    assert "its text could not be read" in h.record["dead_reason"]
+    assert isinstance(verdict.value, PermanentError)
+
+
+def test_a_result_nested_past_the_stack_is_a_dead_letter(h: Harness) -> None:
+    deep: Any = []
+    for _ in range(100_000):
+        deep = [deep]
+    _verdict, body = h.run(FakeBody(work=lambda _: deep))
+
+    assert h.record["state"] == State.DEAD and body.runs == 1
+    assert h.record["dead_reason"].startswith("result not JSON")
+
+
+def test_a_retry_that_can_never_be_published_is_a_dead_letter_not_a_requeue(h: Harness) -> None:
+    body = fails(ConnectionError("timeout"))
+    body.retry_error = PermanentError("retry not publishable: eta='soon' is not a date")
+    verdict, _ = h.run(body)
+
+    assert verdict.kind == "raise" and h.record["state"] == State.DEAD
+    assert h.record["dead_reason"] == "retry not publishable: eta='soon' is not a date"
+
+
+def test_a_soft_time_limit_raised_by_hand_says_so(h: Harness) -> None:
+    h.run(fails(SoftTimeLimitExceeded()))
+    assert h.record["dead_reason"] == (
+        "time limit exceeded (soft: SoftTimeLimitExceeded raised by the body)"
+    )
 
 
 def test_a_ledger_outage_inside_the_body_defers_and_never_kills(h: Harness) -> None:

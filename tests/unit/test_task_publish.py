@@ -647,6 +647,29 @@ def test_due_now_is_published_at_once(
     assert "eta" not in call.options
 
 
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"countdown": float("inf")},
+        {"countdown": float("nan")},
+        {"countdown": 1e12},  # (the year 33658)
+        {"countdown": "soon"},
+        {"eta": "not a date"},
+        {"eta": 1700000000},  # (a number is no eta)
+        {"eta": datetime(9999, 12, 31, tzinfo=UTC)},
+    ],
+    ids=["infinite", "nan", "huge", "text-countdown", "text-eta", "number-eta", "year-9999"],
+)
+def test_a_due_time_that_is_no_time_is_refused_at_the_caller(
+    add: LedgerTask, published: list[Published], delayed: FakeDelayed, option: dict[str, Any]
+) -> None:
+    # (in a body's self.retry(...), the same refusal ends the job dead with its reason: put
+    # back, the delivery would ask for the same retry for ever)
+    with pytest.raises(PayloadError, match=r"countdown|eta|later than the ledger can keep"):
+        add.apply_async((1, 2), **option)
+    assert published == [] and delayed.scheduled == []
+
+
 @pytest.fixture
 def utc_minus_5() -> Iterator[None]:
     """Run with the process's local time zone at UTC-5 (POSIX TZ, no tz database needed)."""
@@ -808,3 +831,19 @@ def test_a_retry_is_never_deduplicated(
 
     assert ledger.enqueued == []
     assert len(published) == 1
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [MemoryError("pretend"), SystemExit(1), KeyboardInterrupt()],
+    ids=lambda e: type(e).__name__,
+)
+def test_celery_is_never_handed_an_error_that_ends_a_worker(exc: BaseException) -> None:
+    # (the guard recorded the outcome; Celery's main process re-raises a task's MemoryError
+    # and a solo worker ends on a BaseException)
+    from celery_ledger.errors import PermanentError
+    from celery_ledger.guard import Verdict
+    from celery_ledger.task import _follow
+
+    with pytest.raises(PermanentError, match=type(exc).__name__):
+        _follow(Verdict.raises(exc))

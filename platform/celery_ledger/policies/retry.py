@@ -9,6 +9,7 @@ honours.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, replace
 from typing import Any
@@ -113,6 +114,7 @@ def retry_after_seconds(exc: BaseException) -> float | None:
     """The exception's ``retry_after`` hint in seconds, if it has a usable one."""
     hint = getattr(exc, "retry_after", None)
     try:
-        return None if hint is None else max(0.0, float(hint))
-    except (TypeError, ValueError):
+        seconds = None if hint is None else float(hint)
+    except (TypeError, ValueError, OverflowError):  # (an int past a float's range)
         return None
+    return max(0.0, seconds) if seconds is not None and math.isfinite(seconds) else None
