@@ -31,6 +31,7 @@ from pymongo.monitoring import CommandListener
 
 from . import headers, tracecontext
 from .broker import RedisBroker, SweepLock
+from .conf_check import conf_problems, pinned, task_problems
 from .crypto import (
     REDACTED,
     SEALED_CONTENT_TYPE,
@@ -130,6 +131,7 @@ class LedgerCelery(Celery):  # type: ignore[misc]
     settings: Settings
     tiers: Tiers
     runtime: Runtime
+    pinned_conf: dict[str, Any]
 
     @property
     def ledger(self) -> Ledger:
@@ -320,6 +322,27 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             problems += [KEY_SECRET_NEEDED.format(task=name) for name in sorted(derived)]
         return problems
 
+    def configuration_problems(self) -> list[str]:
+        """Celery settings changed after create_app, and ledger tasks' options, that would break
+        a guarantee (:mod:`celery_ledger.conf_check`); a worker refuses to start with any."""
+        problems = conf_problems(self.conf, self.pinned_conf)
+        for task in self.tasks.values():
+            if isinstance(task, LedgerTask):
+                problems += task_problems(task)
+        return problems
+
+    def check_configuration(self) -> None:
+        """Raise :class:`ConfigurationError` naming every problem; a producer's first publish
+        asks (once: the configuration does not change under a running app)."""
+        if self._configuration_checked:
+            return
+        problems = self.configuration_problems()
+        if problems:
+            raise ConfigurationError("; ".join(problems))
+        self._configuration_checked = True
+
+    _configuration_checked = False
+
     def workflow_handle(self, workflow_id: str) -> WorkflowHandle:
         """The handle of a started workflow, by id."""
         return WorkflowHandle(self, workflow_id)
@@ -445,6 +468,12 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             )
         if options.get("tier") is not None:
             self.tiers.check(options["tier"], where="a task declaration")
+        ledger_task = isinstance(base, type) and issubclass(base, LedgerTask)
+        if ledger_task and "max_retries" in options and options["max_retries"] is None:
+            raise ConfigurationError(
+                "max_retries=None (retry for ever, in Celery) is not supported: give a number;"
+                " every job also has its attempts budget (max_attempts)"
+            )
         # A sensitive task's keys are checked when a worker starts and when it is published,
         # not here: Flower and the CLI load the app's tasks without them (least privilege).
         return super().task(*args, **options)
@@ -736,6 +765,9 @@ def create_app(
         enable_utc=True,
         timezone="UTC",
     )
+    # What the guarantees need of the configuration above, checked at a worker's start and a
+    # producer's first publish against later changes (conf_check.py)
+    app.pinned_conf = pinned(app.conf)
     app.steps["worker"].add(LedgerWorkerStep)
     logging.getLogger("celery.app.trace").addFilter(RedactSensitive(app.is_sensitive))
     install_observability(app, app.runtime)  # metrics, Sentry, JSON logs: as the settings say

@@ -29,6 +29,7 @@ from kombu.exceptions import EncodeError
 from kombu.utils import json as kombu_json
 
 from . import headers
+from .conf_check import task_problems
 from .crypto import REDACTED, SEALED_SERIALIZER, sealing
 from .errors import (
     Backpressure,
@@ -218,6 +219,10 @@ class LedgerTask(Task):  # type: ignore[misc]
 
     acks_late = True
     reject_on_worker_lost = True
+    # Set here, not left to Celery's task_* settings: a ledger task's messages are JSON (sealed
+    # per publish when sensitive) and its result is always kept (conf_check.py)
+    serializer = "json"
+    ignore_result = False
     Request = LedgerRequest
 
     ledger_options: ClassVar[frozenset[str]] = frozenset(
@@ -320,6 +325,9 @@ class LedgerTask(Task):  # type: ignore[misc]
         if cls.tier is not None and tiers is not None:
             tiers.check(cls.tier, where=f"task {cls.name or cls.__name__}")
         Fallback.of(cls.fallback)  # a wrong fallback= is an error at definition, not at run
+        problems = task_problems(cls)
+        if problems:
+            raise ConfigurationError("; ".join(problems))
         slo = cls.slo_seconds
         if slo is not None and (
             isinstance(slo, bool)
@@ -601,7 +609,11 @@ class LedgerTask(Task):  # type: ignore[misc]
             IdentityError: ``task_id`` is not the id of the job's key.
             Backpressure: the tier is above its high-water mark (policy reject, or block
                 timed out).
+            ConfigurationError: a Celery setting changed after create_app breaks a guarantee
+                (the first publish of the process checks).
         """
+        if not self.app.conf.task_always_eager:  # (eager runs no worker's guarantees)
+            self.app.check_configuration()
         args = tuple(args) if args else ()
         kwargs = dict(kwargs) if kwargs else {}
         settings = self.app.settings

@@ -168,8 +168,10 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         app = worker.app
         runtime = app.runtime
         settings = runtime.settings
-        missing = app.missing_keys()
-        if missing:  # it could open, seal or key none of their jobs: refuse to start
+        # Keys it lacks (it could open, seal or key none of those jobs), settings changed
+        # after create_app that break a guarantee: refuse to start, naming each
+        missing = app.missing_keys() + app.configuration_problems()
+        if missing:
             raise ConfigurationError("; ".join(missing))
         flag = serve_shutdown_flag()
         flag.unlink(missing_ok=True)
