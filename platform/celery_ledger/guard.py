@@ -1343,9 +1343,22 @@ def _readable(exc: _E) -> _E | PermanentError:
 
 
 def _pool_stop(exc: BaseException) -> bool:
-    """Whether ``exc`` is a green pool ending the greenlet that runs the body (gevent's and
-    eventlet's ``GreenletExit``, at a cold stop): the job is not at fault, and its message goes
-    back as a killed process's does."""
+    """Whether ``exc`` is the worker stopping the body rather than the body's own: the job is
+    not at fault, and its message goes back as a killed process's does. Each pool says so its
+    own way: billiard's terminate handler raised it in a prefork pool process (a cold stop,
+    which terminates them); a green pool ended the greenlet (``GreenletExit``); or the worker's
+    main process, where a threads or solo pool runs bodies, is stopping (Celery's shutdown
+    handlers set ``should_stop`` or ``should_terminate``)."""
     greenlet = sys.modules.get("greenlet")
     exit_type = getattr(greenlet, "GreenletExit", None)
-    return isinstance(exit_type, type) and isinstance(exc, exit_type)
+    if isinstance(exit_type, type) and isinstance(exc, exit_type):
+        return True
+    billiard = sys.modules.get("billiard.common")
+    fired = getattr(billiard, "terminate_handler_fired", None)
+    if callable(fired) and fired():
+        return True
+    state = sys.modules.get("celery.worker.state")
+    return (
+        getattr(state, "should_stop", None) is not None
+        or getattr(state, "should_terminate", None) is not None
+    )

@@ -449,6 +449,35 @@ def test_a_greenlet_ended_by_its_pool_is_not_the_jobs_fault() -> None:
     assert h.record["state"] == State.RUNNING  # its lease ends; its message comes back
 
 
+def test_a_pool_process_terminated_by_a_cold_stop_is_not_the_jobs_fault(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (billiard's terminate handler raises SystemExit in the pool process: the job goes back
+    # with its message, as a killed process's, never dead)
+    import billiard.common
+
+    monkeypatch.setattr(billiard.common, "_should_have_exited", [True])
+    h = Harness()
+    with pytest.raises(SystemExit):
+        h.run(fails(SystemExit(-15)))
+    assert h.record["state"] == State.RUNNING
+
+
+@pytest.mark.parametrize("flag", ["should_stop", "should_terminate"])
+def test_a_body_in_a_stopping_main_process_is_not_the_jobs_fault(
+    monkeypatch: pytest.MonkeyPatch, flag: str
+) -> None:
+    # (threads and solo run bodies in the main process, where Celery's stop raises)
+    from celery.exceptions import WorkerTerminate
+    from celery.worker import state
+
+    monkeypatch.setattr(state, flag, 1)
+    h = Harness()
+    with pytest.raises(WorkerTerminate):
+        h.run(fails(WorkerTerminate(1)))
+    assert h.record["state"] == State.RUNNING
+
+
 class Unprintable(ConnectionError):
     def __str__(self) -> str:
         raise RuntimeError("__str__ broke")
