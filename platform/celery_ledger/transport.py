@@ -8,11 +8,13 @@ non-JSON item, or an envelope whose fields have the wrong types (see
 decode-error hook for this transport, so ``_brpop_read`` and ``_get`` are restated here with
 the decode guarded: such an item is kept, with its queue and the reason, in the app's poison
 list (the transport option ``ledger_poison_key``, set by ``create_app``) and the worker goes on.
-Everything else is kombu's (selected through Celery's ``broker_transport`` setting), but for
-one saving: the channel reuses its Redis client for the commands it sends outside the event
-loop (see :meth:`Channel.conn_or_acquire`); and one repair: a worker without an event loop
-(the gevent and eventlet pools) sees credit its tasks return while it waits for messages (see
-:func:`poll_timeout`).
+A broker at its memory limit refuses the writes that follow a take (the booking of the message
+as unacknowledged, a requeue, a poison entry); none of them may end the worker either (see
+:class:`QoS`). Everything else is kombu's (selected through Celery's ``broker_transport``
+setting), but for one saving: the channel reuses its Redis client for the commands it sends
+outside the event loop (see :meth:`Channel.conn_or_acquire`); and one repair: a worker without
+an event loop (the gevent and eventlet pools) sees credit its tasks return while it waits for
+messages (see :func:`poll_timeout`).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from queue import Empty
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
+from redis import exceptions as redis_errors
 
 from .envelope import envelope_problem
 
@@ -50,6 +54,80 @@ class QoS(kombu_redis.QoS):
             return None
         return super().restore_visible(*args, **kwargs)
 
+    # A broker at its memory limit (``maxmemory`` with ``noeviction``) still answers reads and
+    # deletes (BRPOP, HDEL, ZREM) but refuses every write that adds (LPUSH, ZADD, HSET) with an
+    # error reply. kombu pops a message, then books it as unacknowledged, then hands it on: a
+    # refused booking raised out of the worker's loop, which ended the worker with the message
+    # in neither the queue nor the bookkeeping (lost), and so did a refused requeue. A full
+    # broker is what a deep backlog makes, so every worker lost a message and died in turn.
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Messages taken while the broker refused their booking, by delivery tag: their raw
+        # form, to requeue them from here (kombu requeues from its bookkeeping).
+        self._unbooked: dict[str, tuple[Any, str, str]] = {}
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        try:
+            super().append(message, delivery_tag)
+        except redis_errors.ResponseError as exc:
+            # Handed on all the same, booked in this process only: its claim records the job
+            # before its body runs (a worker that dies in between loses it, as a worker killed
+            # between kombu's pop and its booking always could: dedupe on publish covers both)
+            logger.error(
+                "broker refused to book message %s as taken (%s); running it unbooked",
+                delivery_tag,
+                exc,
+            )
+            info = message.delivery_info
+            self._unbooked[delivery_tag] = (
+                message._raw,
+                info.get("exchange", ""),
+                info.get("routing_key", ""),
+            )
+            virtual.QoS.append(self, message, delivery_tag)
+
+    def ack(self, delivery_tag: str) -> None:
+        self._unbooked.pop(delivery_tag, None)
+        super().ack(delivery_tag)
+
+    def restore_unacked(self, client: Any = None) -> Any:
+        """At the channel's close kombu puts back what it holds from its bookkeeping; the
+        unbooked are put back from here (or, refused again, left to their records)."""
+        for tag, unbooked in list(self._unbooked.items()):
+            try:
+                with self.channel.conn_or_acquire(client) as conn:
+                    pipe = conn.pipeline()
+                    self.channel._do_restore_message(*unbooked, pipe, leftmost=True)
+                    pipe.execute()
+            except redis_errors.ResponseError as exc:
+                logger.error("broker refused to put back message %s at close: %s", tag, exc)
+            self._unbooked.pop(tag, None)
+        return super().restore_unacked(client)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        unbooked = self._unbooked.pop(delivery_tag, None)
+        try:
+            if requeue and unbooked is not None:
+                with self.channel.conn_or_acquire() as client:
+                    pipe = client.pipeline()
+                    self.channel._do_restore_message(*unbooked, pipe, leftmost=True)
+                    pipe.execute()
+                virtual.QoS.ack(self, delivery_tag)
+                return
+            super().reject(delivery_tag, requeue=requeue)
+        except redis_errors.ResponseError as exc:
+            # Not requeued now, never raised into the worker's loop: a booked message stays in
+            # the bookkeeping, where the reconciler finds it held without a running claim (and
+            # kombu after its visibility timeout); an unbooked one's job has its record, which
+            # the reconciler republishes
+            logger.error(
+                "broker refused to requeue message %s (%s); left for the reconciler",
+                delivery_tag,
+                exc,
+            )
+            virtual.QoS.ack(self, delivery_tag)
+
 
 class Channel(kombu_redis.Channel):
     QoS = QoS
@@ -62,6 +140,11 @@ class Channel(kombu_redis.Channel):
     )
 
     _ledger_client: tuple[Any, Any] | None = None  # (the pool, a client of it)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Poison entries the broker refused (at its memory limit): see _push_poison.
+        self._held_poison: list[str] = []
 
     @contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
@@ -84,6 +167,8 @@ class Channel(kombu_redis.Channel):
         yield kept[1]
 
     def _brpop_read(self, **options: Any) -> bool | None:
+        if self._held_poison:
+            self._push_poison()
         try:
             try:
                 dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
@@ -137,7 +222,6 @@ class Channel(kombu_redis.Channel):
         return None
 
     def _keep_poison(self, item: bytes, queue: str, reason: str, headers: Any = None) -> None:
-        logger.error("queue %s: %s; kept in %s", queue, reason, self.ledger_poison_key)
         entry = {
             "queue": queue,
             "reason": reason,
@@ -147,8 +231,30 @@ class Channel(kombu_redis.Channel):
         }
         if isinstance(headers, dict):
             entry["headers"] = headers  # the dead record's task and id, where usable
-        with self.conn_or_acquire() as client:
-            client.lpush(self.ledger_poison_key, json.dumps(entry, default=str))
+        self._held_poison.append(json.dumps(entry, default=str))
+        self._push_poison()
+        if self._held_poison:
+            logger.error(
+                "queue %s: %s; the broker refused to keep it: held in this process (%d held)",
+                queue,
+                reason,
+                len(self._held_poison),
+            )
+        else:
+            logger.error("queue %s: %s; kept in %s", queue, reason, self.ledger_poison_key)
+
+    def _push_poison(self) -> None:
+        """Push the poison entries this process holds, oldest first, as far as the broker takes
+        them. A broker at its memory limit refuses them (it took the item, it will not take
+        the entry): they are held here and pushed at the next take, never raised into the
+        worker's loop (which would end it with the item lost)."""
+        while self._held_poison:
+            try:
+                with self.conn_or_acquire() as client:
+                    client.lpush(self.ledger_poison_key, self._held_poison[0])
+            except redis_errors.ResponseError:
+                return
+            self._held_poison.pop(0)
 
 
 # While a consuming channel has no credit (its QoS's every message is taken and not yet
