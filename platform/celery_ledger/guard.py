@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from .errors import (
     StoreError,
 )
 from .events import Job
+from .exits import text_of, worker_stopping
 from .fallbacks import Fallbacks
 from .keys import Identity
 from .ledger.dead import DeadJob, DeadLetter, error_entry, format_traceback
@@ -756,7 +756,7 @@ class Attempt:
         except Exception as exc:
             return self.failed(_readable(exc))
         except BaseException as exc:
-            if _pool_stop(exc):
+            if worker_stopping(exc):
                 raise  # the pool ends this greenlet (a cold stop): as a killed process
             return self.not_an_exception(_readable(exc))
         return self.succeeded(retval)
@@ -1129,7 +1129,7 @@ class Attempt:
                 self.record_id,
                 self.fence,
                 outcome="ignored",
-                note=storable(str(exc)),
+                note=storable(text_of(exc) or ""),
                 op=op,
                 atomic_steps=steps,
             ),
@@ -1331,34 +1331,9 @@ def _readable(exc: _E) -> _E | PermanentError:
     ``__str__`` or ``__repr__`` raises): every record of a failure writes the text, and a raise
     there would leave the job running without an outcome until its lease ended, again at every
     delivery. Such an error is the body's bug: not retried."""
-    try:
-        str(exc)
-        repr(exc)
-    except Exception as broken:
+    if text_of(exc) is None:
         return PermanentError(
             f"{type(exc).__module__}.{type(exc).__qualname__} raised; its text could not be"
-            f" read ({type(broken).__name__} in its __str__ or __repr__)"
+            " read (its __str__ or __repr__ raised)"
         )
     return exc
-
-
-def _pool_stop(exc: BaseException) -> bool:
-    """Whether ``exc`` is the worker stopping the body rather than the body's own: the job is
-    not at fault, and its message goes back as a killed process's does. Each pool says so its
-    own way: billiard's terminate handler raised it in a prefork pool process (a cold stop,
-    which terminates them); a green pool ended the greenlet (``GreenletExit``); or the worker's
-    main process, where a threads or solo pool runs bodies, is stopping (Celery's shutdown
-    handlers set ``should_stop`` or ``should_terminate``)."""
-    greenlet = sys.modules.get("greenlet")
-    exit_type = getattr(greenlet, "GreenletExit", None)
-    if isinstance(exit_type, type) and isinstance(exc, exit_type):
-        return True
-    billiard = sys.modules.get("billiard.common")
-    fired = getattr(billiard, "terminate_handler_fired", None)
-    if callable(fired) and fired():
-        return True
-    state = sys.modules.get("celery.worker.state")
-    return (
-        getattr(state, "should_stop", None) is not None
-        or getattr(state, "should_terminate", None) is not None
-    )

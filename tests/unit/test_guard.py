@@ -463,19 +463,38 @@ def test_a_pool_process_terminated_by_a_cold_stop_is_not_the_jobs_fault(
     assert h.record["state"] == State.RUNNING
 
 
-@pytest.mark.parametrize("flag", ["should_stop", "should_terminate"])
-def test_a_body_in_a_stopping_main_process_is_not_the_jobs_fault(
-    monkeypatch: pytest.MonkeyPatch, flag: str
+def test_a_body_in_a_main_process_stopping_cold_is_not_the_jobs_fault(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # (threads and solo run bodies in the main process, where Celery's stop raises)
+    # (a solo pool runs bodies in the main thread, where Celery's cold stop raises)
     from celery.exceptions import WorkerTerminate
     from celery.worker import state
 
-    monkeypatch.setattr(state, flag, 1)
+    monkeypatch.setattr(state, "should_terminate", 1)
     h = Harness()
     with pytest.raises(WorkerTerminate):
         h.run(fails(WorkerTerminate(1)))
     assert h.record["state"] == State.RUNNING
+
+
+def test_a_bodys_own_exit_during_a_warm_stop_is_still_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (a warm stop raises nothing into a body: its sys.exit() is the body's, never retried)
+    from celery.worker import state
+
+    monkeypatch.setattr(state, "should_stop", 0)
+    h = Harness()
+    verdict, _ = h.run(fails(SystemExit(1)))
+    assert h.record["state"] == State.DEAD and isinstance(verdict.value, PermanentError)
+
+
+def test_a_green_pools_hard_time_limit_is_the_pools() -> None:
+    gevent = pytest.importorskip("gevent")
+    h = Harness()
+    with pytest.raises(gevent.Timeout):
+        h.run(fails(gevent.Timeout(2)))
+    assert h.record["state"] == State.RUNNING  # the worker retires it as the time limit
 
 
 class Unprintable(ConnectionError):
@@ -866,3 +885,12 @@ def test_a_soft_time_limit_during_the_completion_write_still_completes(h: Harnes
 
     assert verdict == Verdict.returns({"charged": 7}) and body.runs == 1
     assert h.record["state"] == State.SUCCEEDED
+
+
+def test_a_retry_of_an_error_whose_text_cannot_be_read_is_recorded(h: Harness) -> None:
+    # (self.retry(exc=...) hands the guard the error as the Retry's, not as the body's raise)
+    retry = Retry(exc=Unprintable(), when=3, sig=SimpleNamespace())
+    h.run(fails(retry))
+
+    assert h.record["state"] == State.RETRYING
+    assert h.record["errors"][-1]["message"] == "(its text could not be read)"

@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from ..crypto import REDACTED
+from ..exits import text_of
 from ..untrusted import storable, storable_value
 from .message import KeptMessage
 from .record import ErrorEntry
@@ -188,7 +189,7 @@ def error_entry(
         action=action,
         planned_delay_seconds=planned_delay_seconds,
         type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-        message=REDACTED if redact else storable(str(exc)[:2000]),
+        message=REDACTED if redact else storable(_text(exc)[:2000]),
         traceback_digest=traceback_digest(exc),
         at=at,
         worker=owner,
@@ -210,6 +211,11 @@ def traceback_digest(exc: BaseException) -> str:
     frames = tb.extract_tb(exc.__traceback__)
     where = "|".join(f"{f.filename}:{f.name}:{f.lineno}" for f in frames)
     return hashlib.sha256(f"{type(exc).__qualname__}|{where}".encode()).hexdigest()[:16]
+
+
+def _text(exc: BaseException) -> str:
+    text = text_of(exc)
+    return "(its text could not be read)" if text is None else text
 
 
 def format_traceback(exc: BaseException | None) -> str:

@@ -18,6 +18,7 @@ import pymongo.errors
 import redis.exceptions
 
 from ..errors import ConfigurationError, PermanentError
+from ..exits import described
 from .backoff import Jitter, backoff_seconds
 
 RETRYABLE_BY_DEFAULT: tuple[type[BaseException], ...] = (
@@ -93,7 +94,7 @@ def decide(
             if isinstance(exc, (PermanentError, *fail_on))
             else "error not retryable"
         )
-        return RetryDecision(False, reason=f"{kind}: {type(exc).__name__}: {str(exc)[:200]}")
+        return RetryDecision(False, reason=f"{kind}: {described(exc)[:250]}")
     if retries_done >= policy.max_retries:
         return RetryDecision(False, reason=f"retries exhausted after {retries_done} retries")
     delay = backoff_seconds(
