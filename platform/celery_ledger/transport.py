@@ -20,6 +20,7 @@ messages (see :func:`poll_timeout`).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import time
@@ -66,6 +67,8 @@ class QoS(kombu_redis.QoS):
         # Messages taken while the broker refused their booking, by delivery tag: their raw
         # form, to requeue them from here (kombu requeues from its bookkeeping).
         self._unbooked: dict[str, tuple[Any, str, str]] = {}
+        # Requeues of those the broker refused too: put back at the next take, or at close.
+        self._held_requeues: dict[str, tuple[Any, str, str]] = {}
 
     def append(self, message: Any, delivery_tag: str) -> None:
         try:
@@ -93,34 +96,50 @@ class QoS(kombu_redis.QoS):
 
     def restore_unacked(self, client: Any = None) -> Any:
         """At the channel's close kombu puts back what it holds from its bookkeeping; the
-        unbooked are put back from here (or, refused again, left to their records)."""
-        for tag, unbooked in list(self._unbooked.items()):
+        unbooked, and the requeues the broker refused, are put back from here. One refused
+        again is lost with the process: logged with its body, for an operator to publish."""
+        for tag in list(self._unbooked):
+            self._held_requeues[tag] = self._unbooked.pop(tag)
+        self.push_held(client)
+        for tag, (raw, _exchange, queue) in self._held_requeues.items():
+            logger.critical(
+                "message %s of %s could not be put back before the worker stopped: %s",
+                tag,
+                queue,
+                json.dumps(raw, default=str),
+            )
+        self._held_requeues.clear()
+        return super().restore_unacked(client)
+
+    def push_held(self, client: Any = None) -> None:
+        """Put back the requeues the broker refused, oldest first, as far as it takes them."""
+        for tag, unbooked in list(self._held_requeues.items()):
             try:
                 with self.channel.conn_or_acquire(client) as conn:
                     pipe = conn.pipeline()
                     self.channel._do_restore_message(*unbooked, pipe, leftmost=True)
                     pipe.execute()
-            except redis_errors.ResponseError as exc:
-                logger.error("broker refused to put back message %s at close: %s", tag, exc)
-            self._unbooked.pop(tag, None)
-        return super().restore_unacked(client)
+            except redis_errors.RedisError:
+                return
+            del self._held_requeues[tag]
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         unbooked = self._unbooked.pop(delivery_tag, None)
+        if requeue and unbooked is not None:
+            # Put back from the message itself (no bookkeeping to put it back from); refused,
+            # it is held here and put back at the next take, or at close
+            self._held_requeues[delivery_tag] = unbooked
+            self.push_held()
+            if delivery_tag in self._held_requeues:
+                logger.error("broker refused to requeue message %s; held", delivery_tag)
+            virtual.QoS.ack(self, delivery_tag)
+            return
         try:
-            if requeue and unbooked is not None:
-                with self.channel.conn_or_acquire() as client:
-                    pipe = client.pipeline()
-                    self.channel._do_restore_message(*unbooked, pipe, leftmost=True)
-                    pipe.execute()
-                virtual.QoS.ack(self, delivery_tag)
-                return
             super().reject(delivery_tag, requeue=requeue)
         except redis_errors.ResponseError as exc:
-            # Not requeued now, never raised into the worker's loop: a booked message stays in
-            # the bookkeeping, where the reconciler finds it held without a running claim (and
-            # kombu after its visibility timeout); an unbooked one's job has its record, which
-            # the reconciler republishes
+            # Not requeued now, never raised into the worker's loop: the message stays in the
+            # bookkeeping (kombu's transaction applied nothing), where the reconciler finds it
+            # held without a running claim, and kombu after its visibility timeout
             logger.error(
                 "broker refused to requeue message %s (%s); left for the reconciler",
                 delivery_tag,
@@ -167,8 +186,6 @@ class Channel(kombu_redis.Channel):
         yield kept[1]
 
     def _brpop_read(self, **options: Any) -> bool | None:
-        if self._held_poison:
-            self._push_poison()
         try:
             try:
                 dest__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
@@ -189,6 +206,23 @@ class Channel(kombu_redis.Channel):
             flush = getattr(self, "_flush_brpop_reauth", None)
             if flush is not None:
                 flush()
+            self._push_held()  # after the reply is read, never before (it would be lost)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # the broker may be gone: logged below
+            self._push_poison()
+        for entry in self._held_poison:
+            logger.critical("poison entry lost with the worker's stop (not kept): %s", entry)
+        self._held_poison.clear()
+        super().close()
+
+    def _push_held(self) -> None:
+        """What the broker refused earlier (poison entries, requeues), offered again."""
+        if self._held_poison:
+            self._push_poison()
+        qos = self._qos
+        if qos is not None and qos._held_requeues:
+            qos.push_held()
 
     def _get(self, queue: str, timeout: Any = None) -> Any:
         with self.conn_or_acquire() as client:
@@ -252,7 +286,7 @@ class Channel(kombu_redis.Channel):
             try:
                 with self.conn_or_acquire() as client:
                     client.lpush(self.ledger_poison_key, self._held_poison[0])
-            except redis_errors.ResponseError:
+            except redis_errors.RedisError:  # (refused, or the broker away: held still)
                 return
             self._held_poison.pop(0)
 

@@ -44,8 +44,10 @@ ITEM = b"not json \xff kept-poison"
 
 
 @pytest.fixture
-def own(tmp_path: Path) -> Iterator[EmbeddedStack]:
-    """An isolated stack without the session's worker (the machine is small)."""
+def own(tmp_path: Path, app: Any) -> Iterator[EmbeddedStack]:
+    """An isolated stack without the session's worker (the machine is small). The session's
+    app is imported first (``app``): the test app module binds to the servers the environment
+    names when it is first imported, and this fixture points the environment elsewhere."""
     saved = dict(os.environ)
     os.environ.update(TEST_ENV)
     running = make_isolated_stack(tmp_path)
@@ -157,7 +159,7 @@ FULL_APP = "tests.integration.apps.broker_full"
 
 
 @pytest.fixture
-def full_stack(tmp_path: Path) -> Iterator[EmbeddedStack]:
+def full_stack(tmp_path: Path, app: Any) -> Iterator[EmbeddedStack]:
     """An isolated stack whose workers run the test app and the broker_full task."""
     from .watchdog import WATCH, WatchedStack
 
