@@ -35,7 +35,7 @@ def canonical_json(value: Any) -> str:
     """
     try:
         return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:  # (nested past the stack)
         raise PayloadError(f"not JSON-serialisable: {exc}") from exc
 
 

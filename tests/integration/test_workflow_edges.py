@@ -6,6 +6,7 @@ wakes its workflows: the test runs every wake itself and reads what the engine w
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -227,3 +228,105 @@ def test_a_call_with_arguments_its_target_cannot_take_fails_the_code_at_the_call
     result = handle.state().result or ""
     assert "refused: PayloadError" in result and "cannot take these arguments" in result
     assert not handle.state().commands  # nothing was recorded
+
+
+# -- code that ends in every way: each ends the workflow with its reason ----------------------
+
+
+def run_to_rest(app: Any, workflow_id: str, wakes: int = 6) -> dict[str, Any]:
+    """Wake the workflow until it waits or ends; its state document."""
+    engine = app.workflow_engine
+    for _ in range(wakes):
+        if engine.wake(workflow_id) in ("suspended", "finished", "stuck"):
+            doc = state_doc(app, workflow_id)
+            if doc["status"] not in ("running", "compensating"):
+                return doc
+    return state_doc(app, workflow_id)
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ broke")
+
+
+@pytest.mark.parametrize(
+    ("raised", "named"),
+    [
+        (SystemExit(3), "SystemExit: 3"),
+        (KeyboardInterrupt(), "KeyboardInterrupt"),
+        (GeneratorExit(), "GeneratorExit"),
+        (Unprintable(), "Unprintable (its text could not be read)"),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else "",
+)
+def test_code_raising_anything_fails_the_workflow_at_once_with_its_reason(
+    engine_app: Any, raised: BaseException, named: str
+) -> None:
+    # (a BaseException was never recorded: its wake ended its pool process, again and again;
+    # an unreadable error took six minutes of failing wakes to park the workflow as stuck)
+    def raises(wf: Any, order: int) -> str:
+        raise raised
+
+    flow = engine_app.workflow(
+        raises, name=f"edges.raises_{type(raised).__name__}", idempotency_key="{order}"
+    )
+    handle = flow.start(uuid.uuid4().int % 10**9)
+    doc = run_to_rest(engine_app, handle.id)
+    assert doc["status"] == "failed" and named in str(doc.get("error"))
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf"), 1e300])
+def test_a_wait_that_is_no_time_fails_the_workflow_at_once(engine_app: Any, seconds: float) -> None:
+    # (it waited for ever, and its status could not be read)
+    def sleeps(wf: Any, order: int) -> str:
+        wf.sleep(seconds)
+        return "woke"
+
+    flow = engine_app.workflow(sleeps, name="edges.no_time", idempotency_key="{order}")
+    handle = flow.start(uuid.uuid4().int % 10**9)
+    doc = run_to_rest(engine_app, handle.id)
+    assert doc["status"] == "failed" and "PayloadError" in str(doc.get("error"))
+    assert handle.status().status == "failed"
+
+
+@pytest.mark.parametrize("goes_on", [True, False], ids=["then-new-work", "then-returns"])
+def test_code_that_catches_its_cancellation_still_ends_cancelled(
+    engine_app: Any, goes_on: bool
+) -> None:
+    # (an ``except Exception`` around a wait swallowed it: the workflow went on, started new
+    # steps and completed, its compensations never run)
+    def swallows(wf: Any, order: int) -> str:
+        try:
+            wf.wait_signal("go")
+        except Exception:  # the wait's error handled as the code thinks best
+            logging.getLogger(__name__).info("no signal")
+        if goes_on:
+            wf.sleep(1)  # new work after the cancellation: never started
+        return "completed anyway"
+
+    flow = engine_app.workflow(
+        swallows, name=f"edges.swallows_{goes_on}", idempotency_key="{order}"
+    )
+    handle = flow.start(uuid.uuid4().int % 10**9)
+    assert engine_app.workflow_engine.wake(handle.id) == "suspended"
+    handle.cancel("the customer changed their mind")
+    doc = run_to_rest(engine_app, handle.id)
+    assert doc["status"] == "cancelled"
+    assert not [c for c in handle.state().commands.values() if c.kind == "timer"]
+
+
+def test_a_stuck_workflow_refuses_a_cancellation_saying_why(engine_app: Any) -> None:
+    # (it was accepted and never applied: a stuck workflow's code does not run)
+    from celery_ledger.errors import WorkflowError
+
+    def waits(wf: Any, order: int) -> str:
+        wf.sleep(60)
+        return "woke"
+
+    flow = engine_app.workflow(waits, name="edges.stuck_cancel", idempotency_key="{order}")
+    handle = flow.start(uuid.uuid4().int % 10**9)
+    assert engine_app.workflow_engine.wake(handle.id) == "suspended"
+    engine_app.workflow_engine.mark_stuck(handle.id, "code changed under it")
+    assert state_doc(engine_app, handle.id)["status"] == "stuck"
+    with pytest.raises(WorkflowError, match="stuck"):
+        handle.cancel("give up")

@@ -152,7 +152,7 @@ class WorkflowContext:
         pos, command = self._next("timer", "sleep")
         self._cancel_point(pos, command)
         if command is None:
-            command = self._new(pos, "timer", "sleep", until=self._now + max(float(seconds), 0.0))
+            command = self._new(pos, "timer", "sleep", until=self._now + _seconds(seconds))
         if command.resolved:
             return
         assert command.until is not None
@@ -171,7 +171,7 @@ class WorkflowContext:
         pos, command = self._next("signal", name)
         self._cancel_point(pos, command)
         if command is None:
-            until = None if timeout is None else self._now + max(float(timeout), 0.0)
+            until = None if timeout is None else self._now + _seconds(timeout)
             command = self._new(pos, "signal", name, until=until)
         if command.resolved:
             return None if command.timed_out else self._decode(command.result)
@@ -317,7 +317,9 @@ class WorkflowContext:
         """
         state = self._state
         if state.cancel_pos is not None:
-            if pos == state.cancel_pos:
+            # At its position, and at any new command after it: code that caught the
+            # cancellation (an ``except Exception`` around a wait) starts nothing more
+            if pos == state.cancel_pos or (command is None and pos > state.cancel_pos):
                 raise WorkflowCancelled(f"cancelled: {(state.cancel or {}).get('reason', '')}")
             return
         if state.cancel is None or (command is not None and command.resolved):
@@ -342,3 +344,26 @@ def signal_of(doc: Mapping[str, Any]) -> Signal:
         payload=doc.get("payload"),
         sent_at=float(sent) if isinstance(sent, int | float) else 0.0,
     )
+
+
+# The longest a timer or a signal's timeout may be (a century): every due time is kept as a
+# date, and one that is no time (NaN, infinite) or past the calendar's end left the workflow
+# waiting for ever and its status unreadable.
+LONGEST_WAIT_SECONDS = 100 * 366 * 86400.0
+
+
+def _seconds(value: Any) -> float:
+    """``value`` as seconds to wait (0 for a negative one).
+
+    Raises:
+        PayloadError: not a number, not finite, or longer than ``LONGEST_WAIT_SECONDS``.
+    """
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise PayloadError(f"{value!r} is not a number of seconds") from exc
+    if not seconds <= LONGEST_WAIT_SECONDS:  # (NaN and infinity included)
+        raise PayloadError(
+            f"a wait of {value!r} seconds: at most {LONGEST_WAIT_SECONDS:.0f} (a century)"
+        )
+    return max(seconds, 0.0)

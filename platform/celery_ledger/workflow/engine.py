@@ -44,6 +44,7 @@ from ..errors import (
     WorkflowError,
 )
 from ..events import Observer
+from ..exits import described, worker_stopping
 from ..keys import KeySpec, canonical_json, compute_key, derive_task_id
 from ..ledger.record import State
 from ..ledger.workflow_log import (
@@ -429,8 +430,19 @@ class WorkflowEngine:
             failure, cancelled = str(exc), True
         except Exception as exc:  # the workflow's code failed: compensations follow
             failure = _describe(exc, sensitive=definition.sensitive)
+        except BaseException as exc:
+            if worker_stopping(exc):
+                raise  # the wake goes back with its message, as a killed process's
+            # SystemExit, KeyboardInterrupt, GeneratorExit raised by the code: its own failure
+            # (unrecorded, the wake failed again at every try, or ended its pool process)
+            failure = _describe(exc, sensitive=definition.sensitive)
         if context.suspended and context.nondeterminism is None:
             return context.waiting_until  # it waits, whatever the code did after the suspension
+        if state.cancel_pos is not None and not cancelled:
+            # The code caught the cancellation (an ``except Exception`` around a wait) and went
+            # on to return or fail: it ends cancelled all the same, its compensations run
+            finished, cancelled = False, True
+            failure = f"cancelled: {(state.cancel or {}).get('reason', '')}"
         recorded_past = state.next_position()
         if context.nondeterminism is None and not cancelled and context.position < recorded_past:
             # The code ended (returned or raised) before commands its log recorded: they were
@@ -649,6 +661,13 @@ class WorkflowEngine:
 
     def cancel(self, workflow_id: str, *, reason: str, actor: str) -> None:
         state = self._active_state(workflow_id, "cancel")
+        if state.get("status") == "stuck":
+            # A cancellation is met by the code, which runs to undo its steps; a stuck
+            # workflow's code does not run until an operator's retry
+            raise WorkflowError(
+                f"cannot cancel workflow {workflow_id}: it is stuck ({state.get('error')});"
+                " retry it once its code is fixed (ledger workflows retry), then cancel it"
+            )
         self.log.request_cancel(
             workflow_id, {"reason": reason, "actor": actor, "at": self.log.now()}
         )
@@ -869,7 +888,7 @@ def _describe(exc: BaseException, *, sensitive: bool = False) -> str:
         return str(exc)  # the step's dead reason (a sensitive task's holds no text)
     if sensitive:  # an exception's text may hold the workflow's data: its type only
         return f"{type(exc).__name__} (message withheld: sensitive workflow)"
-    return f"{type(exc).__name__}: {exc}"
+    return described(exc)
 
 
 def _without_context(fn: Callable[..., Any]) -> Callable[..., Any]:
