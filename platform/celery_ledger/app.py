@@ -14,9 +14,10 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from functools import cached_property
+from types import MappingProxyType
 from typing import Any
 
 from celery import Celery, Task
@@ -131,7 +132,8 @@ class LedgerCelery(Celery):  # type: ignore[misc]
     settings: Settings
     tiers: Tiers
     runtime: Runtime
-    pinned_conf: dict[str, Any]
+    # create_app's (conf_check.pinned); none for an app made otherwise: nothing to check
+    pinned_conf: Mapping[str, Any] = MappingProxyType({})
 
     @property
     def ledger(self) -> Ledger:

@@ -26,6 +26,7 @@ from .keys import identity_of
 from .untrusted import float_or_none
 
 logger = logging.getLogger("celery_ledger.broker")
+_PAGE = 500  # unacknowledged messages read per command
 
 # Move one unacked message back to the front of its queue, atomically.
 _RESTORE = """
@@ -157,19 +158,33 @@ class RedisBroker:
 
     def stranded(self, *, older_than_seconds: float, limit: int) -> list[Stranded]:
         """kombu's index scores each unacknowledged message by the time a worker took it; the
-        hash holds the message. One acknowledged between the two reads is passed over."""
+        hash holds the message. One acknowledged between the two reads is passed over. Read a
+        page at a time, up to ``limit`` oldest: long jobs' messages, unacknowledged for their
+        whole run, stay first in the index and must not hide the newer ones behind them."""
         cutoff = time.time() - older_than_seconds
-        scored = cast(
-            "list[tuple[bytes, float]]",
-            self._client.zrangebyscore(
-                self._unacked_index_key, 0, cutoff, start=0, num=limit, withscores=True
-            ),
-        )
-        if not scored:
-            return []
-        payloads = cast(
-            "list[bytes | None]", self._client.hmget(self._unacked_key, [t for t, _ in scored])
-        )
+        found: list[Stranded] = []
+        for start in range(0, limit, _PAGE):
+            scored = cast(
+                "list[tuple[bytes, float]]",
+                self._client.zrangebyscore(
+                    self._unacked_index_key, 0, cutoff, start=start, num=_PAGE, withscores=True
+                ),
+            )
+            if not scored:
+                break
+            payloads = cast(
+                "list[bytes | None]",
+                self._client.hmget(self._unacked_key, [t for t, _ in scored]),
+            )
+            found += self._read_stranded(scored, payloads)
+            if len(scored) < _PAGE:
+                break
+        return found
+
+    @staticmethod
+    def _read_stranded(
+        scored: list[tuple[bytes, float]], payloads: list[bytes | None]
+    ) -> list[Stranded]:
         found: list[Stranded] = []
         for (tag, since), payload in zip(scored, payloads, strict=True):
             if payload is None:

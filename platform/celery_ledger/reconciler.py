@@ -44,8 +44,9 @@ logger = logging.getLogger("celery_ledger.reconciler")
 # A workflow's wake takes well under a second; one unacknowledged this long was held by a worker
 # that died (or one so slow that running the wake twice costs nothing).
 STRANDED_AFTER_SECONDS = 60.0
-# Unacknowledged messages one sweep looks at, oldest first.
-STRANDED_PER_SWEEP = 500
+# Unacknowledged messages one sweep looks at, oldest first (long jobs' stay first for their
+# whole run: the rest must be reached behind them).
+STRANDED_PER_SWEEP = 5_000
 
 
 @dataclass
@@ -202,9 +203,11 @@ class Reconciler:
                 if now - entry.since >= STRANDED_AFTER_SECONDS:
                     report.wakes_restored += self._broker.restore(entry.message)
             elif (
+                # (a job's record id is known only from a message naming its key: a ledger
+                # task's publish; a plain task's message, or one without the key, is kombu's)
                 entry.record_id is not None
                 and entry.task is not None
-                and runtime.tier_of(entry.task) is not None  # this app's job (not a plain task)
+                and runtime.tier_of(entry.task) is not None  # a task of this app
                 and now - entry.since >= jobs_after
             ):
                 jobs.append(entry)

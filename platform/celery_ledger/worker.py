@@ -173,6 +173,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         missing = app.missing_keys() + app.configuration_problems()
         if missing:
             raise ConfigurationError("; ".join(missing))
+        app.check_configuration()  # (checked: its pool processes inherit the answer)
         flag = serve_shutdown_flag()
         flag.unlink(missing_ok=True)
         # On warm shutdown, tell running bodies (in the pool processes) to checkpoint and yield.

@@ -38,10 +38,9 @@ def app() -> LedgerCelery:
 BREAKING = [
     ({"accept_content": ["json", SEALED, "pickle"]}, "accept_content"),
     ({"accept_content": ["json"]}, "accept_content"),  # every sensitive job would end dead
-    ({"result_accept_content": ["json", "pickle"]}, "result_accept_content"),
+    ({"accept_content": ["json", SEALED_CONTENT_TYPE, "no-such-serializer"]}, "accept_content"),
     ({"task_serializer": "pickle"}, "task_serializer"),
     ({"task_serializer": "yaml"}, "task_serializer"),
-    ({"result_serializer": "pickle"}, "result_serializer"),
     ({"task_protocol": 1}, "task_protocol"),
     ({"broker_transport": "redis"}, "broker_transport"),
     ({"broker_transport": "no.such.module:Transport"}, "broker_transport"),

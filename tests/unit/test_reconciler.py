@@ -410,10 +410,15 @@ def test_a_released_jobs_message_that_never_went_back_is_put_back(world: World) 
 
 
 def test_plain_tasks_and_unkeyed_messages_are_left_to_kombu(world: World) -> None:
-    # (a plain Celery task may run for an hour and is not idempotent; a message without its
-    # job's key may be keyed by its arguments: its record id is not known here)
-    world.taken("plain", record_id=derive_task_id("other.task", "k"), task="other.task", ago=999)
+    # (a plain Celery task may run for an hour and is not idempotent: its messages carry no
+    # job key, so the broker names no record for them; a ledger task's message without its
+    # key may be keyed by its arguments: its record id is not known here either; a task this
+    # app does not have is another app's)
+    world.taken("plain", record_id=None, task="other.task", ago=999)
     world.taken("unkeyed", record_id=None, ago=999)
+    world.taken(
+        "elsewhere", record_id=derive_task_id("other.task", "k"), task="other.task", ago=999
+    )
     world.reconciler.sweep()
     assert world.broker.restored == []
 
