@@ -107,6 +107,21 @@ class ProcessGone(BaseException):
     blocks' ledger writes; the guard only stops its heartbeat, a local act)."""
 
 
+@pytest.fixture(autouse=True)
+def deaths_pass_through_the_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real process death raises nothing the guard could see; the model raises ProcessGone
+    for it, which must pass through the guard as the worker's own stop does (the guard records
+    any other BaseException from a body as the body's failure)."""
+    from celery_ledger import guard as guard_module
+
+    real = guard_module.worker_stopping
+    monkeypatch.setattr(
+        guard_module,
+        "worker_stopping",
+        lambda exc: isinstance(exc, ProcessGone) or real(exc),
+    )
+
+
 # -- the store, with faults and the fence invariant --------------------------------------------
 
 
