@@ -1,12 +1,15 @@
 """Resuming a long workflow reads a bounded part of its log: a 1,000-step workflow's wakes,
 counted with the benchmark's own counter (``ops.bench.workflows``), read as much at 1,000
-events as at 10; and the log's tail read pages correctly past its limit."""
+events as at 10; the log's tail read pages correctly past its limit; and the limit on a
+workflow's kept signals holds however many send at once."""
 
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from celery_ledger.errors import WorkflowError
 from celery_ledger.ledger.workflow_log import WorkflowLog
 from celery_ledger.workflow.engine import WorkflowEngine
 from ops.bench.apps.workflows import build
@@ -87,7 +90,7 @@ def test_the_tail_read_pages_past_its_limit_through_pending_documents_and_events
         )
         log.append(other, 0, [started], worker="t")
         for i in range(7):
-            assert log.add_signal(wf, f"s{i}", {"name": "go", "payload": "null"})
+            assert log.add_signal(wf, f"s{i}", {"name": "go", "payload": "null"}, limit=10)
         log.request_cancel(wf, {"reason": "r", "actor": "a"})
         for limit in (1, 3, 8, 50):
             docs = log.tail(wf, limit=limit)
@@ -128,5 +131,39 @@ def test_stuck_workflows_never_hide_the_ones_due_for_a_check(stack: Any) -> None
         assert [d["_id"] for d in first + second] == ["running"]
         assert log.get_state("stuck-now")["check_at"].year == 9999
         assert all(log.get_state(w)["check_at"].year == 9999 for w in stuck)
+    finally:
+        app.close()
+
+
+def test_the_limit_on_kept_signals_holds_under_concurrent_senders(stack: Any) -> None:
+    app, log = fresh_log(stack, "signals")
+    wf = f"wf-{uuid.uuid4().hex[:8]}"
+
+    def send(signal_id: str) -> bool | str:
+        try:
+            return log.add_signal(wf, signal_id, {"name": "go", "payload": "null"}, limit=5)
+        except WorkflowError as exc:
+            return str(exc)
+
+    try:
+        # Given 16 senders of distinct signals and 8 resending one id, all at once
+        ids = [f"s{n}" for n in range(16)] + ["again"] * 8
+        with ThreadPoolExecutor(max_workers=len(ids)) as pool:
+            outcomes = list(pool.map(send, ids))
+        # Then exactly 5 are kept, the others refused saying why; the resent id at most once
+        kept = [i for i, o in zip(ids, outcomes, strict=True) if o is True]
+        refused = [o for o in outcomes if isinstance(o, str)]
+        assert len(kept) == 5 and log.count_signals(wf) == 5, outcomes
+        assert kept.count("again") <= 1
+        assert all("already holds 5 unconsumed signals" in r for r in refused)
+        assert len(refused) + len(kept) + sum(1 for o in outcomes if o is False) == len(ids)
+        # A resend of a kept signal is not an error when the limit is reached: it is kept once
+        assert send(kept[0]) is False
+        # Once one is consumed, a new one takes its place, and no more
+        log.drop_signal(wf, kept[1])
+        assert send("after") is True and log.count_signals(wf) == 5
+        assert isinstance(send("one-too-many"), str)
+        pending = [d for d in log.tail(wf, limit=50) if d.get("kind") == "pending_signal"]
+        assert sorted(d["signal_id"] for d in pending) == sorted([*kept[:1], *kept[2:], "after"])
     finally:
         app.close()

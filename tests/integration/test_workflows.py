@@ -534,6 +534,7 @@ def test_a_wake_stranded_by_a_dead_worker_is_put_back_by_the_reconciler(
         handle.id,
         "sig-stranded",
         {"name": "go", "payload": '"late"', "sent_at": app.ledger.now(), "actor": "test"},
+        limit=10,
     )
     queue = f"{NAMESPACE}.default"
     assert stack.broker is not None

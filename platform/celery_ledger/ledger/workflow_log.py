@@ -13,9 +13,10 @@ Collections (named after the ledger's, ``<ledger>_workflows`` and ``<ledger>_wor
   always one sequential history. Each event names its worker and the sequence it was decided
   from (``fence``).
 - **pending signals and the cancel request** live in the events collection too, under
-  ``<workflow id>:~s:<signal id>`` and ``<workflow id>:~cancel``: they sort after the events, so
-  the resume's one range read (newest first, down to the latest snapshot) returns them with the
-  tail of the log. A consumed signal is deleted once its consumption is in the log.
+  ``<workflow id>:~slot:<n>`` (one of the limit's slots; ``seq`` ``~s:<signal id>``) and
+  ``<workflow id>:~cancel``: their string ``seq`` sorts after the events, so the resume's one
+  read (newest first, down to the latest snapshot) returns them with the tail of the log. A
+  consumed signal is deleted once its consumption is in the log.
 
 Op shapes follow the ledger's (see ``store.py``): reads and writes on ``_id`` (ranges and
 ``$in``), never ``findAndModify``.
@@ -33,6 +34,7 @@ from pymongo.client_session import ClientSession
 from pymongo.collection import Collection
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
+from ..errors import WorkflowError
 from .record import SCHEMA_VERSION as RECORD_SCHEMA
 from .record import State
 from .store import FOREVER, Ledger, translate_errors
@@ -40,6 +42,10 @@ from .store import FOREVER, Ledger, translate_errors
 EVENT_SCHEMA = 1
 SEQ_DIGITS = 10
 SIGNAL_MARK = "~s:"
+SIGNAL_END = SIGNAL_MARK + "\uffff"  # above every pending signal's mark
+SIGNAL_SLOT = "~slot:"
+# Lost races a send allows beyond one per slot (signals consumed while it sends free slots).
+SLOT_RACES = 8
 CANCEL_MARK = "~cancel"
 EVENTS_BELOW = 2**62  # above every event's number (a comparison with a number matches numbers)
 ACTIVE = ("running", "compensating", "stuck")
@@ -52,6 +58,10 @@ CANCEL_REQUEST = "cancel_request"
 
 def event_id(workflow_id: str, seq: int) -> str:
     return f"{workflow_id}:{seq:0{SEQ_DIGITS}d}"
+
+
+def _signal_slot(workflow_id: str, n: int) -> str:
+    return f"{workflow_id}:{SIGNAL_SLOT}{n}"
 
 
 def is_event(doc: dict[str, Any]) -> bool:
@@ -274,25 +284,66 @@ class WorkflowLog:
             raise
         return len(docs)
 
-    def add_signal(self, workflow_id: str, signal_id: str, doc: dict[str, Any]) -> bool:
-        """Keep a signal until a wait consumes it; False if this signal id was sent before."""
+    def add_signal(
+        self, workflow_id: str, signal_id: str, doc: dict[str, Any], *, limit: int
+    ) -> bool:
+        """Keep a signal until a wait consumes it; False if this signal id is kept already.
+        Raises :class:`WorkflowError` when ``limit`` signals are kept.
+
+        The limit holds under concurrent senders: each kept signal takes one of ``limit``
+        slots, its ``_id`` ``<workflow id>:~slot:<n>``, and an insert into a slot another
+        sender took first collides on the ``_id``, so the sender reads again. (A count, then
+        an insert, let every sender that counted below the limit in: 9 kept against 5.)"""
         # Its "seq" is its own mark, never an event's number: the unique (wf, seq) index keeps
         # events apart and would make every pending document of a workflow collide on null.
+        # It also makes a second send of one signal id collide, in whichever slot.
         mark = f"{SIGNAL_MARK}{signal_id}"
         fields = {"wf": workflow_id, "seq": mark, "kind": PENDING_SIGNAL, "signal_id": signal_id}
         fields.update(doc)
-        with translate_errors("workflow signal"):
-            try:
-                self.events.insert_one({"_id": f"{workflow_id}:{mark}", **fields})
-            except DuplicateKeyError:
+        # Each lost race means another signal was kept: ``limit`` of them fill the slots.
+        for _ in range(limit + SLOT_RACES):
+            with translate_errors("workflow signal"):
+                kept = list(
+                    self.events.find(
+                        {"wf": workflow_id, "seq": {"$gte": SIGNAL_MARK, "$lt": SIGNAL_END}},
+                        {"_id": 1, "seq": 1},
+                    )
+                )
+            if any(d.get("seq") == mark for d in kept):
                 return False
-        return True
+            if len(kept) >= limit:
+                raise WorkflowError(
+                    f"workflow {workflow_id} already holds {limit} unconsumed signals"
+                    " (LEDGER_WORKFLOW_MAX_PENDING_SIGNALS)"
+                )
+            # (a document kept by a release before the slots takes none, but counts above)
+            taken = {str(d["_id"]) for d in kept}
+            free = next(
+                slot
+                for slot in (_signal_slot(workflow_id, n) for n in range(limit))
+                if slot not in taken
+            )
+            with translate_errors("workflow signal"):
+                try:
+                    self.events.insert_one({"_id": free, **fields})
+                except DuplicateKeyError:
+                    continue  # the slot, or this signal id, was taken since: read again
+            return True
+        raise WorkflowError(
+            f"workflow {workflow_id}: signals kept and consumed faster than a send could take a"
+            " slot; send it again (the same signal id keeps it once)"
+        )
 
     def count_signals(self, workflow_id: str) -> int:
         with translate_errors("workflow signal count"):
             return self.events.count_documents(
-                {"wf": workflow_id, "seq": {"$gte": SIGNAL_MARK, "$lt": SIGNAL_MARK + "\uffff"}}
+                {"wf": workflow_id, "seq": {"$gte": SIGNAL_MARK, "$lt": SIGNAL_END}}
             )
+
+    def drop_signal(self, workflow_id: str, signal_id: str) -> None:
+        """Delete a kept signal (its consumption is in the log), whichever slot holds it."""
+        with translate_errors("workflow cleanup"):
+            self.events.delete_many({"wf": workflow_id, "seq": f"{SIGNAL_MARK}{signal_id}"})
 
     def request_cancel(self, workflow_id: str, doc: dict[str, Any]) -> None:
         with translate_errors("workflow cancel"), contextlib.suppress(DuplicateKeyError):

@@ -536,7 +536,7 @@ class WorkflowEngine:
                     state, command.pos, "compensation", command.name, command.args, command.tier
                 )
             elif kind == "signal":
-                self.log.delete([_signal_doc_id(state.id, data.get("signal_id"))])
+                self.log.drop_signal(state.id, str(data.get("signal_id")))
             elif kind == "cancel_requested":
                 # At once: the code waits for its children to end before it meets the
                 # cancellation (WorkflowContext._cancel_point), and a child may wait forever.
@@ -633,8 +633,6 @@ class WorkflowEngine:
     ) -> bool:
         """Keep a signal for the workflow and wake it; False if this signal id was sent before."""
         state = self._active_state(workflow_id, "signal")
-        if self.log.count_signals(workflow_id) >= limit:
-            raise WorkflowError(f"workflow {workflow_id} already holds {limit} unconsumed signals")
         payload_json = canonical_json(payload)
         if len(payload_json) > self.max_payload_bytes:
             raise PayloadError(
@@ -649,6 +647,7 @@ class WorkflowEngine:
             workflow_id,
             signal_id,
             {"name": name, "payload": payload_json, "sent_at": self.log.now(), "actor": actor},
+            limit=limit,  # refused beyond it, with the reason
         )
         self._nudge(workflow_id, state)
         return added
@@ -859,10 +858,6 @@ def _started_event(doc: Mapping[str, Any]) -> dict[str, Any]:
         "args": doc.get("args", "[[], {}]"),
         "parent": doc.get("parent"),
     }
-
-
-def _signal_doc_id(workflow_id: str, signal_id: Any) -> str:
-    return f"{workflow_id}:~s:{signal_id}"
 
 
 def _job_outcome(
