@@ -606,6 +606,7 @@ class MemoryLedger:
         tier: str,
         message: KeptMessage,
         objective: dict[str, Any] | None = None,
+        claimable_at: datetime | None = None,
     ) -> EnqueueOutcome:
         fault = self._enter("enqueue")
         doc = self.docs.get(record_id)
@@ -616,6 +617,8 @@ class MemoryLedger:
                 "message": message.document(),
                 **(objective or {}),
             }
+            if claimable_at is not None:
+                self.docs[record_id]["claimable_at"] = claimable_at
             self._leave(fault)
             return EnqueueOutcome.NEW
         self._leave(fault)

@@ -649,7 +649,11 @@ class LedgerTask(Task):  # type: ignore[misc]
         task_id = task_id or record_id
         message_headers[headers.KEY] = key
         message_headers[headers.TIER] = tier
-        message_headers.setdefault(headers.ENQUEUED_AT, time.time())
+        # A job published for later is enqueued when it is due: its age (max_age_seconds) and
+        # its latency objective count from then, not from the publish (a retry's keep its
+        # first enqueue, in its headers).
+        due_at = _due_time(options.get("countdown"), options.get("eta"))
+        message_headers.setdefault(headers.ENQUEUED_AT, max(time.time(), due_at or 0.0))
         options.setdefault("queue", self.app.tiers.queue(tier))
         # The body sealed here, before it leaves the process: a sensitive task's, and any body
         # that carries a sensitive task's signature (a chain's rest, a callback) with its
@@ -700,24 +704,14 @@ class LedgerTask(Task):  # type: ignore[misc]
         if self.app.conf.task_always_eager:
             return publish_now()
 
-        due_at = _due_time(options.pop("countdown", None), options.pop("eta", None))
-        if due_at is not None and due_at > time.time():
-            return self._publish_later(
-                args,
-                kwargs,
-                task_id,
-                due_at,
-                seal,
-                link=link,
-                link_error=link_error,
-                shadow=shadow,
-                headers=message_headers,
-                **options,
-            )
+        options.pop("countdown", None)
+        options.pop("eta", None)
+        later = due_at is not None and due_at > time.time()
         # A retry republishes a job already admitted and known to the ledger: no backpressure
-        # (a shed retry would be lost) and no dedupe.
+        # (a shed retry would be lost) and no dedupe. A job for later is not in a queue yet:
+        # no backpressure either.
         is_retry = "retries" in options or admitted
-        if not is_retry and self._shed(
+        if not (is_retry or later) and self._shed(
             tier, record_id, key, args, kwargs, message_headers, never=never_shed
         ):
             return self.AsyncResult(task_id)
@@ -732,7 +726,12 @@ class LedgerTask(Task):  # type: ignore[misc]
                     key=key,
                     tier=tier,
                     message=self._kept(args, kwargs, message_headers),
-                    objective=objective(self._slo_seconds(tier), time.time()),
+                    objective=objective(
+                        self._slo_seconds(tier),
+                        float_or_none(message_headers.get(headers.ENQUEUED_AT)),
+                    ),
+                    # A job for later: claimable (and looked after by the reconciler) once due
+                    claimable_at=datetime.fromtimestamp(due_at, UTC) if later and due_at else None,
                 )
             except LedgerUnavailable as exc:
                 # Publishing never needs the ledger: the claim still runs the job once; only the
@@ -744,6 +743,22 @@ class LedgerTask(Task):  # type: ignore[misc]
             else:
                 if outcome is EnqueueOutcome.KNOWN:
                     return self.AsyncResult(task_id)
+        if later and due_at is not None:
+            # With dedupe, a message the delayed set loses (a broker that loses its data), or
+            # one this schedule failed to hold, is published again by the reconciler once the
+            # record is due and stale: it stays queued, claimable at its due time.
+            return self._publish_later(
+                args,
+                kwargs,
+                task_id,
+                due_at,
+                seal,
+                link=link,
+                link_error=link_error,
+                shadow=shadow,
+                headers=message_headers,
+                **options,
+            )
         if not is_retry and not dedupe:
             # A first publish with no record written: its claim may insert the record.
             options[headers.NEW] = True

@@ -764,3 +764,32 @@ def test_reconciler_leaves_a_stale_queued_job_whose_message_still_waits(
         assert report.republished == 0
         assert broker.llen(probe.tiers.queue("default")) == 1
     probe.close()
+
+
+def test_a_job_for_later_whose_delayed_message_was_lost_is_published_once_due(
+    stack: EmbeddedStack,
+) -> None:
+    probe, job, broker_url = dedupe_probe(stack, "reconcile_later_probe", 9)
+    token = f"later-{uuid.uuid4().hex[:8]}"
+    queue = probe.tiers.queue("default")
+    with redis.Redis.from_url(broker_url) as broker:
+        broker.flushdb()
+        # Given a job published with dedupe for 2 s later, and published again meanwhile
+        job.apply_async((token,), countdown=2)
+        job.apply_async((token,), countdown=2)
+        record = probe.ledger.get("probe.job", token)
+        assert record.state == "queued"
+        delayed = probe.runtime.delayed.key
+        assert broker.zcard(delayed) == 1  # the second publish found the record: skipped
+        # When the broker loses the delayed set (its data gone, no AOF)
+        broker.delete(delayed)
+        # Then nothing is published before the job is due
+        early = probe.reconciler.sweep(stale_after_seconds=0.01, lease_grace_seconds=3600)
+        assert early.republished == 0 and broker.llen(queue) == 0, early.as_dict()
+        # ...and once it is due, the reconciler publishes it, with its id
+        time.sleep(2.1)
+        due = probe.reconciler.sweep(stale_after_seconds=0.01, lease_grace_seconds=3600)
+        assert due.republished == 1, due.as_dict()
+        message = json.loads(broker.lindex(queue, 0))
+        assert message["headers"]["id"] == derive_task_id("probe.job", token)
+    probe.close()

@@ -435,6 +435,15 @@ def test_countdown_schedules_a_delayed_delivery(
     assert result.id == task_id
 
 
+def test_a_job_for_later_is_enqueued_when_it_is_due(add: LedgerTask, delayed: FakeDelayed) -> None:
+    # its age (max_age_seconds) and latency objective count from its due time: a reminder due
+    # in two days is not two days old when it runs
+    add.apply_async((1, 2), countdown=2 * 86400)
+
+    [(_name, _args, _kwargs, options, due_at)] = delayed.scheduled
+    assert options["headers"]["ledger_enqueued_at"] == due_at
+
+
 def test_future_eta_schedules_at_the_eta(
     add: LedgerTask, published: list[Published], delayed: FakeDelayed
 ) -> None:
@@ -712,6 +721,7 @@ def test_dedupe_skips_publishing_a_known_key(
     key = default_key("math.add", (1, 2), {})
     message = fields.pop("message")
     assert fields.pop("objective") == {}  # no latency objective for this task
+    assert fields.pop("claimable_at") is None  # at once
     assert fields == {"task": "math.add", "key": key, "tier": "default"}
     # kept so that the reconciler can republish the job if its message is lost
     assert message.arguments(app.sealer) == ([1, 2], {})
@@ -770,6 +780,44 @@ def test_dedupe_with_the_ledger_down_still_publishes(
     # with the first claim's hint: most likely nothing was written; if the record was after
     # all (its reply lost), the claim's insert collides and the conditional claim takes it
     assert only(published).options["ledger_new"] is True
+
+
+def test_dedupe_of_a_job_for_later_writes_its_record_claimable_when_due(
+    app: LedgerCelery, add: LedgerTask, published: list[Published], delayed: FakeDelayed
+) -> None:
+    app.runtime.ledger = ledger = FakeLedger()  # type: ignore[assignment]
+    add.dedupe_on_publish = True
+
+    add.apply_async((1, 2), countdown=3600)
+
+    # a record the reconciler looks after once it is due (a delayed set that loses the message)
+    [(_name, _args, _kwargs, options, due_at)] = delayed.scheduled
+    [(record_id, fields)] = ledger.enqueued
+    assert record_id == options["task_id"] and published == []
+    assert fields["claimable_at"] == datetime.fromtimestamp(due_at, UTC)
+    assert "ledger_new" not in options
+
+
+def test_dedupe_skips_scheduling_a_known_job_for_later(
+    app: LedgerCelery, add: LedgerTask, published: list[Published], delayed: FakeDelayed
+) -> None:
+    app.runtime.ledger = FakeLedger(outcome=EnqueueOutcome.KNOWN)  # type: ignore[assignment]
+    add.dedupe_on_publish = True
+
+    add.apply_async((1, 2), countdown=3600)
+
+    assert delayed.scheduled == [] and published == []
+
+
+def test_a_job_for_later_with_the_ledger_down_is_still_scheduled(
+    app: LedgerCelery, add: LedgerTask, delayed: FakeDelayed
+) -> None:
+    app.runtime.ledger = FakeLedger(down=True)  # type: ignore[assignment]
+    add.dedupe_on_publish = True
+
+    add.apply_async((1, 2), countdown=3600)
+
+    assert len(delayed.scheduled) == 1
 
 
 def test_no_dedupe_by_default(

@@ -1391,8 +1391,13 @@ class Ledger:
         message: KeptMessage,
         objective: Mapping[str, Any] | None = None,
         session: ClientSession | None = None,
+        claimable_at: datetime | None = None,
     ) -> EnqueueOutcome:
         """Write a ``queued`` record unless the job is known (one round trip).
+
+        ``claimable_at``: a job published for later, claimable when it is due (an early
+        message is told to come back then, and the reconciler looks for its message only once
+        it is due and stale).
 
         ``message`` lets the reconciler republish the job if its message is lost before the
         first claim. A known job whose first publish failed (:meth:`mark_unpublished`) says so,
@@ -1407,6 +1412,8 @@ class Ledger:
         fields = _queued(task=task, key=key, tier=tier, now=now)
         fields["message"] = message.document()
         fields.update(objective or {})
+        if claimable_at is not None:
+            fields["claimable_at"] = claimable_at
         collection = self.collection
         if session is not None:
             fields |= {"claimable_at": UNPUBLISHED, "unpublished_at": now, "outbox": True}
