@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_ledger.embedded.stack import EmbeddedStack
+from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from celery_ledger.settings import TIERS
 
 from .watchdog import WATCH, WatchedStack
@@ -243,6 +243,63 @@ def make_isolated_stack(base: Path) -> WatchedStack:
     running.start_servers()
     WATCH.watch(running)
     return running
+
+
+# Workers that heal by themselves, fast: a short lease, and their own reconciler sweeping every
+# second (kombu itself would redeliver a message only after an hour).
+HEALING_LEASE = 3.0
+HEALING_SWEEP_EVERY = 1.0
+HEALING_GRACE = 1.0
+HEALING = {
+    "LEDGER_LEASE_SECONDS": str(HEALING_LEASE),
+    "LEDGER_RECONCILE_EVERY_SECONDS": str(HEALING_SWEEP_EVERY),
+    "LEDGER_RECONCILE_LEASE_GRACE_SECONDS": str(HEALING_GRACE),
+    "LEDGER_VISIBILITY_TIMEOUT_SECONDS": "3600",
+    "LEDGER_RECONCILE_IN_WORKERS": "true",
+}
+DEFAULT_QUEUE = f"{NAMESPACE}.default"
+UNACKED = f"{NAMESPACE}.unacked"
+
+
+def start_healing_worker(stack: EmbeddedStack, name: str, **options: Any) -> WorkerProcess:
+    """A worker of ``stack`` on the default tier with :data:`HEALING` (``env=`` adds to it)."""
+    env = {**HEALING, **options.pop("env", {})}
+    return stack.start_worker(DEFAULT_QUEUE, name=f"{name}@127.0.0.1", env=env, **options)
+
+
+def broker_client(stack: EmbeddedStack) -> redis.Redis:
+    assert stack.broker is not None
+    return redis.Redis.from_url(stack.broker.url)
+
+
+@contextlib.contextmanager
+def own_stack(base: Path, app_module: str = APP_MODULE) -> Iterator[WatchedStack]:
+    """A stack of its own whose servers the environment names while it runs (tasks.effects
+    reads the ledger's URL from it), for tests that kill servers or fill them. Request the
+    session's ``app`` first: the test app module binds to the servers the environment names
+    when it is first imported."""
+    from tasks.effects import close_clients
+
+    saved = dict(os.environ)
+    os.environ.update(TEST_ENV)
+    running = WatchedStack(app_module, base, auth=True, queue_namespace=NAMESPACE)
+    try:
+        running.start_servers()
+        WATCH.watch(running)
+        os.environ.update(running.env)
+        yield running
+    finally:
+        close_clients()
+        running.stop()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture
+def own(tmp_path: Path, app: Any) -> Iterator[EmbeddedStack]:
+    """A stack of its own without the session's worker (the machine is small)."""
+    with own_stack(tmp_path) as running:
+        yield running
 
 
 @pytest.fixture

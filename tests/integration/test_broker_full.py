@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -22,57 +21,44 @@ import redis
 from celery_ledger import State
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 
-from .conftest import NAMESPACE, TEST_ENV, make_isolated_stack, producer_app
+from .conftest import (
+    APP_MODULE,
+    DEFAULT_QUEUE,
+    NAMESPACE,
+    UNACKED,
+    broker_client,
+    own_stack,
+    producer_app,
+    start_healing_worker,
+)
 from .helpers import effect_count, shared_task, wait_for
 
-LEASE = 3.0
-SWEEP_EVERY = 1.0
-GRACE = 1.0
-HEALING = {
-    "LEDGER_LEASE_SECONDS": str(LEASE),
-    "LEDGER_RECONCILE_EVERY_SECONDS": str(SWEEP_EVERY),
-    "LEDGER_RECONCILE_LEASE_GRACE_SECONDS": str(GRACE),
-    "LEDGER_RECONCILE_STALE_AFTER_SECONDS": "5",
-    "LEDGER_VISIBILITY_TIMEOUT_SECONDS": "3600",
-    "LEDGER_RECONCILE_IN_WORKERS": "true",
-}
-QUEUE = f"{NAMESPACE}.default"
-UNACKED = f"{NAMESPACE}.unacked"
 DELAYED = f"{NAMESPACE}:ledger:delayed"
 POISON = f"{NAMESPACE}:ledger:poison"
 ITEM = b"not json \xff kept-poison"
 
 
+def _stack_at_limit(base: Path, app_module: str) -> Iterator[EmbeddedStack]:
+    """A stack of its own, relieved of its memory limit before it stops (a worker's stop
+    writes to the broker)."""
+    with own_stack(base, app_module) as running:
+        try:
+            yield running
+        finally:
+            with contextlib.suppress(Exception):
+                relieve(broker_client(running))
+
+
 @pytest.fixture
 def own(tmp_path: Path, app: Any) -> Iterator[EmbeddedStack]:
-    """An isolated stack without the session's worker (the machine is small). The session's
-    app is imported first (``app``): the test app module binds to the servers the environment
-    names when it is first imported, and this fixture points the environment elsewhere."""
-    saved = dict(os.environ)
-    os.environ.update(TEST_ENV)
-    running = make_isolated_stack(tmp_path)
-    os.environ.update(running.env)  # tasks.effects reads the ledger's URL from it
-    try:
-        yield running
-    finally:
-        with contextlib.suppress(Exception):
-            broker(running).config_set("maxmemory", "0")
-        from tasks.effects import close_clients
-
-        close_clients()
-        running.stop()
-        os.environ.clear()
-        os.environ.update(saved)
+    yield from _stack_at_limit(tmp_path, APP_MODULE)
 
 
 def start(stack: EmbeddedStack, name: str, **options: Any) -> WorkerProcess:
-    env = {**HEALING, **options.pop("env", {})}
-    return stack.start_worker(QUEUE, name=f"{name}@127.0.0.1", env=env, **options)
-
-
-def broker(stack: EmbeddedStack) -> redis.Redis:
-    assert stack.broker is not None
-    return redis.Redis.from_url(stack.broker.url)
+    """A healing worker whose reconciler also sends again a queued job whose message is gone
+    (after 5 s, not 15 minutes)."""
+    env = {"LEDGER_RECONCILE_STALE_AFTER_SECONDS": "5", **options.pop("env", {})}
+    return start_healing_worker(stack, name, env=env, **options)
 
 
 def oom(b: redis.Redis) -> None:
@@ -89,7 +75,7 @@ def relieve(b: redis.Redis) -> None:
 
 def keys_summary(b: redis.Redis) -> str:
     return (
-        f"queue={b.llen(QUEUE)} unacked={b.hlen(UNACKED)} delayed={b.zcard(DELAYED)}"
+        f"queue={b.llen(DEFAULT_QUEUE)} unacked={b.hlen(UNACKED)} delayed={b.zcard(DELAYED)}"
         f" poison={b.llen(POISON)}"
     )
 
@@ -114,7 +100,7 @@ def test_take_while_the_broker_is_at_its_memory_limit(own: EmbeddedStack, dedupe
     worker must stay up."""
     producer = producer_app(own, "full_producer", dedupe_on_publish=dedupe)
     record = shared_task(producer, "tests.integration.ledger_app.record")
-    b = broker(own)
+    b = broker_client(own)
     w = start(own, "oom1", concurrency=1)
     w.expect_exit()  # type: ignore[attr-defined]  # observed here, not by the watchdog
     run = f"oom-{random.randint(0, 10**9)}"
@@ -160,26 +146,8 @@ FULL_APP = "tests.integration.apps.broker_full"
 
 @pytest.fixture
 def full_stack(tmp_path: Path, app: Any) -> Iterator[EmbeddedStack]:
-    """An isolated stack whose workers run the test app and the broker_full task."""
-    from .watchdog import WATCH, WatchedStack
-
-    saved = dict(os.environ)
-    os.environ.update(TEST_ENV)
-    running = WatchedStack(FULL_APP, tmp_path, auth=True, queue_namespace=NAMESPACE)
-    running.start_servers()
-    WATCH.watch(running)
-    os.environ.update(running.env)
-    try:
-        yield running
-    finally:
-        with contextlib.suppress(Exception):
-            broker(running).config_set("maxmemory", "0")
-        from tasks.effects import close_clients
-
-        close_clients()
-        running.stop()
-        os.environ.clear()
-        os.environ.update(saved)
+    """A stack of its own whose workers run the test app and the broker_full task."""
+    yield from _stack_at_limit(tmp_path, FULL_APP)
 
 
 @pytest.mark.parametrize("mode", ["retry", "requeue", "dead"])
@@ -193,7 +161,7 @@ def test_an_outcome_while_the_broker_is_at_its_memory_limit(
     own = full_stack
     producer = producer_app(own, "full_outcome")
     task = shared_task(producer, "tests.integration.apps.broker_full.pause_then")
-    b = broker(own)
+    b = broker_client(own)
     w = start(own, "oomo", concurrency=1)
     w.expect_exit()  # type: ignore[attr-defined]  # observed here
     token = f"oomo-{mode}-{random.randint(0, 10**9)}"
@@ -242,13 +210,13 @@ def test_a_poison_item_taken_while_the_broker_is_at_its_memory_limit(own: Embedd
     (LPUSH to the poison list) is refused. The item must be kept, the worker stay up."""
     producer = producer_app(own, "full_poison")
     record = shared_task(producer, "tests.integration.ledger_app.record")
-    b = broker(own)
+    b = broker_client(own)
     w = start(own, "oomp", concurrency=1)
     w.expect_exit()  # type: ignore[attr-defined]
     token = f"oomp-{random.randint(0, 10**9)}"
     record.apply_async((token,), {"sleep_seconds": 3.0})
     wait_for(lambda: b.hlen(UNACKED) >= 1, timeout=20, interval=0.05, what="taken")
-    b.lpush(QUEUE, ITEM)
+    b.lpush(DEFAULT_QUEUE, ITEM)
     oom(b)
     time.sleep(8)
     alive = w.alive()

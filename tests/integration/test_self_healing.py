@@ -21,27 +21,21 @@ from celery_ledger import State
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from celery_ledger.progress import shutdown_flag
 
-from .conftest import NAMESPACE, producer_app
+from .conftest import (
+    HEALING_GRACE,
+    HEALING_LEASE,
+    HEALING_SWEEP_EVERY,
+    UNACKED,
+    producer_app,
+    start_healing_worker,
+)
 from .helpers import shared_task, wait_for
 
-LEASE = 3.0
-SWEEP_EVERY = 1.0
-GRACE = 1.0
 N_DOCS = 3000
-HEALING = {
-    "LEDGER_LEASE_SECONDS": str(LEASE),
-    "LEDGER_RECONCILE_EVERY_SECONDS": str(SWEEP_EVERY),
-    "LEDGER_RECONCILE_LEASE_GRACE_SECONDS": str(GRACE),
-    # kombu itself would only redeliver the message after an hour
-    "LEDGER_VISIBILITY_TIMEOUT_SECONDS": "3600",
-    "LEDGER_RECONCILE_IN_WORKERS": "true",
-}
 
 
 def worker(isolated: EmbeddedStack, name: str) -> WorkerProcess:
-    return isolated.start_worker(
-        isolated.queues_of("default"), concurrency=1, name=f"{name}@127.0.0.1", env=HEALING
-    )
+    return start_healing_worker(isolated, name, concurrency=1)
 
 
 def test_a_job_whose_whole_worker_is_killed_twice_resumes_by_itself(
@@ -85,7 +79,7 @@ def test_a_job_whose_whole_worker_is_killed_twice_resumes_by_itself(
             lambda f=running.fence: (
                 (r := record()) is not None and r.state is State.RUNNING and r.fence > f and r
             ),
-            timeout=LEASE + GRACE + SWEEP_EVERY + 20,
+            timeout=HEALING_LEASE + HEALING_GRACE + HEALING_SWEEP_EVERY + 20,
             what="another worker taking the job over",
         )
         print(f"kill {kill + 1}: taken over after {time.monotonic() - killed_at:.1f}s")
@@ -118,19 +112,15 @@ def test_a_message_a_dead_worker_took_before_its_claim_comes_back_by_itself(
     task = shared_task(producer, "tests.integration.ledger_app.record")
     token = f"taken-{random.randint(0, 10**9)}"
     broker = redis.Redis.from_url(isolated.broker.url)
-    unacked = f"{NAMESPACE}.unacked"
     # Given a worker holding the job's message, its claim held up by a ledger that does not
     # answer (a stopped process)
-    first = isolated.start_worker(
-        isolated.queues_of("default"),
-        concurrency=1,
-        name="taker@127.0.0.1",
-        env={**HEALING, "LEDGER_MONGO_TIMEOUT_MS": "15000"},
+    first = start_healing_worker(
+        isolated, "taker", concurrency=1, env={"LEDGER_MONGO_TIMEOUT_MS": "15000"}
     )
     os.kill(isolated.ledger.pid, signal.SIGSTOP)
     try:
         result = task.apply_async((token,))
-        wait_for(lambda: broker.hlen(unacked) >= 1, timeout=30, interval=0.02, what="taken")
+        wait_for(lambda: broker.hlen(UNACKED) >= 1, timeout=30, interval=0.02, what="taken")
         # When the whole worker dies (a host crash) before its claim
         first.expect_exit()
         first.kill()
@@ -140,11 +130,14 @@ def test_a_message_a_dead_worker_took_before_its_claim_comes_back_by_itself(
     assert producer.ledger.get(task.name, token) is None  # nothing in the ledger says so
     worker(isolated, "survivor")
     # Then a live worker runs it once, within about a lease and a sweep, not an hour
-    assert result.get(timeout=LEASE + GRACE + SWEEP_EVERY + 30)["token"] == token
+    assert (
+        result.get(timeout=HEALING_LEASE + HEALING_GRACE + HEALING_SWEEP_EVERY + 30)["token"]
+        == token
+    )
     print(f"back after {time.monotonic() - killed_at:.1f}s")
     final = producer.ledger.get(task.name, token)
     assert final.state is State.SUCCEEDED and final.attempts == 1
-    assert broker.hlen(unacked) == 0
+    assert broker.hlen(UNACKED) == 0
     producer.close()
 
 

@@ -10,61 +10,28 @@ import os
 import random
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from pymongo import MongoClient
 
 from celery_ledger import State
-from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
+from celery_ledger.embedded.stack import EmbeddedStack
 
-from .conftest import NAMESPACE, TEST_ENV, make_isolated_stack, producer_app
+from .conftest import (
+    DEFAULT_QUEUE,
+    UNACKED,
+    broker_client,
+    producer_app,
+    start_healing_worker,
+)
 from .helpers import shared_task, wait_for
-
-LEASE = 3.0
-SWEEP_EVERY = 1.0
-GRACE = 1.0
-HEALING = {
-    "LEDGER_LEASE_SECONDS": str(LEASE),
-    "LEDGER_RECONCILE_EVERY_SECONDS": str(SWEEP_EVERY),
-    "LEDGER_RECONCILE_LEASE_GRACE_SECONDS": str(GRACE),
-    "LEDGER_VISIBILITY_TIMEOUT_SECONDS": "3600",
-    "LEDGER_RECONCILE_IN_WORKERS": "true",
-}
-QUEUE = f"{NAMESPACE}.default"
-UNACKED = f"{NAMESPACE}.unacked"
-
-
-@pytest.fixture
-def own(tmp_path: Path) -> Iterator[EmbeddedStack]:
-    """An isolated stack without the session's worker (the machine is small)."""
-    saved = dict(os.environ)
-    os.environ.update(TEST_ENV)
-    running = make_isolated_stack(tmp_path)
-    try:
-        yield running
-    finally:
-        running.stop()
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def start(stack: EmbeddedStack, name: str, **options: Any) -> WorkerProcess:
-    env = {**HEALING, **options.pop("env", {})}
-    return stack.start_worker(QUEUE, name=f"{name}@127.0.0.1", env=env, **options)
 
 
 def world(stack: EmbeddedStack) -> Any:
     assert stack.ledger is not None
     return MongoClient(stack.ledger.url, tz_aware=True).get_database("reference_world")
-
-
-def broker(stack: EmbeddedStack) -> redis.Redis:
-    assert stack.broker is not None
-    return redis.Redis.from_url(stack.broker.url)
 
 
 def test_the_main_process_killed_alone_takes_its_pool_with_it_and_the_job_comes_back(
@@ -75,7 +42,7 @@ def test_the_main_process_killed_alone_takes_its_pool_with_it_and_the_job_comes_
     producer = producer_app(own, "stops_main_producer")
     task = shared_task(producer, "tests.integration.ledger_app.long_sleeper")
     token = f"main-{random.randint(0, 10**9)}"
-    w1 = start(own, "main1", concurrency=1)
+    w1 = start_healing_worker(own, "main1", concurrency=1)
     result = task.apply_async((token, 6.0))
     running = wait_for(
         lambda: (
@@ -96,7 +63,7 @@ def test_the_main_process_killed_alone_takes_its_pool_with_it_and_the_job_comes_
         child_alive = stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         child_alive = False
-    start(own, "main2", concurrency=1)
+    start_healing_worker(own, "main2", concurrency=1)
     assert result.get(timeout=60) > 0
     back = time.monotonic() - killed
     final = producer.ledger.get(task.name, token)
@@ -117,7 +84,7 @@ def test_a_cold_shutdown_with_a_job_running_brings_it_back_once(
     producer = producer_app(own, "stops_cold_producer")
     task = shared_task(producer, "tests.integration.ledger_app.long_sleeper")
     token = f"cold-{random.randint(0, 10**9)}"
-    w1 = start(own, "cold1", concurrency=1)
+    w1 = start_healing_worker(own, "cold1", concurrency=1)
     result = task.apply_async((token, 8.0))
     wait_for(
         lambda: (
@@ -134,10 +101,11 @@ def test_a_cold_shutdown_with_a_job_running_brings_it_back_once(
         os.kill(w1.pid, signum)
     w1.process.wait(30)
     stopped = time.monotonic()
-    b = broker(own)
+    b = broker_client(own)
     left = producer.ledger.get(task.name, token)
-    print(f"\n{signum}: left record {left.state} unacked {b.hlen(UNACKED)} queue {b.llen(QUEUE)}")
-    start(own, "cold2", concurrency=1)
+    waiting = b.llen(DEFAULT_QUEUE)
+    print(f"\n{signum}: left record {left.state} unacked {b.hlen(UNACKED)} queue {waiting}")
+    start_healing_worker(own, "cold2", concurrency=1)
     assert result.get(timeout=90) > 0
     final = producer.ledger.get(task.name, token)
     slept = world(own).effects.count_documents({"kind": "slept", "key": token})
