@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+import pymongo
 import redis
 from bson import json_util
 from bson.codec_options import CodecOptions, DatetimeConversion
@@ -383,12 +384,19 @@ class TriggerWatcher:
             self._problem(fence, "stuck", detail[:1000])
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Save what is covered, close the stream and give up the lease (a worker's stop)."""
+        """Save what is covered, close the stream and give up the lease (a worker's stop),
+        all within ``timeout``."""
+        deadline = time.monotonic() + timeout
         if not self._lock.acquire(timeout=timeout):
             return  # a tick is stuck on an outage; the lease ends by itself
         try:
             self._stopped = True
-            self._close(save=True)
+            # The ledger's operations keep to what is left (pymongo's own operation timeout):
+            # with the ledger away, the save and the stream's close each waited for the
+            # driver's timeouts. A place not saved is read again by the next holder, whose
+            # claims tell the changes already run; a lease not given up ends by itself.
+            with pymongo.timeout(max(deadline - time.monotonic(), 0.001)):
+                self._close(save=True)
             self._lease.release()
         except Exception as exc:
             logger.warning("trigger %s: stop incomplete: %s", self.trigger.name, exc)

@@ -10,6 +10,7 @@ servers (the lost-token test starts servers of its own, with a tiny oplog).
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import threading
@@ -34,7 +35,7 @@ from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from celery_ledger.health import run_checks
 from celery_ledger.keys import derive_task_id
 from celery_ledger.ledger.triggers import TriggerStore
-from celery_ledger.triggers import change_key
+from celery_ledger.triggers import change_key, watchers_for
 from tests.integration.apps import dying_trigger as hooked
 from tests.integration.apps import triggers as trigger_app
 
@@ -527,3 +528,38 @@ def test_the_job_is_keyed_on_the_change_and_an_oversized_one_is_kept_dead(
         and f"{w.collection_name}-0" in dead["dead_reason"]
     )
     assert list(w.runs()) == [f"{w.collection_name}-1"]
+
+
+def test_a_watchers_stop_during_a_ledger_outage_keeps_to_its_time(
+    tmp_path: Path, stack: EmbeddedStack
+) -> None:
+    # Given a watcher holding its lease with changes read and not saved, on servers of its own
+    own = EmbeddedStack(MODULE, tmp_path / "own", auth=True, queue_namespace="trig_stop")
+    try:
+        own.start_servers()
+        assert own.ledger is not None
+        w = TriggerWorld(own, tmp_path)
+        try:
+            [watcher] = watchers_for(w.probe)
+            wait_for(lambda: watcher.tick() and w.watching(), timeout=30, what="the stream open")
+            w.orders.insert_many([order(w, n) for n in range(3)])
+            jobs = w.probe.ledger.collection
+            wait_for(
+                lambda: watcher.tick() is not None and jobs.count_documents({}) >= 3,
+                timeout=30,
+                what="3 jobs published",
+            )
+            # When the worker stops with 0.5 s for it while the ledger does not answer
+            os.kill(own.ledger.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                watcher.stop(timeout=0.5)
+                took = time.monotonic() - started
+            finally:
+                os.kill(own.ledger.pid, signal.SIGCONT)
+            # Then the stop keeps to its time (the place not saved is read again, keyed)
+            assert took < 1.5, f"the stop took {took:.1f}s"
+        finally:
+            w.close()
+    finally:
+        own.stop()
