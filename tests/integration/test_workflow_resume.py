@@ -160,10 +160,51 @@ def test_the_limit_on_kept_signals_holds_under_concurrent_senders(stack: Any) ->
         # A resend of a kept signal is not an error when the limit is reached: it is kept once
         assert send(kept[0]) is False
         # Once one is consumed, a new one takes its place, and no more
-        log.drop_signal(wf, kept[1])
+        log.drop_signals(wf, [kept[1]])
         assert send("after") is True and log.count_signals(wf) == 5
         assert isinstance(send("one-too-many"), str)
         pending = [d for d in log.tail(wf, limit=50) if d.get("kind") == "pending_signal"]
         assert sorted(d["signal_id"] for d in pending) == sorted([*kept[:1], *kept[2:], "after"])
+        # A signal id of any text counts, however it sorts (one above U+FFFF among them)
+        log.drop_signals(wf, [kept[0], kept[2]])
+        assert send("\U0001f600-odd") is True and send("\U0001f600-odd") is False
+        assert send("plain") is True and log.count_signals(wf) == 5
+    finally:
+        app.close()
+
+
+def test_signals_kept_before_the_slots_count_towards_the_limit(stack: Any) -> None:
+    app, log = fresh_log(stack, "legacy")
+    wf = f"wf-{uuid.uuid4().hex[:8]}"
+    try:
+        # Given two signals kept by a release before the slots (their _id names the signal)
+        for old in ("old-1", "old-2"):
+            log.events.insert_one(
+                {
+                    "_id": f"{wf}:~s:{old}",
+                    "wf": wf,
+                    "seq": f"~s:{old}",
+                    "kind": "pending_signal",
+                    "signal_id": old,
+                    "name": "go",
+                    "payload": "null",
+                }
+            )
+
+        def send(signal_id: str) -> bool:
+            try:
+                return log.add_signal(wf, signal_id, {"name": "go", "payload": "null"}, limit=5)
+            except WorkflowError:
+                return False
+
+        # When 8 senders send at once with a limit of 5
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            outcomes = list(pool.map(send, [f"s{n}" for n in range(8)]))
+        # Then 3 more are kept, never more than the limit in all; and once the old ones are
+        # consumed, their room is the slots'
+        assert outcomes.count(True) == 3 and log.count_signals(wf) == 5
+        log.drop_signals(wf, ["old-1", "old-2"])
+        assert send("n1") and send("n2") and not send("n3")
+        assert log.count_signals(wf) == 5
     finally:
         app.close()

@@ -18,13 +18,14 @@ Collections (named after the ledger's, ``<ledger>_workflows`` and ``<ledger>_wor
   read (newest first, down to the latest snapshot) returns them with the tail of the log. A
   consumed signal is deleted once its consumption is in the log.
 
-Op shapes follow the ledger's (see ``store.py``): reads and writes on ``_id`` (ranges and
-``$in``), never ``findAndModify``.
+Op shapes follow the ledger's (see ``store.py``): reads and writes on ``_id`` or on the
+``(wf, seq)`` index (ranges and ``$in``), never ``findAndModify``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -42,7 +43,9 @@ from .store import FOREVER, Ledger, translate_errors
 EVENT_SCHEMA = 1
 SEQ_DIGITS = 10
 SIGNAL_MARK = "~s:"
-SIGNAL_END = SIGNAL_MARK + "\uffff"  # above every pending signal's mark
+# Above every pending signal's mark: the next character after the mark's last (the server
+# compares UTF-8 bytes, and a signal id may start above U+FFFF).
+SIGNAL_END = SIGNAL_MARK[:-1] + chr(ord(SIGNAL_MARK[-1]) + 1)
 SIGNAL_SLOT = "~slot:"
 # Lost races a send allows beyond one per slot (signals consumed while it sends free slots).
 SLOT_RACES = 8
@@ -311,21 +314,22 @@ class WorkflowLog:
                 )
             if any(d.get("seq") == mark for d in kept):
                 return False
-            if len(kept) >= limit:
+            slots = [_signal_slot(workflow_id, n) for n in range(limit)]
+            taken = {str(d["_id"]) for d in kept}
+            # A kept signal outside the slots (kept by a release before them, or in a slot of
+            # a higher limit) takes one of the last slots from every sender: those only ever
+            # go, so the kept signals never outnumber the limit.
+            usable = slots[: limit - len(taken.difference(slots))]
+            free = [slot for slot in usable if slot not in taken]
+            if not free:
                 raise WorkflowError(
                     f"workflow {workflow_id} already holds {limit} unconsumed signals"
                     " (LEDGER_WORKFLOW_MAX_PENDING_SIGNALS)"
                 )
-            # (a document kept by a release before the slots takes none, but counts above)
-            taken = {str(d["_id"]) for d in kept}
-            free = next(
-                slot
-                for slot in (_signal_slot(workflow_id, n) for n in range(limit))
-                if slot not in taken
-            )
             with translate_errors("workflow signal"):
                 try:
-                    self.events.insert_one({"_id": free, **fields})
+                    # (a free slot at random: senders at once seldom pick the same one)
+                    self.events.insert_one({"_id": random.choice(free), **fields})
                 except DuplicateKeyError:
                     continue  # the slot, or this signal id, was taken since: read again
             return True
@@ -340,10 +344,13 @@ class WorkflowLog:
                 {"wf": workflow_id, "seq": {"$gte": SIGNAL_MARK, "$lt": SIGNAL_END}}
             )
 
-    def drop_signal(self, workflow_id: str, signal_id: str) -> None:
-        """Delete a kept signal (its consumption is in the log), whichever slot holds it."""
-        with translate_errors("workflow cleanup"):
-            self.events.delete_many({"wf": workflow_id, "seq": f"{SIGNAL_MARK}{signal_id}"})
+    def drop_signals(self, workflow_id: str, signal_ids: Iterable[Any]) -> None:
+        """Delete kept signals (consumed, or left at the workflow's end) by their ids, never by
+        their slots: a slot another wake emptied may hold a newer signal already."""
+        marks = [f"{SIGNAL_MARK}{signal_id}" for signal_id in signal_ids]
+        if marks:
+            with translate_errors("workflow cleanup"):
+                self.events.delete_many({"wf": workflow_id, "seq": {"$in": marks}})
 
     def request_cancel(self, workflow_id: str, doc: dict[str, Any]) -> None:
         with translate_errors("workflow cancel"), contextlib.suppress(DuplicateKeyError):

@@ -320,12 +320,14 @@ class WorkflowEngine:
         # A pending signal the log had consumed before this wake (a resend that raced its first
         # delivery): never delivered again, so dropped. Only what this wake read counts: its own
         # consumptions are dropped by their effects, once they landed.
-        spent = [
-            str(d["_id"])
-            for d in docs
-            if d.get("kind") == PENDING_SIGNAL and d.get("signal_id") in consumed_before
-        ]
-        self.log.delete(spent)
+        self.log.drop_signals(
+            workflow_id,
+            [
+                d.get("signal_id")
+                for d in docs
+                if d.get("kind") == PENDING_SIGNAL and d.get("signal_id") in consumed_before
+            ],
+        )
         if landed < len(new):
             return "conflict"
         for command in republish:
@@ -536,7 +538,7 @@ class WorkflowEngine:
                     state, command.pos, "compensation", command.name, command.args, command.tier
                 )
             elif kind == "signal":
-                self.log.drop_signal(state.id, str(data.get("signal_id")))
+                self.log.drop_signals(state.id, [data.get("signal_id")])
             elif kind == "cancel_requested":
                 # At once: the code waits for its children to end before it meets the
                 # cancellation (WorkflowContext._cancel_point), and a child may wait forever.
@@ -612,10 +614,10 @@ class WorkflowEngine:
             self.ports.publish_wake(
                 str(state.parent["id"]), str(state.parent.get("tier") or self._tier(state))
             )
-        leftovers = [
-            str(d["_id"]) for d in docs if d.get("kind") in (PENDING_SIGNAL, CANCEL_REQUEST)
-        ]
-        self.log.delete(leftovers)
+        self.log.drop_signals(
+            state.id, [d.get("signal_id") for d in docs if d.get("kind") == PENDING_SIGNAL]
+        )
+        self.log.delete([str(d["_id"]) for d in docs if d.get("kind") == CANCEL_REQUEST])
         self.log.set_status(
             state.id,
             state.status,
