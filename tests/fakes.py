@@ -626,11 +626,13 @@ class MemoryLedger:
             return EnqueueOutcome.UNPUBLISHED
         return EnqueueOutcome.KNOWN
 
-    def mark_unpublished(self, record_id: str) -> None:
+    def mark_unpublished(self, record_id: str, *, later: bool = False) -> None:
         self._enter("mark_unpublished")
         doc = self.docs.get(record_id)
         if doc is not None and doc.get("state") == State.QUEUED and doc.get("fence") == 0:
-            doc.update(unpublished_at=self.now(), updated_at=EPOCH, claimable_at=UNPUBLISHED)
+            doc.update(unpublished_at=self.now(), updated_at=EPOCH)
+            if not later:
+                doc.update(claimable_at=UNPUBLISHED)
 
     def unpublished(
         self,

@@ -318,7 +318,7 @@ class Guard:
         return attempt.run(instead=instead)
 
     def _objective(self, delivery: Delivery, policy: TaskPolicy) -> dict[str, Any]:
-        """When the job is late (its objective from its first publish), for a new record."""
+        """When the job is late (its objective from its first enqueue), for a new record."""
         return objective(policy.slo_seconds, delivery.enqueued_at)
 
     def _degraded_already(self, delivery: Delivery) -> bool:
@@ -1313,7 +1313,8 @@ def _seconds_until(when: Any, now: datetime) -> float:
 
 def objective(slo_seconds: float | None, enqueued_at: float | None) -> dict[str, Any]:
     """The latency objective fields of a new record (``slo_at``, ``slo_seconds``): due
-    ``slo_seconds`` after the job's first publish (or now, when the message does not say)."""
+    ``slo_seconds`` after the job's first enqueue (its publish, or its due time when published
+    for later; now, when the message does not say)."""
     if slo_seconds is None:
         return {}
     since = enqueued_at if enqueued_at is not None else time.time()

@@ -14,7 +14,9 @@ KEY = "ledger_key"  # the idempotency key: with the task name, the job's identit
 TIER = "ledger_tier"  # the tier the message was routed to
 DEFERRALS = "ledger_deferrals"  # how often the job was put off (no attempt used)
 PREVIOUS_DELAY = "ledger_previous_delay"  # seconds of the last retry's backoff (decorrelated)
-ENQUEUED_AT = "ledger_enqueued_at"  # unix time of the job's first publish (max age)
+# Unix time the job was first enqueued: its first publish, or its due time when published for
+# later (its max age and latency objective count from it).
+ENQUEUED_AT = "ledger_enqueued_at"
 SENT_AT = "ledger_sent_at"  # unix time of this publish (queue wait metrics)
 # A message no worker could run yet (unknown task, arguments that do not bind): when a worker
 # first put it off, and how often since (its backoff). Dead-lettered once the window ends.

@@ -650,7 +650,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         message_headers[headers.KEY] = key
         message_headers[headers.TIER] = tier
         # A job published for later is enqueued when it is due: its age (max_age_seconds) and
-        # its latency objective count from then, not from the publish (a retry's keep its
+        # its latency objective count from then, not from the publish (a retry keeps its job's
         # first enqueue, in its headers).
         due_at = _due_time(options.get("countdown"), options.get("eta"))
         message_headers.setdefault(headers.ENQUEUED_AT, max(time.time(), due_at or 0.0))
@@ -744,21 +744,27 @@ class LedgerTask(Task):  # type: ignore[misc]
                 if outcome is EnqueueOutcome.KNOWN:
                     return self.AsyncResult(task_id)
         if later and due_at is not None:
-            # With dedupe, a message the delayed set loses (a broker that loses its data), or
-            # one this schedule failed to hold, is published again by the reconciler once the
-            # record is due and stale: it stays queued, claimable at its due time.
-            return self._publish_later(
-                args,
-                kwargs,
-                task_id,
-                due_at,
-                seal,
-                link=link,
-                link_error=link_error,
-                shadow=shadow,
-                headers=message_headers,
-                **options,
-            )
+            # With dedupe, a message the delayed set loses (a broker that loses its data) is
+            # published again by the reconciler once the record is due and stale: it stays
+            # queued, claimable at its due time.
+            try:
+                return self._publish_later(
+                    args,
+                    kwargs,
+                    task_id,
+                    due_at,
+                    seal,
+                    link=link,
+                    link_error=link_error,
+                    shadow=shadow,
+                    headers=message_headers,
+                    **options,
+                )
+            except Exception:
+                if dedupe:  # a publish tried again must schedule it, not find it known
+                    with contextlib.suppress(LedgerError):
+                        self.app.ledger.mark_unpublished(record_id, later=True)
+                raise
         if not is_retry and not dedupe:
             # A first publish with no record written: its claim may insert the record.
             options[headers.NEW] = True

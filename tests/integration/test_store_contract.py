@@ -387,6 +387,35 @@ def test_enqueue_tells_new_known_and_unpublished_jobs_apart(world: tuple[Any, Cl
     assert claim(ledger, record_id).outcome is ClaimOutcome.CLAIMED
 
 
+def test_a_job_for_later_is_claimable_and_stale_only_from_its_due_time(
+    world: tuple[Any, Clock],
+) -> None:
+    ledger, clock = world
+    record_id = new_id()
+    message = KeptMessage.of_call([1], {}, message_headers={"ledger_key": record_id})
+    due = clock() + timedelta(seconds=60)
+
+    def enqueue() -> EnqueueOutcome:
+        return ledger.enqueue(  # type: ignore[no-any-return]
+            record_id, task=TASK, key=record_id, tier="bulk", message=message, claimable_at=due
+        )
+
+    assert enqueue() is EnqueueOutcome.NEW
+    # an early message is told to come back when it is due; the reconciler leaves it till then
+    early = claim(ledger, record_id)
+    assert early.outcome is ClaimOutcome.BUSY and early.retry_at is not None
+    assert abs(early.retry_at - due) < timedelta(milliseconds=1)  # (BSON keeps milliseconds)
+    assert record_id not in [d["_id"] for d in ledger.stale(State.QUEUED, older_than_seconds=1)]
+    # its schedule failed: a publish tried again goes out, and it is still not due
+    ledger.mark_unpublished(record_id, later=True)
+    assert enqueue() is EnqueueOutcome.UNPUBLISHED
+    assert record_id not in [d["_id"] for d in ledger.unpublished(older_than_seconds=0)]
+    assert claim(ledger, record_id).outcome is ClaimOutcome.BUSY
+    clock.advance(62)
+    assert record_id in [d["_id"] for d in ledger.stale(State.QUEUED, older_than_seconds=1)]
+    assert claim(ledger, record_id).outcome is ClaimOutcome.CLAIMED
+
+
 def test_the_outbox_relay_sees_unpublished_jobs_until_published_or_claimed(
     world: tuple[Any, Clock],
 ) -> None:

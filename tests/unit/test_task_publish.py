@@ -25,6 +25,7 @@ from celery_ledger import (
     LedgerTask,
     LedgerUnavailable,
     PayloadError,
+    PublishError,
     Settings,
     create_app,
 )
@@ -83,8 +84,8 @@ class FakeLedger:
         self.enqueued.append((record_id, fields))
         return self.outcome
 
-    def mark_unpublished(self, record_id: str) -> None:
-        self.unpublished.append(record_id)
+    def mark_unpublished(self, record_id: str, *, later: bool = False) -> None:
+        self.unpublished.append(f"{record_id} (later)" if later else record_id)
 
 
 @pytest.fixture
@@ -818,6 +819,22 @@ def test_a_job_for_later_with_the_ledger_down_is_still_scheduled(
     add.apply_async((1, 2), countdown=3600)
 
     assert len(delayed.scheduled) == 1
+
+
+def test_dedupe_of_a_job_for_later_whose_schedule_failed_lets_a_publish_tried_again_go_out(
+    app: LedgerCelery, add: LedgerTask, delayed: FakeDelayed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise PublishError("cannot delay math.add: broker down")
+
+    monkeypatch.setattr(delayed, "schedule", broken)
+    app.runtime.ledger = ledger = FakeLedger()  # type: ignore[assignment]
+    add.dedupe_on_publish = True
+
+    with pytest.raises(PublishError):
+        add.apply_async((1, 2), countdown=3600)
+    # marked so that its next enqueue says UNPUBLISHED (not KNOWN), still claimable when due
+    assert ledger.unpublished == [f"{ledger.enqueued[0][0]} (later)"]
 
 
 def test_no_dedupe_by_default(

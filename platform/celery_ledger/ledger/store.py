@@ -1456,15 +1456,18 @@ class Ledger:
             self._track_objective(record_id, objective)
         return outcome
 
-    def mark_unpublished(self, record_id: str) -> None:
+    def mark_unpublished(self, record_id: str, *, later: bool = False) -> None:
         """The publish after :meth:`enqueue` failed: keep the record (another producer may have
         skipped its own publish because of it) and make it due for the outbox relay (and the
-        reconciler) now."""
-        now = self.now()
+        reconciler) now. ``later``: a job for later, which stays claimable from its due time
+        (the reconciler's, then); either way the next :meth:`enqueue` of it says
+        ``UNPUBLISHED``, so a publish tried again goes out."""
+        fields: dict[str, Any] = {"unpublished_at": self.now(), "updated_at": EPOCH}
+        if not later:
+            fields["claimable_at"] = UNPUBLISHED
         with translate_errors("unpublished mark"):
             self.collection.update_one(
-                {"_id": record_id, "state": State.QUEUED.value, "fence": 0},
-                {"$set": {"unpublished_at": now, "updated_at": EPOCH, "claimable_at": UNPUBLISHED}},
+                {"_id": record_id, "state": State.QUEUED.value, "fence": 0}, {"$set": fields}
             )
 
     def unpublished(
