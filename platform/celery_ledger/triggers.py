@@ -289,6 +289,9 @@ class TriggerLease:
         self.release()
 
 
+# Less time than this left at a stop: the place is not saved (a save that cannot finish).
+MIN_SAVE_SECONDS = 0.05
+
 # (trigger, change, recovering) -> whether the change's job was known already
 Publish = Callable[[Trigger, Mapping[str, Any], bool], bool]
 
@@ -391,16 +394,24 @@ class TriggerWatcher:
             return  # a tick is stuck on an outage; the lease ends by itself
         try:
             self._stopped = True
+            left = deadline - time.monotonic()
             # The ledger's operations keep to what is left (pymongo's own operation timeout):
             # with the ledger away, the save and the stream's close each waited for the
             # driver's timeouts. A place not saved is read again by the next holder, whose
-            # claims tell the changes already run; a lease not given up ends by itself.
-            with pymongo.timeout(max(deadline - time.monotonic(), 0.001)):
-                self._close(save=True)
-            self._lease.release()
+            # claims tell the changes already run.
+            if left >= MIN_SAVE_SECONDS:
+                with pymongo.timeout(left):
+                    self._close(save=True)
+            else:
+                logger.info("trigger %s: no time left to save its place", self.trigger.name)
+                self._reading = None  # (its stream goes with the process)
         except Exception as exc:
             logger.warning("trigger %s: stop incomplete: %s", self.trigger.name, exc)
         finally:
+            try:
+                self._lease.release()  # Redis: whatever became of the ledger's part
+            except Exception as exc:  # it ends by itself
+                logger.warning("trigger %s: lease not given up: %s", self.trigger.name, exc)
             self._lock.release()
 
     # -- one tick ------------------------------------------------------------------------------

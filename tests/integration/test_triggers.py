@@ -558,7 +558,8 @@ def test_a_watchers_stop_during_a_ledger_outage_keeps_to_its_time(
             finally:
                 os.kill(own.ledger.pid, signal.SIGCONT)
             # Then the stop keeps to its time (the place not saved is read again, keyed)
-            assert took < 1.5, f"the stop took {took:.1f}s"
+            # (it took 10 s before: the stream's close waited for the driver's timeouts)
+            assert took < 0.5 + 3, f"the stop took {took:.1f}s"
         finally:
             w.close()
     finally:
