@@ -287,6 +287,7 @@ def own_stack(base: Path, app_module: str = APP_MODULE) -> Iterator[WatchedStack
         running.start_servers()
         WATCH.watch(running)
         os.environ.update(running.env)
+        close_clients()  # (clients made earlier name the session's servers)
         yield running
     finally:
         close_clients()
@@ -297,7 +298,7 @@ def own_stack(base: Path, app_module: str = APP_MODULE) -> Iterator[WatchedStack
 
 @pytest.fixture
 def own(tmp_path: Path, app: Any) -> Iterator[EmbeddedStack]:
-    """A stack of its own without the session's worker (the machine is small)."""
+    """A stack of its own, its workers the test's (the session's stack runs too: ``app``)."""
     with own_stack(tmp_path) as running:
         yield running
 

@@ -18,5 +18,6 @@ ISOLATED_PREFIXES = ("LEDGER_", "OTEL_")
 
 @pytest.fixture(autouse=True)
 def _no_ledger_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [n for n in os.environ if n.startswith(ISOLATED_PREFIXES)]:
+    # (pydantic-settings reads its variables whatever their case)
+    for name in [n for n in os.environ if n.upper().startswith(ISOLATED_PREFIXES)]:
         monkeypatch.delenv(name)

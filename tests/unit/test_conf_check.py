@@ -4,7 +4,6 @@ naming the setting and why; the changes that are the app's to make pass."""
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,13 +20,6 @@ UNREACHABLE = {"broker_url": "redis://127.0.0.1:1/0", "mongo_uri": "mongodb://12
 
 class MyTransport(Transport):  # a subclass of celery-ledger's: the app's to use
     pass
-
-
-@pytest.fixture(autouse=True)
-def no_ledger_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.upper().startswith("LEDGER_"):
-            monkeypatch.delenv(name)
 
 
 @pytest.fixture

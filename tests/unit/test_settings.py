@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -13,13 +12,6 @@ from celery_ledger.policies.backpressure import DEFAULT_TIER_LIMITS, TierLimit
 from celery_ledger.policies.breaker import BreakerConfig
 from celery_ledger.policies.rate_limit import RateLimit
 from celery_ledger.policies.retry import RetryPolicy
-
-
-@pytest.fixture(autouse=True)
-def no_ledger_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.upper().startswith("LEDGER_"):
-            monkeypatch.delenv(name)
 
 
 @pytest.mark.parametrize(

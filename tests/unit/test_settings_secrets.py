@@ -10,7 +10,6 @@ in each way its parser notices, and no piece of it may appear in the error, its 
 from __future__ import annotations
 
 import json
-import os
 import traceback
 from typing import Any
 from urllib.parse import quote
@@ -58,13 +57,6 @@ SECRETS = [
     ("console_secret", "{short}"),
 ]
 COVERED = {field for field, *_ in URLS + SECRETS}
-
-
-@pytest.fixture(autouse=True)
-def no_ledger_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.upper().startswith("LEDGER_"):
-            monkeypatch.delenv(name)
 
 
 def with_password(value: Any, password: str) -> Any:
