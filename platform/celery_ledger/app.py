@@ -759,6 +759,10 @@ def create_app(
             "ledger_restore_visible": settings.restore_unacked,
         },
         broker_connection_retry_on_startup=True,
+        # Reconnect for as long as the broker is away: Celery's default (100 attempts, about
+        # 46 minutes of its backoff) then ended the worker with "Unrecoverable error" (measured
+        # with 2 attempts: the worker exited 8 s into a broker outage).
+        broker_connection_max_retries=None,
         result_backend_always_retry=True,
         result_backend_max_retries=10,
         task_default_queue=tiers.queue(settings.default_tier),

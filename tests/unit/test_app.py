@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -20,14 +19,6 @@ from celery_ledger.errors import LedgerUnavailable
 from celery_ledger.ledger.store import Ledger
 
 UNREACHABLE = {"broker_url": "redis://127.0.0.1:1/0", "mongo_uri": "mongodb://127.0.0.1:1/"}
-
-
-@pytest.fixture(autouse=True)
-def no_ledger_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Settings come from nothing but what a test sets."""
-    for name in list(os.environ):
-        if name.upper().startswith("LEDGER_"):
-            monkeypatch.delenv(name)
 
 
 @pytest.fixture(autouse=True)
@@ -92,6 +83,9 @@ def test_conf_is_json_only_and_acks_late(app: LedgerCelery) -> None:
         "ledger_restore_visible": True,
     }
     assert conf.enable_utc is True
+    # a worker reconnects to a broker away for however long (Celery's 100 attempts, then exit)
+    assert conf.broker_connection_max_retries is None
+    assert conf.broker_connection_retry is True
 
 
 def test_each_tier_and_the_dead_letter_queue_is_declared(app: LedgerCelery) -> None:
