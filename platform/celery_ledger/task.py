@@ -706,13 +706,15 @@ class LedgerTask(Task):  # type: ignore[misc]
 
         options.pop("countdown", None)
         options.pop("eta", None)
-        later = due_at is not None and due_at > time.time()
+        later = due_at if due_at is not None and due_at > time.time() else None
         # A retry republishes a job already admitted and known to the ledger: no backpressure
         # (a shed retry would be lost) and no dedupe. A job for later is not in a queue yet:
         # no backpressure either.
         is_retry = "retries" in options or admitted
-        if not (is_retry or later) and self._shed(
-            tier, record_id, key, args, kwargs, message_headers, never=never_shed
+        if (
+            not is_retry
+            and later is None
+            and self._shed(tier, record_id, key, args, kwargs, message_headers, never=never_shed)
         ):
             return self.AsyncResult(task_id)
         dedupe = not is_retry and (
@@ -731,7 +733,7 @@ class LedgerTask(Task):  # type: ignore[misc]
                         float_or_none(message_headers.get(headers.ENQUEUED_AT)),
                     ),
                     # A job for later: claimable (and looked after by the reconciler) once due
-                    claimable_at=datetime.fromtimestamp(due_at, UTC) if later and due_at else None,
+                    claimable_at=None if later is None else datetime.fromtimestamp(later, UTC),
                 )
             except LedgerUnavailable as exc:
                 # Publishing never needs the ledger: the claim still runs the job once; only the
@@ -743,16 +745,19 @@ class LedgerTask(Task):  # type: ignore[misc]
             else:
                 if outcome is EnqueueOutcome.KNOWN:
                     return self.AsyncResult(task_id)
-        if later and due_at is not None:
-            # With dedupe, a message the delayed set loses (a broker that loses its data) is
-            # published again by the reconciler once the record is due and stale: it stays
-            # queued, claimable at its due time.
-            try:
+        if later is None and not is_retry and not dedupe:
+            # A first publish with no record written: its claim may insert the record.
+            options[headers.NEW] = True
+        try:
+            if later is not None:
+                # With dedupe, a message the delayed set loses (a broker that loses its data)
+                # is published again by the reconciler once the record is due and stale: it
+                # stays queued, claimable at its due time.
                 return self._publish_later(
                     args,
                     kwargs,
                     task_id,
-                    due_at,
+                    later,
                     seal,
                     link=link,
                     link_error=link_error,
@@ -760,22 +765,14 @@ class LedgerTask(Task):  # type: ignore[misc]
                     headers=message_headers,
                     **options,
                 )
-            except Exception:
-                if dedupe:  # a publish tried again must schedule it, not find it known
-                    with contextlib.suppress(LedgerError):
-                        self.app.ledger.mark_unpublished(record_id, later=True)
-                raise
-        if not is_retry and not dedupe:
-            # A first publish with no record written: its claim may insert the record.
-            options[headers.NEW] = True
-        try:
             return publish_now()
         except Exception:
             if dedupe:
                 # Keep the record: another producer may have skipped its publish because of it.
-                # The reconciler publishes it on its next sweep.
+                # Marked so that a publish tried again goes out (not found known), and the
+                # reconciler publishes it on its next sweep (a job for later: once it is due).
                 with contextlib.suppress(LedgerError):
-                    self.app.ledger.mark_unpublished(record_id)
+                    self.app.ledger.mark_unpublished(record_id, later=later is not None)
             raise
 
     def _enqueue_in(

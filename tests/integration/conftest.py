@@ -237,9 +237,9 @@ def token() -> str:
     return f"t-{uuid.uuid4().hex[:12]}"
 
 
-def make_isolated_stack(base: Path) -> WatchedStack:
+def make_isolated_stack(base: Path, app_module: str = APP_MODULE) -> WatchedStack:
     """A stack of its own, for tests that kill or stop servers (its workers are watched)."""
-    running = WatchedStack(APP_MODULE, base, auth=True, queue_namespace=NAMESPACE)
+    running = WatchedStack(app_module, base, auth=True, queue_namespace=NAMESPACE)
     running.start_servers()
     WATCH.watch(running)
     return running
@@ -282,16 +282,16 @@ def own_stack(base: Path, app_module: str = APP_MODULE) -> Iterator[WatchedStack
 
     saved = dict(os.environ)
     os.environ.update(TEST_ENV)
-    running = WatchedStack(app_module, base, auth=True, queue_namespace=NAMESPACE)
     try:
-        running.start_servers()
-        WATCH.watch(running)
-        os.environ.update(running.env)
-        close_clients()  # (clients made earlier name the session's servers)
-        yield running
+        running = make_isolated_stack(base, app_module)
+        try:
+            os.environ.update(running.env)
+            close_clients()  # (clients made earlier name the session's servers)
+            yield running
+        finally:
+            close_clients()
+            running.stop()
     finally:
-        close_clients()
-        running.stop()
         os.environ.clear()
         os.environ.update(saved)
 
