@@ -20,7 +20,7 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Any
 
-from celery import Celery, Task
+from celery import Celery, Task, signals
 from celery.app.amqp import AMQP
 from celery.canvas import Signature
 from celery.exceptions import Reject
@@ -61,6 +61,7 @@ from .settings import Settings
 from .task import ADMITTED, KEY_SECRET_NEEDED, LedgerTask
 from .triggers import Argument, Trigger
 from .triggers import declare as declare_trigger
+from .prefork import prefer_repaired_pool
 from .worker import LedgerWorkerStep
 from .workflow.api import Workflow, WorkflowCall, WorkflowHandle
 from .workflow.context import Call
@@ -775,6 +776,12 @@ def create_app(
     # producer's first publish against later changes (conf_check.py)
     app.pinned_conf = pinned(app.conf)
     app.steps["worker"].add(LedgerWorkerStep)
+
+    def repaired_pool(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is app:  # (signals are process-wide)
+            prefer_repaired_pool(sender)
+
+    signals.worker_init.connect(repaired_pool, weak=False)
     logging.getLogger("celery.app.trace").addFilter(RedactSensitive(app.is_sensitive))
     install_observability(app, app.runtime)  # metrics, Sentry, JSON logs: as the settings say
 
