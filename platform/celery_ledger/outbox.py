@@ -75,7 +75,7 @@ class Outbox:
         self,
         runtime: Runtime,
         *,
-        publish_wake: Callable[[str, str], None],
+        publish_wake: Callable[[str, str], object],
         workflow_states: Callable[[list[str]], Iterable[str]],
         lock: SweepLock | None = None,
         announce_dead: Callable[[str], None] | None = None,

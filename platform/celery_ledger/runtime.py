@@ -39,6 +39,7 @@ from .policies.throttle import Throttle, ThrottleRule
 from .pressure import Pressure
 from .routing import DEAD_LETTER, Tiers
 from .signing import Signer
+from .wakes import PendingWakes
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -59,6 +60,7 @@ PER_PROCESS = (
     "throttle",
     "delayed",
     "legacy_delayed",
+    "pending_wakes",
 )
 
 
@@ -175,6 +177,11 @@ class Runtime:
         return DelayedDeliveries(
             self.settings.broker_url, key=delayed_key(self.tiers.namespace), signer=self.signer
         )
+
+    @cached_property
+    def pending_wakes(self) -> PendingWakes:
+        """The marks of the workflows with a wake waiting in the broker (one wake at a time)."""
+        return PendingWakes(self.redis, namespace=self.tiers.namespace)
 
     @cached_property
     def legacy_delayed(self) -> DelayedDeliveries | None:

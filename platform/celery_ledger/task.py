@@ -95,9 +95,16 @@ _FROZEN_BY_CELERY = (
     "retries",
 )
 _MAX_DEFERRALS = 1_000_000
-# Marks a publish of a job already admitted (a workflow's step): the workflow was admitted
-# when it started, and its log is the step's durable record, so no backpressure, no dedupe.
+# Marks a publish of a job already admitted and known (a trigger's job whose ``queued``
+# record exists, its message sent again): no backpressure, no dedupe.
 ADMITTED = "ledger_admitted"
+# Marks a publish of a started workflow's step: no backpressure (the workflow was admitted when
+# it started), and otherwise a first publish: with dedupe on publish its ``queued`` record is
+# written first. That record is what tells the engine that a step still waits behind a backlog
+# (a step with none looks lost after a few checks and is published again: the long chaos soak's
+# queues held two or three copies of many steps, each a claim, when steps skipped the record),
+# and a step whose message is lost is then the reconciler's, as any queued job's.
+WORKFLOW_STEP = "ledger_workflow_step"
 # Marks a publish whose caller waits and tries again rather than have its job shed: a
 # change-stream trigger's (a shed change's job would be recorded dead while its stream moved
 # past it). Above the mark, under any policy, it gets ``Backpressure``.
@@ -437,12 +444,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         tier = request_header(self.request, headers.WORKFLOW_TIER)
         if not (isinstance(tier, str) and tier in self.app.tiers.names):
             tier = self.app.settings.default_tier
-        try:
-            self.app.workflow_ports.publish_wake(workflow_id, tier)
-        except Exception as exc:  # the step's outcome is recorded; the reconciler wakes it
-            logger.warning(
-                "wake of workflow %s after %s not published: %s", workflow_id, self.name, exc
-            )
+        self.app.wake_where_step_ended(workflow_id, tier)
 
     def _binding_problem(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         """Why the arguments do not bind the body's signature, or None."""
@@ -622,6 +624,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         explicit_key = options.pop("idempotency_key", None)
         call_tier = options.pop("tier", None)
         admitted = bool(options.pop(ADMITTED, False))
+        step = bool(options.pop(WORKFLOW_STEP, False))
         never_shed = bool(options.pop(NEVER_SHED, False))
         for name in _LEDGER_OWNED_OPTIONS:
             options.pop(name, None)
@@ -713,6 +716,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         is_retry = "retries" in options or admitted
         if (
             not is_retry
+            and not step
             and later is None
             and self._shed(tier, record_id, key, args, kwargs, message_headers, never=never_shed)
         ):

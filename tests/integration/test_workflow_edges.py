@@ -120,7 +120,8 @@ def test_a_workflow_of_a_tier_above_its_mark_stays_due_and_is_woken_once_it_drai
     flow = engine_app.workflow(waits, name="edges.held", idempotency_key="{order}")
     handle = flow.start(4)
     engine = engine_app.workflow_engine
-    assert engine.wake(handle.id) == "suspended"
+    # (its start's wake message runs here: it clears the mark that folds later wakes into it)
+    assert engine_app._run_wake(handle.id, 0, None) == "suspended"
     tier = state_doc(engine_app, handle.id)["tier"]
     states = engine.log.states
     time.sleep(CHECK_SECONDS + 0.1)  # its log has been still for a check time
@@ -136,6 +137,42 @@ def test_a_workflow_of_a_tier_above_its_mark_stays_due_and_is_woken_once_it_drai
     # And once the tier drains (another tier's hold changes nothing), it is woken
     assert engine.wake_overdue(held=others) >= 1
     assert aware(state_doc(engine_app, handle.id)["check_at"]) > due
+
+
+def test_a_check_leaves_a_workflow_alone_while_the_step_it_waits_for_has_not_ended(
+    engine_app: Any,
+) -> None:
+    # Given a workflow whose step waits in a queue (its queued record written at its publish)
+    @engine_app.task(name="edges.slow_step", shared=False, dedupe_on_publish=True)
+    def slow_step(order: int) -> str:
+        return "done"
+
+    def waits(wf: Any, order: int) -> str:
+        return str(wf.run(slow_step, order))
+
+    flow = engine_app.workflow(waits, name="edges.step_waits", idempotency_key="{order}")
+    handle = flow.start(5)
+    engine = engine_app.workflow_engine
+    assert engine_app._run_wake(handle.id, 0, None) == "suspended"  # the step is published
+    (command,) = [c for c in handle.state().commands.values() if c.kind == "step"]
+    record = engine_app.ledger.find_raw(command.job_id)
+    assert record is not None and record["state"] == "queued"
+    states = engine.log.states
+    time.sleep(CHECK_SECONDS + 0.1)  # its log has been still for a check time
+
+    # When the checks come while the step has not ended
+    for _ in range(3):
+        states.update_one({"_id": handle.id}, {"$set": {"check_at": engine.log.now()}})
+        # Then none wakes it (the step's end will), and the checks still space out
+        assert engine.wake_overdue() == 0
+    assert state_doc(engine_app, handle.id)["checks"] == 3
+
+    # And once the step's job ended (its own wake lost, say), the next check wakes it
+    engine_app.ledger.collection.update_one(
+        {"_id": command.job_id}, {"$set": {"state": "succeeded", "result": '"done"'}}
+    )
+    states.update_one({"_id": handle.id}, {"$set": {"check_at": engine.log.now()}})
+    assert engine.wake_overdue() == 1
 
 
 def test_a_timers_wake_that_comes_early_is_published_again_for_when_it_is_due(

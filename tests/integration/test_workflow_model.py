@@ -43,6 +43,7 @@ from celery_ledger.events import Observer
 from celery_ledger.ledger import Ledger
 from celery_ledger.ledger.store import utcnow
 from celery_ledger.ledger.workflow_log import WorkflowLog
+from celery_ledger.wakes import HOLD_SECONDS
 from celery_ledger.workflow.context import Call
 from celery_ledger.workflow.engine import Definition, WorkflowEngine
 from celery_ledger.workflow.history import TERMINAL, fold
@@ -128,6 +129,7 @@ class Ports:
         self.broker = broker
         self.clock = clock
         self.die_after: int | None = None  # publishes before this wake's process dies
+        self.marks: dict[str, float] = {}  # workflows with a wake sent: until when it holds
 
     def _publish(self) -> None:
         if self.die_after is not None:
@@ -147,12 +149,19 @@ class Ports:
         self._publish()
         self.broker.steps.append((job_id, call.name))
 
-    def publish_wake(self, workflow_id: str, tier: str, *, delay: float = 0.0) -> None:
+    def publish_wake(self, workflow_id: str, tier: str, *, delay: float = 0.0) -> bool:
         self._publish()
+        now = self.clock().timestamp()
         if delay > 0:  # held until due, as the delayed set holds it
-            self.broker.held.append((self.clock().timestamp() + delay, workflow_id))
-        else:
-            self.broker.wakes.append(workflow_id)
+            self.broker.held.append((now + delay, workflow_id))
+            return True
+        # Folded into the wake that waits, while its mark holds (celery_ledger.wakes)
+        if self.marks.get(workflow_id, float("-inf")) > now:
+            SEEN["wake folded"] += 1
+            return False
+        self.marks[workflow_id] = now + HOLD_SECONDS
+        self.broker.wakes.append(workflow_id)
+        return True
 
 
 class DyingLog(WorkflowLog):
@@ -227,6 +236,7 @@ class WorkflowModel(RuleBasedStateMachine):
     def run_wake(self, workflow_id: str, death: str | None) -> None:
         self.log.die = death if death in ("before append", "after append") else None
         self.ports.die_after = 0 if death == "during effects" else None
+        self.ports.marks.pop(workflow_id, None)  # a wake clears its mark before it reads
         try:
             self.engine.wake(workflow_id)
         except Died:
@@ -250,7 +260,7 @@ class WorkflowModel(RuleBasedStateMachine):
             records.update_one({"_id": job_id}, {"$set": fields}, upsert=True)
         workflow = self.workflow_of_job(job_id)
         if workflow is not None:
-            self.broker.wakes.append(workflow)
+            self.ports.publish_wake(workflow, "default")
 
     def workflow_of_job(self, job_id: str) -> str | None:
         for (workflow, _, _), job in self.job_of.items():

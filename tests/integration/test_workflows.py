@@ -433,6 +433,86 @@ def test_a_workflow_whose_messages_are_all_lost_is_finished_by_the_reconciler(
     producer.close()
 
 
+def test_a_workflow_behind_a_backlog_has_one_wake_and_one_message_per_step_waiting(
+    isolated: EmbeddedStack,
+) -> None:
+    # Given a workflow whose first step waits in a queue no worker drains yet (a backlog), in
+    # an app that writes a job's record at its publish
+    import json
+
+    import redis
+
+    from celery_ledger.app import WAKE_TASK
+    from tests.integration.conftest import NAMESPACE
+
+    producer = producer_app(
+        isolated, "wf_backlog", workflow_check_seconds=1, dedupe_on_publish=True
+    )
+    flows = workflows_of(producer)
+    handle = flows["order"].start(f"backlog-{uuid.uuid4().hex[:8]}", steps=2)
+    engine = producer.workflow_engine
+    queue = f"{NAMESPACE}.default"
+    assert isolated.broker is not None
+    broker = redis.Redis.from_url(isolated.broker.url)
+
+    def waiting() -> Counter[str]:
+        found: Counter[str] = Counter()
+        for raw in broker.lrange(queue, 0, -1):
+            message_headers = json.loads(raw)["headers"]
+            found[str(message_headers.get("ledger_key") or message_headers["task"])] += 1
+        return found
+
+    # When every source of wakes sends one again and again (its steps' outcomes, signals, the
+    # reconciler's and the relay's checks of a workflow that does not move)
+    for _ in range(10):
+        producer.workflow_ports.publish_wake(handle.id, "default")
+        engine.log.check_by(handle.id, engine.log.now(), checks=0)
+        engine.wake_overdue()
+    # Then one wake waits for it
+    assert waiting()[WAKE_TASK] == 1
+
+    # When that wake runs (step 0 is published) and the workflow is woken and checked for
+    # minutes of the engine's time while its step still waits (far past any republish time)
+    assert producer._run_wake(handle.id, 0, None) == "suspended"
+    started = time.time()
+    for minutes in range(1, 30):
+        engine.clock = lambda minutes=minutes: started + 60 * minutes
+        assert engine.wake(handle.id) == "suspended"
+        producer.workflow_ports.publish_wake(handle.id, "default")
+    # Then the step waits once, as a queued record, and one more wake waits (sent after the
+    # first one started, which folds every later one)
+    found = waiting()
+    steps = {key: n for key, n in found.items() if key.startswith("wf:")}
+    assert list(steps.values()) == [1], found
+    (step_key,) = steps
+    record = producer.ledger.collection.find_one({"key": step_key})
+    assert record is not None and record["state"] == "queued"
+    assert found[WAKE_TASK] == 2
+    broker.close()
+    producer.close()
+
+
+def test_a_step_s_end_advances_its_workflow_without_a_wake_message(
+    isolated: EmbeddedStack,
+) -> None:
+    # Given a worker, and a workflow of five steps (three in turn, then two at once)
+    worker = start_worker(isolated, "inplace")
+    producer = producer_app(isolated, "wf_inplace_producer")
+    token = f"inplace-{uuid.uuid4().hex[:8]}"
+    handle = workflows_of(producer)["order"].start(token, steps=3)
+
+    # When it runs to its end
+    result = handle.result(timeout=60)
+
+    # Then each step's end advanced it where the step ran: the wake messages the worker ran are
+    # its start's and at most one check's, not one more per step
+    assert result["done"] == ["s0-done", "s1-done", "s2-done"]
+    assert step_effects(isolated, token) == Counter({"s0": 1, "s1": 1, "s2": 1, "g0": 1, "g1": 1})
+    ran = worker.log_path.read_text().count("celery_ledger.workflow.wake[")
+    assert 1 <= ran // 2 <= 2, ran  # (each is logged as received, then as succeeded)
+    producer.close()
+
+
 def test_cancelling_a_parent_cancels_the_child_it_waits_on(
     stack: EmbeddedStack, app: Any, token: str
 ) -> None:

@@ -54,6 +54,8 @@ EVENTS_BELOW = 2**62  # above every event's number (a comparison with a number m
 ACTIVE = ("running", "compensating", "stuck")
 # The active states a wake moves on (a stuck workflow waits for an operator's retry).
 WAKEABLE = ("running", "compensating")
+# A job's record states that say it is still to end (its end wakes the workflow that waits)
+IN_FLIGHT = (State.QUEUED.value, State.RUNNING.value, State.RETRYING.value)
 # Kinds of the documents beside the events (no sequence): never the kind of an event.
 PENDING_SIGNAL = "pending_signal"
 CANCEL_REQUEST = "cancel_request"
@@ -172,18 +174,37 @@ class WorkflowLog:
                 {"$set": {"timer_at": timer_at}, "$min": {"check_at": check_by}},
             )
 
-    def last_event_at(self, workflow_id: str) -> datetime | None:
-        """When the log's newest event was written (one read on the (wf, seq) index)."""
+    def last_event(self, workflow_id: str) -> tuple[datetime | None, str | None]:
+        """When the log's newest event was written, and the job it started if it started one
+        (a step's, or a compensation's run), as (at, job id): one read on the (wf, seq) index."""
         with translate_errors("workflow log read"):
             doc = self.events.find_one(
                 {"wf": workflow_id, "seq": {"$lt": EVENTS_BELOW}},
-                {"at": 1},
+                {"at": 1, "kind": 1, "data.kind": 1, "data.job_id": 1},
                 sort=[("seq", DESCENDING)],
             )
-        at = None if doc is None else doc.get("at")
+        if doc is None:
+            return None, None
+        at = doc.get("at")
         if isinstance(at, datetime) and at.tzinfo is None:
             at = at.replace(tzinfo=UTC)
-        return at if isinstance(at, datetime) else None
+        found = doc.get("data")
+        data: dict[str, Any] = found if isinstance(found, dict) else {}
+        kind = doc.get("kind")
+        started = (kind == "scheduled" and data.get("kind") == "step") or (
+            kind == "compensation_scheduled"
+        )
+        job_id = data.get("job_id") if started else None
+        return (at if isinstance(at, datetime) else None), (
+            job_id if isinstance(job_id, str) else None
+        )
+
+    def in_flight(self, record_id: str) -> bool:
+        """Whether this job's ledger record says it is still to end (queued, running or
+        retrying): one read by ``_id``."""
+        with translate_errors("workflow step outcomes"):
+            doc = self.ledger.collection.find_one({"_id": record_id}, {"state": 1})
+        return doc is not None and doc.get("state") in IN_FLIGHT
 
     def due_for_check(
         self, *, limit: int = 200, skip_tiers: Iterable[str] = ()

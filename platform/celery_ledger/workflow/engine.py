@@ -62,6 +62,7 @@ from .history import WorkflowState, fold
 logger = logging.getLogger("celery_ledger.workflow")
 
 MAX_CONFLICTS = 5  # appends lost to a concurrent wake before this wake gives way
+NOT_HERE = "not here"  # a wake with ``here_only`` of a workflow another release or app runs
 MAX_CHECK_DOUBLINGS = 4  # a still workflow is checked at least every 16 check times
 REPUBLISH_AFTER_SECONDS = 30.0  # a step with no ledger record this long after it was scheduled
 UNKNOWN_WORKFLOW_RETRY_SECONDS = 30.0  # a wake for a workflow this worker does not define
@@ -112,7 +113,9 @@ class Ports(Protocol):
         self, call: Call, *, job_id: str, key: str, workflow_id: str, workflow_tier: str
     ) -> None: ...
 
-    def publish_wake(self, workflow_id: str, tier: str, *, delay: float = 0.0) -> None: ...
+    def publish_wake(self, workflow_id: str, tier: str, *, delay: float = 0.0) -> bool:
+        """Send a wake; False if it was folded into one that already waits (the same effect)."""
+        ...
 
 
 def step_key(workflow_id: str, generation: int, pos: int, *, undo: bool = False) -> str:
@@ -223,11 +226,15 @@ class WorkflowEngine:
 
     # -- a wake ---------------------------------------------------------------------------------
 
-    def wake(self, workflow_id: str) -> str:
+    def wake(self, workflow_id: str, *, here_only: bool = False) -> str:
         """Advance the workflow as far as its log and its jobs' outcomes allow; returns what
-        it did (``suspended``, ``finished``, ``stuck``, ``unknown``, ...)."""
+        it did (``suspended``, ``finished``, ``stuck``, ``unknown``, ...).
+
+        ``here_only``: a wake run where a step ended, not from a wake message: a workflow this
+        worker cannot advance (not defined here, or written by a newer release) is left as it
+        is (``not here``), for its caller to send a wake message to the workers that can."""
         for _ in range(MAX_CONFLICTS):
-            outcome = self._wake_once(workflow_id)
+            outcome = self._wake_once(workflow_id, here_only=here_only)
             if outcome != "conflict":
                 return outcome
         return "conflict"  # another wake keeps winning: it does the work
@@ -238,9 +245,11 @@ class WorkflowEngine:
         declared = [d.snapshot_every for d in self.definitions.values() if d.snapshot_every]
         return max([self.snapshot_every, *declared]) + 64
 
-    def _wake_once(self, workflow_id: str) -> str:
+    def _wake_once(self, workflow_id: str, *, here_only: bool = False) -> str:
         docs = self.log.tail(workflow_id, limit=self._tail_limit())
         newer = max((int(d.get("v") or 1) for d in docs if is_event(d)), default=1)
+        if newer > EVENT_SCHEMA and here_only:
+            return NOT_HERE
         if newer > EVENT_SCHEMA:
             # Written by a newer release (a rollback is under way): folding past events this
             # one does not know would silently drop what they say. The newer workers run it.
@@ -274,6 +283,8 @@ class WorkflowEngine:
 
         if not events:
             started = self.log.get_state(workflow_id)
+            if started is None and here_only:
+                return NOT_HERE
             if started is None:
                 logger.warning("wake for unknown workflow %s ignored", workflow_id)
                 return "unknown"
@@ -288,6 +299,8 @@ class WorkflowEngine:
         if state.status == "stuck":
             return "stuck"  # until an operator's retry
         definition = self.definitions.get(state.workflow)
+        if definition is None and here_only:
+            return NOT_HERE
         if definition is None:
             logger.warning(
                 "workflow %s (%s) is not defined in this worker; woken again in %ss",
@@ -771,7 +784,7 @@ class WorkflowEngine:
         now = self.log.now()
         for doc in self.log.due_for_check(limit=limit, skip_tiers=held):
             workflow_id = str(doc["_id"])
-            last = self.log.last_event_at(workflow_id)
+            last, started_job = self.log.last_event(workflow_id)
             if last is not None and (now - last).total_seconds() < self.check_seconds:
                 self.log.check_by(
                     workflow_id,
@@ -784,8 +797,14 @@ class WorkflowEngine:
             self.log.check_by(
                 workflow_id, self._capped(doc, now + timedelta(seconds=wait)), checks=checks + 1
             )
-            self.ports.publish_wake(workflow_id, str(doc.get("tier") or self.default_tier))
-            woken += 1
+            if started_job is not None and self.log.in_flight(started_job):
+                # It waits for the job its newest event started, which has not ended (behind a
+                # backlog, or retrying): that job's end wakes it, and a wake now would only find
+                # it waiting (under the long soak's backlog a third of the wakes were these). A
+                # job whose message is lost is the reconciler's to bring back; one that ended
+                # without waking it is seen at the next check.
+                continue
+            woken += self.ports.publish_wake(workflow_id, str(doc.get("tier") or self.default_tier))
         return woken
 
     def _capped(self, doc: Mapping[str, Any], check_at: datetime) -> datetime:
