@@ -29,9 +29,14 @@ def aof_commands(broker: ServerProcess) -> Iterator[list[bytes]]:
             yield args
 
 
-def broker_fate(broker: ServerProcess, key: str, system: str) -> str:
-    """What the broker's AOF says happened to a job's first message (replays the list ops)."""
+def broker_fate(broker: ServerProcess, key: str, system: str, *, unacked_key: str) -> str:
+    """What the broker's AOF says happened to a job's message (replays the list ops).
+
+    ``unacked_key``: the hash where kombu books a taken message (celery-ledger's is in its
+    app's namespace: read against plain kombu's name, every message looked lost in flight).
+    Only the AOF's increments are read: what happened before its last rewrite is not seen."""
     wanted_db = 0 if system == "ledger" else 1
+    booked = unacked_key.encode()
     lists: dict[bytes, deque[bytes]] = defaultdict(deque)
     db, fate = 0, "never published"
     try:
@@ -52,7 +57,7 @@ def broker_fate(broker: ServerProcess, key: str, system: str) -> str:
                 value = lists[args[1]].pop() if name == b"RPOP" else lists[args[1]].popleft()
                 if message_key(value) == key:
                     fate = "popped by a consumer, never registered as unacked (lost in flight)"
-            elif name == b"HSET" and args[1] == b"unacked" and message_key(args[3]) == key:
+            elif name == b"HSET" and args[1] == booked and message_key(args[3]) == key:
                 fate = "popped and registered as unacked"
     except (OSError, ValueError, IndexError) as exc:
         return f"unreadable AOF ({exc})"

@@ -35,17 +35,21 @@ class Profile:
 
 
 PROFILES = {
+    # Published faster than the workers run it: a backlog of about a minute, with workflows
+    # waiting behind it and the broker killed twice while jobs are taken and retried (the
+    # class of the long soak's losses of 2026-11-28: wakes and step copies that multiplied
+    # under a backlog until the workflows and retries starved behind them).
     "ci": Profile(
         name="ci",
-        tasks=300,
+        tasks=500,
         mix={"quick": 0.70, "flaky": 0.12, "permanent": 0.08, "long": 0.10},
         long_seconds=(1.0, 3.0),
-        publish_seconds=24.0,
-        waves=8,
+        publish_seconds=12.0,
+        waves=6,
         fault_seconds=40.0,
         pool_kill_every=3.0,
         worker_kills=1,
-        broker_kills=1,
+        broker_kills=2,
         ledger_kills=1,
         delays=2,
         resets=3,
@@ -53,10 +57,10 @@ PROFILES = {
         partition_seconds=3.0,
         workers=2,
         concurrency=2,
-        drain_timeout=90.0,
+        drain_timeout=150.0,
         lease_seconds=8.0,
         visibility_timeout=30,
-        workflows=40,
+        workflows=50,
         workflow_fail_share=0.3,
     ),
     "long": Profile(

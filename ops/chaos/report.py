@@ -39,7 +39,17 @@ class WorkflowReport:
     dead_steps: int = 0  # dead records of the steps' task
     dead_steps_match: bool | None = None  # exactly the designed failures' last steps
     terminal_seconds: float | None = None  # after the faults, until every workflow ended
+    wakes: int = 0  # wakes the workers ran, over all workflows
+    wakes_most: int = 0  # the most wakes one workflow had
+    wakes_most_in_a_minute: int = 0  # the most one workflow had within any 60 seconds
+    wakes_waiting_most: int = 0  # the most wakes of one workflow waiting in a queue at once
+    step_copies_waiting_most: int = 0  # the most copies of one step's message waiting at once
+    deepest_backlog: int = 0  # the most messages waiting in the tiers' queues at once
     details: list[str] = field(default_factory=list)
+
+    @property
+    def wakes_per_workflow(self) -> float:
+        return self.wakes / self.workflows if self.workflows else 0.0
 
     @property
     def ok(self) -> bool:
@@ -157,6 +167,15 @@ class SoakReport:
                         f"{w.step_claims}/{w.designed_claims}",
                     ],
                     ["every workflow ended, after the faults", ended],
+                    [
+                        "wakes per workflow: mean / most / most in a minute",
+                        f"{w.wakes_per_workflow:.1f} / {w.wakes_most} / {w.wakes_most_in_a_minute}",
+                    ],
+                    [
+                        "most waiting at once: wakes of a workflow / copies of a step",
+                        f"{w.wakes_waiting_most} / {w.step_copies_waiting_most}",
+                    ],
+                    ["deepest backlog (messages queued at once)", w.deepest_backlog],
                 ],
             )
         if self.repaired:

@@ -1,6 +1,7 @@
 """Chaos soak: exactly-once effects under crashes, restarts and a bad network, and plain Celery.
 
     python -m ops.chaos.soak --profile ci|long [--seed N] [--only ledger|plain]
+    python -m ops.chaos.soak --profile long --seeds 2811,1,2,3,4,5 --parallel 2 --only ledger
 
 Both systems run side by side, under the same faults: the same task body (``apps/world.py``:
 record the attempt; fail, sleep or not as designed; then record one effect, on a server of its
@@ -27,6 +28,7 @@ one: the steps before the failed one, then their compensations newest first, eac
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import os
@@ -46,11 +48,11 @@ from pymongo import MongoClient
 from redis import Redis
 
 from celery_ledger import LedgerCelery, Settings
-from celery_ledger.app import unacked_keys
+from celery_ledger.app import WAKE_TASK, unacked_keys
 from celery_ledger.embedded.servers import ServerProcess, start_secantus, start_valkey
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 
-from ..bench.common import REPO, RESULTS, console, machine
+from ..bench.common import REPO, RESULTS, console, machine, print_table
 from .apps import plain_soak
 from .forensics import broker_fate, dead_letter_key, last_error, message_key
 from .plan import PROFILES, TIERS, Job, Profile, WorkflowJob, plan_jobs, plan_workflows
@@ -69,6 +71,22 @@ LEDGER_DELAYED_KEY = "soak_ledger:ledger:delayed"
 WORKFLOW_CHECK_SECONDS = 5.0
 WORKFLOW_ENDS = ("completed", "failed", "compensated", "cancelled", "dead")
 WORKFLOW_START_PATIENCE_SECONDS = 30.0  # a start retried through a ledger or broker outage
+WATCH_QUEUES_EVERY_SECONDS = 2.0
+
+
+def queued_item(raw: bytes) -> tuple[str, str]:
+    """(wake, its workflow id) or (step, its key) or (job, "") for a queued message."""
+    try:
+        envelope = json.loads(raw)
+        found = envelope["headers"]
+        if found.get("task") == WAKE_TASK:
+            return "wake", str(json.loads(base64.b64decode(envelope["body"]))[0][0])
+        key = found.get("ledger_key")
+        if isinstance(key, str) and key.startswith("wf:"):
+            return "step", key
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        pass
+    return "job", ""
 
 
 @contextlib.contextmanager
@@ -113,6 +131,8 @@ class Soak:
         )
         self.flow_ids: dict[str, str] = {}  # workflow key -> id, once started
         self.flows_ended: float | None = None  # seconds after the faults, once all ended
+        # wake, step: most copies queued at once; depth: most messages queued at once
+        self.most_waiting: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
         self.faults_repaired: Counter[str] = Counter()  # what the reconciler brought back
         self._ledger_app: LedgerCelery | None = None
@@ -138,7 +158,9 @@ class Soak:
     def worker_env(self, system: str) -> dict[str, str]:
         broker = f"redis://127.0.0.1:{self.broker_proxy.listen_port}"
         common = {
-            "PYTHONPATH": str(REPO),
+            # The library of the tree the soak runs from (a snapshot being soaked while the
+            # working tree changes: see README, "The long soak")
+            "PYTHONPATH": os.pathsep.join((str(REPO / "platform"), str(REPO))),
             "SOAK_WORLD_URI": self.world_server.url,
             "SOAK_VISIBILITY_TIMEOUT_SECONDS": str(self.profile.visibility_timeout),
             "SOAK_PLAIN_BROKER_URL": f"{broker}/1",
@@ -531,6 +553,24 @@ class Soak:
                     lines.append(f"delayed {args[0]} due in {due - time.time():.0f}s")
         return lines
 
+    def broker_now(self, system: str) -> dict[str, str]:
+        """Where each job's message is at the end (a queue, taken, the delayed set), by key:
+        a job not terminal with its message still queued was slow, not lost."""
+        db = 0 if system == "ledger" else 1
+        found: dict[str, str] = {}
+        with Redis.from_url(self.broker.url.rsplit("/", 1)[0] + f"/{db}") as redis:
+            for queue in self.queues(system):
+                for raw in redis.lrange(queue, 0, -1):
+                    found.setdefault(message_key(raw), f"waiting in {queue}")
+            for raw in redis.hvals(self.unacked_key(system)):
+                found.setdefault(message_key(raw), "taken by a worker, not acknowledged")
+            if system == "ledger":
+                for member in redis.zrange(LEDGER_DELAYED_KEY, 0, -1):
+                    with contextlib.suppress(ValueError, TypeError, IndexError, AttributeError):
+                        args = json.loads(member).get("args") or []
+                        found.setdefault(str(args[0]), "in the delayed set")
+        return found
+
     def flow_statuses(self) -> dict[str, str]:
         """Workflow id -> status, from the workflows' state documents (one read)."""
         log = self.ledger_app().workflow_engine.log
@@ -594,6 +634,7 @@ class Soak:
                 dead_docs = list(client.soak.ledger.find({"state": "dead", "task": "soak.work"}))
         if not quiet:
             report.details += [f"broker: {line}" for line in self.broker_leftovers(system)]
+        where: dict[str, str] | None = None  # job key -> where its message is now
         for job in self.jobs:
             state = states[job.key]
             report.succeeded += state == "succeeded"
@@ -601,6 +642,7 @@ class Soak:
             report.designed_dead += job.designed == "dead"
             if state == "pending":
                 report.lost.append(job.key)
+                where = self.broker_now(system) if where is None else where
                 record = records.get(job.key)
                 report.details.append(
                     f"not terminal: {job.key} ({job.kind}) record="
@@ -610,7 +652,11 @@ class Soak:
                         else f"{record.get('state')} attempts={record.get('attempts')}"
                         f" inflight={record.get('inflight')} reason={record.get('dead_reason')}"
                     )
-                    + f"; in the broker's AOF: {broker_fate(self.broker, job.key, system)}"
+                    + f"; its message now: {where.get(job.key, 'nowhere in the broker')}"
+                    + "; in the broker's AOF: "
+                    + broker_fate(
+                        self.broker, job.key, system, unacked_key=self.unacked_key(system)
+                    )
                 )
             elif state != job.designed:
                 report.wrong_outcome.append(job.key)
@@ -720,6 +766,7 @@ class Soak:
             if [key for _, key in sorted(firsts)] != [key for _, key in firsts]:
                 report.out_of_order.append(flow.key)
                 report.details.append(f"effects out of order: {[k for _, k in firsts]}: {where}")
+        self.count_wakes(report)
         expected_keys = {key for flow in self.flows for key in flow.expected_effects()}
         for key, runs in effects.items():
             if key.startswith(prefix):
@@ -750,6 +797,56 @@ class Soak:
                 f" {[d.get('key') for d in dead][:5]}"
             )
         return report
+
+    def watch_queues(self, stop: threading.Event) -> None:
+        """Every few seconds, the most copies of one workflow's wake and of one step's message
+        waiting in the ledger's queues at once (a backlog must not multiply them)."""
+        while not stop.wait(WATCH_QUEUES_EVERY_SECONDS):
+            wakes: Counter[str] = Counter()
+            steps: Counter[str] = Counter()
+            depth = 0
+            try:
+                with Redis.from_url(self.broker.url) as redis:
+                    for queue in self.queues("ledger"):
+                        items = redis.lrange(queue, 0, -1)
+                        depth += len(items)
+                        for raw in items:
+                            kind, name = queued_item(raw)
+                            if kind == "wake":
+                                wakes[name] += 1
+                            elif kind == "step":
+                                steps[name] += 1
+            except Exception:  # the broker is being killed: the next look
+                continue
+            self.most_waiting["wake"] = max(
+                self.most_waiting["wake"], max(wakes.values(), default=0)
+            )
+            self.most_waiting["step"] = max(
+                self.most_waiting["step"], max(steps.values(), default=0)
+            )
+            self.most_waiting["depth"] = max(self.most_waiting["depth"], depth)
+
+    def count_wakes(self, report: WorkflowReport) -> None:
+        """The wakes the workers ran (the soak app records each one's workflow as it starts):
+        in all, the most of one workflow, the most of one within any minute."""
+        times: dict[str, list[float]] = defaultdict(list)
+        with self.world() as world_client:
+            for doc in world_client.soak_world.wakes.find({}, {"workflow": 1, "at": 1}):
+                times[str(doc.get("workflow"))].append(float(doc.get("at") or 0.0))
+        report.wakes = sum(len(at) for at in times.values())
+        report.wakes_most = max((len(at) for at in times.values()), default=0)
+        most = 0
+        for at in times.values():
+            at.sort()
+            first = 0
+            for last, moment in enumerate(at):
+                while moment - at[first] > 60.0:
+                    first += 1
+                most = max(most, last - first + 1)
+        report.wakes_most_in_a_minute = most
+        report.wakes_waiting_most = self.most_waiting["wake"]
+        report.step_copies_waiting_most = self.most_waiting["step"]
+        report.deepest_backlog = self.most_waiting["depth"]
 
     def cause_of(self, system: str, run: dict[str, Any]) -> str:
         """Why a run's effect was not its job's last: a kill soon after it, or a ledger outage.
@@ -791,6 +888,9 @@ class Soak:
             stop = threading.Event()
             supervisor = threading.Thread(target=self.supervise, args=(stop,), name="supervisor")
             supervisor.start()
+            watcher = threading.Thread(target=self.watch_queues, args=(stop,), name="queues")
+            if self.flows:
+                watcher.start()
             injector = threading.Thread(target=self.inject, name="chaos-faults")
             injector.start()
             try:
@@ -804,6 +904,8 @@ class Soak:
             finally:
                 stop.set()
                 supervisor.join()
+                if watcher.is_alive():
+                    watcher.join()
                 if "ledger" in self.systems:
                     self.faults_repaired.update(self.brought_back())
             reports = {s: self.account(s, *drained[s]) for s in self.systems}
@@ -838,14 +940,116 @@ def run(
         return Soak(profile, seed=seed, data_dir=data_dir, systems=systems, log=log).run()
 
 
+def passed(report: SoakReport) -> bool:
+    """The soak's verdict on celery-ledger (plain Celery's figures are for comparison)."""
+    ledger = report.systems.get("ledger")
+    return ledger is None or (
+        not ledger.lost
+        and not ledger.wrong_outcome
+        and ledger.duplicates == 0
+        and bool(ledger.dead_letters_match)
+        and (ledger.workflows is None or ledger.workflows.ok)
+    )
+
+
+def run_seeds(
+    profile: Profile, seeds: list[int], *, parallel: int, only: str | None, keep: Path | None
+) -> int:
+    """One soak per seed, ``parallel`` at a time (each its own process, servers and ports),
+    then a line per seed; 0 if every one passed. Each run's report is kept in ``RESULTS``
+    and its output in ``<keep or a temporary folder>/seed-N.log``."""
+    import subprocess
+    import sys
+
+    base = keep or Path(tempfile.mkdtemp(prefix="soaks-"))
+    base.mkdir(parents=True, exist_ok=True)
+    pending = list(seeds)
+    running: dict[int, tuple[subprocess.Popen[bytes], Path, float]] = {}
+    finished: dict[int, tuple[int, Path, float]] = {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            seed = pending.pop(0)
+            report_path = base / f"seed-{seed}.json"
+            command = [
+                sys.executable, "-m", "ops.chaos.soak", "--profile", profile.name,
+                "--seed", str(seed), "--report", str(report_path),
+            ]  # fmt: skip
+            if only:
+                command += ["--only", only]
+            if keep:
+                command += ["--keep", str(base / f"seed-{seed}")]
+            with (base / f"seed-{seed}.log").open("wb") as out:
+                process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+            running[seed] = (process, report_path, time.monotonic())
+            console.print(f"seed {seed}: started (output in {base}/seed-{seed}.log)")
+        time.sleep(2.0)
+        for seed, (process, report_path, began) in list(running.items()):
+            if process.poll() is not None:
+                del running[seed]
+                finished[seed] = (process.returncode, report_path, time.monotonic() - began)
+                console.print(f"seed {seed}: exit {process.returncode}")
+    rows = []
+    for seed in seeds:
+        code, report_path, seconds = finished[seed]
+        try:
+            found = json.loads(report_path.read_text())["systems"]["ledger"]
+        except (OSError, ValueError, KeyError):
+            rows.append([seed, code, "-", "-", "-", "-", "-", "-", f"{seconds:.0f}s"])
+            continue
+        flows = found.get("workflows") or {}
+        drain = found.get("drain_seconds")
+        wakes = flows.get("wakes", 0) / max(flows.get("workflows", 0), 1)
+        rows.append(
+            [
+                seed,
+                "passed" if code == 0 else f"FAILED ({code})",
+                len(found["lost"]),
+                found["duplicates"],
+                len(found["wrong_outcome"]),
+                f"{len(flows.get('lost', []))}/{flows.get('workflows', 0)}",
+                f"{wakes:.1f} / {flows.get('wakes_most_in_a_minute', 0)}",
+                "-" if drain is None else f"{drain:.0f}s",
+                f"{seconds:.0f}s",
+            ]
+        )
+    print_table(
+        f"chaos soak, profile {profile.name}: {len(seeds)} seeds, {parallel} at a time",
+        [
+            "seed",
+            "verdict",
+            "lost",
+            "duplicates",
+            "wrong outcome",
+            "workflows not ended",
+            "wakes per workflow (mean / most in a minute)",
+            "drained after the faults",
+            "run",
+        ],
+        rows,
+    )
+    return 0 if all(finished[seed][0] == 0 for seed in seeds) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="ci")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--only", choices=SYSTEMS, default=None, help="run one system only")
     parser.add_argument("--keep", type=Path, default=None, help="keep data and logs here")
+    parser.add_argument(
+        "--seeds",
+        type=lambda text: [int(seed) for seed in text.split(",")],
+        default=None,
+        help="several runs, one per seed (comma-separated), --parallel at a time",
+    )
+    parser.add_argument("--parallel", type=int, default=1, help="runs at a time (--seeds)")
+    parser.add_argument("--report", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
     profile = PROFILES[args.profile]
+    if args.seeds:
+        return run_seeds(
+            profile, args.seeds, parallel=max(args.parallel, 1), only=args.only, keep=args.keep
+        )
     facts = machine()
     console.print(
         f"[bold]chaos soak[/], profile {profile.name}: {profile.tasks} jobs per system,"
@@ -864,18 +1068,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     report.render()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"soak-{profile.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(asdict(report) | {"machine": facts}, indent=2, default=str))
-    console.print(f"wrote {path}", highlight=False)
-    ledger = report.systems.get("ledger")
-    ok = ledger is None or (
-        not ledger.lost
-        and not ledger.wrong_outcome
-        and ledger.duplicates == 0
-        and bool(ledger.dead_letters_match)
-        and (ledger.workflows is None or ledger.workflows.ok)
-    )
-    return 0 if ok else 1
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = RESULTS / f"soak-{profile.name}-seed{report.seed}-{stamp}.json"
+    text = json.dumps(asdict(report) | {"machine": facts}, indent=2, default=str)
+    for where in (path, args.report):
+        if where is not None:
+            where.write_text(text)
+            console.print(f"wrote {where}", highlight=False)
+    return 0 if passed(report) else 1
 
 
 if __name__ == "__main__":

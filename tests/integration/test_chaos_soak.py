@@ -1,12 +1,16 @@
 """The chaos soak's CI profile (ops/chaos): exactly-once under kills, restarts and a bad network.
 
-300 jobs on celery-ledger and, under the same faults, on plain Celery with ``acks_late``; the
-assertions are the issue's: every ledger job terminal as designed, one effect per job, none
-lost, dead letters exactly the designed failures. celery-ledger also runs 40 workflows of 3-5
-steps (some designed to fail at their last step): each must end as designed, completed or
-compensated, with every step's and compensation's effect exactly once. Plain Celery's counts
-are printed for comparison only. About two and a half minutes; ``python -m ops.chaos.soak
---profile long`` runs 5,000 jobs and 400 workflows.
+500 jobs on celery-ledger and, under the same faults, on plain Celery with ``acks_late``,
+published faster than the workers run them (a backlog of about a minute, the broker killed
+twice under it); the assertions are the issue's: every ledger job terminal as designed, one
+effect per job, none lost, dead letters exactly the designed failures. celery-ledger also runs
+50 workflows of 3-5 steps (some designed to fail at their last step) behind the backlog: each
+must end as designed, completed or compensated, with every step's and compensation's effect
+exactly once, and the backlog must never hold more than one wake of a workflow or one copy of a
+step (two while a dead worker's is put back): the long soak's workflows starved behind wakes and
+copies that multiplied there. Plain Celery's counts are printed for comparison only. About
+three minutes; ``python -m ops.chaos.soak --profile long --seeds ...`` runs the long profile
+(5,000 jobs and 400 workflows) on several seeds.
 """
 
 from __future__ import annotations
@@ -47,3 +51,7 @@ def test_ci_soak_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     assert flows.step_effects == flows.expected_effects
     assert flows.out_of_order == [], flows.details  # compensations newest first
     assert flows.dead_steps_match, flows.details
+    # The backlog happened, and multiplied nothing behind it
+    assert flows.deepest_backlog >= 100, flows.deepest_backlog
+    assert flows.wakes_waiting_most <= 2, flows.wakes_waiting_most
+    assert flows.step_copies_waiting_most <= 2, flows.step_copies_waiting_most

@@ -7,11 +7,15 @@ step record commit in one transaction on the ledger's server.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Any
 
+from celery import signals
 from pymongo.client_session import ClientSession
 
 from celery_ledger import LedgerCelery, PermanentError, Settings, create_app
+from celery_ledger.app import WAKE_TASK
 
 from ..plan import step_effect_key, undo_effect_key
 from . import world
@@ -59,6 +63,16 @@ def build(settings: Settings | None = None) -> LedgerCelery:
         "retry_base_seconds": 0.2,
         "retry_cap_seconds": 1.0,
     }
+
+    def count_wake(sender: Any = None, args: Any = None, **_: Any) -> None:
+        """Each wake a worker runs, by workflow (the soak reports wakes per workflow)."""
+        if getattr(sender, "name", None) == WAKE_TASK and getattr(sender, "app", None) is app:
+            with contextlib.suppress(Exception):  # counting never fails a wake
+                world.collection("wakes").insert_one(
+                    {"workflow": str((args or ["?"])[0]), "at": time.time()}
+                )
+
+    signals.task_prerun.connect(count_wake, weak=False)
 
     @app.task(name="soak.work", **options)  # type: ignore[untyped-decorator]
     def work(self: Any, key: str, kind: str, param: float) -> str:
