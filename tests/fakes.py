@@ -23,6 +23,7 @@ from celery_ledger.ledger.record import LedgerRecord, State
 from celery_ledger.ledger.store import (
     COPY_DUE_SHIFT,
     COPY_GRACE,
+    ENDED_AS_WRITTEN,
     EPOCH,
     FOREVER,
     UNPUBLISHED,
@@ -740,7 +741,11 @@ class MemoryLedger:
         ][:limit]
 
     def count_dead(self) -> int:
-        return sum(1 for d in self.docs.values() if d.get("state") == State.DEAD)
+        return sum(
+            1
+            for d in self.docs.values()
+            if d.get("state") == State.DEAD and d.get("workflow_status") not in ENDED_AS_WRITTEN
+        )
 
     def reopen(self, record_id: str, *, actor: str) -> datetime | None:
         self._enter("reopen")

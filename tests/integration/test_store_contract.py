@@ -355,6 +355,25 @@ def test_the_dead_write_of_a_job_nobody_runs(world: tuple[Any, Clock]) -> None:
     )
 
 
+def test_a_workflow_that_ended_as_written_is_not_a_dead_letter(world: tuple[Any, Clock]) -> None:
+    ledger, _ = world
+
+    def put(doc: dict[str, Any]) -> None:  # (as the workflow log writes a workflow's end)
+        if isinstance(ledger, MemoryLedger):
+            ledger.docs[doc["_id"]] = doc
+        else:
+            ledger.collection.insert_one(doc)
+
+    before = ledger.count_dead()
+    job = new_id()
+    assert ledger.bury(job, dead(), match=Unclaimed(), task=TASK, key=job, tier="bulk")
+    for status in ("compensated", "cancelled", "failed", "dead"):
+        put({"_id": new_id(), "state": State.DEAD.value, "death": "workflow", "task": TASK,
+             "workflow_status": status})  # fmt: skip
+    # the dead job and the two workflows that failed are; the saga and the cancelled one not
+    assert ledger.count_dead() == before + 3
+
+
 def test_a_kill_at_the_claim_spares_a_lease_renewed_since_it_was_read(
     world: tuple[Any, Clock],
 ) -> None:

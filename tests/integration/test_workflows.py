@@ -396,7 +396,10 @@ def test_a_changed_step_is_detected_and_a_versioned_change_keeps_old_workflows_r
     for name in ("changed", "kept"):
         wait_for(lambda n=name: old[n].status().status == "stuck", timeout=30, what="stuck")
         error = old[name].status().error or ""
+        assert error.startswith("NonDeterminism: "), error  # its type, as the README promises
         assert "position 0" in error and "wf_step" in error and "wf_undo" in error
+        stuck = [e for e in old[name].history() if e.kind == "stuck"]
+        assert [e.data["error"] for e in stuck] == [error]
         assert step_effects(isolated, f"{name}-{run}") == Counter({"first": 1})
     worker.stop()
     # An operator's retry after the fix is deployed resumes them where they were (audited)

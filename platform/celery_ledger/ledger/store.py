@@ -114,6 +114,11 @@ OBJECTIVE_PAGE = 500
 UNPUBLISHED_SCAN = 10_000
 
 
+# The ends of a workflow whose own record is dead although it did what it was written to do:
+# its compensations ran (a saga), or it was cancelled and compensated. Not dead letters.
+ENDED_AS_WRITTEN = ("compensated", "cancelled")
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
@@ -1627,8 +1632,12 @@ class Ledger:
             )
 
     def count_dead(self) -> int:
+        """Dead letters: dead records but those of workflows that ended as written (a saga
+        that compensated, a cancelled workflow): nothing is left for an operator there."""
         with translate_errors("dead-letter count"):
-            return self.collection.count_documents({"state": State.DEAD.value})
+            return self.collection.count_documents(
+                {"state": State.DEAD.value, "workflow_status": {"$nin": list(ENDED_AS_WRITTEN)}}
+            )
 
     def reopen(self, record_id: str, *, actor: str) -> datetime | None:
         """Make a dead (not purged) record claimable again, attempts reset, for a replay;

@@ -471,8 +471,11 @@ class WorkflowEngine:
                 " with wf.version)"
             )
         if context.nondeterminism is not None:
-            emit("stuck", {"error": str(context.nondeterminism)})
-            logger.error("%s", context.nondeterminism)
+            # Named by its type (as the README and the error tree promise) in the status, the
+            # history and ``workflows show``, which all read this event's text
+            error = described(context.nondeterminism)
+            emit("stuck", {"error": error})
+            logger.error("%s", error)
             return []
         if finished:
             try:
