@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 import redis
-from celery import Celery, Task, signals
+from celery import Celery, Task
 from celery.app.amqp import AMQP
 from celery.canvas import Signature
 from celery.exceptions import Reject
@@ -55,7 +55,6 @@ from .observability import ledger_listeners
 from .outbox import Outbox
 from .policies.breaker import Breakers
 from .policies.deadline import deadline
-from .prefork import prefer_repaired_pool
 from .reconciler import Reconciler
 from .routing import DEAD_LETTER, TIERS, Tiers
 from .runtime import Runtime, forget_after_fork
@@ -819,12 +818,6 @@ def create_app(
     # producer's first publish against later changes (conf_check.py)
     app.pinned_conf = pinned(app.conf)
     app.steps["worker"].add(LedgerWorkerStep)
-
-    def repaired_pool(sender: Any = None, **_: Any) -> None:
-        if getattr(sender, "app", None) is app:  # (signals are process-wide)
-            prefer_repaired_pool(sender)
-
-    signals.worker_init.connect(repaired_pool, weak=False)
     logging.getLogger("celery.app.trace").addFilter(RedactSensitive(app.is_sensitive))
     install_observability(app, app.runtime)  # metrics, Sentry, JSON logs: as the settings say
 
