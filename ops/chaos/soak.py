@@ -556,6 +556,13 @@ class Soak:
     def broker_now(self, system: str) -> dict[str, str]:
         """Where each job's message is at the end (a queue, taken, the delayed set), by key:
         a job not terminal with its message still queued was slow, not lost."""
+        try:
+            return self._broker_now(system)
+        except Exception as exc:  # the broker is down: the report says so, and goes on
+            reason = f"unknown (broker unreadable: {exc!r})"
+            return defaultdict(lambda: reason)
+
+    def _broker_now(self, system: str) -> dict[str, str]:
         db = 0 if system == "ledger" else 1
         found: dict[str, str] = {}
         with Redis.from_url(self.broker.url.rsplit("/", 1)[0] + f"/{db}") as redis:
@@ -958,14 +965,35 @@ def run_seeds(
     """One soak per seed, ``parallel`` at a time (each its own process, servers and ports),
     then a line per seed; 0 if every one passed. Each run's report is kept in ``RESULTS``
     and its output in ``<keep or a temporary folder>/seed-N.log``."""
+    base = keep or Path(tempfile.mkdtemp(prefix="soaks-"))
+    base.mkdir(parents=True, exist_ok=True)
+    seeds = list(dict.fromkeys(seeds))  # each seed once
+    pending = list(seeds)
+    running: dict[int, tuple[Any, Path, float]] = {}  # seed -> (its process, report, start)
+    finished: dict[int, tuple[int, Path, float]] = {}
+    try:
+        _run_all(profile, pending, running, finished, parallel=parallel, only=only, keep=keep,
+                 base=base)  # fmt: skip
+    finally:  # (Ctrl-C: the runs end with this process)
+        for process, _, _ in running.values():
+            process.terminate()
+    return _summary(profile, seeds, finished, parallel)
+
+
+def _run_all(
+    profile: Profile,
+    pending: list[int],
+    running: dict[int, tuple[Any, Path, float]],
+    finished: dict[int, tuple[int, Path, float]],
+    *,
+    parallel: int,
+    only: str | None,
+    keep: Path | None,
+    base: Path,
+) -> None:
     import subprocess
     import sys
 
-    base = keep or Path(tempfile.mkdtemp(prefix="soaks-"))
-    base.mkdir(parents=True, exist_ok=True)
-    pending = list(seeds)
-    running: dict[int, tuple[subprocess.Popen[bytes], Path, float]] = {}
-    finished: dict[int, tuple[int, Path, float]] = {}
     while pending or running:
         while pending and len(running) < parallel:
             seed = pending.pop(0)
@@ -988,6 +1016,11 @@ def run_seeds(
                 del running[seed]
                 finished[seed] = (process.returncode, report_path, time.monotonic() - began)
                 console.print(f"seed {seed}: exit {process.returncode}")
+
+
+def _summary(
+    profile: Profile, seeds: list[int], finished: dict[int, tuple[int, Path, float]], parallel: int
+) -> int:
     rows = []
     for seed in seeds:
         code, report_path, seconds = finished[seed]

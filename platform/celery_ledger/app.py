@@ -672,15 +672,18 @@ class _WorkflowPorts:
             )
             return True
         pending = self.app.runtime.pending_wakes
+        marked = False
         try:
-            if not pending.claim(workflow_id):
+            marked = pending.claim(workflow_id)
+            if not marked:
                 return False
         except redis.RedisError as exc:  # sent unmarked (the send will say if the broker is away)
             logger.debug("wake mark of workflow %s not set: %s", workflow_id, exc)
         try:
             self.app.send_task(WAKE_TASK, [workflow_id], queue=queue)
         except BaseException:
-            pending.withdraw(workflow_id)
+            if marked:  # (only its own: an unmarked send leaves another wake's mark alone)
+                pending.withdraw(workflow_id)
             raise
         return True
 

@@ -14,11 +14,14 @@ happened after the read needs a new look); one sent before it is folded (the rea
 sees what it would have seen). Wakes for later (a timer, a backoff) are never folded: they carry
 a time.
 
-The mark ends by itself after :data:`HOLD_SECONDS`, the bound on what a lost wake can cost: a
-broker killed in the millisecond between the mark and the message may keep the first and lose
-the second (the mark is written first, so that a sender never publishes a wake that a running
-one is about to clear). A wake that waits longer than that behind a backlog lets one more
-through, so a workflow costs the fleet at most one wake per hold time beyond its own events.
+The mark is written before the message, so that a wake never waits unmarked while a running
+one clears a mark set after it. It ends by itself after :data:`HOLD_SECONDS`, which bounds
+what a mark without a wake costs: a sender killed between the mark and the message, a broker
+killed in that millisecond, a wake run by a worker of an older release (which does not clear
+marks) during a rolling deploy, or a sender that raced one whose publish failed and withdrew
+its mark. Events folded meanwhile are seen by the next wake, or by the reconciler's next
+check. A wake that waits longer than that behind a backlog lets one more through, so checks
+and events cost the fleet at most one wake message per workflow per hold time.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ import redis
 
 logger = logging.getLogger("celery_ledger.workflow")
 
-# How long a sent wake holds back later ones (see the module docstring). Longer than a backlog
-# usually takes to drain (the long soak's, minutes), short next to what a lost wake would cost
-# without the mark: nothing else wakes a workflow whose every wake was lost but the reconciler.
-HOLD_SECONDS = 300.0
+# How long a sent wake holds back later ones (see the module docstring): a minute, so that a
+# mark left without its wake (a rolling deploy's older workers leave every mark they meet)
+# delays a workflow by about that; behind a longer backlog a still workflow's checks send at
+# most one more wake a minute (a workflow waiting for a step in flight is not woken by them).
+HOLD_SECONDS = 60.0
 
 
 class PendingWakes:

@@ -53,5 +53,6 @@ def test_ci_soak_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     assert flows.dead_steps_match, flows.details
     # The backlog happened, and multiplied nothing behind it
     assert flows.deepest_backlog >= 100, flows.deepest_backlog
-    assert flows.wakes_waiting_most <= 2, flows.wakes_waiting_most
+    # (at least one wake was seen waiting: the watcher reads the messages it counts)
+    assert 1 <= flows.wakes_waiting_most <= 2, flows.wakes_waiting_most
     assert flows.step_copies_waiting_most <= 2, flows.step_copies_waiting_most

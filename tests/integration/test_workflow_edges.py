@@ -175,6 +175,33 @@ def test_a_check_leaves_a_workflow_alone_while_the_step_it_waits_for_has_not_end
     assert engine.wake_overdue() == 1
 
 
+def test_a_time_limit_that_fires_while_the_code_runs_is_not_the_workflow_s_failure(
+    engine_app: Any,
+) -> None:
+    # Given a wake interrupted by its delivery's soft time limit while the code runs (a step
+    # whose end advances its workflow in place, near the step's own limit)
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    fired = [True]
+
+    def code(wf: Any, order: int) -> str:
+        if fired[0]:
+            fired[0] = False
+            raise SoftTimeLimitExceeded()
+        return "done"
+
+    flow = engine_app.workflow(code, name="edges.limited", idempotency_key="{order}")
+    handle = flow.start(3)
+
+    # When the wake runs, then runs again
+    with pytest.raises(SoftTimeLimitExceeded):
+        engine_app.workflow_engine.wake(handle.id)
+    assert handle.status().status == "running"  # not failed, nothing compensated
+    # Then the next wake runs the code as if the interrupted one never had
+    assert engine_app.workflow_engine.wake(handle.id) == "completed"
+    assert handle.status().status == "completed"
+
+
 def test_a_timers_wake_that_comes_early_is_published_again_for_when_it_is_due(
     engine_app: Any,
 ) -> None:

@@ -68,7 +68,7 @@ def test_wakes_sent_while_one_waits_are_folded_into_it(
     assert results == [True, False, False, False, False]
     assert sent == [(WAKE_TASK, ["wf-1"])]
     assert ports.publish_wake("wf-2", "default")  # another workflow's is its own
-    assert marks.keys["unit:ledger:wake:wf-1"] == 300_000  # the mark ends by itself
+    assert marks.keys["unit:ledger:wake:wf-1"] == 60_000  # the mark ends by itself
 
 
 def test_a_wake_that_starts_lets_the_next_one_through(
@@ -182,3 +182,18 @@ def test_a_step_s_end_never_raises_when_nothing_answers(
     monkeypatch.setattr(app, "send_task", refuse)
 
     assert app.wake_where_step_ended("wf-1", "default") == "not woken"
+
+
+def test_an_unmarked_wake_whose_publish_fails_leaves_another_wake_s_mark(
+    app: LedgerCelery, marks: FakeRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marks.keys["unit:ledger:wake:wf-1"] = 60_000  # another process's wake waits
+
+    def broker_away(*args: Any, **kwargs: Any) -> bool:
+        raise redis.ConnectionError("broker away")
+
+    monkeypatch.setattr(marks, "set", broker_away)
+    monkeypatch.setattr(app, "send_task", broker_away)
+    with pytest.raises(redis.ConnectionError):
+        app.workflow_ports.publish_wake("wf-1", "default")
+    assert "unit:ledger:wake:wf-1" in marks.keys

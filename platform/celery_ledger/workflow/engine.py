@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
+from celery.exceptions import SoftTimeLimitExceeded
 from pymongo.client_session import ClientSession
 
 from ..crypto import Sealer
@@ -443,6 +444,11 @@ class WorkflowEngine:
             pass
         except WorkflowCancelled as exc:
             failure, cancelled = str(exc), True
+        except SoftTimeLimitExceeded:
+            # The time limit of the delivery running this wake (a task_soft_time_limit that
+            # reaches wakes, or the step whose end advances its workflow in place), not the
+            # code's failure: this wake is interrupted, and the workflow's next wake runs it
+            raise
         except Exception as exc:  # the workflow's code failed: compensations follow
             failure = _describe(exc, sensitive=definition.sensitive)
         except BaseException as exc:
