@@ -6,11 +6,11 @@ twice under it); the assertions are the issue's: every ledger job terminal as de
 effect per job, none lost, dead letters exactly the designed failures. celery-ledger also runs
 50 workflows of 3-5 steps (some designed to fail at their last step) behind the backlog: each
 must end as designed, completed or compensated, with every step's and compensation's effect
-exactly once, and the backlog must never hold more than one wake of a workflow or one copy of a
-step (two while a dead worker's is put back): the long soak's workflows starved behind wakes and
-copies that multiplied there. Plain Celery's counts are printed for comparison only. About
-three minutes; ``python -m ops.chaos.soak --profile long --seeds ...`` runs the long profile
-(5,000 jobs and 400 workflows) on several seeds.
+exactly once, and the backlog must never hold more than a few wakes of a workflow (one, one
+more per minute it waits, one a dead worker held) or two copies of a step: the long soak's
+workflows starved behind wakes and copies that multiplied there. Plain Celery's counts are
+printed for comparison only. About three minutes; ``python -m ops.chaos.soak --profile long
+--seeds ...`` runs the long profile (5,000 jobs and 400 workflows) on several seeds.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def test_ci_soak_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     assert flows.dead_steps_match, flows.details
     # The backlog happened, and multiplied nothing behind it
     assert flows.deepest_backlog >= 100, flows.deepest_backlog
-    # (at least one wake was seen waiting: the watcher reads the messages it counts)
-    assert 1 <= flows.wakes_waiting_most <= 2, flows.wakes_waiting_most
+    # One wake of a workflow waits at a time; one more after each minute it waits (the mark's
+    # hold) and one a dead worker held put back: at most 3 behind a backlog of about a minute
+    # (before the fix: 6). At least one was seen: the watcher reads the messages it counts.
+    assert 1 <= flows.wakes_waiting_most <= 3, flows.wakes_waiting_most
     assert flows.step_copies_waiting_most <= 2, flows.step_copies_waiting_most
