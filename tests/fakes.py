@@ -10,6 +10,7 @@ store against SecantusDB, so the fake cannot drift from what it stands in for.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -49,6 +50,21 @@ class Clock:
 
     def advance(self, seconds: float) -> None:
         self.at += timedelta(seconds=seconds)
+
+
+def server_clocks(
+    ledger_now: Callable[[], datetime], broker_now: Callable[[], float] = time.time
+) -> dict[str, Any]:
+    """A fake runtime's clocks, as ``Runtime`` gives them: the broker's (``message_time``,
+    the wall clock unless given) and a message's time taken over to the ledger's."""
+
+    def on_ledger_clock(message_time: float | None) -> datetime:
+        now = ledger_now()
+        if message_time is None:
+            return now
+        return now - timedelta(seconds=broker_now() - message_time)
+
+    return {"message_time": broker_now, "on_ledger_clock": on_ledger_clock}
 
 
 @dataclass

@@ -13,7 +13,6 @@ import difflib
 import logging
 import os
 import random
-import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from functools import cached_property
@@ -185,6 +184,7 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             delayed_key=runtime.delayed.key,
             unacked_key=keys.get("unacked_key", "unacked"),
             unacked_index_key=keys.get("unacked_index_key", "unacked_index"),
+            now=runtime.message_time,
         )
         ttl = runtime.settings.reconcile_every_seconds * 2.5
         lock = SweepLock(runtime.redis, f"{runtime.name}:ledger:reconciler", ttl_seconds=ttl)
@@ -442,7 +442,7 @@ class LedgerCelery(Celery):  # type: ignore[misc]
                     [workflow_id],
                     {},
                     {"queue": queue or self.tiers.queue(self.settings.default_tier)},
-                    time.time() + random.uniform(0.2, 1.0),
+                    self.runtime.message_time() + random.uniform(0.2, 1.0),
                 )
             return outcome
         except Exception as exc:
@@ -457,7 +457,7 @@ class LedgerCelery(Celery):  # type: ignore[misc]
                     [workflow_id],
                     {"attempt": tries + 1},
                     {"queue": queue or self.tiers.queue(self.settings.default_tier)},
-                    time.time() + delay,
+                    self.runtime.message_time() + delay,
                 )
             except Exception as held:
                 raise Reject(f"wake not held: {held}", requeue=True) from exc
@@ -658,7 +658,7 @@ class _WorkflowPorts:
                 **carried,
                 headers.KEY: key,
                 headers.TIER: tier,
-                headers.ENQUEUED_AT: time.time(),
+                headers.ENQUEUED_AT: self.app.runtime.message_time(),
             },
         )
 
@@ -668,7 +668,11 @@ class _WorkflowPorts:
         queue = self.app.tiers.queue(tier)
         if delay > 0:
             self.app.runtime.delayed.schedule(
-                WAKE_TASK, [workflow_id], {}, {"queue": queue}, time.time() + delay
+                WAKE_TASK,
+                [workflow_id],
+                {},
+                {"queue": queue},
+                self.app.runtime.message_time() + delay,
             )
             return True
         pending = self.app.runtime.pending_wakes

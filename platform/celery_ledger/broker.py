@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -103,8 +103,11 @@ class RedisBroker:
         delayed_key: str,
         unacked_key: str = "unacked",
         unacked_index_key: str = "unacked_index",
+        now: Callable[[], float] = time.time,
     ) -> None:
         self._client = client
+        # The broker's clock: the index's scores are the broker's (the transport books with it)
+        self._now = now
         self._queues = tuple(queues)
         self._delayed_key = delayed_key
         self._unacked_key = unacked_key
@@ -161,7 +164,7 @@ class RedisBroker:
         hash holds the message. One acknowledged between the two reads is passed over. Read a
         page at a time, up to ``limit`` oldest: long jobs' messages, unacknowledged for their
         whole run, stay first in the index and must not hide the newer ones behind them."""
-        cutoff = time.time() - older_than_seconds
+        cutoff = self._now() - older_than_seconds
         found: list[Stranded] = []
         for start in range(0, limit, _PAGE):
             scored = cast(

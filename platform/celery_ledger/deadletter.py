@@ -30,7 +30,6 @@ import hashlib
 import json
 import logging
 import re
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -196,7 +195,7 @@ class DeadLetters:
         entry = {
             "queue": queue,
             "reason": reason,
-            "at": time.time(),
+            "at": self._runtime.message_time(),  # (the broker's clock)
             "raw_base64": base64.b64encode(raw).decode(),
             "raw_kind": kind,
             "headers": _jsonable(message_headers),
@@ -588,7 +587,9 @@ class DeadLetters:
         """Remove queue copies older than ``LEDGER_DEAD_RETENTION_SECONDS``, oldest first (at
         the tail, where the queue is consumed); returns how many."""
         queue, redis = self._runtime.tiers.dead_letter_queue, self._runtime.redis
-        cutoff = time.time() - self._runtime.settings.dead_retention_seconds
+        cutoff = (
+            self._runtime.ledger.now().timestamp() - self._runtime.settings.dead_retention_seconds
+        )
         dropped = 0
         for item in reversed(redis.lrange(queue, -limit, -1)):  # oldest first
             copy = _copy_of(item)

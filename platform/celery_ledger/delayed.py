@@ -20,7 +20,6 @@ the check is kept as a dead letter with its reason, never published.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -35,10 +34,17 @@ from .headers import SIGNATURE
 from .reseal import Reseal, Tally, reseal_tree, resealed_queue_item
 from .signing import Signer
 
-# KEYS[1] = the sorted set; ARGV = now, hand-out lease seconds, batch limit.
+# KEYS[1] = the sorted set; ARGV = now ("" for the server's clock), hand-out lease seconds,
+# batch limit. Due is judged on the broker's clock, whichever worker's clock is off: scores are
+# the broker's times (producers stamp with ``Runtime.message_time``).
 _TAKE_DUE = """
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]))
-local hold_until = tonumber(ARGV[1]) + tonumber(ARGV[2])
+local now = tonumber(ARGV[1])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[3]))
+local hold_until = now + tonumber(ARGV[2])
 for _, member in ipairs(due) do
   redis.call('ZADD', KEYS[1], 'XX', hold_until, member)
 end
@@ -83,7 +89,8 @@ class DelayedDeliveries:
         *,
         sealer: Sealer | None = None,
     ) -> None:
-        """Hold a message until ``due_at`` (unix seconds); ``options`` go to ``send_task``.
+        """Hold a message until ``due_at`` (unix seconds on the broker's clock:
+        ``Runtime.message_time``); ``options`` go to ``send_task``.
 
         With ``sealer`` (a sensitive task) the set holds the arguments sealed, as the body
         the codec would send: ``[args, kwargs, {}]``.
@@ -132,9 +139,11 @@ class DelayedDeliveries:
 
     def take_due(self, *, limit: int = 100, now: float | None = None) -> list[tuple[bytes, Any]]:
         """Hand out up to ``limit`` due entries to this caller (see the module docstring):
-        each as (member, its decoded JSON, or None if it is not JSON)."""
-        now = time.time() if now is None else now
-        members = self._take_due(keys=[self.key], args=[now, self.handout_seconds, limit])
+        each as (member, its decoded JSON, or None if it is not JSON). Due by the broker's
+        clock unless ``now`` is given."""
+        members = self._take_due(
+            keys=[self.key], args=["" if now is None else now, self.handout_seconds, limit]
+        )
         return [(member, _decoded(member)) for member in members]
 
     def done(self, member: bytes) -> None:

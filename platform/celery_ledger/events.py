@@ -25,6 +25,7 @@ observer's exception: observing can never fail a task. Events:
                                           a workflow recorded a step's outcome, ``seconds``
                                           after it scheduled the step
     workflow_ended(workflow, status)      a workflow ended (completed, failed, compensated, ...)
+    clock_read(reading)                   a server's clock was read (its offset from this host's)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .clock import Reading
     from .ledger.dead import DeadLetter
 
 logger = logging.getLogger("celery_ledger.events")
@@ -111,6 +113,10 @@ class Observer:
     def outbox_published(self, tier: str, by: str, count: int) -> None:
         """``count`` jobs enqueued in an app's transaction were published to ``tier``, ``by``
         the process that committed them (``committer``) or the outbox relay (``relay``)."""
+
+    def clock_read(self, reading: Reading) -> None:
+        """A server's clock was read (:class:`celery_ledger.clock.Reading`: its offset from
+        this host's clock, within its error)."""
 
 
 EVENTS: tuple[str, ...] = tuple(
@@ -191,3 +197,6 @@ class Observers(Observer):
 
     def outbox_published(self, tier: str, by: str, count: int) -> None:
         self._dispatch("outbox_published", tier, by, count)
+
+    def clock_read(self, reading: Reading) -> None:
+        self._dispatch("clock_read", reading)

@@ -319,7 +319,9 @@ class Guard:
 
     def _objective(self, delivery: Delivery, policy: TaskPolicy) -> dict[str, Any]:
         """When the job is late (its objective from its first enqueue), for a new record."""
-        return objective(policy.slo_seconds, delivery.enqueued_at)
+        if policy.slo_seconds is None:
+            return {}  # (no clock to read)
+        return objective(policy.slo_seconds, self.runtime.on_ledger_clock(delivery.enqueued_at))
 
     def _degraded_already(self, delivery: Delivery) -> bool:
         """Whether the job's record holds a degraded result (read only while the breaker is
@@ -398,7 +400,7 @@ class Guard:
         later = unrunnable_delay(
             dict(delivery.headers),
             window_seconds=self.settings.unrunnable_window_seconds,
-            now=time.time(),
+            now=self.runtime.message_time(),
         )
         if later is not None:
             delay, held = later
@@ -462,7 +464,9 @@ class Guard:
     ) -> Verdict:
         """Put the delivery off until breaker ``name`` lets calls through (noted on the
         record, so that its readers see why it waits)."""
-        retry_at = retry_at or time.time() + self.settings.busy_recheck_seconds
+        # (a breaker's times are the broker's: its scripts read Redis's TIME)
+        now = self.runtime.message_time()
+        retry_at = retry_at or now + self.settings.busy_recheck_seconds
         try:
             self.ledger.record_deferral(
                 delivery.record_id,
@@ -470,12 +474,14 @@ class Guard:
                 key=delivery.identity.key,
                 tier=delivery.tier,
                 reason=f"circuit {name!r} open",
-                until=datetime.fromtimestamp(retry_at, UTC),
-                objective=objective(slo_seconds, delivery.enqueued_at),
+                until=self.runtime.on_ledger_clock(retry_at),
+                objective=objective(slo_seconds, self.runtime.on_ledger_clock(delivery.enqueued_at))
+                if slo_seconds is not None
+                else {},
             )
         except LedgerError as exc:
             logger.warning("could not record the deferral of %s: %s", delivery.record_id, exc)
-        delay = max(retry_at - time.time(), 0.0) + random.uniform(0.05, 0.5)
+        delay = max(retry_at - now, 0.0) + random.uniform(0.05, 0.5)
         return self._defer(delivery, body, delay, "circuit open")
 
     def _rate_wait(self, policy: TaskPolicy) -> float:
@@ -826,7 +832,7 @@ class Attempt:
         slo, since = self.policy.slo_seconds, self.delivery.enqueued_at
         if slo is None or since is None or self.replacing:
             return None
-        age = time.time() - since
+        age = self.guard.runtime.message_time() - since  # (stamped on the broker's clock)
         return age if age > slo else None
 
     def _report_late(self, age: float) -> None:
@@ -870,7 +876,7 @@ class Attempt:
         if fallback.replace:
             # When the breaker lets calls through again (a half-open probe), else after a while.
             delay = (
-                max(retry_at - time.time(), 0.0)
+                max(retry_at - self.guard.runtime.message_time(), 0.0)
                 if retry_at is not None
                 else fallback.replace_after_seconds
             ) + random.uniform(0.05, 0.5)
@@ -1089,7 +1095,8 @@ class Attempt:
         if served is not None:
             return served
         self._release_quietly()
-        delay = max((exc.retry_at or time.time()) - time.time(), 0.0) + random.uniform(0.05, 0.5)
+        now = self.guard.runtime.message_time()  # (a breaker's times are the broker's)
+        delay = max((exc.retry_at or now) - now, 0.0) + random.uniform(0.05, 0.5)
         return self.guard._defer(self.delivery, self.body, delay, "circuit open (inside the body)")
 
     def lease_lost(self, exc: LeaseLost) -> Verdict:
@@ -1277,11 +1284,11 @@ class Attempt:
         enforced here: see ``LedgerRequest``), or None."""
         age_limit = self.policy.max_age_seconds
         sent_at = self.delivery.enqueued_at
-        now = time.time()
+        now = self.guard.runtime.message_time()  # a message's times are the broker's
         if age_limit is not None and sent_at is not None and now - sent_at > age_limit:
             return f"expired: enqueued {now - sent_at:.0f}s ago (max age {age_limit:.0f}s)"
         expires = self.delivery.expires
-        if expires is not None and expires <= datetime.now(UTC):
+        if expires is not None and expires <= datetime.fromtimestamp(now, UTC):
             return f"expired: the message expired at {expires.isoformat()} before it ran"
         return None
 
@@ -1311,15 +1318,15 @@ def _seconds_until(when: Any, now: datetime) -> float:
     return 0.0
 
 
-def objective(slo_seconds: float | None, enqueued_at: float | None) -> dict[str, Any]:
+def objective(slo_seconds: float | None, since: datetime) -> dict[str, Any]:
     """The latency objective fields of a new record (``slo_at``, ``slo_seconds``): due
-    ``slo_seconds`` after the job's first enqueue (its publish, or its due time when published
-    for later; now, when the message does not say)."""
+    ``slo_seconds`` after ``since``, the job's first enqueue (its publish, or its due time when
+    published for later; now, when the message does not say) on the ledger's clock (see
+    ``Runtime.on_ledger_clock``)."""
     if slo_seconds is None:
         return {}
-    since = enqueued_at if enqueued_at is not None else time.time()
     return {
-        "slo_at": datetime.fromtimestamp(since + slo_seconds, UTC),
+        "slo_at": since + timedelta(seconds=slo_seconds),
         "slo_seconds": slo_seconds,
     }
 

@@ -8,6 +8,7 @@ failing). A required tier without a worker is down.
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from .clock import HostClocks
 from .ledger.store import Ledger
 from .ledger.triggers import TriggerState, TriggerStore
 
@@ -79,6 +81,7 @@ def run_checks(app: Any, *, required: Iterable[str], timeout: float) -> list[Che
             status: Status = "down" if tier in required_tiers else "skipped"
             checks.append(Check(f"tier {tier}", status, "unknown: the broker is down"))
     checks.append(_timed("outbox", lambda: _outbox(app, timeout)))
+    checks.append(_timed("clock", lambda: _clock(app)))
     with contextlib.suppress(Exception):  # the modules that declare triggers (as a worker)
         app.loader.import_default_modules()
     if getattr(app, "triggers", None):
@@ -132,6 +135,62 @@ def _ledger(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
         dead = ledger.count_dead()  # a read: credentials and database work
     detail = f"ping and read ok; {dead} dead letter(s)"
     return ("warn" if dead else "ok"), detail, {"dead_letters": dead}
+
+
+def _clock(app: Any) -> tuple[Status, str, dict[str, Any]]:
+    """This host's and the fleet's offsets from the ledger's and the broker's clocks."""
+    runtime = app.runtime
+    settings = runtime.settings
+    clocks = (runtime.ledger.clock, runtime.broker_clock)
+    here = {}
+    for clock in clocks:  # a server that is away is its own check's finding, not this one's
+        with contextlib.suppress(Exception):
+            here[clock.server] = clock.sync()
+    hosts: list[HostClocks] = []
+    with contextlib.suppress(Exception):
+        hosts = runtime.clock_book.hosts(now=runtime.message_time())
+    own = HostClocks(
+        f"{socket.gethostname()} (this check)",
+        0.0,
+        {server: (r.offset_seconds, r.error_seconds) for server, r in here.items()},
+    )
+    return clock_status(
+        [own, *hosts],
+        warn_seconds=settings.clock_warn_seconds,
+        down_seconds=settings.clock_down_seconds,
+    )
+
+
+def clock_status(
+    hosts: Iterable[HostClocks], *, warn_seconds: float, down_seconds: float
+) -> tuple[Status, str, dict[str, Any]]:
+    """The ``clock`` check: the host furthest from a server's clock decides (beyond its
+    reading's error). No guarantee depends on a host's clock (leases, due times and ages are
+    the servers'); past ``warn_seconds`` it needs time sync; past ``down_seconds`` (a default
+    lease) Celery's own absolute times from that host (``expires=`` in seconds, etas its app
+    computes) are off by more than a lease."""
+    known = sorted(hosts, key=lambda h: h.worst(), reverse=True)
+    data: dict[str, Any] = {
+        "hosts": {
+            h.host: {server: round(offset, 3) for server, (offset, _e) in h.offsets.items()}
+            for h in known
+        }
+    }
+    if not known:
+        return "ok", "no host has reported its clock yet", data
+    worst = known[0]
+    status: Status = "ok"
+    if worst.worst() > down_seconds:
+        status = "down"
+    elif worst.worst() > warn_seconds:
+        status = "warn"
+    detail = (
+        f"{len(known)} host(s); furthest from a server's clock: {worst.host},"
+        f" {worst.worst():.3f}s (warn past {warn_seconds:g}s, down past {down_seconds:g}s)"
+    )
+    if status != "ok":
+        detail += "; decisions use the servers' clocks: sync this host (NTP)"
+    return status, detail, data
 
 
 def _breakers(app: Any) -> tuple[Status, str, dict[str, Any]]:

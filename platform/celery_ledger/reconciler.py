@@ -196,7 +196,7 @@ class Reconciler:
         )
         if not found:
             return
-        now = self._ledger.now().timestamp()  # kombu scores by the wall clock (time.time)
+        now = runtime.message_time()  # the transport books takes on the broker's clock
         jobs: list[Stranded] = []
         for entry in found:
             if entry.task in self._idempotent_tasks:

@@ -20,11 +20,13 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 import redis
 
+from .clock import ClockBook, ServerClock, redis_time
 from .crypto import Sealer
 from .delayed import DelayedDeliveries
 from .events import Observers
@@ -61,6 +63,7 @@ PER_PROCESS = (
     "delayed",
     "legacy_delayed",
     "pending_wakes",
+    "clock_book",
 )
 
 
@@ -102,6 +105,8 @@ class Runtime:
         self.tier_of = tier_of
         self.observers = observers or Observers()
         ledger.open_text = self.sealer.open
+        ledger.clock.on_reading = self.observers.clock_read
+        ledger.clock.warn_offset_seconds = settings.clock_warn_seconds
         forget_after_fork(self, PER_PROCESS)
 
     @cached_property
@@ -123,6 +128,35 @@ class Runtime:
         return redis.Redis.from_url(
             self.settings.broker_url, socket_timeout=5, socket_connect_timeout=5
         )
+
+    @cached_property
+    def broker_clock(self) -> ServerClock:
+        """The broker's clock (Redis ``TIME``): every time kept in Redis or stamped on a
+        message (due times, enqueue and publish times, ages) is the broker's. Not per process:
+        a forked child keeps its parent's reading, and reads through its own client."""
+        return ServerClock(
+            "broker",
+            lambda: redis_time(self.redis),
+            on_reading=self.observers.clock_read,
+            warn_offset_seconds=self.settings.clock_warn_seconds,
+        )
+
+    @cached_property
+    def clock_book(self) -> ClockBook:
+        """The fleet's offsets from the servers' clocks, as each worker last measured them."""
+        return ClockBook(self.redis, namespace=self.tiers.namespace)
+
+    def message_time(self) -> float:
+        """Now, on the clock every message's times are on (the broker's), in unix seconds."""
+        return self.broker_clock.now()
+
+    def on_ledger_clock(self, message_time: float | None) -> datetime:
+        """A time stamped on a message (the broker's clock) as the ledger's clock tells it,
+        to keep on a record beside the ledger's own times; now if it is None."""
+        now = self.ledger.now()
+        if message_time is None:
+            return now
+        return now - timedelta(seconds=self.broker_clock.now() - message_time)
 
     @cached_property
     def breakers(self) -> Breakers:

@@ -144,6 +144,20 @@ class Settings(BaseSettings):
     pressure_window_seconds: float = Field(
         30.0, gt=0, description="Window of reported foreground latencies (report_latency)."
     )
+    clock_warn_seconds: float = Field(
+        1.0,
+        gt=0,
+        description="Past this offset between a host's clock and the ledger's or the broker's,"
+        " the host is reported (a warning in its log, `ledger health` warns). Decisions use"
+        " the servers' clocks; Celery's own absolute times (expires= in seconds, an eta an app"
+        " computes) and log times use the host's.",
+    )
+    clock_down_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="Past this offset `ledger health` says the clock is down: such a host's"
+        " expires= and etas are off by a whole default lease.",
+    )
     reconcile_lease_grace_seconds: float = Field(
         10.0, ge=0, description="The reconciler republishes jobs whose lease ended this long ago."
     )

@@ -14,7 +14,6 @@ import contextlib
 import inspect
 import logging
 import os
-import time
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeAlias
@@ -383,6 +382,14 @@ class LedgerTask(Task):  # type: ignore[misc]
             return float(self.slo_seconds)
         return self.app.settings.slo_seconds.get(tier)
 
+    def _objective(self, tier: str, enqueued_at: float | None) -> dict[str, Any]:
+        """A new record's latency objective fields: from the message's first enqueue (the
+        broker's clock) taken over to the ledger's, or from now."""
+        slo_seconds = self._slo_seconds(tier)
+        if slo_seconds is None:
+            return {}
+        return objective(slo_seconds, self.app.runtime.on_ledger_clock(enqueued_at))
+
     @classmethod
     def key_spec(cls) -> KeySpec:
         """The ``idempotency_key`` option as given (a function stored on the class unbound)."""
@@ -655,8 +662,10 @@ class LedgerTask(Task):  # type: ignore[misc]
         # A job published for later is enqueued when it is due: its age (max_age_seconds) and
         # its latency objective count from then, not from the publish (a retry keeps its job's
         # first enqueue, in its headers).
-        due_at = _due_time(options.get("countdown"), options.get("eta"))
-        message_headers.setdefault(headers.ENQUEUED_AT, max(time.time(), due_at or 0.0))
+        # Every time on a message is the broker's (a producer's host clock may be off)
+        now = self.app.runtime.message_time()
+        due_at = _due_time(options.get("countdown"), options.get("eta"), now=now)
+        message_headers.setdefault(headers.ENQUEUED_AT, max(now, due_at or 0.0))
         options.setdefault("queue", self.app.tiers.queue(tier))
         # The body sealed here, before it leaves the process: a sensitive task's, and any body
         # that carries a sensitive task's signature (a chain's rest, a callback) with its
@@ -709,7 +718,7 @@ class LedgerTask(Task):  # type: ignore[misc]
 
         options.pop("countdown", None)
         options.pop("eta", None)
-        later = due_at if due_at is not None and due_at > time.time() else None
+        later = due_at if due_at is not None and due_at > now else None
         # A retry republishes a job already admitted and known to the ledger: no backpressure
         # (a shed retry would be lost) and no dedupe. A job for later is not in a queue yet:
         # no backpressure either.
@@ -732,12 +741,11 @@ class LedgerTask(Task):  # type: ignore[misc]
                     key=key,
                     tier=tier,
                     message=self._kept(args, kwargs, message_headers),
-                    objective=objective(
-                        self._slo_seconds(tier),
-                        float_or_none(message_headers.get(headers.ENQUEUED_AT)),
+                    objective=self._objective(
+                        tier, float_or_none(message_headers.get(headers.ENQUEUED_AT))
                     ),
                     # A job for later: claimable (and looked after by the reconciler) once due
-                    claimable_at=None if later is None else datetime.fromtimestamp(later, UTC),
+                    claimable_at=None if later is None else self.app.runtime.on_ledger_clock(later),
                 )
             except LedgerUnavailable as exc:
                 # Publishing never needs the ledger: the claim still runs the job once; only the
@@ -815,7 +823,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             key=key,
             tier=tier,
             message=kept,
-            objective=objective(self._slo_seconds(tier), time.time()),
+            objective=self._objective(tier, None),
             session=session,
         )
         if outcome is EnqueueOutcome.NEW:
@@ -1060,7 +1068,7 @@ def _no_direct_runs(task: str, how: str) -> ConfigurationError:
     )
 
 
-def _due_time(countdown: Any, eta: Any) -> float | None:
+def _due_time(countdown: Any, eta: Any, *, now: float) -> float | None:
     """When a publish with ``countdown`` (seconds) or ``eta`` (a datetime, or its ISO text) is
     due, in seconds since the epoch; None: now.
 
@@ -1070,7 +1078,7 @@ def _due_time(countdown: Any, eta: Any) -> float | None:
     """
     if countdown is not None:
         try:
-            due = time.time() + float(countdown)
+            due = now + float(countdown)
         except (TypeError, ValueError, OverflowError) as exc:
             raise PayloadError(f"countdown={countdown!r} is not a number of seconds") from exc
     elif eta is not None:

@@ -10,11 +10,14 @@ the decode guarded: such an item is kept, with its queue and the reason, in the 
 list (the transport option ``ledger_poison_key``, set by ``create_app``) and the worker goes on.
 A broker at its memory limit refuses the writes that follow a take (the booking of the message
 as unacknowledged, a requeue, a poison entry); none of them may end the worker either (see
-:class:`QoS`). Everything else is kombu's (selected through Celery's ``broker_transport``
-setting), but for one saving: the channel reuses its Redis client for the commands it sends
-outside the event loop (see :meth:`Channel.conn_or_acquire`); and one repair: a worker without
-an event loop (the gevent and eventlet pools) sees credit its tasks return while it waits for
-messages (see :func:`poll_timeout`).
+:class:`QoS`). Takes are booked on the broker's clock, and kombu's visibility sweep judges them
+on it (see :class:`QoS`): a worker whose host clock is off neither books a take as old (to be
+put back while it runs) nor puts back another worker's takes early. Everything else is kombu's
+(selected through Celery's ``broker_transport`` setting), but for one saving: the channel
+reuses its Redis client for the commands it sends outside the event loop (see
+:meth:`Channel.conn_or_acquire`); and one repair: a worker without an event loop (the gevent
+and eventlet pools) sees credit its tasks return while it waits for messages (see
+:func:`poll_timeout`).
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import loads
+from kombu.utils.json import dumps, loads
 from redis import exceptions as redis_errors
 
+from .clock import ServerClock, redis_time
 from .envelope import envelope_problem
 
 logger = logging.getLogger("celery_ledger.transport")
@@ -50,10 +54,42 @@ class QoS(kombu_redis.QoS):
     be lost. Workers sweep; Flower (``LEDGER_RESTORE_UNACKED=false``) does not.
     """
 
-    def restore_visible(self, *args: Any, **kwargs: Any) -> Any:
+    def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
+        """kombu's sweep, restated for one change: the visibility timeout is counted on the
+        broker's clock, as the takes are booked (kombu counts on this host's)."""
         if not self.channel.ledger_restore_visible:
-            return None
-        return super().restore_visible(*args, **kwargs)
+            return
+        self._vrestore_count += 1
+        if (self._vrestore_count - 1) % (interval or 1):
+            return
+        with self.channel.conn_or_acquire() as client:
+            ceil = self.channel.broker_clock.now() - self.visibility_timeout
+            try:
+                with kombu_redis.Mutex(client, self.unacked_mutex_key, self.unacked_mutex_expire):
+                    visible = client.zrange(
+                        self.unacked_index_key,
+                        ceil,
+                        0,
+                        desc=True,
+                        byscore=True,
+                        offset=num and start,
+                        num=num,
+                        withscores=True,
+                    )
+                    for tag, _score in visible or []:
+                        self.restore_by_tag(tag, client)
+            except kombu_redis.MutexHeld:
+                pass
+
+    def _book(self, message: Any, delivery_tag: str) -> None:
+        """kombu's booking of a take (``QoS.append``), scored on the broker's clock."""
+        delivery = message.delivery_info
+        exchange, routing_key = delivery["exchange"], delivery["routing_key"]
+        with self.pipe_or_acquire() as pipe:
+            pipe.zadd(self.unacked_index_key, {delivery_tag: self.channel.broker_clock.now()}).hset(
+                self.unacked_key, delivery_tag, dumps([message._raw, exchange, routing_key])
+            ).execute()
+            virtual.QoS.append(self, message, delivery_tag)
 
     # A broker at its memory limit (``maxmemory`` with ``noeviction``) still answers reads and
     # deletes (BRPOP, HDEL, ZREM) but refuses every write that adds (LPUSH, ZADD, HSET) with an
@@ -72,7 +108,7 @@ class QoS(kombu_redis.QoS):
 
     def append(self, message: Any, delivery_tag: str) -> None:
         try:
-            super().append(message, delivery_tag)
+            self._book(message, delivery_tag)
         except redis_errors.ResponseError as exc:
             # Handed on all the same, booked in this process only: its claim records the job
             # before its body runs (a worker that dies in between loses it, as a worker killed
@@ -164,6 +200,12 @@ class Channel(kombu_redis.Channel):
         super().__init__(*args, **kwargs)
         # Poison entries the broker refused (at its memory limit): see _push_poison.
         self._held_poison: list[str] = []
+        # Takes are booked, and their visibility judged, on the broker's clock (see QoS)
+        self.broker_clock = ServerClock("broker", self._broker_time)
+
+    def _broker_time(self) -> float:
+        with self.conn_or_acquire() as client:
+            return redis_time(client)
 
     @contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:

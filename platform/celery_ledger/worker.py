@@ -17,6 +17,7 @@ from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer
 from kombu.exceptions import ContentDisallowed, DecodeError
 
+from .clock import REPORT_EVERY_SECONDS
 from .crypto import sealing
 from .delayed import DelayedPublisher
 from .envelope import body_problem
@@ -104,6 +105,15 @@ class Housekeeping:
                 else:
                     if failing_since.pop(index, None) is not None:
                         logger.info("housekeeping %s recovered", getattr(job, "__qualname__", job))
+
+
+def report_clocks(runtime: Any, host: str) -> None:
+    """Read both servers' clocks afresh and write this host's offsets to the fleet's book
+    (``ledger health`` reads it): a worker whose host clock drifts is seen within a report."""
+    clocks = (runtime.ledger.clock, runtime.broker_clock)
+    for clock in clocks:
+        clock.sync()
+    runtime.clock_book.report(host, clocks, now=runtime.message_time())
 
 
 class ThrottleSwitch:
@@ -219,6 +229,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             Every(EXPIRE_EVERY_SECONDS, app.workflow_engine.log.expire),
             Every(REAP_EVERY_SECONDS, runtime.ledger.reap_abandoned_transactions),
             Every(settings.escalation_check_seconds, app.escalation.check),
+            Every(REPORT_EVERY_SECONDS, lambda: report_clocks(runtime, worker.hostname)),
         ]
         if not settings.ttl_index:
             upkeep.append(Every(EXPIRE_EVERY_SECONDS, runtime.ledger.expire))
@@ -322,7 +333,9 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
             return
         runtime = self.app.runtime
         later = unrunnable_delay(
-            headers, window_seconds=runtime.settings.unrunnable_window_seconds, now=time.time()
+            headers,
+            window_seconds=runtime.settings.unrunnable_window_seconds,
+            now=runtime.message_time(),
         )
         if later is None:
             window = runtime.settings.unrunnable_window_seconds
@@ -334,7 +347,7 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
         queue = str((message.delivery_info or {}).get("routing_key") or "")
         try:
             runtime.delayed.schedule_raw(
-                queue, _envelope(message, held_headers), time.time() + delay
+                queue, _envelope(message, held_headers), runtime.message_time() + delay
             )
         except Exception as exc:
             logger.error(

@@ -22,7 +22,7 @@ from celery_ledger.ledger.record import State
 from celery_ledger.ledger.store import COPY_DUE_SHIFT, COPY_GRACE, Unclaimed
 from celery_ledger.routing import TIERS, Tiers
 from celery_ledger.signing import Signer
-from tests.fakes import Clock, MemoryLedger, MemoryRedis, Outbox
+from tests.fakes import Clock, MemoryLedger, MemoryRedis, Outbox, server_clocks
 
 TASK = "shop.charge"
 KEYS = ["0qFzQc5xoZQhPWiz7RlXDGRcus0k650e5VRXFgPRCH8="]
@@ -34,6 +34,7 @@ class World:
         self.redis = MemoryRedis()
         self.outbox = Outbox()
         self.runtime = SimpleNamespace(
+            **server_clocks(self.ledger.now),
             name="unit",
             ledger=self.ledger,
             redis=self.redis,

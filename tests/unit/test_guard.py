@@ -14,6 +14,7 @@ import pytest
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from celery_ledger import Settings
+from celery_ledger.clock import Reading
 from celery_ledger.crypto import Sealer
 from celery_ledger.deadletter import DeadLetters
 from celery_ledger.errors import (
@@ -34,7 +35,7 @@ from celery_ledger.ledger.record import State
 from celery_ledger.policies.fallback import Fallback, Placeholder
 from celery_ledger.policies.retry import RetryPolicy
 from celery_ledger.routing import TIERS, Tiers
-from tests.fakes import Clock, MemoryLedger, MemoryRedis, Outbox
+from tests.fakes import Clock, MemoryLedger, MemoryRedis, Outbox, server_clocks
 
 TASK = "shop.charge"
 KEY = "order-7"
@@ -111,6 +112,7 @@ class Harness:
         self.outbox = Outbox()
         self.settings = Settings(encryption_keys=FERNET_KEYS, busy_recheck_seconds=5.0, **settings)
         self.runtime = SimpleNamespace(
+            **server_clocks(self.clock),
             name="unit",
             ledger=self.ledger,
             settings=self.settings,
@@ -864,6 +866,8 @@ def test_every_documented_event_is_emitted_by_the_platform() -> None:
     observers.workflow_ended("shop.fulfil", "completed")
     # and the outbox (tests/unit/test_outbox.py sees the relay's and a committer's)
     observers.outbox_published("critical", "relay", 1)
+    # and the servers' clocks (tests/unit/test_clock.py reads them)
+    observers.clock_read(Reading("ledger", 1.0, 1.0, 0.0, 0.001))
     seen |= set(recorder.names())
     assert seen == set(EVENTS)
 

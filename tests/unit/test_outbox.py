@@ -21,7 +21,7 @@ from celery_ledger.ledger.record import State
 from celery_ledger.ledger.store import EPOCH, UNPUBLISHED
 from celery_ledger.outbox import PASS_OVER_SECONDS, WAKES_PER_PASS, Outbox
 from celery_ledger.routing import TIERS, Tiers
-from tests.fakes import Clock, Fault, MemoryLedger
+from tests.fakes import Clock, Fault, MemoryLedger, server_clocks
 from tests.fakes import Outbox as Ports
 
 TASK = "shop.charge"
@@ -67,6 +67,7 @@ class World:
         self.wakes: list[tuple[str, str]] = []
         self.announced: list[str] = []  # dead letters announced (metric, Sentry, queue copy)
         self.runtime = SimpleNamespace(
+            **server_clocks(self.clock),
             ledger=self.ledger,
             settings=Settings(outbox_grace_seconds=5),
             sealer=Sealer([KEY]),

@@ -18,7 +18,7 @@ from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import State
 from celery_ledger.reconciler import Reconciler
 from celery_ledger.routing import TIERS, Tiers
-from tests.fakes import Clock, MemoryLedger, Outbox
+from tests.fakes import Clock, MemoryLedger, Outbox, server_clocks
 
 TASK = "shop.charge"
 WAKE = "celery_ledger.workflow.wake"
@@ -75,6 +75,7 @@ class World:
         self.sealer = Sealer([NEW_KEY])
         self.gate = FakeGate()
         self.runtime = SimpleNamespace(
+            **server_clocks(self.clock, lambda: self.clock().timestamp()),
             ledger=self.ledger,
             settings=Settings(reconcile_lease_grace_seconds=10, reconcile_stale_after_seconds=900),
             sealer=self.sealer,

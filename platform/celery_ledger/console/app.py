@@ -323,7 +323,7 @@ class _Console:
         ages: dict[str, float | None] = {}
         try:
             depths = runtime.queue_depths.refresh()
-            ages = oldest_ages(runtime.redis, queues.values(), time.time())
+            ages = oldest_ages(runtime.redis, queues.values(), runtime.message_time())
         except Exception as exc:  # shown, never a broken page
             problems.append(f"broker: {type(exc).__name__}: {exc}")
         try:
@@ -364,7 +364,7 @@ class _Console:
             "problems": problems,
             "delayed": _quietly(runtime.delayed.pending, None),
             "minutes": SPARK_MINUTES,
-            "now": datetime.now(UTC),
+            "now": runtime.ledger.now(),  # (the records' clock)
         }
 
     def health(self) -> list[Any]:

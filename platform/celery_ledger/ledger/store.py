@@ -70,6 +70,7 @@ from pymongo.errors import (
 from pymongo.monitoring import CommandListener
 from pymongo.read_concern import ReadConcern
 
+from ..clock import ServerClock, mongo_time
 from ..errors import CommitLost, LeaseLost, LedgerUnavailable, StoreError
 from ..locks import ForkSafeLock
 from ..reseal import Reseal, Tally, reseal_tree
@@ -259,7 +260,7 @@ class Ledger:
         ttl_index: bool = True,
         group_commit_max: int = MAX_BATCH,
         event_listeners: Sequence[CommandListener] = (),
-        clock: Callable[[], datetime] = utcnow,
+        clock: Callable[[], datetime] | None = None,
     ) -> None:
         self.uri = uri
         self.database_name = database
@@ -275,8 +276,13 @@ class Ledger:
         )
         self._timeout_ms = timeout_ms
         self._event_listeners = list(event_listeners)
-        self.now = clock
-        self._fences = _FenceClock(clock)
+        # Every time kept on a record (leases, due times, ages, retention) is the server's:
+        # one clock for every worker however far their hosts' clocks are apart (clock.py)
+        self.clock = ServerClock(
+            "ledger", lambda: mongo_time(self.client), resolution_seconds=0.001
+        )
+        self.now: Callable[[], datetime] = clock or self.clock.now_datetime
+        self._fences = _FenceClock(self.now)
         # Opens sealed results (sensitive tasks); the runtime sets it to its Sealer's ``open``.
         self.open_text: Callable[[str], str] = lambda text: text
         self._lock = ForkSafeLock()

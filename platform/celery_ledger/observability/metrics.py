@@ -34,6 +34,7 @@ from ..untrusted import float_or_none
 from ..workflow.history import TERMINAL
 
 if TYPE_CHECKING:
+    from ..clock import Reading
     from ..ledger.dead import DeadLetter
 
 logger = logging.getLogger("celery_ledger.metrics")
@@ -140,6 +141,21 @@ class LedgerMetrics:
         self.workflows_ended = counter(
             "celery_ledger_workflows_ended_total", "Workflows ended.", ("workflow", "status")
         )
+        self.clock_offset = Gauge(
+            "celery_ledger_clock_offset_seconds",
+            "A server's clock minus this host's, at its last reading (decisions use the"
+            " server's; past a second the host needs time sync).",
+            ("server",),
+            multiprocess_mode="livemostrecent",  # (a host's processes share its clock)
+            registry=registry,
+        )
+        self.clock_error = Gauge(
+            "celery_ledger_clock_error_seconds",
+            "How far the last reading of a server's clock can be off (half its round trip).",
+            ("server",),
+            multiprocess_mode="livemostrecent",
+            registry=registry,
+        )
         self.throttle = Gauge(
             "celery_ledger_throttle_engaged",
             "1 while a worker holds back a queue for foreground pressure.",
@@ -237,6 +253,7 @@ SKIP_REASONS = frozenset({"dependency down", "time budget"})
 FALLBACK_TRIGGERS = frozenset(TRIGGERS)
 BREAKER_STATES = frozenset(state.value for state in BreakerState)
 WORKFLOW_ENDS = frozenset(TERMINAL)
+CLOCK_SERVERS = frozenset({"ledger", "broker"})
 
 
 def category(text: Any, known: Container[str]) -> str:
@@ -385,6 +402,12 @@ class MetricsObserver(Observer):
         source = by if by in ("committer", "relay") else OTHER
         _m().outbox_published.labels(_tier(tier), source).inc(count)
 
+    @_safe
+    def clock_read(self, reading: Reading) -> None:
+        server = reading.server if reading.server in CLOCK_SERVERS else OTHER
+        _m().clock_offset.labels(server).set(reading.offset_seconds)
+        _m().clock_error.labels(server).set(reading.error_seconds)
+
 
 # -- change-stream triggers (called by celery_ledger.triggers in a worker's main process) -------
 
@@ -427,7 +450,9 @@ def observe_queue_wait(sender: Any = None, **_: Any) -> None:
     if sent_at is None:
         return
     tier = _header(request, headers.TIER) or getattr(sender, "tier", None)
-    wait = max(time.time() - sent_at, 0.0)
+    runtime = getattr(getattr(sender, "app", None), "runtime", None)
+    now = runtime.message_time() if runtime is not None else time.time()  # (the broker's)
+    wait = max(now - sent_at, 0.0)
     _m().queue_wait.labels(str(sender.name), _tier(tier)).observe(wait)
 
 
@@ -488,6 +513,8 @@ METRIC_NAMES = frozenset(
             for suffix in ("bucket", "sum", "count")
         ),
         "celery_ledger_throttle_engaged",
+        "celery_ledger_clock_offset_seconds",
+        "celery_ledger_clock_error_seconds",
         # change-stream triggers
         "celery_ledger_trigger_changes_total",
         "celery_ledger_trigger_waits_total",

@@ -1,0 +1,226 @@
+"""Time: no guarantee depends on the hosts' clocks agreeing.
+
+Real workers (and producers) run under libfaketime (Debian's ``faketime``): each with its own
+clock, offset by seconds to an hour, fast or slow, or jumping while it works. The ledger and
+the broker keep their own clocks. Every case counts what a user counts: the body ran once,
+nothing waited past its bound, no worker died (the watchdog fails a test whose worker dies).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pymongo import MongoClient
+
+from celery_ledger import State
+from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
+
+from .conftest import TEST_ENV, producer_app, start_healing_worker
+from .helpers import shared_task, wait_for
+
+LIBFAKETIME = next(
+    iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))),
+    Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"),
+)
+RECORD = "tests.integration.ledger_app.record"
+SITE = Path(__file__).with_name("faketime_site")
+
+pytestmark = pytest.mark.skipif(
+    not LIBFAKETIME.exists() and not os.environ.get("CI"),
+    reason="libfaketime is not installed (apt-get install faketime; .ci/run installs it)",
+)
+
+
+class FakeClock:
+    """A host's wall clock under libfaketime: an offset read from a file (a test makes it jump
+    while the process runs), the monotonic clock left alone, as a kernel leaves it
+    (``FAKETIME_DONT_FAKE_MONOTONIC``; ``faketime_site/sitecustomize.py`` says why sleeping then
+    needs a shim, and why faking every clock is no host at all)."""
+
+    def __init__(self, directory: Path, name: str, offset_seconds: float) -> None:
+        self.path = directory / f"faketime-{name}"
+        self.set(offset_seconds)
+
+    def set(self, offset_seconds: float) -> None:
+        self.path.write_text(f"{offset_seconds:+.0f}s\n")
+
+    def env(self) -> dict[str, str]:
+        return {
+            "LD_PRELOAD": str(LIBFAKETIME),
+            "FAKETIME_TIMESTAMP_FILE": str(self.path),
+            "FAKETIME_CACHE_DURATION": "1",  # the file is read again every second
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(SITE), os.environ.get("PYTHONPATH", "")])
+            ),
+        }
+
+
+@pytest.fixture
+def clocks(tmp_path: Path) -> Iterator[Any]:
+    assert LIBFAKETIME.exists(), "libfaketime is missing (apt-get install faketime)"
+    yield lambda name, offset: FakeClock(tmp_path, name, offset)
+
+
+def skewed_worker(
+    stack: EmbeddedStack, name: str, clock: FakeClock | None, **env: str
+) -> WorkerProcess:
+    return start_healing_worker(
+        stack, name, concurrency=1, env={**(clock.env() if clock else {}), **env}
+    )
+
+
+def effects_of(stack: EmbeddedStack, kind: str, token: str) -> list[dict[str, Any]]:
+    assert stack.ledger is not None
+    world = MongoClient(stack.ledger.url, tz_aware=True).get_database("reference_world")
+    return list(world.effects.find({"kind": kind, "key": token}))
+
+
+def holder_of(producer: Any, task: Any, token: str) -> str | None:
+    record = producer.ledger.get(task.name, token)
+    if record is None or record.state is not State.RUNNING:
+        return None
+    return str(record.lease_owner).split("@", 1)[0]
+
+
+@pytest.mark.parametrize(
+    ("holder_offset", "taker_offset"),
+    [
+        (0, 300),  # a taker 5 minutes fast: the lease looked expired to it
+        (-300, 0),  # a holder 5 minutes slow: it wrote a lease that had ended for everyone
+        (0, -3600),  # a taker an hour slow
+        (3600, 0),  # a holder an hour fast
+    ],
+    ids=["taker+5m", "holder-5m", "taker-1h", "holder+1h"],
+)
+def test_a_live_lease_is_never_taken_over_whatever_the_clocks(
+    isolated: EmbeddedStack, clocks: Any, holder_offset: int, taker_offset: int
+) -> None:
+    producer = producer_app(isolated, f"skew_{uuid.uuid4().hex[:6]}")
+    record = shared_task(producer, RECORD)
+    token = f"lease-{uuid.uuid4().hex[:8]}"
+    # Given a job held by one worker (a lease of 3 s, renewed by heartbeats while it runs)
+    skewed_worker(isolated, "holder", clocks("holder", holder_offset) if holder_offset else None)
+    record.apply_async((token,), {"sleep_seconds": 8.0})
+    wait_for(lambda: holder_of(producer, record, token) == "holder", what="the holder running")
+    # When another worker, on another clock, gets a second delivery of it (and sweeps as the
+    # fleet's reconciler: expired leases, stranded messages)
+    skewed_worker(isolated, "taker", clocks("taker", taker_offset) if taker_offset else None)
+    record.apply_async((token,), {"sleep_seconds": 8.0})
+    # Then the body runs once, by the holder, and the second delivery is its duplicate
+    wait_for(
+        lambda: (r := producer.ledger.get(record.name, token)) and r.state is State.SUCCEEDED,
+        timeout=40,
+        what="the job succeeding",
+    )
+    time.sleep(6.0)  # the second delivery's recheck, and another reconciler sweep or two
+    ran = effects_of(isolated, "record", token)
+    final = producer.ledger.get(record.name, token)
+    assert len(ran) == 1, f"the body ran {len(ran)} times"
+    assert final.attempts == 1 and final.fence > 0
+    producer.close()
+
+
+@pytest.mark.parametrize(
+    ("whose", "jump_seconds"),
+    [("holder", -600), ("taker", 600)],
+    ids=["holder-jumps-back-10m", "taker-jumps-ahead-10m"],
+)
+def test_a_clock_that_jumps_while_the_job_runs_never_runs_it_twice(
+    isolated: EmbeddedStack, clocks: Any, whose: str, jump_seconds: int
+) -> None:
+    producer = producer_app(isolated, f"jump_{uuid.uuid4().hex[:6]}")
+    record = shared_task(producer, RECORD)
+    token = f"jump-{uuid.uuid4().hex[:8]}"
+    clock = clocks(whose, 0)
+    skewed_worker(isolated, "holder", clock if whose == "holder" else None)
+    record.apply_async((token,), {"sleep_seconds": 9.0})
+    wait_for(lambda: holder_of(producer, record, token) == "holder", what="the holder running")
+    skewed_worker(isolated, "taker", clock if whose == "taker" else None)
+    record.apply_async((token,), {"sleep_seconds": 9.0})
+    time.sleep(1.0)
+    # When that worker's clock jumps (NTP stepping it, a VM resumed) in the middle of the run
+    clock.set(jump_seconds)
+    wait_for(
+        lambda: (r := producer.ledger.get(record.name, token)) and r.state is State.SUCCEEDED,
+        timeout=40,
+        what="the job succeeding",
+    )
+    time.sleep(6.0)
+    assert len(effects_of(isolated, "record", token)) == 1
+    assert producer.ledger.get(record.name, token).attempts == 1
+    producer.close()
+
+
+@pytest.mark.parametrize("offset", [-300, 300, -3600], ids=["-5m", "+5m", "-1h"])
+def test_a_countdown_runs_when_due_on_workers_whose_clocks_are_off(
+    isolated: EmbeddedStack, clocks: Any, offset: int
+) -> None:
+    producer = producer_app(isolated, f"due_{uuid.uuid4().hex[:6]}")
+    record = shared_task(producer, RECORD)
+    token = f"due-{uuid.uuid4().hex[:8]}"
+    # Given only workers whose clocks are off (they hand out the due deliveries)
+    skewed_worker(isolated, "late", clocks("late", offset))
+    # When a job is published for 4 s from now
+    published = time.monotonic()
+    record.apply_async((token,), countdown=4)
+    # Then it runs then: not at once (a fast worker), not minutes later (a slow one)
+    wait_for(lambda: effects_of(isolated, "record", token), timeout=30, what="the job running")
+    waited = time.monotonic() - published
+    assert 3.5 <= waited <= 12.0, f"ran {waited:.1f}s after its publish, due after 4s"
+    producer.close()
+
+
+PRODUCE = """
+import sys
+from tests.integration import ledger_app  # the test app, on the servers its environment names
+task, token, how = getattr(ledger_app, sys.argv[1]), sys.argv[2], sys.argv[3]
+task.apply_async((token,), countdown=4 if how == "countdown" else None)
+ledger_app.app.close()
+"""
+
+
+def produce_on(stack: EmbeddedStack, clock: FakeClock, task: str, token: str, how: str) -> None:
+    """Publish from a process of its own, on ``clock`` (the test app, as its workers run it)."""
+    env = {
+        **os.environ,
+        **TEST_ENV,
+        **stack.env,
+        **clock.env(),
+    }
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *sys.path])
+    subprocess.run(
+        [sys.executable, "-c", PRODUCE, task, token, how],
+        env=env,
+        check=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+
+
+@pytest.mark.parametrize("offset", [-3600, 3600], ids=["producer-1h", "producer+1h"])
+def test_a_producers_clock_moves_neither_a_due_time_nor_an_age(
+    isolated: EmbeddedStack, clocks: Any, offset: int
+) -> None:
+    producer = producer_app(isolated, f"prod_{uuid.uuid4().hex[:6]}")
+    skewed_worker(isolated, "fair", None)
+    clock = clocks("producer", offset)
+    # A job with a 60 s max age, published by a host an hour off: it is not "an hour old"
+    token = f"age-{uuid.uuid4().hex[:8]}"
+    produce_on(isolated, clock, "expiring", token, "now")
+    wait_for(lambda: effects_of(isolated, "expiring", token), timeout=30, what="it running")
+    # A countdown from that host runs 4 s after its publish, not an hour early or late
+    token = f"cd-{uuid.uuid4().hex[:8]}"
+    published = time.monotonic()
+    produce_on(isolated, clock, "record", token, "countdown")
+    wait_for(lambda: effects_of(isolated, "record", token), timeout=30, what="it running")
+    assert 3.5 <= time.monotonic() - published <= 14.0
+    producer.close()
