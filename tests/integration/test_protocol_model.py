@@ -8,7 +8,10 @@ heartbeat, a step with an effect, time passing (past its lease, too), another de
 interleaved inside it, its process dying, then an outcome (success with an effect, a transient
 error, a permanent one, ``Ignore``). Store faults are armed between steps: a write that fails
 before it applies, a write that applies but whose reply is lost, a write concern error raised by
-pymongo itself after the write applied.
+pymongo itself after the write applied. Each process (a delivery, an interleaved second
+delivery, the reconciler) reads the servers' clocks with an error of its own, up to
+``CLOCK_ERROR`` either way (``celery_ledger.clock``: half a round trip, or, in a process whose
+every clock jumps, up to its next reading), however far its host's own clock is off.
 
 Checked after every step:
 - a fenced write succeeds only under the record's current fence, and a write with a stale fence
@@ -21,7 +24,8 @@ Checked after every step:
 At the end of each example the faults stop and the world runs on (time passes, the reconciler
 sweeps, the broker restores dead workers' messages, workers deliver): every job must end
 terminal, and each effect must have happened at most once per job, except where the README's
-"Limits" allow a repeat (a body that overran its lease without heartbeats, a worker that died
+"Limits" allow a repeat (a body that overran its lease without heartbeats, less the two
+processes' clock errors, a worker that died
 or a completion that could not be stored after its effect, a step whose record failed).
 
 Failures found by the wide search are stored in ``tests/hypothesis-examples/`` and replayed by
@@ -72,12 +76,16 @@ from celery_ledger.policies.retry import RetryPolicy
 from celery_ledger.reconciler import Reconciler
 from celery_ledger.routing import TIERS, Tiers
 from tests.conftest import examples
-from tests.fakes import Clock
+from tests.fakes import Clock, server_clocks
 
 TASK = "model.work"
 TIER = "default"
 LEASE = 60.0
 MAX_DELIVERIES = 3
+# How far a process's reading of the servers' clocks may be off, either way (a real one: a
+# millisecond; a process whose every clock jumps: up to its next reading, 5 s)
+CLOCK_ERROR = 5.0
+CLOCK_ERRORS = st.sampled_from([0.0, -CLOCK_ERROR, CLOCK_ERROR])
 FERNET_KEYS = ["0qFzQc5xoZQhPWiz7RlXDGRcus0k650e5VRXFgPRCH8="]
 TERMINAL = {State.SUCCEEDED.value, State.DEAD.value}
 FENCED_WRITES = {
@@ -372,7 +380,7 @@ BASIC_ACTIONS = st.one_of(
 OUTCOMES = st.sampled_from(["succeed", "transient", "permanent", "ignore"])
 # A second delivery of the same job (a redelivery, a republished copy) runs inside this one's
 # body, with a plan of its own: two holders of one job interleave
-NESTED_PLANS = st.tuples(st.lists(BASIC_ACTIONS, max_size=3), OUTCOMES)
+NESTED_PLANS = st.tuples(st.lists(BASIC_ACTIONS, max_size=3), OUTCOMES, CLOCK_ERRORS)
 # (after this holder's lease ran out, or during it)
 ACTIONS = BASIC_ACTIONS | st.tuples(st.just("interleave"), st.booleans(), NESTED_PLANS)
 PLANS = st.tuples(st.lists(ACTIONS, max_size=4), OUTCOMES)
@@ -391,7 +399,7 @@ class ModelBody:
     def __init__(self, world: ProtocolModel, message: Message, plan: Any, depth: int) -> None:
         self.world = world
         self.message = message
-        self.actions, self.outcome = plan
+        self.actions, self.outcome = plan[0], plan[1]
         self.depth = depth
         self.execution: Any = None
         self.renewed_at = world.clock()
@@ -413,14 +421,17 @@ class ModelBody:
                 self.execution.step("effect").run(lambda: world.effect(key, "step"))
             elif action[0] == "advance":
                 world.clock.advance(action[1])
-                if (world.clock() - self.renewed_at).total_seconds() > LEASE:
+                # (another process may read the servers' clocks up to twice the error ahead)
+                if (world.clock() - self.renewed_at).total_seconds() > LEASE - 2 * CLOCK_ERROR:
                     world.limits[key].add("overran its lease")
             elif action[0] == "interleave":
                 _, lapsed, plan = action
                 if lapsed:
                     world.clock.advance(LEASE + 1)
                     world.limits[key].add("overran its lease")
-                world.deliver_copy(self.message, plan, depth=self.depth + 1)
+                world.deliver_copy(
+                    self.message, plan[:2], depth=self.depth + 1, error=(plan[2:] or [0.0])[0]
+                )
             elif action[0] == "crash":
                 raise ProcessGone
         if self.outcome == "transient":
@@ -460,6 +471,7 @@ class ProtocolModel(RuleBasedStateMachine):
         super().__init__()
         self.run = next(_run)
         self.clock = Clock(utcnow())
+        self.clock_error = 0.0  # the reading error of the process acting now (seconds)
         # A collection of its own per example: the reconciler's scans see this example only.
         self.store = ModelStore(
             uri=self.ledger_url,
@@ -468,7 +480,7 @@ class ProtocolModel(RuleBasedStateMachine):
             lease_seconds=LEASE,
             max_deliveries=MAX_DELIVERIES,
             error_history_limit=5,
-            clock=self.clock,
+            clock=self.process_clock,
         )
         self.store.ensure_indexes()
         self.faults = Faults()
@@ -494,6 +506,8 @@ class ProtocolModel(RuleBasedStateMachine):
             rate_limits={},
             publish=self.publish_port,
             tier_of=lambda name: TIER if name == TASK else None,
+            # the broker's clock and the ledger's: one time here, read with the process's error
+            **server_clocks(self.process_clock, lambda: self.process_clock().timestamp()),
         )
         self.dead_letters = DeadLetters(self.runtime, self.copy_port)  # type: ignore[arg-type]
         self.guard = Guard(
@@ -511,6 +525,21 @@ class ProtocolModel(RuleBasedStateMachine):
         )
 
     # -- identities and ports ------------------------------------------------------------------
+
+    def process_clock(self) -> datetime:
+        """The servers' time as the process acting now reads it (within its error)."""
+        return self.clock() + timedelta(seconds=self.clock_error)
+
+    @contextlib.contextmanager
+    def acting(self, error: float) -> Any:
+        """A process whose reading of the servers' clocks is off by ``error`` acts."""
+        outer, self.clock_error = self.clock_error, error
+        if error:
+            event("a process reads the clocks off")
+        try:
+            yield
+        finally:
+            self.clock_error = outer
 
     def record_of(self, key: str) -> str:
         return derive_task_id(TASK, key)
@@ -584,7 +613,13 @@ class ProtocolModel(RuleBasedStateMachine):
         return [m for m in self.broker.queued if m.ready_at <= now]
 
     def deliver(
-        self, message: Message, plan: Any, *, depth: int = 0, die_before_ack: bool = False
+        self,
+        message: Message,
+        plan: Any,
+        *,
+        depth: int = 0,
+        die_before_ack: bool = False,
+        error: float = 0.0,
     ) -> None:
         broker = self.broker
         broker.queued.remove(message)
@@ -592,9 +627,10 @@ class ProtocolModel(RuleBasedStateMachine):
         broker.taken_at[message.serial] = self.clock()
         body = ModelBody(self, message, plan, depth)
         try:
-            verdict = self.guard.run(
-                self.delivery_of(message, next(self.workers)), self.policy, body
-            )
+            with self.acting(error):
+                verdict = self.guard.run(
+                    self.delivery_of(message, next(self.workers)), self.policy, body
+                )
         except ProcessGone:
             event("a worker died mid-body")
             broker.orphaned.add(message.serial)
@@ -619,9 +655,9 @@ class ProtocolModel(RuleBasedStateMachine):
             if body.effect_ran:
                 self.limits[message.key].add("its completion could not be stored")
 
-    def deliver_copy(self, message: Message, plan: Any, *, depth: int) -> None:
+    def deliver_copy(self, message: Message, plan: Any, *, depth: int, error: float) -> None:
         self.publish_copy(message, 0.0, dict(message.headers), retries=None)
-        self.deliver(self.broker.queued[-1], plan, depth=depth)
+        self.deliver(self.broker.queued[-1], plan, depth=depth, error=error)
 
     # -- rules -------------------------------------------------------------------------------------
 
@@ -658,15 +694,21 @@ class ProtocolModel(RuleBasedStateMachine):
         self.accepted.add(key)
         return key
 
-    @rule(plan=PLANS, die_before_ack=st.booleans(), fault=st.none() | FAULTS)
-    def deliver_one(self, plan: Any, die_before_ack: bool, fault: tuple[int, str] | None) -> None:
+    @rule(plan=PLANS, die_before_ack=st.booleans(), fault=st.none() | FAULTS, error=CLOCK_ERRORS)
+    def deliver_one(
+        self,
+        plan: Any,
+        die_before_ack: bool,
+        fault: tuple[int, str] | None,
+        error: float = 0.0,
+    ) -> None:
         if self.broker.queued and not self.ready():  # a worker waits for the next one due
             due = min(m.ready_at for m in self.broker.queued)
             self.clock.advance((due - self.clock()).total_seconds())
         ready = self.ready()
         if ready:
             self.faults.nth = fault
-            self.deliver(ready[0], plan, die_before_ack=die_before_ack)
+            self.deliver(ready[0], plan, die_before_ack=die_before_ack, error=error)
             self.faults.nth = None
 
     @rule(method=st.sampled_from(FAULTABLE), kind=st.sampled_from(FAULT_KINDS))
@@ -677,10 +719,10 @@ class ProtocolModel(RuleBasedStateMachine):
     def time_passes(self, seconds: float) -> None:
         self.clock.advance(seconds)
 
-    @rule()
-    def reconcile(self) -> None:
+    @rule(error=CLOCK_ERRORS)
+    def reconcile(self, error: float = 0.0) -> None:
         # A sweep whose queries fail is simply run again by the next one.
-        with contextlib.suppress(LedgerError):
+        with contextlib.suppress(LedgerError), self.acting(error):
             self.reconciler.sweep()
 
     @rule()
