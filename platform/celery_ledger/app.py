@@ -261,6 +261,8 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             open_text=self.sealer.open,
             seal_text=self.sealer.seal if self.sealer.enabled else None,
             observers=self.runtime.observers,
+            # Timers and waits are kept on the workflow's state: the ledger's clock
+            clock=lambda: self.ledger.now().timestamp(),
         )
 
     def workflow(

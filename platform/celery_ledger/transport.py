@@ -301,7 +301,7 @@ class Channel(kombu_redis.Channel):
         entry = {
             "queue": queue,
             "reason": reason,
-            "at": time.time(),
+            "at": self.broker_clock.now(),  # (the broker's clock, as every time it keeps)
             "raw_base64": base64.b64encode(item).decode(),
             "raw_kind": "envelope",
         }

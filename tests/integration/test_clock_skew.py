@@ -23,7 +23,7 @@ from pymongo import MongoClient
 from celery_ledger import State
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 
-from .conftest import TEST_ENV, producer_app, start_healing_worker
+from .conftest import HEALING, TEST_ENV, producer_app, start_healing_worker
 from .helpers import shared_task, wait_for
 
 LIBFAKETIME = next(
@@ -223,4 +223,59 @@ def test_a_producers_clock_moves_neither_a_due_time_nor_an_age(
     produce_on(isolated, clock, "record", token, "countdown")
     wait_for(lambda: effects_of(isolated, "record", token), timeout=30, what="it running")
     assert 3.5 <= time.monotonic() - published <= 14.0
+    producer.close()
+
+
+@pytest.mark.parametrize("jump_seconds", [-600, 600], ids=["back-10m", "ahead-10m"])
+def test_a_clock_that_jumps_while_a_job_waits_moves_not_its_due_time(
+    isolated: EmbeddedStack, clocks: Any, jump_seconds: int
+) -> None:
+    producer = producer_app(isolated, f"wait_{uuid.uuid4().hex[:6]}")
+    record = shared_task(producer, RECORD)
+    token = f"wait-{uuid.uuid4().hex[:8]}"
+    # Given the only worker (it hands out due deliveries), and a job due in 6 s
+    clock = clocks("waiter", 0)
+    skewed_worker(isolated, "waiter", clock)
+    published = time.monotonic()
+    record.apply_async((token,), countdown=6)
+    # When the worker's clock jumps while the job waits
+    time.sleep(2.0)
+    clock.set(jump_seconds)
+    # Then it runs when due: not at once, not ten minutes later
+    wait_for(lambda: effects_of(isolated, "record", token), timeout=30, what="the job running")
+    waited = time.monotonic() - published
+    assert 5.5 <= waited <= 14.0, f"ran {waited:.1f}s after its publish, due after 6s"
+    producer.close()
+
+
+@pytest.mark.parametrize("offset", [-3600, 3600], ids=["-1h", "+1h"])
+def test_a_workflow_timer_fires_when_due_on_a_worker_whose_clock_is_off(
+    isolated: EmbeddedStack, clocks: Any, offset: int
+) -> None:
+    from tests.integration.ledger_app import declare_workflows
+
+    producer = producer_app(isolated, f"timer_{uuid.uuid4().hex[:6]}", workflow_check_seconds=3)
+    flows = declare_workflows(producer)
+    token = f"timer-{uuid.uuid4().hex[:8]}"
+    # Given the only worker on a clock an hour off, and a workflow that sleeps 4 s
+    isolated.start_worker(
+        isolated.queues_of(),
+        concurrency=2,
+        name="timers@127.0.0.1",
+        env={**HEALING, **clocks("timers", offset).env()},
+    )
+    started = time.monotonic()
+    handle = flows["order"].start(token, steps=1, sleep=4)
+    # Then the timer fires when due (on the ledger's clock), not an hour early or late
+    result = handle.result(timeout=60)
+    assert result["done"] == ["s0-done"]
+    assert time.monotonic() - started >= 4.0
+    fired = [e for e in handle.history() if e.kind == "fired"]
+    scheduled = [
+        e for e in handle.history() if e.kind == "scheduled" and e.data.get("kind") == "timer"
+    ]
+    assert len(fired) == 1 and len(scheduled) == 1
+    assert 3.9 <= scheduled[0].data["until"] - scheduled[0].at.timestamp() <= 4.1
+    assert fired[0].at.timestamp() >= scheduled[0].data["until"] - 0.01
+    assert (fired[0].at - scheduled[0].at).total_seconds() <= 15.0
     producer.close()
