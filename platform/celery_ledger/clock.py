@@ -9,19 +9,22 @@ judged on the clock of the server that stores the times: the ledger's (MongoDB's
 kept in Redis or stamped on messages.
 
 Reading the server for every decision would add a round trip to every task. A
-:class:`ServerClock` reads its server once, anchors the answer on this host's monotonic clock,
-and follows it from there: the time it gives is the server's, within the reading's error (half
-the round trip, plus the server's resolution), plus the monotonic clock's drift since (parts per
-million). It reads the server again every ``resync_seconds``, and at once if the monotonic clock
-ran backwards (a kernel's never does; a process whose every clock is faked, as libfaketime does,
-can), so a clock that jumps misleads it for at most ``resync_seconds``; the wall clock of this
-host is never used for a decision, only to report how far it is from the server's
+:class:`ServerClock` reads its server once, anchors the answer on this host's boot-time clock
+(monotonic, and counting the time the host was suspended, unlike ``time.monotonic``), and
+follows it from there: the time it gives is the server's, within the reading's error (half the
+round trip, plus the server's resolution), plus that clock's drift since (parts per million).
+It reads the server again every ``resync_seconds``, and at once if that clock ran backwards (a
+kernel's never does; a process whose every clock is faked, as libfaketime can, does), so a
+clock that jumps misleads it for at most ``resync_seconds``; the wall clock of this host is
+never used for a decision, only to report how far it is from the server's
 (:attr:`Reading.offset_seconds`: ``celery_ledger_clock_offset_seconds``, the ``clock`` check of
 ``ledger health``).
 
-When the server cannot be read the clock keeps following its last reading (the monotonic
-clock does not need the server); before any reading it answers with the wall clock, and says so
-in a warning: the decision it serves needs that server anyway, so it fails on its own.
+When the server cannot be read the clock keeps following its last reading (the boot-time clock
+does not need the server) and tries again after a pause at least as long as the failed read
+took, so an outage costs a caller a timed-out read once per pause, not once per call; before
+any reading it answers with the wall clock, and says so in a warning: the decision it serves
+needs that server anyway, so it fails on its own.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import redis
+from pymongo.errors import PyMongoError
+
 from .locks import ForkSafeLock
 
 logger = logging.getLogger(__name__)
@@ -45,9 +51,28 @@ RESYNC_SECONDS = 5.0
 # After a failed reading, the next attempt waits this long (not once per call while the
 # server is away).
 RETRY_SECONDS = 1.0
-# Past this offset between the host's clock and a server's, the process logs a warning (once
-# per reading that finds it past): the host's clock needs NTP, though no decision here uses it.
+# Past this offset between the host's clock and a server's, the process logs a warning (at
+# most once per WARN_EVERY_SECONDS per clock): the host needs NTP, though no decision uses it.
 WARN_OFFSET_SECONDS = 1.0
+WARN_EVERY_SECONDS = 600.0
+# What a failed reading raises (a server away, an answer without a time). Nothing wider: a
+# soft time limit raised into a read must reach the task it limits.
+READ_ERRORS: tuple[type[BaseException], ...] = (
+    PyMongoError,
+    redis.RedisError,
+    OSError,
+    LookupError,
+    TypeError,
+    ValueError,
+)
+
+
+def _host_clock() -> float:
+    """Monotonic seconds that also count a suspended host's sleep (Linux's CLOCK_BOOTTIME)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+BOOT_CLOCK: Callable[[], float] = _host_clock if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic
 
 
 @dataclass(frozen=True)
@@ -85,7 +110,7 @@ class ServerClock:
         retry_seconds: float = RETRY_SECONDS,
         warn_offset_seconds: float = WARN_OFFSET_SECONDS,
         on_reading: Callable[[Reading], None] | None = None,
-        monotonic: Callable[[], float] = time.monotonic,
+        monotonic: Callable[[], float] = BOOT_CLOCK,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.server = server
@@ -100,8 +125,10 @@ class ServerClock:
         self._wall = wall
         self._reading: Reading | None = None
         self._failed_at: float | None = None  # monotonic time of the last failed read
+        self._pause = retry_seconds  # after a failed read: at least as long as it took
         self._reading_lock = ForkSafeLock()  # one reader at a time
         self._warned_unread = False
+        self._warned_at: float | None = None
 
     @property
     def reading(self) -> Reading | None:
@@ -135,7 +162,12 @@ class ServerClock:
             error_seconds=(after - before) / 2 + self._resolution,
         )
         self._reading, self._failed_at = reading, None
-        if abs(reading.offset_seconds) > self.warn_offset_seconds:
+        if self._monotonic is BOOT_CLOCK:  # (a test's own clock is not the process's)
+            _LAST[self.server] = reading
+        if abs(reading.offset_seconds) > self.warn_offset_seconds and (
+            self._warned_at is None or not 0 <= middle - self._warned_at < WARN_EVERY_SECONDS
+        ):
+            self._warned_at = middle
             logger.warning(
                 "this host's clock is %+.3fs from the %s server's (±%.3fs): decisions use the"
                 " server's clock, but the host needs time sync (NTP)",
@@ -150,6 +182,10 @@ class ServerClock:
                 logger.exception("reporting the %s clock's reading failed", self.server)
         return reading
 
+    def _paused(self, now: float) -> bool:
+        failed = self._failed_at
+        return failed is not None and 0 <= now - failed < self._pause
+
     def _current(self) -> Reading | None:
         reading = self._reading
         now = self._monotonic()
@@ -157,7 +193,7 @@ class ServerClock:
             since = now - reading.at_monotonic
             if 0 <= since < self._resync:
                 return reading
-        if self._failed_at is not None and 0 <= now - self._failed_at < self._retry:
+        if self._paused(now):
             return reading  # the server was away a moment ago: not again on every call
         # Another thread reading: use what there is (before the first reading, wait for it)
         if not self._reading_lock.acquire(blocking=reading is None):
@@ -165,10 +201,14 @@ class ServerClock:
         try:
             if self._reading is not reading and self._reading is not None:
                 return self._reading  # read by another thread while this one waited
+            if self._paused(self._monotonic()):
+                return reading  # another thread's read failed while this one waited
+            started = self._monotonic()
             try:
                 return self.sync()
-            except Exception as exc:
+            except READ_ERRORS as exc:
                 self._failed_at = self._monotonic()
+                self._pause = max(self._retry, self._failed_at - started)
                 if reading is None and not self._warned_unread:
                     self._warned_unread = True
                     logger.warning(
@@ -179,6 +219,21 @@ class ServerClock:
                 return reading
         finally:
             self._reading_lock.release()
+
+
+# The last reading of each kind of server in this process (for what is stamped where no app is
+# at hand: Celery's publish signal); read without any I/O.
+_LAST: dict[str, Reading] = {}
+
+
+def last_known_time(server: str) -> float:
+    """The time on ``server`` (``"broker"``, ``"ledger"``) as this process's last reading of
+    such a server has it, followed on the boot-time clock; this host's wall clock if it has
+    read none. Never reads the server (see :meth:`ServerClock.now` for that)."""
+    reading = _LAST.get(server)
+    if reading is None:
+        return time.time()
+    return reading.server_time + (BOOT_CLOCK() - reading.at_monotonic)
 
 
 def wall_clock(server: str = "local") -> ServerClock:

@@ -80,8 +80,9 @@ _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def since_of(value: str | None) -> datetime | None:
-    """A ``since`` filter: ``30m``, ``2h``, ``7d`` ago, or an ISO time (UTC if naive).
+def since_of(value: str | None, now: Callable[[], datetime] | None = None) -> datetime | None:
+    """A ``since`` filter: ``30m``, ``2h``, ``7d`` ago (from ``now``: the ledger's clock, which
+    the records' times are on; this host's if not given), or an ISO time (UTC if naive).
 
     Raises:
         ValueError: neither.
@@ -91,7 +92,8 @@ def since_of(value: str | None) -> datetime | None:
     match = _DURATION.match(value.strip())
     try:
         if match:
-            return datetime.now(UTC) - timedelta(seconds=float(match[1]) * _UNITS[match[2]])
+            ago = timedelta(seconds=float(match[1]) * _UNITS[match[2]])
+            return (now() if now is not None else datetime.now(UTC)) - ago
         parsed = datetime.fromisoformat(value)
     except (ValueError, OverflowError):
         raise ValueError(f"{value!r}: use 30m, 2h, 7d or an ISO time") from None
@@ -126,7 +128,7 @@ class DeadLetters:
             logger.warning("could not read dead letter %s to announce it: %s", record_id, exc)
             return
         if record is not None:
-            self.announce(DeadLetter.of_record(record), job=job)
+            self.announce(DeadLetter.of_record(record, now=self._runtime.ledger.now()), job=job)
 
     def announce(self, letter: DeadLetter, *, job: Job | None = None) -> None:
         """Log a new dead letter, copy it to the dead letters' queue, tell the observers."""
@@ -174,7 +176,7 @@ class DeadLetters:
         each worker's housekeeping); returns how many were published."""
         published = 0
         for doc in self._ledger.copies_pending(limit=limit):
-            if not self._copy(DeadLetter.of_record(doc)):
+            if not self._copy(DeadLetter.of_record(doc, now=self._runtime.ledger.now())):
                 break  # the broker is still away: the next tick tries again
             self._ledger.mark_copy_pending(doc["_id"], False)
             published += 1
@@ -582,6 +584,10 @@ class DeadLetters:
             if copy is not None and copy[0] in wanted:  # (gone already if consumed meanwhile)
                 dropped += int(redis.lrem(queue, 1, item))  # type: ignore[arg-type]
         return dropped
+
+    def ledger_now(self) -> datetime:
+        """Now on the ledger's clock (the dead records' times are on it)."""
+        return self._runtime.ledger.now()
 
     def trim_copies(self, limit: int = 100) -> int:
         """Remove queue copies older than ``LEDGER_DEAD_RETENTION_SECONDS``, oldest first (at

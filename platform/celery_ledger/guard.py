@@ -1077,7 +1077,12 @@ class Attempt:
         )
         identity = self.delivery.identity
         letter = DeadLetter.of_job(
-            self.record_id, job, task=identity.task, key=identity.key, tier=self.delivery.tier
+            self.record_id,
+            job,
+            task=identity.task,
+            key=identity.key,
+            tier=self.delivery.tier,
+            now=self.ledger.now(),
         )
         self.guard.dead_letters.announce(letter, job=self.delivery.job)
 

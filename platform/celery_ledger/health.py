@@ -18,7 +18,15 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .clock import HostClocks
+from .clock import (
+    READ_ERRORS,
+    ClockBook,
+    HostClocks,
+    Reading,
+    ServerClock,
+    mongo_time,
+    redis_time,
+)
 from .ledger.store import Ledger
 from .ledger.triggers import TriggerState, TriggerStore
 
@@ -81,7 +89,7 @@ def run_checks(app: Any, *, required: Iterable[str], timeout: float) -> list[Che
             status: Status = "down" if tier in required_tiers else "skipped"
             checks.append(Check(f"tier {tier}", status, "unknown: the broker is down"))
     checks.append(_timed("outbox", lambda: _outbox(app, timeout)))
-    checks.append(_timed("clock", lambda: _clock(app)))
+    checks.append(_timed("clock", lambda: _clock(app, timeout)))
     with contextlib.suppress(Exception):  # the modules that declare triggers (as a worker)
         app.loader.import_default_modules()
     if getattr(app, "triggers", None):
@@ -99,13 +107,18 @@ def _timed(name: str, check: Callable[[], tuple[Status, str, dict[str, Any]]]) -
     return Check(name, status, detail, data)
 
 
-def _broker(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
-    client = redis.Redis.from_url(
+def _short_redis(app: Any, timeout: float) -> redis.Redis:
+    """A broker client of the check's own, whose calls give up after ``timeout``."""
+    return redis.Redis.from_url(
         app.settings.broker_url,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 0),  # one attempt: the timeout is the budget
     )
+
+
+def _broker(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
+    client = _short_redis(app, timeout)
     try:
         client.ping()
     finally:
@@ -137,18 +150,25 @@ def _ledger(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
     return ("warn" if dead else "ok"), detail, {"dead_letters": dead}
 
 
-def _clock(app: Any) -> tuple[Status, str, dict[str, Any]]:
-    """This host's and the fleet's offsets from the ledger's and the broker's clocks."""
+def _clock(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
+    """This host's and the fleet's offsets from the ledger's and the broker's clocks (read
+    with the check's own short-timeout clients)."""
     runtime = app.runtime
     settings = runtime.settings
-    clocks = (runtime.ledger.clock, runtime.broker_clock)
-    here = {}
-    for clock in clocks:  # a server that is away is its own check's finding, not this one's
-        with contextlib.suppress(Exception):
-            here[clock.server] = clock.sync()
+    here: dict[str, Reading] = {}
     hosts: list[HostClocks] = []
-    with contextlib.suppress(Exception):
-        hosts = runtime.clock_book.hosts(now=runtime.message_time())
+    client = _short_redis(app, timeout)
+    try:
+        # a server that is away is its own check's finding, not this one's
+        with contextlib.suppress(*READ_ERRORS):
+            here["broker"] = ServerClock("broker", lambda: redis_time(client)).sync()
+            book = ClockBook(client, namespace=runtime.tiers.namespace)
+            hosts = book.hosts(now=here["broker"].server_time)
+    finally:
+        client.close()
+    with _short_ledger(app, timeout) as ledger, contextlib.suppress(*READ_ERRORS):
+        reading = ServerClock("ledger", lambda: mongo_time(ledger.client), resolution_seconds=0.001)
+        here["ledger"] = reading.sync()
     own = HostClocks(
         f"{socket.gethostname()} (this check)",
         0.0,

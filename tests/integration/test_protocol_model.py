@@ -83,9 +83,13 @@ TIER = "default"
 LEASE = 60.0
 MAX_DELIVERIES = 3
 # How far a process's reading of the servers' clocks may be off, either way (a real one: a
-# millisecond; a process whose every clock jumps: up to its next reading, 5 s)
+# millisecond; a process whose every clock jumps: up to its next reading, 5 s). Half the
+# examples' processes err (see first_job); each process then errs by -1, 0 or +1 times it.
 CLOCK_ERROR = 5.0
-CLOCK_ERRORS = st.sampled_from([0.0, -CLOCK_ERROR, CLOCK_ERROR])
+CLOCK_ERRORS = st.sampled_from([0, -1, 1])
+# The broker's clock is this far from the ledger's: a time taken from a message to a record
+# must be converted, not copied
+BROKER_AHEAD_SECONDS = 37.0
 FERNET_KEYS = ["0qFzQc5xoZQhPWiz7RlXDGRcus0k650e5VRXFgPRCH8="]
 TERMINAL = {State.SUCCEEDED.value, State.DEAD.value}
 FENCED_WRITES = {
@@ -422,7 +426,8 @@ class ModelBody:
             elif action[0] == "advance":
                 world.clock.advance(action[1])
                 # (another process may read the servers' clocks up to twice the error ahead)
-                if (world.clock() - self.renewed_at).total_seconds() > LEASE - 2 * CLOCK_ERROR:
+                allowance = 2 * world.clock_bound
+                if (world.clock() - self.renewed_at).total_seconds() > LEASE - allowance:
                     world.limits[key].add("overran its lease")
             elif action[0] == "interleave":
                 _, lapsed, plan = action
@@ -472,6 +477,7 @@ class ProtocolModel(RuleBasedStateMachine):
         self.run = next(_run)
         self.clock = Clock(utcnow())
         self.clock_error = 0.0  # the reading error of the process acting now (seconds)
+        self.clock_bound = 0.0  # how far this example's processes err (drawn at its start)
         # A collection of its own per example: the reconciler's scans see this example only.
         self.store = ModelStore(
             uri=self.ledger_url,
@@ -506,8 +512,11 @@ class ProtocolModel(RuleBasedStateMachine):
             rate_limits={},
             publish=self.publish_port,
             tier_of=lambda name: TIER if name == TASK else None,
-            # the broker's clock and the ledger's: one time here, read with the process's error
-            **server_clocks(self.process_clock, lambda: self.process_clock().timestamp()),
+            # the broker's clock and the ledger's, each read with the process's error
+            **server_clocks(
+                self.process_clock,
+                lambda: self.process_clock().timestamp() + BROKER_AHEAD_SECONDS,
+            ),
         )
         self.dead_letters = DeadLetters(self.runtime, self.copy_port)  # type: ignore[arg-type]
         self.guard = Guard(
@@ -531,8 +540,10 @@ class ProtocolModel(RuleBasedStateMachine):
         return self.clock() + timedelta(seconds=self.clock_error)
 
     @contextlib.contextmanager
-    def acting(self, error: float) -> Any:
-        """A process whose reading of the servers' clocks is off by ``error`` acts."""
+    def acting(self, sign: float) -> Any:
+        """A process whose reading of the servers' clocks is off by ``sign`` times this
+        example's bound acts."""
+        error = sign * self.clock_bound
         outer, self.clock_error = self.clock_error, error
         if error:
             event("a process reads the clocks off")
@@ -663,6 +674,9 @@ class ProtocolModel(RuleBasedStateMachine):
 
     @initialize(target=jobs, key=st.sampled_from("abcd"), dedupe=st.booleans())
     def first_job(self, key: str, dedupe: bool) -> str:
+        # Whether this example's processes err, from a draw it makes anyway (a draw of its
+        # own would move the fixed search of the ci profile off the paths it must reach)
+        self.clock_bound = CLOCK_ERROR if key in "ab" else 0.0
         return self.publish_job(key, dedupe)
 
     @rule(target=jobs, key=st.sampled_from("abcd"), dedupe=st.booleans())
@@ -745,8 +759,8 @@ class ProtocolModel(RuleBasedStateMachine):
         if doc is not None:
             # An operator who sees the ledger's error tries again.
             with contextlib.suppress(LedgerError):
-                if self.dead_letters.replay(doc, actor="model").replayed:
-                    event("replayed")
+                outcome = self.dead_letters.replay(doc, actor="model")
+                event("replayed" if outcome.replayed else f"not replayed: {outcome.detail[:40]}")
 
     @rule(job=jobs)
     def purge(self, job: str) -> None:

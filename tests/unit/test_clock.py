@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 
 import pytest
 
@@ -187,3 +188,51 @@ def test_the_health_check_is_decided_by_the_host_furthest_from_a_server(
 def test_a_readings_error_is_not_counted_against_the_host() -> None:
     within_error = [HostClocks("a", 0.0, {"broker": (1.05, 0.1)})]
     assert clock_status(within_error, warn_seconds=1.0, down_seconds=60.0)[0] == "ok"
+
+
+def test_many_threads_asking_at_once_cost_one_read_per_resync() -> None:
+    # The happy path's round trips: a clock read is never per task, however many ask
+    host = Host()
+    server = Server(host, time=1_000.0)
+    clock = clock_of(host, server, resync_seconds=5.0)
+    threads = [threading.Thread(target=lambda: [clock.now() for _ in range(200)]) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert server.reads == 1
+
+
+def test_a_server_away_costs_one_timed_out_read_per_pause_not_one_per_call() -> None:
+    host = Host()
+    server = Server(host, time=1_000.0)
+    clock = clock_of(host, server, resync_seconds=5.0, retry_seconds=1.0)
+    clock.now()
+    attempts = []
+
+    def slow_failure() -> float:
+        attempts.append(host.mono)
+        host.advance(5.0)  # a read that waits out its 5 s timeout
+        raise ConnectionError("server away")
+
+    clock._read = slow_failure  # (the server goes away)
+    host.advance(6.0)
+    for _ in range(20):
+        clock.now()
+        host.advance(0.5)
+    # one read failed after 5 s: the next is tried no sooner than 5 s after it
+    assert len(attempts) == 2
+    assert attempts[1] - attempts[0] >= 10.0
+
+
+def test_a_soft_time_limit_raised_into_a_read_is_not_swallowed() -> None:
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    host = Host()
+
+    def limited() -> float:
+        raise SoftTimeLimitExceeded()
+
+    clock = ServerClock("ledger", limited, monotonic=lambda: host.mono, wall=lambda: host.wall)
+    with pytest.raises(SoftTimeLimitExceeded):
+        clock.now()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -14,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from celery_ledger import Job, Settings, create_app
 from celery_ledger.headers import SENT_AT
 from celery_ledger.ledger.dead import DeadLetter
-from celery_ledger.observability import ledger_listeners, metrics, sent_at_stamper
+from celery_ledger.observability import ledger_listeners, metrics, stamp_sent_at
 from celery_ledger.observability.exporter import MetricsStep, StateCollector
 from celery_ledger.observability.metrics import MetricsObserver
 from celery_ledger.policies.breaker import BreakerState
@@ -115,7 +114,7 @@ def test_poison_dead_letters_are_counted_by_queue(app: Any, registry: CollectorR
 def test_queue_wait_is_measured_from_the_published_header(registry: CollectorRegistry) -> None:
     # Given a message stamped at publish 2 seconds ago
     headers: dict[str, Any] = {}
-    sent_at_stamper(SimpleNamespace(message_time=time.time))(headers=headers)
+    stamp_sent_at(headers=headers)
     headers[SENT_AT] -= 2.0
     request = SimpleNamespace(headers=headers, ledger_tier="bulk")
     # When its delivery starts

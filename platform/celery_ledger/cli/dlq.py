@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
 
@@ -20,10 +20,10 @@ from .options import actor_option
 console = Console(soft_wrap=True)
 
 
-def parse_since(value: str | None) -> datetime | None:
-    """``30m``, ``2h``, ``7d`` ago, or an ISO time (UTC if naive)."""
+def parse_since(value: str | None, now: Callable[[], datetime] | None = None) -> datetime | None:
+    """``30m``, ``2h``, ``7d`` ago (from ``now``), or an ISO time (UTC if naive)."""
     try:
-        return since_of(value)
+        return since_of(value, now)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
 
@@ -72,7 +72,9 @@ def list_(
     """Dead jobs grouped by error fingerprint (exception type and the frame that raised it)."""
     dead = _dead_letters(ctx)
     # One more than asked for: whether the listing is all there is, or its newest part.
-    docs = dead.find(task=task_name, reason=reason, since=parse_since(since), limit=limit + 1)
+    docs = dead.find(
+        task=task_name, reason=reason, since=parse_since(since, dead.ledger_now), limit=limit + 1
+    )
     more = len(docs) > limit
     docs = docs[:limit]
     if more:  # on stderr, so that --json output stays one document
@@ -233,7 +235,10 @@ def replay(
         docs = [doc]
     elif task_name or reason or since:
         docs = dead.each(
-            task=task_name, reason=reason, since=parse_since(since), page_size=page_size
+            task=task_name,
+            reason=reason,
+            since=parse_since(since, dead.ledger_now),
+            page_size=page_size,
         )
     else:
         raise click.UsageError("name a record (ID or KEY) or a filter (--task/--reason/--since)")
@@ -280,7 +285,9 @@ def purge(
 ) -> None:
     """Delete dead records (after asking; the audit entry lists every record id removed)."""
     dead = _dead_letters(ctx)
-    docs = dead.find(task=task_name, reason=reason, since=parse_since(since), limit=PURGE_LIMIT)
+    docs = dead.find(
+        task=task_name, reason=reason, since=parse_since(since, dead.ledger_now), limit=PURGE_LIMIT
+    )
     if not docs:
         console.print("nothing to purge")
         return

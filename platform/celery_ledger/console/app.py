@@ -213,7 +213,7 @@ class _Console:
         if (
             user is None
             or not isinstance(started, int | float)
-            or time.time() - started > SESSION_SECONDS
+            or self.app.runtime.message_time() - started > SESSION_SECONDS  # (every replica's)
             or not _same(str(session.get("tag", "")), self._tag(user.password.get_secret_value()))
         ):
             session.clear()
@@ -280,7 +280,7 @@ class _Console:
             role=user.role,
             csrf=secrets.token_urlsafe(32),
             tag=self._tag(expected),
-            since=int(time.time()),
+            since=int(self.app.runtime.message_time()),
         )
         return RedirectResponse(_local(str(form.get("next", "/"))), status_code=303)
 
@@ -452,7 +452,7 @@ class _Console:
             self.app.dead_letters.find(
                 task=filters["task"] or None,
                 reason=filters["reason"] or None,
-                since=since_of(filters["since"] or None),
+                since=since_of(filters["since"] or None, self.app.dead_letters.ledger_now),
                 limit=LIST_LIMIT,
             )
         )
@@ -498,7 +498,7 @@ class _Console:
             members = self.app.dead_letters.each(
                 task=filters["task"] or None,
                 reason=filters["reason"] or None,
-                since=since_of(filters["since"] or None),
+                since=since_of(filters["since"] or None, self.app.dead_letters.ledger_now),
             )
             return [d for d in members if group_of(d) == fingerprint][:PURGE_LIMIT]
         return []

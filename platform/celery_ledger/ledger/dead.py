@@ -130,7 +130,9 @@ class DeadLetter:
     unauthenticated: str | None = None  # why its headers are not trusted (see DeadJob)
 
     @classmethod
-    def of_record(cls, record: Mapping[str, Any]) -> DeadLetter:
+    def of_record(cls, record: Mapping[str, Any], *, now: datetime | None = None) -> DeadLetter:
+        """The announcement of a dead record; ``now`` on the ledger's clock (the copy's time,
+        which its retention is judged by)."""
         return cls(
             record_id=str(record["_id"]),
             task=record.get("task"),
@@ -142,13 +144,23 @@ class DeadLetter:
             fingerprint_text=record.get("fingerprint_text"),
             message=_jsonable(record.get("message")),
             errors=_jsonable(record.get("errors", [])),
-            at=datetime.now(UTC).isoformat(),
+            at=(now or datetime.now(UTC)).isoformat(),
             unauthenticated=record.get("unauthenticated"),
         )
 
     @classmethod
-    def of_job(cls, record_id: str, dead: DeadJob, *, task: str, key: str, tier: str) -> DeadLetter:
-        """The announcement of a job just buried with ``dead`` (no read of the record)."""
+    def of_job(
+        cls,
+        record_id: str,
+        dead: DeadJob,
+        *,
+        task: str,
+        key: str,
+        tier: str,
+        now: datetime | None = None,
+    ) -> DeadLetter:
+        """The announcement of a job just buried with ``dead`` (no read of the record); ``now``
+        as for :meth:`of_record`."""
         return cls(
             record_id=record_id,
             task=task,
@@ -160,7 +172,7 @@ class DeadLetter:
             fingerprint_text=dead.fingerprint_text,
             message=None if dead.message is None else _jsonable(dead.message.document()),
             errors=[] if dead.error is None else [_jsonable(dead.error.model_dump())],
-            at=datetime.now(UTC).isoformat(),
+            at=(now or datetime.now(UTC)).isoformat(),
             unauthenticated=dead.unauthenticated,
         )
 

@@ -230,8 +230,10 @@ class _FenceClock:
         self._lock = ForkSafeLock()
 
     def next(self, at_least: int = 0) -> int:
+        # (read before the lock: a clock's occasional read of its server must not hold up
+        # another thread's claim)
+        now_ns = int(self._clock().timestamp() * 1_000_000) * 1000
         with self._lock:
-            now_ns = int(self._clock().timestamp() * 1_000_000) * 1000
             self._last = max(now_ns, self._last + 1, at_least)
             return self._last
 

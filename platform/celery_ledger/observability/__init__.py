@@ -16,12 +16,12 @@ which workers measure how long a message waited in its queue.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from celery import signals
 
 from .. import headers as ledger_headers
+from ..clock import last_known_time
 from ..errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -32,17 +32,12 @@ if TYPE_CHECKING:
     from ..settings import Settings
 
 
-def sent_at_stamper(runtime: Runtime) -> Callable[..., None]:
-    """``before_task_publish``: the publish time on the app's broker clock (every time on a
-    message is the broker's), overwritten at every (re)publish. Celery's signal does not say
-    which app publishes: a process of two apps stamps with the last one's (the broker's clock
-    either way)."""
-
-    def stamp_sent_at(headers: dict[str, Any] | None = None, **_: Any) -> None:
-        if isinstance(headers, dict):
-            headers[ledger_headers.SENT_AT] = runtime.message_time()
-
-    return stamp_sent_at
+def stamp_sent_at(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """``before_task_publish``: the publish time, overwritten at every (re)publish, on the
+    broker's clock as this process last read it (every time on a message is the broker's;
+    Celery's signal does not say which app publishes, and a publish must not wait for a read)."""
+    if isinstance(headers, dict):
+        headers[ledger_headers.SENT_AT] = last_known_time("broker")
 
 
 def ledger_listeners(settings: Settings) -> list[CommandListener]:
@@ -59,7 +54,7 @@ def ledger_listeners(settings: Settings) -> list[CommandListener]:
 def install(app: Celery, runtime: Runtime) -> None:
     """Wire what the settings ask for; does nothing for the defaults but stamp messages."""
     signals.before_task_publish.connect(
-        sent_at_stamper(runtime), weak=False, dispatch_uid=f"{ledger_headers.SENT_AT}:{id(app)}"
+        stamp_sent_at, weak=False, dispatch_uid=ledger_headers.SENT_AT
     )
     settings = runtime.settings
 
@@ -104,4 +99,4 @@ def _extra_module(name: str, needs: str, what: str) -> Any:
         raise ConfigurationError(f"{what}: pip install 'celery-ledger[{name}]'") from exc
 
 
-__all__ = ["install", "ledger_listeners", "sent_at_stamper"]
+__all__ = ["install", "ledger_listeners", "stamp_sent_at"]
