@@ -73,6 +73,8 @@ class SystemReport:
     designed_dead: int = 0
     lost: list[str] = field(default_factory=list)
     wrong_outcome: list[str] = field(default_factory=list)
+    # dead as poison because the soak killed its process at every delivery: as designed
+    killed_to_dead: list[str] = field(default_factory=list)
     duplicates: int = 0  # effects beyond the first, over all keys
     duplicate_keys: list[str] = field(default_factory=list)
     duplicate_causes: dict[str, int] = field(default_factory=dict)

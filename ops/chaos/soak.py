@@ -666,9 +666,16 @@ class Soak:
                     )
                 )
             elif state != job.designed:
-                report.wrong_outcome.append(job.key)
                 reason = records.get(job.key, {}).get("dead_reason")
-                report.details.append(f"wrong outcome: {job.key} ({job.kind}) {state}: {reason}")
+                killed = self.killed_at_every_attempt(system, job, reason)
+                if killed is not None:
+                    report.killed_to_dead.append(job.key)
+                    report.details.append(f"dead by the soak's kills: {job.key} {killed}")
+                else:
+                    report.wrong_outcome.append(job.key)
+                    report.details.append(
+                        f"wrong outcome: {job.key} ({job.kind}) {state}: {reason}"
+                    )
             runs = effects.get(job.key, [])
             if job.kind == "permanent":
                 report.effects_of_failed_jobs += len(runs)
@@ -696,6 +703,9 @@ class Soak:
                 )
         if system == "ledger":
             designed = {j.key for j in self.jobs if j.designed == "dead"}
+            # (a job the soak killed at every delivery is a dead letter as designed: poison)
+            killed_keys = set(report.killed_to_dead)
+            dead_docs = [d for d in dead_docs if str(d.get("key")) not in killed_keys]
             dead_keys = {str(d.get("key")) for d in dead_docs}
             reasons_ok = all("permanent error" in str(d.get("dead_reason")) for d in dead_docs)
             with Redis.from_url(self.broker.url) as redis:
@@ -854,6 +864,42 @@ class Soak:
         report.wakes_waiting_most = self.most_waiting["wake"]
         report.step_copies_waiting_most = self.most_waiting["step"]
         report.deepest_backlog = self.most_waiting["depth"]
+
+    def killed_at_every_attempt(self, system: str, job: Job, reason: Any) -> str | None:
+        """How the soak killed ``job``'s process at each of its attempts, if it did, for a job
+        dead as poison ("the worker was lost each time"); else None.
+
+        The platform cannot tell a process killed from outside while it ran a job from a job
+        that kills its process (the OOM killer's SIGKILL looks the same): after
+        ``LEDGER_MAX_DELIVERIES`` such deliveries the job is a dead letter, replayable. That is
+        the design, not a wrong outcome, when the soak's own kills account for every attempt
+        the world recorded (each within the attempt's run: its sleep and a lease).
+        """
+        if "lost each time" not in str(reason):
+            return None
+        with self.world() as world_client:
+            attempts = list(
+                world_client.soak_world.attempts.find({"system": system, "key": job.key})
+            )
+        if not attempts:
+            return None
+        window = job.param + self.profile.lease_seconds
+        found = []
+        for attempt in attempts:
+            kill = next(
+                (
+                    k
+                    for k in self.kills
+                    if k.system == system
+                    and attempt["pid"] in k.pids
+                    and attempt["at"] <= k.at <= attempt["at"] + window
+                ),
+                None,
+            )
+            if kill is None:
+                return None
+            found.append(f"{kill.kind} kill {kill.at - attempt['at']:.1f}s into attempt")
+        return f"{len(attempts)} attempts, each killed: " + "; ".join(found)
 
     def cause_of(self, system: str, run: dict[str, Any]) -> str:
         """Why a run's effect was not its job's last: a kill soon after it, or a ledger outage.
