@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pymongo import monitoring
 
 from .. import headers
+from ..clock import last_known_time
 from ..events import Job, Observer
 from ..locks import ForkSafeLock
 from ..policies.breaker import BreakerState
@@ -451,7 +452,8 @@ def observe_queue_wait(sender: Any = None, **_: Any) -> None:
         return
     tier = _header(request, headers.TIER) or getattr(sender, "tier", None)
     runtime = getattr(getattr(sender, "app", None), "runtime", None)
-    now = runtime.message_time() if runtime is not None else time.time()  # (the broker's)
+    # (the broker's clock, as the header was stamped)
+    now = runtime.message_time() if runtime is not None else last_known_time("broker")
     wait = max(now - sent_at, 0.0)
     _m().queue_wait.labels(str(sender.name), _tier(tier)).observe(wait)
 
