@@ -91,6 +91,40 @@ def holder_of(producer: Any, task: Any, token: str) -> str | None:
     return str(record.lease_owner).split("@", 1)[0]
 
 
+def held_then_redelivered(
+    stack: EmbeddedStack,
+    holder: FakeClock | None,
+    taker: FakeClock | None,
+    *,
+    meanwhile: Any = None,
+) -> None:
+    """A job held by one worker (a lease of 3 s, renewed by heartbeats while its 9 s body
+    runs), then delivered a second time to another worker (which also sweeps as the fleet's
+    reconciler: expired leases, stranded messages); ``meanwhile`` runs after that. Then the
+    body ran once, by the holder: the second delivery was its duplicate."""
+    producer = producer_app(stack, f"held_{uuid.uuid4().hex[:6]}")
+    record = shared_task(producer, RECORD)
+    token = f"held-{uuid.uuid4().hex[:8]}"
+    skewed_worker(stack, "holder", holder)
+    record.apply_async((token,), {"sleep_seconds": 9.0})
+    wait_for(lambda: holder_of(producer, record, token) == "holder", what="the holder running")
+    skewed_worker(stack, "taker", taker)
+    record.apply_async((token,), {"sleep_seconds": 9.0})
+    if meanwhile is not None:
+        meanwhile()
+    wait_for(
+        lambda: (r := producer.ledger.get(record.name, token)) and r.state is State.SUCCEEDED,
+        timeout=40,
+        what="the job succeeding",
+    )
+    time.sleep(6.0)  # the second delivery's recheck, and another reconciler sweep or two
+    ran = effects_of(stack, "record", token)
+    final = producer.ledger.get(record.name, token)
+    assert len(ran) == 1, f"the body ran {len(ran)} times"
+    assert final.attempts == 1 and final.fence > 0
+    producer.close()
+
+
 @pytest.mark.parametrize(
     ("holder_offset", "taker_offset"),
     [
@@ -104,29 +138,11 @@ def holder_of(producer: Any, task: Any, token: str) -> str | None:
 def test_a_live_lease_is_never_taken_over_whatever_the_clocks(
     isolated: EmbeddedStack, clocks: Any, holder_offset: int, taker_offset: int
 ) -> None:
-    producer = producer_app(isolated, f"skew_{uuid.uuid4().hex[:6]}")
-    record = shared_task(producer, RECORD)
-    token = f"lease-{uuid.uuid4().hex[:8]}"
-    # Given a job held by one worker (a lease of 3 s, renewed by heartbeats while it runs)
-    skewed_worker(isolated, "holder", clocks("holder", holder_offset) if holder_offset else None)
-    record.apply_async((token,), {"sleep_seconds": 8.0})
-    wait_for(lambda: holder_of(producer, record, token) == "holder", what="the holder running")
-    # When another worker, on another clock, gets a second delivery of it (and sweeps as the
-    # fleet's reconciler: expired leases, stranded messages)
-    skewed_worker(isolated, "taker", clocks("taker", taker_offset) if taker_offset else None)
-    record.apply_async((token,), {"sleep_seconds": 8.0})
-    # Then the body runs once, by the holder, and the second delivery is its duplicate
-    wait_for(
-        lambda: (r := producer.ledger.get(record.name, token)) and r.state is State.SUCCEEDED,
-        timeout=40,
-        what="the job succeeding",
+    held_then_redelivered(
+        isolated,
+        clocks("holder", holder_offset) if holder_offset else None,
+        clocks("taker", taker_offset) if taker_offset else None,
     )
-    time.sleep(6.0)  # the second delivery's recheck, and another reconciler sweep or two
-    ran = effects_of(isolated, "record", token)
-    final = producer.ledger.get(record.name, token)
-    assert len(ran) == 1, f"the body ran {len(ran)} times"
-    assert final.attempts == 1 and final.fence > 0
-    producer.close()
 
 
 @pytest.mark.parametrize(
@@ -137,27 +153,19 @@ def test_a_live_lease_is_never_taken_over_whatever_the_clocks(
 def test_a_clock_that_jumps_while_the_job_runs_never_runs_it_twice(
     isolated: EmbeddedStack, clocks: Any, whose: str, jump_seconds: int
 ) -> None:
-    producer = producer_app(isolated, f"jump_{uuid.uuid4().hex[:6]}")
-    record = shared_task(producer, RECORD)
-    token = f"jump-{uuid.uuid4().hex[:8]}"
     clock = clocks(whose, 0)
-    skewed_worker(isolated, "holder", clock if whose == "holder" else None)
-    record.apply_async((token,), {"sleep_seconds": 9.0})
-    wait_for(lambda: holder_of(producer, record, token) == "holder", what="the holder running")
-    skewed_worker(isolated, "taker", clock if whose == "taker" else None)
-    record.apply_async((token,), {"sleep_seconds": 9.0})
-    time.sleep(1.0)
-    # When that worker's clock jumps (NTP stepping it, a VM resumed) in the middle of the run
-    clock.set(jump_seconds)
-    wait_for(
-        lambda: (r := producer.ledger.get(record.name, token)) and r.state is State.SUCCEEDED,
-        timeout=40,
-        what="the job succeeding",
+
+    def jump() -> None:
+        # that worker's clock jumps (NTP stepping it, a VM resumed) in the middle of the run
+        time.sleep(1.0)
+        clock.set(jump_seconds)
+
+    held_then_redelivered(
+        isolated,
+        clock if whose == "holder" else None,
+        clock if whose == "taker" else None,
+        meanwhile=jump,
     )
-    time.sleep(6.0)
-    assert len(effects_of(isolated, "record", token)) == 1
-    assert producer.ledger.get(record.name, token).attempts == 1
-    producer.close()
 
 
 @pytest.mark.parametrize("offset", [-300, 300, -3600], ids=["-5m", "+5m", "-1h"])
