@@ -191,13 +191,16 @@ PRODUCE = """
 import sys, time
 from tests.integration import ledger_app  # the test app, on the servers its environment names
 task, token, how = getattr(ledger_app, sys.argv[1]), sys.argv[2], sys.argv[3]
+extra = [float(value) for value in sys.argv[4:]]
 print(time.monotonic(), flush=True)  # (not faked: the host's, which the test reads too)
-task.apply_async((token,), countdown=4 if how == "countdown" else None)
+task.apply_async((token, *extra), countdown=4 if how == "countdown" else None)
 ledger_app.app.close()
 """
 
 
-def produce_on(stack: EmbeddedStack, clock: FakeClock, task: str, token: str, how: str) -> float:
+def produce_on(
+    stack: EmbeddedStack, clock: FakeClock, task: str, token: str, how: str, *extra: float
+) -> float:
     """Publish from a process of its own, on ``clock`` (the test app, as its workers run it);
     returns the monotonic time of its publish."""
     env = {
@@ -208,7 +211,7 @@ def produce_on(stack: EmbeddedStack, clock: FakeClock, task: str, token: str, ho
     }
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *sys.path])
     done = subprocess.run(
-        [sys.executable, "-c", PRODUCE, task, token, how],
+        [sys.executable, "-c", PRODUCE, task, token, how, *map(str, extra)],
         env=env,
         check=True,
         timeout=60,
@@ -290,4 +293,33 @@ def test_a_workflow_timer_fires_when_due_on_a_worker_whose_clock_is_off(
     assert 3.9 <= scheduled[0].data["until"] - scheduled[0].at.timestamp() <= 4.1
     assert fired[0].at.timestamp() >= scheduled[0].data["until"] - 0.01
     assert (fired[0].at - scheduled[0].at).total_seconds() <= 15.0
+    producer.close()
+
+
+@pytest.mark.parametrize(
+    ("producer_offset", "worker_offset"),
+    [(-3600, 0), (0, 3600), (3600, -3600)],
+    ids=["producer-1h", "worker+1h", "producer+1h-worker-1h"],
+)
+def test_a_latency_objective_counts_from_the_publish_whatever_the_clocks(
+    isolated: EmbeddedStack, clocks: Any, producer_offset: int, worker_offset: int
+) -> None:
+    producer = producer_app(isolated, f"slo_{uuid.uuid4().hex[:6]}")
+    report = shared_task(producer, "tests.integration.ledger_app.slow_report")
+    skewed_worker(isolated, "judge", clocks("judge", worker_offset) if worker_offset else None)
+    clock = clocks("producer", producer_offset) if producer_offset else None
+    # A job well within its 1 s objective, and one past it (3 s), from a host whose clock is off
+    quick, slow = (f"slo-{what}-{uuid.uuid4().hex[:6]}" for what in ("quick", "slow"))
+    for token, seconds in ((quick, 0.1), (slow, 3.0)):
+        if clock is None:
+            report.apply_async((token, seconds))
+        else:
+            produce_on(isolated, clock, "slow_report", token, "now", seconds)
+    for token in (quick, slow):
+        wait_for(lambda t=token: effects_of(isolated, "slow_report", t), timeout=30, what=token)
+    time.sleep(3.0)  # the workers' escalation checks (every 0.5 s here)
+    # The quick one is not late (an hour-old publish, to a clock an hour off); the slow one is
+    # late once
+    assert effects_of(isolated, "late", quick) == []
+    assert len(effects_of(isolated, "late", slow)) == 1
     producer.close()
