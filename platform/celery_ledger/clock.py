@@ -236,12 +236,6 @@ def last_known_time(server: str) -> float:
     return reading.server_time + (BOOT_CLOCK() - reading.at_monotonic)
 
 
-def wall_clock(server: str = "local") -> ServerClock:
-    """A clock that reads this host's wall clock as its "server" (tests, and processes
-    whose decisions involve no other process)."""
-    return ServerClock(server, time.time, warn_offset_seconds=float("inf"))
-
-
 def mongo_time(client: object) -> float:
     """The MongoDB server's time (``hello``'s ``localTime``), in unix seconds."""
     reply = client.admin.command("hello")  # type: ignore[attr-defined]
