@@ -180,6 +180,7 @@ class MemoryLedger:
         slo_at: datetime | None = None,
         slo_seconds: float | None = None,
         new: bool = False,  # the store's choice of write only: the same outcome either way
+        handed_back: int = 0,
     ) -> Claim:
         fault = self._enter("claim")
         now = self.now()
@@ -227,10 +228,10 @@ class MemoryLedger:
             self._leave(fault)
             return Claim(ClaimOutcome.BUSY, retry_at=doc["claimable_at"])
         reason = None
-        if doc.get("inflight", 0) >= self.max_deliveries:
+        if doc.get("inflight", 0) >= self.max_deliveries + handed_back:
             reason = (
                 "poison",
-                f"poison: delivered {doc['inflight']} times without an outcome"
+                f"poison: delivered {doc['inflight'] - handed_back} times without an outcome"
                 " (the worker was lost each time)",
             )
         elif max_attempts is not None and doc.get("attempts", 0) >= max_attempts:

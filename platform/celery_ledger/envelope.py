@@ -297,6 +297,7 @@ PROPERTY_CHECKS: dict[str, Check] = {
     "correlation_id": _optional(_text),
     "reply_to": _optional(_text),
     ledger_headers.NEW: _optional(_flag),
+    ledger_headers.HANDED_BACK: _optional(_ledger_number),
 }
 _REQUIRED_PROPERTIES = ("delivery_tag", "delivery_info")
 

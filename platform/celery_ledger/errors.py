@@ -73,6 +73,11 @@ class LedgerUnavailable(StoreError):
     lost, or its write concern was not confirmed); the operation may succeed later."""
 
 
+class LedgerUnreachable(LedgerUnavailable):
+    """No ledger server could be selected: the operation was never sent, so it did not apply
+    (a caller that must know whether a write applied may rely on it)."""
+
+
 class CommitLost(StoreError):
     """The ledger no longer holds atomic steps whose transactions it acknowledged to this
     attempt (a server that did not keep a commit across a crash or a failover). The attempt's

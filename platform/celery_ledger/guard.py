@@ -44,6 +44,7 @@ from .errors import (
     LeaseLost,
     LedgerError,
     LedgerUnavailable,
+    LedgerUnreachable,
     PayloadError,
     PermanentError,
     RetryNotPublished,
@@ -111,6 +112,9 @@ class Delivery:
     headers: Mapping[str, Any] = field(default_factory=dict)  # the message's (untrusted)
     retries: int = 0
     deferrals: int = 0
+    # Deliveries before this one handed back alive without the ledger learning it (the
+    # message's ``ledger_handed_back`` property): not lost workers to the poison check.
+    handed_back: int = 0
     previous_delay: float | None = None
     enqueued_at: float | None = None
     expires: datetime | None = None
@@ -161,10 +165,16 @@ class Body(Protocol):
         """Run the task's body with the delivery's arguments."""
 
     def defer(
-        self, delay_seconds: float, message_headers: dict[str, Any], *, fresh: bool = False
+        self,
+        delay_seconds: float,
+        message_headers: dict[str, Any],
+        *,
+        fresh: bool = False,
+        handed_back: int = 0,
     ) -> None:
         """Publish the message again to arrive after ``delay_seconds`` (raises on failure);
-        ``fresh``: as a new run (no retries used; no chain, callbacks, group or expiry)."""
+        ``fresh``: as a new run (no retries used; no chain, callbacks, group or expiry);
+        ``handed_back``: the copy's count of deliveries handed back alive (headers.HANDED_BACK)."""
 
     def retry(
         self, exc: BaseException, delay_seconds: float, message_headers: dict[str, Any]
@@ -275,10 +285,13 @@ class Guard:
                 max_attempts=policy.max_attempts,
                 alias=delivery.identity.alias,
                 new=delivery.first_publish,
+                handed_back=delivery.handed_back,
                 **self._objective(delivery, policy),
             )
         except LedgerUnavailable as exc:
-            return self._ledger_unavailable_at_claim(delivery, body, exc)
+            # A claim sent whose reply was lost may have applied: counted as handed back.
+            sent = not isinstance(exc, LedgerUnreachable)
+            return self._ledger_unavailable_at_claim(delivery, body, exc, handed_back=sent)
         except StoreError as exc:
             reason = storable(f"the ledger refused the claim: {exc}")[:2000]
             return self._dead_before_claim(delivery, body, reason, "unstorable", policy.sensitive)
@@ -308,10 +321,18 @@ class Guard:
             try:
                 replacing = self._replacing(delivery.record_id, claim.fence)
             except LedgerError as exc:  # not knowing, it must not run: back when it answers
-                self._release_claim(delivery.record_id, claim.fence)
+                released = self._release_claim(delivery.record_id, claim.fence)
                 if isinstance(exc, LedgerUnavailable):
-                    return self._ledger_unavailable_at_claim(delivery, body, exc)
-                return Verdict.requeue(f"could not read the claimed record: {exc}")
+                    return self._ledger_unavailable_at_claim(
+                        delivery, body, exc, handed_back=not released
+                    )
+                return self._defer(
+                    delivery,
+                    body,
+                    self.unavailable_delay(delivery),
+                    f"could not read the claimed record: {exc}",
+                    handed_back=not released,
+                )
         attempt = Attempt(
             self, delivery, policy, body, claim.fence, breaker, admission, replacing=replacing
         )
@@ -341,11 +362,14 @@ class Guard:
         doc = self.ledger.find_raw(record_id)
         return doc is not None and doc.get("fence") == fence and doc.get("degraded") is not None
 
-    def _release_claim(self, record_id: str, fence: int) -> None:
+    def _release_claim(self, record_id: str, fence: int) -> bool:
+        """Give back a claim whose body did not run; whether the ledger recorded it."""
         try:
             self.ledger.release(record_id, fence, op=new_op(), refund_attempt=True)
         except LedgerError as exc:
             logger.info("could not release %s now (%s); its lease will end", record_id, exc)
+            return False
+        return True
 
     def oversized(self, delivery: Delivery) -> str | None:
         """Why the message's arguments are over the limit (published around our API), or None."""
@@ -539,11 +563,12 @@ class Guard:
         return Verdict.requeue(f"could not record {problem}")
 
     def _ledger_unavailable_at_claim(
-        self, delivery: Delivery, body: Body, exc: LedgerUnavailable
+        self, delivery: Delivery, body: Body, exc: LedgerUnavailable, *, handed_back: bool = False
     ) -> Verdict:
         self.observers.ledger_unavailable(delivery.job, "claim")
         logger.warning("ledger unavailable at the claim of %s: %s", delivery.record_id, exc)
-        return self._defer(delivery, body, self.unavailable_delay(delivery), "ledger unavailable")
+        delay = self.unavailable_delay(delivery)
+        return self._defer(delivery, body, delay, "ledger unavailable", handed_back=handed_back)
 
     def unavailable_delay(self, delivery: Delivery) -> float:
         settings = self.settings
@@ -594,11 +619,24 @@ class Guard:
         self.dead_letters.announce_record(conflict_id, job=delivery.job)
         return Verdict.ack(reason)
 
-    def _defer(self, delivery: Delivery, body: Body, delay: float, reason: str) -> Verdict:
+    def _defer(
+        self,
+        delivery: Delivery,
+        body: Body,
+        delay: float,
+        reason: str,
+        *,
+        handed_back: bool = False,
+    ) -> Verdict:
         """Publish the message again for ``delay`` seconds from now, then acknowledge this
-        delivery. A deferral is not an attempt. If it cannot be published, requeue instead."""
+        delivery. A deferral is not an attempt. If it cannot be published, requeue instead.
+
+        ``handed_back``: this delivery claimed the job and could not record giving the claim
+        back (the ledger is unreachable): the copy counts it (see headers.HANDED_BACK), so that
+        the claim's poison check does not take it for a lost worker."""
         message_headers = delivery.republish_headers(**{headers.DEFERRALS: delivery.deferrals + 1})
-        return self._defer_with(delivery, body, delay, reason, message_headers)
+        count = delivery.handed_back + (1 if handed_back else 0)
+        return self._defer_with(delivery, body, delay, reason, message_headers, handed_back=count)
 
     def _defer_with(
         self,
@@ -607,9 +645,12 @@ class Guard:
         delay: float,
         reason: str,
         message_headers: dict[str, Any],
+        *,
+        handed_back: int | None = None,
     ) -> Verdict:
+        count = delivery.handed_back if handed_back is None else handed_back
         try:
-            body.defer(delay, message_headers)
+            body.defer(delay, message_headers, handed_back=count)
         except PayloadError as exc:
             # It can never be published again as it is: requeued, it would come straight back
             # for ever. Kept dead with its reason instead (sealed when the app can seal).
@@ -1099,10 +1140,16 @@ class Attempt:
         served = self.degrade("circuit-open", exc, exc.retry_at)
         if served is not None:
             return served
-        self._release_quietly()
+        released = self._release_quietly()
         now = self.guard.runtime.message_time()  # (a breaker's times are the broker's)
         delay = max((exc.retry_at or now) - now, 0.0) + random.uniform(0.05, 0.5)
-        return self.guard._defer(self.delivery, self.body, delay, "circuit open (inside the body)")
+        return self.guard._defer(
+            self.delivery,
+            self.body,
+            delay,
+            "circuit open (inside the body)",
+            handed_back=not released,
+        )
 
     def lease_lost(self, exc: LeaseLost) -> Verdict:
         """A newer claim took over while the body ran: this delivery stops here."""
@@ -1116,9 +1163,11 @@ class Attempt:
         run the job again soon; its steps run again with it."""
         logger.error("%s", exc)
         self.guard.observers.commit_lost(self.delivery.job, exc.steps)
-        self._release_quietly()
+        released = self._release_quietly()
         delay = self.guard.unavailable_delay(self.delivery)
-        return self.guard._defer(self.delivery, self.body, delay, "ledger lost a commit")
+        return self.guard._defer(
+            self.delivery, self.body, delay, "ledger lost a commit", handed_back=not released
+        )
 
     def ledger_unavailable(self, exc: LedgerUnavailable) -> Verdict:
         """A ledger call of the body's (checkpoint, step, heartbeat) failed for now: never a
@@ -1127,10 +1176,14 @@ class Attempt:
             "%s: ledger unavailable inside the body (%s); deferring", self.record_id, exc
         )
         self.guard.observers.ledger_unavailable(self.delivery.job, "body")
-        self._release_quietly()
+        released = self._release_quietly()
         delay = self.guard.unavailable_delay(self.delivery)
         return self.guard._defer(
-            self.delivery, self.body, delay, "ledger unavailable (in the body)"
+            self.delivery,
+            self.body,
+            delay,
+            "ledger unavailable (in the body)",
+            handed_back=not released,
         )
 
     def ignored(self, exc: Ignore) -> Verdict:
@@ -1191,14 +1244,24 @@ class Attempt:
         """The atomic steps this attempt's outcome relies on (a success needs them kept)."""
         return tuple(self.execution.atomic_steps) if self.execution is not None else ()
 
-    def _release_quietly(self, *, refund_attempt: bool = False) -> None:
-        """Give the claim back now if the ledger answers; else its lease ends by itself."""
+    def _release_quietly(self, *, refund_attempt: bool = False) -> bool:
+        """Give the claim back now if the ledger answers; else its lease ends by itself.
+        Whether the ledger recorded it."""
         try:
             self.ledger.release(
                 self.record_id, self.fence, op=new_op(), refund_attempt=refund_attempt
             )
         except LedgerError as exc:
             logger.info("could not release %s now (%s); its lease will end", self.record_id, exc)
+            return False
+        return True
+
+    def _hand_back(self, reason: str) -> Verdict:
+        """The attempt's outcome could not be recorded (the ledger is unreachable): the message
+        goes back, put off while the ledger recovers, counting this delivery as handed back
+        alive (its claim stays on the record until its lease ends)."""
+        delay = self.guard.unavailable_delay(self.delivery)
+        return self.guard._defer(self.delivery, self.body, delay, reason, handed_back=True)
 
     def _persist(self, write: Callable[[], Any], what: str) -> None:
         """Run a fenced write, retrying while the ledger is unreachable (until most of the
@@ -1232,9 +1295,11 @@ class Attempt:
             except LedgerUnavailable as exc:
                 if self.guard.monotonic() >= deadline:
                     logger.error(
-                        "%s of %s failed, ledger unreachable; requeueing", what, self.record_id
+                        "%s of %s failed, ledger unreachable; handing the message back",
+                        what,
+                        self.record_id,
                     )
-                    raise _Settled(Verdict.requeue(f"{what} failed: {exc}")) from exc
+                    raise _Settled(self._hand_back(f"{what} failed: {exc}")) from exc
                 self.guard.sleep(backoff_seconds(attempt, base_seconds=0.2, cap_seconds=5.0) + 0.05)
                 attempt += 1
             except StoreError as exc:
@@ -1265,8 +1330,10 @@ class Attempt:
         except LeaseLost as lost:
             return self.lease_lost(lost)
         except LedgerError as again:
-            logger.error("could not record %s dead either (%s); requeueing", self.record_id, again)
-            return Verdict.requeue(reason)
+            logger.error(
+                "could not record %s dead either (%s); handing it back", self.record_id, again
+            )
+            return self._hand_back(reason)
         self.guard.dead_letters.announce_record(self.record_id, job=self.delivery.job)
         return Verdict.raises(PermanentError(reason))
 

@@ -39,7 +39,17 @@ SIGNATURE = "ledger_signature"
 # ``ledger_`` header (so producers may be upgraded before workers). A hint: wrong either way,
 # the claim costs at most two more writes and claims the same.
 NEW = "ledger_new"
-PROPERTIES = (NEW,)
+# A message *property* too: how many deliveries of the job handed the message back alive while
+# the ledger was unreachable, so that the ledger could not learn it (their claims still count
+# as deliveries without an outcome there). The next claim's poison check does not count them
+# as lost workers. Carried by each deferral copy (set again at each, as ``ledger_new`` is
+# not), dropped by a retry (its recorded outcome clears the count in the ledger). A property,
+# so that a worker of an earlier release, which refuses an unknown ``ledger_`` header, takes
+# the message; unsigned, like every property: a forged count only lets a job whose worker
+# keeps dying run up to ``MAX_HANDED_BACK`` more times before it is poison.
+HANDED_BACK = "ledger_handed_back"
+MAX_HANDED_BACK = 100
+PROPERTIES = (NEW, HANDED_BACK)
 
 # Headers a republish copies from the original message (see KeptMessage).
 CARRIED = (

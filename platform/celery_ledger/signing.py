@@ -102,7 +102,8 @@ BOUND_HEADERS = (
 # ``sentry-trace``, ``baggage``, ``traceparent``) is not read by the platform or Celery to decide
 # anything; kombu's ``redelivered`` only turns off the first claim's insert (a write's cost),
 # as the unsigned ``ledger_new`` property turns it on (see headers.NEW). Message properties are
-# never signed: none decides what happens to a job.
+# never signed: none decides what happens to a job, except that ``ledger_handed_back`` delays the
+# poison verdict by at most headers.MAX_HANDED_BACK deliveries (see headers.HANDED_BACK).
 UNBOUND_HEADERS: dict[str, str] = {
     HEADER: "the signature itself",
     ledger_headers.SENT_AT: "stamped after the signature (before_task_publish); queue-wait"

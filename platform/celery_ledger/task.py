@@ -75,12 +75,15 @@ logger = logging.getLogger("celery_ledger.task")
 _Result: TypeAlias = AsyncResult
 
 # Options a call may not pass through to the broker: the ledger owns them.
-_LEDGER_OWNED_OPTIONS = ("ignore_result", headers.NEW)
+_LEDGER_OWNED_OPTIONS = ("ignore_result", *headers.PROPERTIES)
 # Options a job enqueued in a transaction cannot carry: its record keeps the call only.
 _NOT_IN_OUTBOX = ("chain", "countdown", "eta", "expires")
 # Marks a publish of a delivery's own arguments again (a retry, a deferral): see
 # ``signature_from_request``.
 _REPUBLISH = "ledger_republish"
+# A deferral's count of deliveries handed back alive (see headers.HANDED_BACK): an option only
+# the guard's deferral passes, made the copy's message property by the publish.
+_HANDED_BACK = "ledger_handed_back_count"
 # Options that only Celery sets when it publishes a message it froze itself (chains, groups,
 # chords, callbacks, replace, retries and deferrals from a request): its task id was chosen by
 # Celery, not by the caller, and the message's key header says which job it is.
@@ -484,6 +487,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             header_tier = None
         tier = header_tier or self.app.tiers.of_task(self.name, self.tier)
         deferrals = float_or_none(request_header(request, headers.DEFERRALS)) or 0
+        handed_back = float_or_none(request_property(request, headers.HANDED_BACK)) or 0
         return Delivery(
             identity=identity,
             tier=tier,
@@ -493,6 +497,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             headers=dict(custom),
             retries=request.retries,
             deferrals=int(min(max(deferrals, 0), _MAX_DEFERRALS)),
+            handed_back=int(min(max(handed_back, 0), headers.MAX_HANDED_BACK)),
             previous_delay=float_or_none(request_header(request, headers.PREVIOUS_DELAY)),
             enqueued_at=float_or_none(request_header(request, headers.ENQUEUED_AT)),
             expires=expiry_of(request.expires),
@@ -635,6 +640,9 @@ class LedgerTask(Task):  # type: ignore[misc]
         never_shed = bool(options.pop(NEVER_SHED, False))
         for name in _LEDGER_OWNED_OPTIONS:
             options.pop(name, None)
+        handed_back = options.pop(_HANDED_BACK, None)
+        if isinstance(handed_back, int) and handed_back > 0:
+            options[headers.HANDED_BACK] = min(handed_back, headers.MAX_HANDED_BACK)
 
         payload = _payload_json(args, kwargs, republish=bool(options.pop(_REPUBLISH, False)))
         if len(payload) > settings.max_payload_bytes:
@@ -966,7 +974,12 @@ class _Body:
         return self._task.run(*self._delivery.args, **self._delivery.kwargs)
 
     def defer(
-        self, delay_seconds: float, message_headers: dict[str, Any], *, fresh: bool = False
+        self,
+        delay_seconds: float,
+        message_headers: dict[str, Any],
+        *,
+        fresh: bool = False,
+        handed_back: int = 0,
     ) -> None:
         task = self._task
         # A fresh run (a degraded result's replacement): no retries used, and none of the
@@ -983,7 +996,7 @@ class _Body:
                 "expires": None,
             }
             if fresh
-            else {}
+            else {_HANDED_BACK: handed_back}
         )
         signature = task.signature_from_request(
             task.request,

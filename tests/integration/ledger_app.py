@@ -429,6 +429,21 @@ def atomic_effect(self: Any, token: str, mode: str, ledger_pid: int = 0) -> dict
     return receipt
 
 
+@app.task(idempotency_key="{token}", lease_seconds=3, heartbeat_seconds=0)
+def outlasted_by_its_ledger(token: str, ledger_pid_file: str, times: int) -> int:
+    """Its first ``times`` attempts SIGKILL the ledger's server (whose pid the test writes to
+    ``ledger_pid_file`` each time it starts it) as they return: each worker stays alive, and
+    cannot record how its attempt ended. Attempts are counted in a file (the ledger dies)."""
+    marker = Path(tempfile.gettempdir()) / f"celery-ledger-test-{token}"
+    with marker.open("a") as attempts:
+        attempts.write("attempt\n")
+    done = len(marker.read_text().splitlines())
+    if done <= times:
+        time.sleep(1.0)  # the claim's write is on disk before the server dies
+        os.kill(int(Path(ledger_pid_file).read_text()), signal.SIGKILL)
+    return done
+
+
 # -- the regression tests of the ledger's correctness paths (test_correctness_paths.py) -------
 
 

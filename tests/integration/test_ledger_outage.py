@@ -93,3 +93,52 @@ def test_an_atomic_step_acknowledged_just_before_the_ledger_dies_is_kept(
     # (without it, a journaled write landing between the commit and the kill may save the
     # commit: the guard's refusal is then not needed; the outcome above holds either way)
     (Path(tempfile.gettempdir()) / f"celery-ledger-test-{token}").unlink(missing_ok=True)
+
+
+def test_workers_that_outlive_ledger_outages_are_not_counted_as_lost(
+    tmp_path: Path, stack: Any
+) -> None:
+    """Each attempt's worker stays alive but cannot record how the attempt ended (the ledger
+    dies as the body returns): it hands the message back when most of the lease is spent. More
+    such attempts than LEDGER_MAX_DELIVERIES, and the job still runs to its result: only
+    deliveries whose worker was lost make a job poison."""
+    running = make_isolated_stack(tmp_path)
+    token = f"outlived-{time.time_ns()}"
+    try:
+        assert running.ledger is not None
+        running.start_worker(
+            running.queues_of("default"),
+            concurrency=1,
+            name="outlived@127.0.0.1",
+            env={"LEDGER_MAX_DELIVERIES": "2"},
+        )
+        producer = producer_app(running, "outlived_producer", mongo_timeout_ms=1500)
+        task = shared_task(producer, "tests.integration.ledger_app.outlasted_by_its_ledger")
+        pid_file = tmp_path / "ledger.pid"
+        pid_file.write_text(str(running.ledger.pid))
+
+        # Given a job whose first 3 attempts each outlive the ledger
+        result = task.delay(token, str(pid_file), 3)
+        for _ in range(3):
+            deadline = time.monotonic() + 60
+            while running.ledger.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if running.ledger.alive():
+                doc = producer.ledger.find_raw(result.id) or {}
+                pytest.fail(
+                    f"no attempt came to kill the ledger; the job is {doc.get('state')}:"
+                    f" {doc.get('dead_reason')}"
+                )
+            time.sleep(4)  # longer than most of the lease: the worker hands the message back
+            running.ledger.restart()
+            pid_file.write_text(str(running.ledger.pid))
+
+        # Then the fourth attempt's result is recorded: the job is not dead as poison
+        assert result.get(timeout=90) == 4
+        record = producer.ledger.get(task.name, token)
+        assert record is not None and record.state is State.SUCCEEDED, record
+        log = running.workers[0].log_path.read_text()
+        assert "handing the message back" in log
+    finally:
+        running.stop()
+        (Path(tempfile.gettempdir()) / f"celery-ledger-test-{token}").unlink(missing_ok=True)

@@ -321,6 +321,7 @@ class Message:
     retries: int = 0
     task_id: str | None = None
     new: bool = False  # the ledger_new property: a first publish that wrote no record
+    handed_back: int = 0  # the ledger_handed_back property (a deferral's copy carries it)
 
 
 @dataclass
@@ -449,8 +450,17 @@ class ModelBody:
         self.effect_ran = True
         return {"done": key}
 
-    def defer(self, delay_seconds: float, message_headers: dict[str, Any]) -> None:
-        self.world.publish_copy(self.message, delay_seconds, message_headers, retries=None)
+    def defer(
+        self,
+        delay_seconds: float,
+        message_headers: dict[str, Any],
+        *,
+        fresh: bool = False,
+        handed_back: int = 0,
+    ) -> None:
+        self.world.publish_copy(
+            self.message, delay_seconds, message_headers, retries=None, handed_back=handed_back
+        )
 
     def retry(
         self, exc: BaseException, delay_seconds: float, message_headers: dict[str, Any]
@@ -579,7 +589,13 @@ class ProtocolModel(RuleBasedStateMachine):
         self.copies.append(payload)
 
     def publish_copy(
-        self, message: Message, delay: float, headers: dict[str, Any], *, retries: int | None
+        self,
+        message: Message,
+        delay: float,
+        headers: dict[str, Any],
+        *,
+        retries: int | None,
+        handed_back: int = 0,
     ) -> None:
         self._enqueue_message(
             message.key,
@@ -587,10 +603,18 @@ class ProtocolModel(RuleBasedStateMachine):
             headers,
             message.retries if retries is None else retries,
             message.task_id,
+            handed_back=handed_back,
         )
 
     def _enqueue_message(
-        self, key: str, delay: float, headers: dict[str, Any], retries: int, task_id: str | None
+        self,
+        key: str,
+        delay: float,
+        headers: dict[str, Any],
+        retries: int,
+        task_id: str | None,
+        *,
+        handed_back: int = 0,
     ) -> None:
         self.broker.queued.append(
             Message(
@@ -600,6 +624,7 @@ class ProtocolModel(RuleBasedStateMachine):
                 headers=headers,
                 retries=retries,
                 task_id=task_id,
+                handed_back=handed_back,
             )
         )
 
@@ -617,6 +642,7 @@ class ProtocolModel(RuleBasedStateMachine):
             retries=message.retries,
             deferrals=int(message.headers.get("ledger_deferrals", 0)),
             new=message.new,
+            handed_back=message.handed_back,
         )
 
     def ready(self) -> list[Message]:

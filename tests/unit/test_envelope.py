@@ -355,6 +355,8 @@ def test_stamps_of_the_messages_own_pass() -> None:
 BAD_PROPERTIES: list[tuple[str, Any, str]] = [
     (ledger_headers.NEW, "yes", "properties.ledger_new is of type str, not true or false"),
     (ledger_headers.NEW, 1, "properties.ledger_new is of type int, not true or false"),
+    (ledger_headers.HANDED_BACK, "2", "properties.ledger_handed_back is of type str, not a number"),
+    (ledger_headers.HANDED_BACK, -1, "properties.ledger_handed_back is not a finite number"),
     ("delivery_tag", ABSENT, "properties.delivery_tag is missing"),
     ("delivery_tag", None, "properties.delivery_tag is missing, not a string"),
     ("delivery_tag", ["x"], "properties.delivery_tag is of type list"),
@@ -385,6 +387,8 @@ GOOD_PROPERTIES: list[tuple[str, Any]] = [
     (ledger_headers.NEW, True),
     (ledger_headers.NEW, False),
     (ledger_headers.NEW, None),
+    (ledger_headers.HANDED_BACK, 3),
+    (ledger_headers.HANDED_BACK, None),
     ("delivery_tag", "tag-1"),
     ("delivery_info", {"exchange": "", "routing_key": "default"}),
     ("delivery_info", {"exchange": "default", "routing_key": "default", "redelivered": True}),

@@ -23,6 +23,7 @@ from celery_ledger.errors import (
     Interrupted,
     LeaseLost,
     LedgerUnavailable,
+    LedgerUnreachable,
     PayloadError,
     PermanentError,
     RetryNotPublished,
@@ -79,12 +80,19 @@ class FakeBody:
         return self.work(self)
 
     def defer(
-        self, delay_seconds: float, message_headers: dict[str, Any], *, fresh: bool = False
+        self,
+        delay_seconds: float,
+        message_headers: dict[str, Any],
+        *,
+        fresh: bool = False,
+        handed_back: int = 0,
     ) -> None:
         if self.defer_error is not None:
             raise self.defer_error
         if fresh:  # recorded with the headers, for the tests to see
             message_headers = {**message_headers, "fresh": True}
+        if handed_back:  # the copy's property, recorded with the headers likewise
+            message_headers = {**message_headers, "handed_back": handed_back}
         self.deferred.append((delay_seconds, message_headers))
 
     def retry(
@@ -784,11 +792,67 @@ def test_a_death_whose_reply_was_lost_is_still_announced(h: Harness) -> None:
     assert h.record["state"] == State.DEAD and len(h.outbox.raw) == 1
 
 
-def test_an_outage_past_most_of_the_lease_requeues(h: Harness) -> None:
+def test_an_outage_past_most_of_the_lease_hands_the_message_back_counted(h: Harness) -> None:
     h.ledger.fail("complete", LedgerUnavailable("down"), times=1000)
-    verdict, _ = h.run()
+    verdict, body = h.run()
 
-    assert verdict.kind == "requeue"  # the ledger decides again on redelivery
+    # Put off while the ledger recovers (the ledger decides again on the copy's delivery); the
+    # copy says this delivery was handed back alive: its claim still counts on the record.
+    assert verdict.kind == "ack" and "completion failed" in verdict.reason
+    [(_, copy)] = body.deferred
+    assert copy["handed_back"] == 1 and copy["ledger_deferrals"] == 1
+    assert h.record["state"] == State.RUNNING and h.record["inflight"] == 1
+
+
+@pytest.mark.parametrize(
+    "failing", ["complete", "release", "claim-reply"], ids=["outcome", "release", "claim"]
+)
+def test_deliveries_handed_back_in_an_outage_are_not_lost_workers(h: Harness, failing: str) -> None:
+    # Each delivery claims the job, then cannot record how it ended (the ledger is away for
+    # longer than most of the lease): handed back alive, more times than the poison limit (3).
+    delivery = h.delivery()
+    for _ in range(5):
+        if failing == "complete":
+            h.ledger.fail("complete", LedgerUnavailable("down"), times=1000)
+            body = FakeBody()
+        elif failing == "release":  # inside the body, and the release fails too
+            h.ledger.fail("release", LedgerUnavailable("down"), times=1000)
+            body = fails(LedgerUnavailable("checkpoint failed"))
+        else:  # the claim applied and its reply was lost
+            h.ledger.fail("claim", LedgerUnavailable("reply lost"), applied=True)
+            body = FakeBody()
+        verdict, _ = h.run(body, delivery=delivery)
+        h.ledger.faults.clear()
+        [(_, copy)] = body.deferred
+        assert verdict.kind == "ack" and h.record["state"] == State.RUNNING
+        delivery = h.delivery(handed_back=copy["handed_back"], deferrals=copy["ledger_deferrals"])
+        h.clock.advance(61)  # the unreleased claim's lease runs out
+    assert h.record["inflight"] == 5 and delivery.handed_back == 5
+
+    verdict, body = h.run(FakeBody(), delivery=delivery)
+
+    assert verdict == Verdict.returns({"charged": 7}) and h.record["state"] == State.SUCCEEDED
+
+
+def test_a_claim_never_sent_is_not_counted_as_handed_back(h: Harness) -> None:
+    # No server could be selected: the claim did not apply, and the copy says nothing more
+    h.ledger.fail("claim", LedgerUnreachable("no server"))
+    verdict, body = h.run(delivery=h.delivery(handed_back=2))
+
+    [(_, copy)] = body.deferred
+    assert verdict.kind == "ack" and copy["handed_back"] == 2
+
+
+def test_a_lost_worker_still_counts_after_deliveries_handed_back(h: Harness) -> None:
+    # Two deliveries handed back alive, then three whose worker was lost: poison at the third.
+    for _ in range(5):
+        h.ledger.claim(RECORD, task=TASK, key=KEY, tier="critical", owner="w:1")
+        h.clock.advance(61)
+    verdict, body = h.run(delivery=h.delivery(handed_back=2))
+
+    assert verdict.kind == "ack" and body.runs == 0
+    assert h.record["state"] == State.DEAD and h.record["death"] == "poison"
+    assert "delivered 3 times" in h.record["dead_reason"]
 
 
 def test_an_outcome_the_ledger_refuses_for_good_ends_the_job_dead(h: Harness) -> None:

@@ -65,13 +65,14 @@ from pymongo.errors import (
     DuplicateKeyError,
     OperationFailure,
     PyMongoError,
+    ServerSelectionTimeoutError,
     WriteConcernError,
 )
 from pymongo.monitoring import CommandListener
 from pymongo.read_concern import ReadConcern
 
 from ..clock import ServerClock, mongo_time
-from ..errors import CommitLost, LeaseLost, LedgerUnavailable, StoreError
+from ..errors import CommitLost, LeaseLost, LedgerUnavailable, LedgerUnreachable, StoreError
 from ..locks import ForkSafeLock
 from ..reseal import Reseal, Tally, reseal_tree
 from ..tracecontext import ledger_operation
@@ -199,8 +200,10 @@ def translate_errors(what: str) -> Iterator[None]:
     try:
         with ledger_operation(what):
             yield
+    except ServerSelectionTimeoutError as exc:
+        raise LedgerUnreachable(f"ledger unreachable during {what}: {exc}") from exc
     except ConnectionFailure as exc:
-        raise LedgerUnavailable(f"ledger unreachable during {what}: {exc}") from exc
+        raise LedgerUnavailable(f"ledger connection failed during {what}: {exc}") from exc
     except (BulkWriteError, DuplicateKeyError):
         raise  # the callers read these as protocol signals
     except WriteConcernError as exc:
@@ -628,6 +631,7 @@ class Ledger:
         slo_at: datetime | None = None,
         slo_seconds: float | None = None,
         new: bool = False,
+        handed_back: int = 0,
     ) -> Claim:
         """Try to take the exclusive lease on a record (creating it if needed). See module doc.
 
@@ -636,7 +640,9 @@ class Ledger:
         own id when it is not ``record_id``; ``slo_at`` when a new record's job is late (its
         latency objective from its enqueue time). ``new``: the message says no record was
         written for the job (its first publish): the claim is tried as an insert first. A
-        hint only: wrong, it costs up to two writes and claims the same.
+        hint only: wrong, it costs up to two writes and claims the same. ``handed_back``: how
+        many earlier deliveries of the job were handed back alive while the ledger could not
+        record it (the message says so): not counted as lost workers by the poison check.
 
         Raises:
             LedgerUnavailable: unreachable, or the claim's outcome is unknown (the caller puts
@@ -662,6 +668,7 @@ class Ledger:
                 alias=alias,
                 slo_at=slo_at,
                 slo_seconds=slo_seconds,
+                handed_back=handed_back,
             )
             if outcome is not None:
                 return outcome
@@ -691,7 +698,9 @@ class Ledger:
                 return Claim(ClaimOutcome.DEAD)
             if claimable_at > self.now():
                 return Claim(ClaimOutcome.BUSY, retry_at=claimable_at)
-            verdict = self._out_of_budget(doc, task=task, max_attempts=max_attempts)
+            verdict = self._out_of_budget(
+                doc, task=task, max_attempts=max_attempts, handed_back=handed_back
+            )
             if verdict is not None:
                 if self.bury(
                     record_id,
@@ -708,14 +717,15 @@ class Ledger:
         raise LedgerUnavailable(f"could not claim {record_id}: the record keeps changing under us")
 
     def _out_of_budget(
-        self, doc: Mapping[str, Any], *, task: str, max_attempts: int | None
+        self, doc: Mapping[str, Any], *, task: str, max_attempts: int | None, handed_back: int
     ) -> DeadJob | None:
         """Why a claimable record must not be claimed again (poison, attempts budget)."""
         message = KeptMessage.from_document(doc.get("message"))
-        if int(doc.get("inflight", 0)) >= self.max_deliveries:
+        inflight = int(doc.get("inflight", 0))
+        if inflight >= self.max_deliveries + handed_back:
             return DeadJob.of_reason(
                 "poison",
-                f"poison: delivered {doc.get('inflight')} times without an outcome"
+                f"poison: delivered {inflight - handed_back} times without an outcome"
                 " (the worker was lost each time)",
                 task=task,
                 message=message,
@@ -746,6 +756,7 @@ class Ledger:
         alias: str | None,
         slo_at: datetime | None = None,
         slo_seconds: float | None = None,
+        handed_back: int = 0,
     ) -> Claim | None:
         """One claim write (``insert``: as a new record's insert first; see the module doc),
         and the duplicate marker when it did not apply; None when only a read can say why."""
@@ -757,7 +768,7 @@ class Ledger:
             # A dead record's claimable_at is its queue copy's due time (see bury): never a claim.
             "state": {"$ne": State.DEAD.value},
             "fence": {"$lt": fence},
-            "inflight": {"$lt": self.max_deliveries},
+            "inflight": {"$lt": self.max_deliveries + handed_back},
         }
         if max_attempts is not None:
             claim_filter["attempts"] = {"$lt": max_attempts}
