@@ -543,7 +543,11 @@ class Soak:
                 if items:
                     lines.append(f"queue {queue}: {[message_key(i) for i in items][:10]}")
             unacked = redis.hgetall(self.unacked_key(system))
-            scores = dict(redis.zrange("unacked_index", 0, -1, withscores=True))
+            index = "unacked_index"
+            if system == "ledger":  # (the ledger's are in its namespace: app.unacked_keys)
+                keys = unacked_keys(self.ledger_app().tiers.namespace)
+                index = keys.get("unacked_index_key", index)
+            scores = dict(redis.zrange(index, 0, -1, withscores=True))
             for tag, raw in list(unacked.items())[:10]:
                 age = time.time() - scores.get(tag, 0.0)
                 lines.append(f"unacked {message_key(raw)} for {age:.0f}s")

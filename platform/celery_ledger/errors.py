@@ -9,6 +9,7 @@ LedgerError
 │   └── RetryNotPublished       a retry's message could not be published
 ├── StoreError                  the ledger store failed (not worth retrying as is)
 │   └── LedgerUnavailable       unreachable, or the outcome of a write is unknown (transient)
+│       └── NotApplied          unavailable, and the operation surely did not apply
 ├── TaskError                   raised by (or on behalf of) a task body
 │   ├── PermanentError          retrying cannot help: dead-letter at once
 │   ├── StepFailed              inside a workflow: one of its steps failed for good
@@ -73,9 +74,10 @@ class LedgerUnavailable(StoreError):
     lost, or its write concern was not confirmed); the operation may succeed later."""
 
 
-class LedgerUnreachable(LedgerUnavailable):
-    """No ledger server could be selected: the operation was never sent, so it did not apply
-    (a caller that must know whether a write applied may rely on it)."""
+class NotApplied(LedgerUnavailable):
+    """The ledger did not apply the operation, for now (no server could be selected, so it
+    was never sent; or a claim's record kept changing under it): trying again later is safe,
+    and a caller that must know whether a write applied may rely on it."""
 
 
 class CommitLost(StoreError):

@@ -44,7 +44,7 @@ from .errors import (
     LeaseLost,
     LedgerError,
     LedgerUnavailable,
-    LedgerUnreachable,
+    NotApplied,
     PayloadError,
     PermanentError,
     RetryNotPublished,
@@ -289,9 +289,10 @@ class Guard:
                 **self._objective(delivery, policy),
             )
         except LedgerUnavailable as exc:
-            # A claim sent whose reply was lost may have applied: counted as handed back.
-            sent = not isinstance(exc, LedgerUnreachable)
-            return self._ledger_unavailable_at_claim(delivery, body, exc, handed_back=sent)
+            # A claim sent whose reply was lost may have applied (and then holds its lease
+            # until it ends): counted as handed back; one that never left did not.
+            released = None if isinstance(exc, NotApplied) else False
+            return self._ledger_unavailable_at_claim(delivery, body, exc, released=released)
         except StoreError as exc:
             reason = storable(f"the ledger refused the claim: {exc}")[:2000]
             return self._dead_before_claim(delivery, body, reason, "unstorable", policy.sensitive)
@@ -323,15 +324,13 @@ class Guard:
             except LedgerError as exc:  # not knowing, it must not run: back when it answers
                 released = self._release_claim(delivery.record_id, claim.fence)
                 if isinstance(exc, LedgerUnavailable):
-                    return self._ledger_unavailable_at_claim(
-                        delivery, body, exc, handed_back=not released
-                    )
+                    return self._ledger_unavailable_at_claim(delivery, body, exc, released=released)
                 return self._defer(
                     delivery,
                     body,
                     self.unavailable_delay(delivery),
                     f"could not read the claimed record: {exc}",
-                    handed_back=not released,
+                    released=released,
                 )
         attempt = Attempt(
             self, delivery, policy, body, claim.fence, breaker, admission, replacing=replacing
@@ -485,9 +484,11 @@ class Guard:
         name: str,
         retry_at: float | None,
         slo_seconds: float | None = None,
+        *,
+        released: bool | None = None,
     ) -> Verdict:
         """Put the delivery off until breaker ``name`` lets calls through (noted on the
-        record, so that its readers see why it waits)."""
+        record, so that its readers see why it waits). ``released``: see :meth:`_defer`."""
         # (a breaker's times are the broker's: its scripts read Redis's TIME)
         now = self.runtime.message_time()
         retry_at = retry_at or now + self.settings.busy_recheck_seconds
@@ -506,7 +507,7 @@ class Guard:
         except LedgerError as exc:
             logger.warning("could not record the deferral of %s: %s", delivery.record_id, exc)
         delay = max(retry_at - now, 0.0) + random.uniform(0.05, 0.5)
-        return self._defer(delivery, body, delay, "circuit open")
+        return self._defer(delivery, body, delay, "circuit open", released=released)
 
     def _rate_wait(self, policy: TaskPolicy) -> float:
         """0 once a token is taken from the task's shared bucket, else the wait for one."""
@@ -563,12 +564,17 @@ class Guard:
         return Verdict.requeue(f"could not record {problem}")
 
     def _ledger_unavailable_at_claim(
-        self, delivery: Delivery, body: Body, exc: LedgerUnavailable, *, handed_back: bool = False
+        self,
+        delivery: Delivery,
+        body: Body,
+        exc: LedgerUnavailable,
+        *,
+        released: bool | None = None,
     ) -> Verdict:
         self.observers.ledger_unavailable(delivery.job, "claim")
         logger.warning("ledger unavailable at the claim of %s: %s", delivery.record_id, exc)
         delay = self.unavailable_delay(delivery)
-        return self._defer(delivery, body, delay, "ledger unavailable", handed_back=handed_back)
+        return self._defer(delivery, body, delay, "ledger unavailable", released=released)
 
     def unavailable_delay(self, delivery: Delivery) -> float:
         settings = self.settings
@@ -626,16 +632,18 @@ class Guard:
         delay: float,
         reason: str,
         *,
-        handed_back: bool = False,
+        released: bool | None = None,
     ) -> Verdict:
         """Publish the message again for ``delay`` seconds from now, then acknowledge this
         delivery. A deferral is not an attempt. If it cannot be published, requeue instead.
 
-        ``handed_back``: this delivery claimed the job and could not record giving the claim
-        back (the ledger is unreachable): the copy counts it (see headers.HANDED_BACK), so that
-        the claim's poison check does not take it for a lost worker."""
+        ``released``: this delivery claimed the job, and the ledger recorded giving the claim
+        back (True: that clears the record's count of deliveries without an outcome, so the
+        copy's count of those handed back alive starts again from 0) or could not (False: the
+        copy counts this one too, see headers.HANDED_BACK, so that the claim's poison check
+        does not take it for a lost worker). None: no claim of this delivery is left."""
         message_headers = delivery.republish_headers(**{headers.DEFERRALS: delivery.deferrals + 1})
-        count = delivery.handed_back + (1 if handed_back else 0)
+        count = {None: delivery.handed_back, True: 0, False: delivery.handed_back + 1}[released]
         return self._defer_with(delivery, body, delay, reason, message_headers, handed_back=count)
 
     def _defer_with(
@@ -658,6 +666,8 @@ class Guard:
             sensitive = self.runtime.sealer.enabled
             return self._dead_before_claim(delivery, body, problem, "unpublishable", sensitive)
         except Exception as exc:
+            # (The original goes back with the count it came with: a delivery handed back
+            # alive that cannot publish its copy either counts as a lost worker.)
             # A requeue comes straight back: held here first (this pool process, not the
             # consumer), so a deferral that keeps failing cannot spin the broker and the ledger.
             hold = 0.5 + backoff_seconds(delivery.deferrals, base_seconds=0.5, cap_seconds=4.5)
@@ -755,10 +765,10 @@ class Attempt:
             return served
         # No option could serve: the claim is given back as if never taken (waiting for the
         # breaker costs no attempt, as it does not for a task without a fallback).
-        self._release_quietly(refund_attempt=True)
+        released = self._release_quietly(refund_attempt=True)
         name = self.policy.breaker or "?"
         return self.guard.wait_for_breaker(
-            self.delivery, self.body, name, retry_at, self.policy.slo_seconds
+            self.delivery, self.body, name, retry_at, self.policy.slo_seconds, released=released
         )
 
     def _settle(self, outcome: Callable[[], Verdict]) -> Verdict:
@@ -1144,11 +1154,7 @@ class Attempt:
         now = self.guard.runtime.message_time()  # (a breaker's times are the broker's)
         delay = max((exc.retry_at or now) - now, 0.0) + random.uniform(0.05, 0.5)
         return self.guard._defer(
-            self.delivery,
-            self.body,
-            delay,
-            "circuit open (inside the body)",
-            handed_back=not released,
+            self.delivery, self.body, delay, "circuit open (inside the body)", released=released
         )
 
     def lease_lost(self, exc: LeaseLost) -> Verdict:
@@ -1166,7 +1172,7 @@ class Attempt:
         released = self._release_quietly()
         delay = self.guard.unavailable_delay(self.delivery)
         return self.guard._defer(
-            self.delivery, self.body, delay, "ledger lost a commit", handed_back=not released
+            self.delivery, self.body, delay, "ledger lost a commit", released=released
         )
 
     def ledger_unavailable(self, exc: LedgerUnavailable) -> Verdict:
@@ -1183,7 +1189,7 @@ class Attempt:
             self.body,
             delay,
             "ledger unavailable (in the body)",
-            handed_back=not released,
+            released=released,
         )
 
     def ignored(self, exc: Ignore) -> Verdict:
@@ -1261,7 +1267,7 @@ class Attempt:
         goes back, put off while the ledger recovers, counting this delivery as handed back
         alive (its claim stays on the record until its lease ends)."""
         delay = self.guard.unavailable_delay(self.delivery)
-        return self.guard._defer(self.delivery, self.body, delay, reason, handed_back=True)
+        return self.guard._defer(self.delivery, self.body, delay, reason, released=False)
 
     def _persist(self, write: Callable[[], Any], what: str) -> None:
         """Run a fenced write, retrying while the ledger is unreachable (until most of the

@@ -23,7 +23,7 @@ from celery_ledger.errors import (
     Interrupted,
     LeaseLost,
     LedgerUnavailable,
-    LedgerUnreachable,
+    NotApplied,
     PayloadError,
     PermanentError,
     RetryNotPublished,
@@ -834,9 +834,21 @@ def test_deliveries_handed_back_in_an_outage_are_not_lost_workers(h: Harness, fa
     assert verdict == Verdict.returns({"charged": 7}) and h.record["state"] == State.SUCCEEDED
 
 
+def test_a_release_the_ledger_recorded_starts_the_count_again(h: Harness) -> None:
+    # The ledger answers the release (it clears the record's count of deliveries without an
+    # outcome): the copy's count of those handed back alive starts again from 0
+    verdict, body = h.run(
+        fails(LedgerUnavailable("checkpoint failed")), delivery=h.delivery(handed_back=3)
+    )
+
+    [(_, copy)] = body.deferred
+    assert verdict.kind == "ack" and "handed_back" not in copy
+    assert h.record["state"] == State.QUEUED and h.record["inflight"] == 0
+
+
 def test_a_claim_never_sent_is_not_counted_as_handed_back(h: Harness) -> None:
     # No server could be selected: the claim did not apply, and the copy says nothing more
-    h.ledger.fail("claim", LedgerUnreachable("no server"))
+    h.ledger.fail("claim", NotApplied("no server"))
     verdict, body = h.run(delivery=h.delivery(handed_back=2))
 
     [(_, copy)] = body.deferred

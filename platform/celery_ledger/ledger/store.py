@@ -72,7 +72,7 @@ from pymongo.monitoring import CommandListener
 from pymongo.read_concern import ReadConcern
 
 from ..clock import ServerClock, mongo_time
-from ..errors import CommitLost, LeaseLost, LedgerUnavailable, LedgerUnreachable, StoreError
+from ..errors import CommitLost, LeaseLost, LedgerUnavailable, NotApplied, StoreError
 from ..locks import ForkSafeLock
 from ..reseal import Reseal, Tally, reseal_tree
 from ..tracecontext import ledger_operation
@@ -201,7 +201,7 @@ def translate_errors(what: str) -> Iterator[None]:
         with ledger_operation(what):
             yield
     except ServerSelectionTimeoutError as exc:
-        raise LedgerUnreachable(f"ledger unreachable during {what}: {exc}") from exc
+        raise NotApplied(f"ledger unreachable during {what}: {exc}") from exc
     except ConnectionFailure as exc:
         raise LedgerUnavailable(f"ledger connection failed during {what}: {exc}") from exc
     except (BulkWriteError, DuplicateKeyError):
@@ -714,7 +714,7 @@ class Ledger:
                     return Claim(ClaimOutcome.DEAD, killed=True)
                 continue  # the record moved on under us: decide again
             at_least = int(doc.get("fence", 0)) + 1  # our clock lags the last claimer's
-        raise LedgerUnavailable(f"could not claim {record_id}: the record keeps changing under us")
+        raise NotApplied(f"could not claim {record_id}: the record keeps changing under us")
 
     def _out_of_budget(
         self, doc: Mapping[str, Any], *, task: str, max_attempts: int | None, handed_back: int
