@@ -1,5 +1,7 @@
 """The app object. Settings come from LEDGER_* environment variables."""
 
+from celery.schedules import crontab
+
 from celery_ledger import create_app
 
 from .observers import SlowJobs
@@ -18,3 +20,9 @@ app = create_app(
     ],
 )
 app.observers.add(SlowJobs(budget_seconds=10.0))
+# Periodic tasks, as Celery declares them: the workers run them (one scheduler at a time across
+# the fleet), and so does `celery -A tasks beat` if you run it; each slot runs once either way.
+app.conf.beat_schedule = {
+    **app.conf.beat_schedule,
+    "hourly-rollup": {"task": "tasks.reports.hourly_rollup", "schedule": crontab(minute=5)},
+}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import random
 import time
+from datetime import UTC, datetime
+from typing import Any
 
 from celery_ledger import Fallback, LastGood
 
@@ -58,3 +60,16 @@ def rebuild_report(report: str, day: str) -> dict[str, str]:
     time.sleep(0.005)
     record_effect("report", f"{report}:{day}")
     return {"report": report, "day": day, "digest": digest[:12]}
+
+
+@app.task(bind=True, tier="bulk", max_retries=5)
+def hourly_rollup(self: Any) -> dict[str, str]:
+    """Roll up one hour of orders: run by the app's schedule (tasks/celery.py) at five past
+    every hour, by the workers themselves (no celery beat needed). A task without arguments:
+    each run is the job of its slot (``schedule:hourly-rollup@<slot>``), so every hour runs
+    once however many workers or beats fire it. It works on the hour its slot is for, not on
+    the hour it happens to run in: a run retried or late after an outage rolls up its own."""
+    slot = self.scheduled_for or datetime.now(UTC)  # (None when called by hand)
+    hour = slot.replace(minute=0, second=0, microsecond=0)
+    record_effect("rollup", hour.isoformat())
+    return {"hour": hour.isoformat(), "slot": slot.isoformat()}

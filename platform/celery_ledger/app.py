@@ -57,6 +57,12 @@ from .policies.deadline import deadline
 from .reconciler import Reconciler
 from .routing import DEAD_LETTER, TIERS, Tiers
 from .runtime import Runtime, forget_after_fork
+from .schedules import (
+    CELERY_BEAT_SCHEDULER,
+    LEDGER_BEAT_SCHEDULER,
+    FleetScheduler,
+    LedgerScheduler,
+)
 from .settings import Settings
 from .task import KEY_SECRET_NEEDED, WORKFLOW_STEP, LedgerTask
 from .triggers import Argument, Trigger
@@ -173,6 +179,18 @@ class LedgerCelery(Celery):  # type: ignore[misc]
     def escalation(self) -> Escalation:
         """Reports jobs past their latency objective (every worker's housekeeping runs it)."""
         return Escalation(self.runtime)
+
+    @cached_property
+    def fleet_scheduler(self) -> FleetScheduler:
+        """The app's ``beat_schedule``, run in the workers' housekeeping (schedules.py)."""
+        return FleetScheduler(self)
+
+    def schedules_in_workers(self) -> bool:
+        """Whether the workers run the app's schedules (``LEDGER_SCHEDULES_IN_WORKERS``)."""
+        setting = self.settings.schedules_in_workers
+        if setting is not None:
+            return setting
+        return self.conf.beat_scheduler in (LEDGER_BEAT_SCHEDULER, LedgerScheduler)
 
     @cached_property
     def reconciler(self) -> Reconciler:
@@ -823,6 +841,8 @@ def create_app(
         enable_utc=True,
         timezone="UTC",
     )
+    if app.conf.beat_scheduler == CELERY_BEAT_SCHEDULER:  # (another one chosen: it stays)
+        app.conf.beat_scheduler = LEDGER_BEAT_SCHEDULER
     # What the guarantees need of the configuration above, checked at a worker's start and a
     # producer's first publish against later changes (conf_check.py)
     app.pinned_conf = pinned(app.conf)

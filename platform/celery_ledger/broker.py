@@ -54,6 +54,17 @@ local token = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[1], ARGV[1] .. '|' .. token, 'PX', ARGV[2])
 return token
 """
+# Give the lock up if this owner holds it (a stopping worker's successor need not wait it out).
+_RELEASE = """
+local holder = redis.call('GET', KEYS[1])
+if holder then
+  local sep = string.find(holder, '|', 1, true)
+  if string.sub(holder, 1, sep - 1) == ARGV[1] then
+    return redis.call('DEL', KEYS[1])
+  end
+end
+return 0
+"""
 
 
 @dataclass(frozen=True)
@@ -285,6 +296,7 @@ class SweepLock:
         self._ttl_ms = max(int(ttl_seconds * 1000), 1000)
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         self._acquire = client.register_script(_ACQUIRE)
+        self._release = client.register_script(_RELEASE)
         self._client = client
 
     def acquire(self) -> int | None:
@@ -293,6 +305,10 @@ class SweepLock:
             keys=[self._key, f"{self._key}:token"], args=[self.owner, self._ttl_ms]
         )
         return None if token is None else int(token)
+
+    def release(self) -> bool:
+        """Give the lock up if this process holds it; whether it did."""
+        return bool(self._release(keys=[self._key], args=[self.owner]))
 
     def holds(self, token: int) -> bool:
         """Whether this process still holds the lock with ``token``."""

@@ -118,6 +118,10 @@ class Observer:
         """A server's clock was read (:class:`celery_ledger.clock.Reading`: its offset from
         this host's clock, within its error)."""
 
+    def scheduled(self, schedule: str, task: str, slot: float, lag_seconds: float) -> None:
+        """A run of the schedule entry ``schedule`` (of ``task``) for ``slot`` (unix time) was
+        sent, ``lag_seconds`` after its slot (celery beat's, or the fleet's scheduler)."""
+
 
 EVENTS: tuple[str, ...] = tuple(
     name for name, value in vars(Observer).items() if callable(value) and not name.startswith("_")
@@ -200,3 +204,6 @@ class Observers(Observer):
 
     def clock_read(self, reading: Reading) -> None:
         self._dispatch("clock_read", reading)
+
+    def scheduled(self, schedule: str, task: str, slot: float, lag_seconds: float) -> None:
+        self._dispatch("scheduled", schedule, task, slot, lag_seconds)

@@ -14,9 +14,11 @@ import hashlib
 import hmac
 import inspect
 import json
+import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from .errors import ConfigurationError, PayloadError
@@ -148,6 +150,27 @@ def validate_key(key: Any, *, task_name: str) -> str:
 
 # The key of a message that names none and whose arguments cannot be keyed: its own id.
 MESSAGE_ID_KEY_PREFIX = "id:"
+
+# A periodic run's key: its schedule entry and its slot (celery_ledger.schedules), which the
+# body reads back as ``self.scheduled_for``. The key carries the slot (no header of its own: a
+# worker of an earlier release refuses an unknown ledger_ header, and takes this key).
+SCHEDULE_KEY_PREFIX = "schedule:"
+_SLOT_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+_SLOT_KEY = re.compile(r"schedule:(?P<entry>.+)@(?P<slot>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)")
+
+
+def slot_key(entry_name: str, slot: float) -> str:
+    """The idempotency key of a schedule entry's run for ``slot`` (unix seconds)."""
+    moment = datetime.fromtimestamp(slot, UTC).strftime(_SLOT_FORMAT)
+    return f"{SCHEDULE_KEY_PREFIX}{entry_name}@{moment}"
+
+
+def slot_of_key(key: Any) -> datetime | None:
+    """The slot a periodic run's key names (UTC), or None for any other key."""
+    found = _SLOT_KEY.fullmatch(key) if isinstance(key, str) else None
+    if found is None:
+        return None
+    return datetime.strptime(found["slot"], _SLOT_FORMAT).replace(tzinfo=UTC)
 
 
 @dataclass(frozen=True, slots=True)

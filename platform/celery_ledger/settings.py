@@ -172,6 +172,14 @@ class Settings(BaseSettings):
         description="Every worker's housekeeping runs the reconciler, one sweeper at a time"
         " across the fleet (a lease lock in Redis): no celery beat needed.",
     )
+    schedules_in_workers: bool | None = Field(
+        None,
+        description="Every worker's housekeeping runs the app's beat_schedule, one scheduler"
+        " at a time across the fleet (a lease lock in Redis): no celery beat needed. Unset: on,"
+        " unless beat_scheduler names another scheduler class than celery-ledger's (which marks"
+        " no slots: beat and the workers would both run each tick). A slot runs once however"
+        " many schedulers fire it.",
+    )
     outbox_relay_in_workers: bool = Field(
         True,
         description="Every worker's housekeeping runs the outbox relay, one relay at a time"

@@ -114,6 +114,9 @@ UNBOUND_HEADERS: dict[str, str] = {
     " is dead-lettered, replayable) or starts it again, for a message no worker here can run",
     ledger_headers.UNRUNNABLE_DEFERRALS: "changed in flight with ledger_unrunnable_since; only"
     " the put-off's backoff, capped at 10 s",
+    "celery_beat_task": "Celery beat's mark of what it sends; read only for a message without"
+    " a ledger_key header (a producer of ours always sets one), which it keys by the message's"
+    " own id instead of its arguments",
     "compression": "added by kombu after the signature; it only says how the body is encoded,"
     " and the body the signature covers is the decoded one",
 }

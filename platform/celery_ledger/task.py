@@ -14,6 +14,8 @@ import contextlib
 import inspect
 import logging
 import os
+import socket
+import uuid
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeAlias
@@ -49,6 +51,7 @@ from .keys import (
     compute_key,
     derive_task_id,
     identity_of,
+    slot_of_key,
     validate_key,
 )
 from .ledger.dead import DeadJob
@@ -58,6 +61,7 @@ from .policies.backoff import Jitter
 from .policies.fallback import Fallback
 from .policies.retry import RetryPolicy
 from .progress import Execution, Step, batches
+from .schedules import BEAT_HEADER, note_foreign_beat
 from .untrusted import (
     expiry_of,
     float_or_none,
@@ -281,6 +285,12 @@ class LedgerTask(Task):  # type: ignore[misc]
         return key
 
     @property
+    def scheduled_for(self) -> datetime | None:
+        """The slot a periodic run is for (its schedule entry's due time, UTC), or None when
+        the job was not started by a schedule: work on "the hour it is for", not "now"."""
+        return slot_of_key(getattr(self.request, "ledger_key", None))
+
+    @property
     def checkpoint_state(self) -> dict[str, Any] | None:
         """The last checkpoint of this job (from any earlier attempt), or None."""
         state: dict[str, Any] | None = self.execution.progress.get("checkpoint")
@@ -422,7 +432,9 @@ class LedgerTask(Task):  # type: ignore[misc]
             self.name,
             message_id,
             key_header=found.get(headers.KEY),
-            key_of_arguments=lambda: self.key_of(tuple(args or ()), dict(kwargs or {})),
+            key_of_arguments=None
+            if found.get(BEAT_HEADER) is True
+            else lambda: self.key_of(tuple(args or ()), dict(kwargs or {})),
         )
 
     # -- in the worker ------------------------------------------------------------------------
@@ -480,7 +492,10 @@ class LedgerTask(Task):  # type: ignore[misc]
             self.name,
             str(request.id),
             key_header=request_header(request, headers.KEY),
-            key_of_arguments=lambda: self.key_of(args, kwargs),
+            # (a periodic run that names no key is its message's own job: see schedules.py)
+            key_of_arguments=None
+            if request_header(request, BEAT_HEADER) is True
+            else lambda: self.key_of(args, kwargs),
         )
         header_tier = request_header(request, headers.TIER)
         if not (isinstance(header_tier, str) and header_tier in self.app.tiers.names):
@@ -654,6 +669,13 @@ class LedgerTask(Task):  # type: ignore[misc]
             key = validate_key(explicit_key, task_name=self.name)
         elif message_headers.get(headers.KEY):
             key = validate_key(message_headers[headers.KEY], task_name=self.name)
+        elif message_headers.get(BEAT_HEADER) is True:
+            # A periodic run from a scheduler that names no slot (celery beat with another
+            # scheduler class): each tick is a job of its own, whatever its arguments; the
+            # workers stand down from running the schedule meanwhile (schedules.py).
+            key = f"beat:{uuid.uuid4().hex}"
+            runtime = self.app.runtime
+            note_foreign_beat(runtime.redis, runtime.name, socket.gethostname())
         else:
             key = self.key_of(args, kwargs)
         tier = self.app.tiers.resolve(self, call_tier or message_headers.get(headers.TIER))

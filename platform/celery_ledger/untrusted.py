@@ -107,3 +107,14 @@ def storable_key(name: Any) -> str:
     """A document key BSON and MongoDB accept, from any header name."""
     key = storable(str(name)).replace("\x00", "\\x00")
     return "\\" + key if key.startswith("$") else key
+
+
+def utc_of_unix(value: Any) -> datetime | None:
+    """A UTC datetime of a unix time from a header, or None (raw messages may carry anything)."""
+    number = float_or_none(value)
+    if number is None:
+        return None
+    try:
+        return datetime.fromtimestamp(number, UTC)
+    except (OverflowError, OSError, ValueError):
+        return None

@@ -24,6 +24,7 @@ from .envelope import body_problem
 from .errors import ConfigurationError, LedgerError
 from .policies.unrunnable import unrunnable_delay
 from .progress import serve_shutdown_flag
+from .schedules import fleet_entries
 from .triggers import TriggerRunner, watchers_for
 
 logger = logging.getLogger("celery_ledger.worker")
@@ -240,6 +241,12 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             throttle.append(Every(settings.throttle_check_seconds, switch.tick))
         reconcile: list[Callable[[], object]] = []
         outbox: list[Callable[[], object]] = []
+        schedules: list[Callable[[], object]] = []
+        stops: tuple[Callable[[float], object], ...] = ()
+        if fleet_entries(app.conf.beat_schedule) and app.schedules_in_workers():
+            # A lane of its own: a slot is due to the second, whatever else housekeeping does
+            schedules.append(app.fleet_scheduler.tick_if_leader)
+            stops += (app.fleet_scheduler.stop,)  # give the lease up: the next slot is on time
         if settings.reconcile_in_workers:
             sweep = app.reconciler.sweep_if_leader
             reconcile.append(Every(settings.reconcile_every_seconds, sweep))
@@ -250,12 +257,11 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         # Change-stream triggers: the lease holder of each reads in a lane of its own (its
         # reads wait on the server); every worker competes, whatever tiers it consumes.
         triggers: list[Callable[[], object]] = []
-        stops: tuple[Callable[[float], object], ...] = ()
         watchers = watchers_for(app)
         if watchers:
             runner = TriggerRunner(watchers)
             triggers.append(runner)
-            stops = (runner.stop,)  # save each watcher's place, give up its lease
+            stops += (runner.stop,)  # save each watcher's place, give up its lease
         return Housekeeping(
             {
                 "triggers": triggers,
@@ -264,6 +270,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 "throttle": throttle,
                 "reconcile": reconcile,
                 "outbox": outbox,
+                "schedules": schedules,
             },
             interval=settings.defer_poll_seconds,
             on_stop=stops,

@@ -944,6 +944,8 @@ def test_every_documented_event_is_emitted_by_the_platform() -> None:
     observers.outbox_published("critical", "relay", 1)
     # and the servers' clocks (tests/unit/test_clock.py reads them)
     observers.clock_read(Reading("ledger", 1.0, 1.0, 0.0, 0.001))
+    # and the schedulers (tests/unit/test_schedules.py sees their sends)
+    observers.scheduled("hourly-rollup", "shop.rollup", 1.8e9, 0.4)
     seen |= set(recorder.names())
     assert seen == set(EVENTS)
 

@@ -19,6 +19,7 @@ from .breakers import breakers
 from .dlq import dlq
 from .health import health
 from .keys import keys
+from .schedules import schedules
 from .triggers import triggers
 from .workflows import workflows
 
@@ -50,6 +51,7 @@ ledger.add_command(health)
 ledger.add_command(keys)
 ledger.add_command(workflows)
 ledger.add_command(triggers)
+ledger.add_command(schedules)
 
 
 @ledger.command(name="console")

@@ -142,6 +142,13 @@ class LedgerMetrics:
         self.workflows_ended = counter(
             "celery_ledger_workflows_ended_total", "Workflows ended.", ("workflow", "status")
         )
+        self.schedule_lag = Histogram(
+            "celery_ledger_schedule_lag_seconds",
+            "From a schedule entry's slot to the send of its run (the scheduler's lag).",
+            ("schedule",),
+            buckets=WAIT_BUCKETS,
+            registry=registry,
+        )
         self.clock_offset = Gauge(
             "celery_ledger_clock_offset_seconds",
             "A server's clock minus this host's, at its last reading (decisions use the"
@@ -404,6 +411,10 @@ class MetricsObserver(Observer):
         _m().outbox_published.labels(_tier(tier), source).inc(count)
 
     @_safe
+    def scheduled(self, schedule: str, task: str, slot: float, lag_seconds: float) -> None:
+        _m().schedule_lag.labels(schedule).observe(max(lag_seconds, 0.0))
+
+    @_safe
     def clock_read(self, reading: Reading) -> None:
         server = reading.server if reading.server in CLOCK_SERVERS else OTHER
         _m().clock_offset.labels(server).set(reading.offset_seconds)
@@ -511,6 +522,7 @@ METRIC_NAMES = frozenset(
                 "celery_ledger_queue_wait_seconds",
                 "celery_ledger_ledger_command_seconds",
                 "celery_ledger_workflow_step_seconds",
+                "celery_ledger_schedule_lag_seconds",
             )
             for suffix in ("bucket", "sum", "count")
         ),

@@ -1,0 +1,389 @@
+"""Periodic tasks: a scheduled run's identity is (schedule entry, slot), whoever fires it.
+
+Celery's ``beat_schedule`` entries (interval, ``crontab``, ``solar``) stay the way an app
+declares its periodic tasks. What this module adds is the identity of each run: the job of an
+entry's slot has the key ``schedule:<entry>@<slot>`` (``keys.slot_key``), never a hash of its
+arguments (which would make every later tick a duplicate of the first). Two schedulers firing
+the same slot (two beats, beat and the workers, two fleets during a deploy) publish the same
+job, and the ledger runs it once. The body reads its slot back from its key
+(``self.scheduled_for``).
+
+The slot is when the run was due, not when a scheduler got to it:
+
+- ``crontab``: the occurrence the entry was due for (the first one after its last run, in the
+  app's time zone, as Celery computes it), a wall time the schedule defines, the same for
+  every scheduler; ``solar`` and an app's own schedule class: its next event after the last
+  run, to the second;
+- an interval (``schedule``, or a number of seconds): the window of its period on a grid from
+  the epoch, on the broker's clock, and it fires once in each window (:meth:`LedgerScheduling.
+  is_due`). Celery's intervals run from each scheduler's last send, so their phase drifts and
+  two schedulers have different ones: the window is what every scheduler agrees on.
+
+Who fires: :class:`LedgerScheduler` is ``celery beat``'s scheduler (``create_app`` makes it the
+default), and :class:`FleetScheduler` runs the same schedules in the workers' housekeeping, one
+worker at a time under a fleet-wide lease, so that no beat process is needed. Each entry's last
+slot sent is kept in the broker: a worker that takes the lease over resumes from it.
+
+A message sent by a scheduler that names no slot (``celery beat`` with another scheduler class,
+which marks its messages with Celery's ``celery_beat_task`` header, :data:`BEAT_HEADER`) is a
+job of its own each tick: every tick runs, and two such schedulers run a tick twice, as in plain
+Celery. While such a beat fires (:func:`note_foreign_beat`), the fleet's scheduler stands down,
+or every tick would run twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import redis
+from celery.beat import PersistentScheduler, ScheduleEntry, Scheduler
+from celery.schedules import crontab
+from celery.schedules import schedule as interval_schedule
+
+from . import headers
+from .broker import SweepLock
+from .keys import slot_key
+from .untrusted import utc_of_unix
+
+logger = logging.getLogger("celery_ledger.schedules")
+
+# Celery's own header (5.7): beat marks every message it sends with it (true). A periodic run of
+# celery-ledger's schedulers names its entry and slot in its key, not in a header of its own: a
+# worker of an earlier release refuses an unknown ledger_ header, and takes the key.
+BEAT_HEADER = "celery_beat_task"
+# Tasks of the default beat schedule that the workers run by themselves (the reconciler's
+# sweep, in their housekeeping): the fleet's scheduler does not publish them.
+IN_HOUSEKEEPING = frozenset({"celery_ledger.reconcile"})
+# ``beat_scheduler``: Celery's default, and celery-ledger's (create_app sets it in its place)
+CELERY_BEAT_SCHEDULER = "celery.beat:PersistentScheduler"
+LEDGER_BEAT_SCHEDULER = "celery_ledger.schedules:LedgerScheduler"
+# The fleet scheduler's lease: a holder renews it every housekeeping pass; a dead holder's
+# successor fires what fell due within about this long.
+FLEET_LEASE_SECONDS = 10.0
+MAX_FIRED_PER_TICK = 1000  # entries fired in one housekeeping pass (the rest in the next)
+# How long a send by a beat of another scheduler class keeps the fleet's scheduler standing
+# down (beat sends at least every max loop interval, 5 minutes by default, when it has entries).
+FOREIGN_BEAT_SECONDS = 600
+_WARN_EVERY_SECONDS = 600.0
+
+
+def lease_key(app_name: str) -> str:
+    """The fleet scheduler's lease (its holder: ``<host>:<pid>|<token>``)."""
+    return f"{app_name}:ledger:schedules"
+
+
+def slots_key(app_name: str) -> str:
+    """The broker's hash of each schedule entry's last slot sent (by any scheduler)."""
+    return f"{lease_key(app_name)}:slots"
+
+
+def foreign_key(app_name: str) -> str:
+    """Set while a beat of another scheduler class sends this app's periodic runs."""
+    return f"{lease_key(app_name)}:foreign-beat"
+
+
+def note_foreign_beat(client: redis.Redis, app_name: str, host: str) -> None:
+    """A beat that names no slot sent a run (``LedgerTask.apply_async`` saw it): the fleet's
+    scheduler stands down for :data:`FOREIGN_BEAT_SECONDS`. Best effort (a broker away)."""
+    try:
+        client.set(foreign_key(app_name), host, ex=FOREIGN_BEAT_SECONDS)
+    except redis.RedisError as exc:
+        logger.warning("could not note the beat of another scheduler class: %s", exc)
+
+
+def fleet_entries(beat_schedule: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The entries of ``beat_schedule`` the fleet's scheduler fires (not the reconciler's)."""
+    return {
+        name: entry
+        for name, entry in (beat_schedule or {}).items()
+        if not (isinstance(entry, Mapping) and entry.get("task") in IN_HOUSEKEEPING)
+    }
+
+
+def is_interval(entry: ScheduleEntry) -> bool:
+    return type(entry.schedule) is interval_schedule
+
+
+def window_seconds(entry: ScheduleEntry) -> float:
+    """An interval entry's window: its period (a sub-second one: a second, since a slot is
+    named to the second; windows of a second or more always fall in distinct seconds)."""
+    return float(max(entry.schedule.run_every.total_seconds(), 1.0))
+
+
+def slot_of(entry: ScheduleEntry, *, broker_now: float) -> float:
+    """When the run ``entry`` is firing now was due (unix seconds, whole seconds).
+
+    ``broker_now``: the broker's clock (an interval's window is on its grid)."""
+    sched = entry.schedule
+    if is_interval(entry):
+        period = window_seconds(entry)
+        return float(math.floor(broker_now / period) * period)
+    if isinstance(sched, crontab):
+        # The occurrence itself (not "now" plus the time left, which reads the clock twice):
+        # wall-clock arithmetic in the schedule's time zone, then to UTC (a DST change moves
+        # the UTC instant, never the wall time the crontab names).
+        start, delta, _now = sched.remaining_delta(entry.last_run_at)
+        return float(round((start + delta).astimezone(UTC).timestamp()))
+    # solar or an app's own schedule: the next event after the last run; the time left is
+    # added in UTC (an aware local time plus a timedelta is wall-clock arithmetic)
+    now = sched.now()
+    now = now if now.tzinfo is not None else now.replace(tzinfo=UTC)
+    due = now.astimezone(UTC) + sched.remaining_estimate(entry.last_run_at)
+    return float(round(due.timestamp()))
+
+
+def marked_options(entry_name: str, options: Mapping[str, Any], slot: float) -> dict[str, Any]:
+    """An entry's publish options for its run of ``slot``: the run's key in its headers.
+
+    An ``idempotency_key`` among the entry's options is dropped: it would make every tick after
+    the first a duplicate of it (the slot key is the run's identity)."""
+    marked = {name: value for name, value in options.items() if name != "idempotency_key"}
+    marked["headers"] = {
+        **dict(options.get("headers") or {}),
+        headers.KEY: slot_key(entry_name, slot),
+    }
+    return marked
+
+
+class LedgerScheduling:
+    """What both schedulers add to Celery's: each message names its entry's slot, and an
+    interval fires once in each window of its grid.
+
+    Celery runs an interval from the moment its last run was sent and checks it again a period
+    after that, so its phase drifts later by each send's latency, and polled (the fleet's
+    scheduler ticks once a housekeeping pass) it fires a period plus up to a pass apart: either
+    way a window is skipped now and then. Here an interval is due whenever the broker's clock
+    is in a window it has not sent, and is checked again as the next window starts."""
+
+    app: Any
+    schedule: dict[str, ScheduleEntry]
+
+    def is_due(self, entry: ScheduleEntry) -> tuple[bool, float]:
+        if not is_interval(entry):
+            due: tuple[bool, float] = super().is_due(entry)  # type: ignore[misc]
+            return due
+        broker_now = self.app.runtime.message_time()
+        window = slot_of(entry, broker_now=broker_now)
+        until_next = window + window_seconds(entry) - broker_now
+        return window > self._sent().get(entry.name, -math.inf), max(until_next, 0.01)
+
+    def reserve(self, entry: ScheduleEntry) -> ScheduleEntry:
+        broker_now = self.app.runtime.message_time()
+        try:
+            slot = slot_of(entry, broker_now=broker_now)
+        except Exception as exc:  # an app's schedule class that cannot say: a slot per second
+            logger.warning("slot of %s unknown (%s): keyed by the second", entry.name, exc)
+            slot = float(math.floor(broker_now))
+        self._pending()[entry.name] = slot
+        if is_interval(entry):
+            self._sent()[entry.name] = slot
+        following: ScheduleEntry = next(entry)
+        self.schedule[entry.name] = following
+        return following
+
+    def apply_async(
+        self, entry: ScheduleEntry, producer: Any = None, advance: bool = True, **kwargs: Any
+    ) -> Any:
+        if advance:
+            self.reserve(entry)
+        slot = self._pending().pop(entry.name, None)
+        if slot is None:  # sent without a reserve (beat's own apply_async callers)
+            slot = slot_of(entry, broker_now=self.app.runtime.message_time())
+        marked = entry.__class__(
+            **dict(entry, options=marked_options(entry.name, entry.options, slot))
+        )
+        result = super().apply_async(  # type: ignore[misc]
+            marked, producer=producer, advance=False, **kwargs
+        )
+        self.fired(entry.name, slot)
+        lag = self.app.runtime.message_time() - slot
+        self.app.observers.scheduled(entry.name, entry.task, slot, lag)
+        return result
+
+    def fired(self, entry_name: str, slot: float) -> None:
+        """A run of ``entry_name`` for ``slot`` was sent: kept as the entry's last slot in the
+        broker (``ledger schedules list`` shows it; the fleet's next holder resumes from it)."""
+        runtime = self.app.runtime
+        try:
+            runtime.redis.hset(slots_key(runtime.name), entry_name, slot)
+        except redis.RedisError as exc:  # the run is sent; a successor may fire it again (once)
+            logger.warning("could not keep the last slot of %s: %s", entry_name, exc)
+
+    def _pending(self) -> dict[str, float]:
+        """Each reserved entry's slot, until its run is sent."""
+        return self.__dict__.setdefault("_ledger_pending", {})  # type: ignore[no-any-return]
+
+    def _sent(self) -> dict[str, float]:
+        """Each interval entry's last window sent (broker's clock)."""
+        return self.__dict__.setdefault("_ledger_sent", {})  # type: ignore[no-any-return]
+
+
+class LedgerScheduler(LedgerScheduling, PersistentScheduler):  # type: ignore[misc]
+    """``celery beat``'s scheduler (``beat_scheduler``): Celery's persistent scheduler, whose
+    messages name their entry's slot. Any number of beats may run: a slot runs once."""
+
+
+class FleetScheduler(LedgerScheduling, Scheduler):  # type: ignore[misc]
+    """The app's ``beat_schedule``, run in a worker's housekeeping while it holds the fleet's
+    schedule lease (:meth:`tick_if_leader`). Nothing is kept on disk: each entry's last slot
+    is kept in the broker, for whoever holds the lease next."""
+
+    def __init__(self, app: Any, *, ttl_seconds: float = FLEET_LEASE_SECONDS) -> None:
+        runtime = app.runtime
+        self._client = runtime.redis
+        self._name = runtime.name
+        self._lock = SweepLock(self._client, lease_key(runtime.name), ttl_seconds=ttl_seconds)
+        self._token: int | None = None
+        self._warned_at = -math.inf
+        super().__init__(app, lazy=True)
+
+    def setup_schedule(self) -> None:
+        self.merge_inplace(fleet_entries(self.app.conf.beat_schedule))
+
+    def tick_if_leader(self) -> float | None:
+        """Fire what is due if this worker holds (or now takes) the lease; else None."""
+        if self._foreign_beat():
+            return None
+        token = self._lock.acquire()
+        if token is None:
+            self._token = None
+            return None
+        if token != self._token:  # newly the holder: resume from the fleet's last slots
+            self.setup_schedule()
+            self._resume()
+            self._token = token
+        try:
+            # (Celery's tick fires one due entry per call and answers 0 while more are due)
+            for _ in range(MAX_FIRED_PER_TICK):
+                delay: float = self.tick()
+                if delay > 0:
+                    return delay
+        except BaseException:
+            # Celery's tick pops an entry off its heap before it fires it: an error on the
+            # way would leave that entry out of the schedule for good. Rebuilt next pass.
+            self._heap = None
+            raise
+        return 0.0
+
+    def stop(self, timeout: float = 0.0) -> None:
+        """The worker stops: give the lease up, so another worker fires the next slots now
+        rather than once the lease runs out (housekeeping's stop hook)."""
+        if self._token is not None:
+            self._lock.release()
+            self._token = None
+
+    def _foreign_beat(self) -> bool:
+        host = self._client.get(foreign_key(self._name))
+        if host is None:
+            return False
+        now = time.monotonic()
+        if now - self._warned_at >= _WARN_EVERY_SECONDS:
+            self._warned_at = now
+            logger.warning(
+                "a celery beat of another scheduler class (on %s) sends this app's periodic"
+                " runs, each tick a job of its own: the workers do not run the schedule while"
+                " it does (or every tick would run twice)",
+                host.decode() if isinstance(host, bytes) else host,
+            )
+        if self._token is not None:
+            self._lock.release()
+            self._token = None
+        return True
+
+    def _resume(self) -> None:
+        stored = self._client.hgetall(slots_key(self._name))
+        for raw_name, raw_slot in stored.items():
+            name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+            entry = self.schedule.get(name)
+            slot = _number(raw_slot)
+            moment = utc_of_unix(slot)
+            if entry is None or slot is None or moment is None:
+                continue
+            if is_interval(entry):
+                self._sent()[name] = slot
+            else:
+                # Its last run was that slot: the next occurrence after it fires now if it
+                # fell due meanwhile (its key makes it once if the last holder sent it).
+                self.schedule[name] = entry.__class__(**dict(entry, last_run_at=moment))
+        self._heap = None  # (Celery rebuilds its heap only when an entry's definition changed)
+
+    def sync(self) -> None:
+        """Nothing to write on disk (the last slots are in the broker)."""
+
+    def close(self) -> None:
+        self.sync()
+
+
+@dataclass(frozen=True)
+class EntryState:
+    """What ``ledger schedules list`` shows of an entry."""
+
+    name: str
+    task: str
+    schedule: str
+    last_slot: datetime | None
+    next_due: datetime | None
+
+
+def fleet_state(app: Any) -> tuple[str | None, str | None, list[EntryState]]:
+    """The fleet scheduler's holder (or None), the host of a beat of another scheduler class
+    sending runs (or None), and each entry of the app's schedule with its last slot sent and
+    when it is next due (reads from the broker)."""
+    runtime = app.runtime
+    client = runtime.redis
+    holder, foreign = client.get(lease_key(runtime.name)), client.get(foreign_key(runtime.name))
+    stored = client.hgetall(slots_key(runtime.name))
+    last = {(k.decode() if isinstance(k, bytes) else str(k)): _number(v) for k, v in stored.items()}
+    states = []
+    for name, spec in sorted(fleet_entries(app.conf.beat_schedule).items()):
+        entry = ScheduleEntry(**dict(spec, name=name, app=app))
+        slot = last.get(name)
+        due: float | None = None
+        if slot is not None:
+            if is_interval(entry):
+                due = slot + window_seconds(entry)
+            else:
+                try:
+                    following = ScheduleEntry(**dict(spec, name=name, app=app))
+                    following.last_run_at = datetime.fromtimestamp(slot, UTC)
+                    due = slot_of(following, broker_now=slot)
+                except Exception:  # an app's own schedule class: shown without its next time
+                    due = None
+        states.append(EntryState(name, entry.task, str(entry.schedule), _utc(slot), _utc(due)))
+    return _text(holder), _text(foreign), states
+
+
+def _utc(value: float | None) -> datetime | None:
+    return None if value is None else utc_of_unix(value)
+
+
+def _text(raw: Any) -> str | None:
+    if raw is None:
+        return None
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return text.split("|")[0]
+
+
+def _number(raw: Any) -> float | None:
+    try:
+        return float(raw.decode() if isinstance(raw, bytes) else raw)
+    except (TypeError, ValueError):
+        return None
+
+
+__all__ = [
+    "BEAT_HEADER",
+    "EntryState",
+    "FleetScheduler",
+    "LedgerScheduler",
+    "fleet_state",
+    "marked_options",
+    "note_foreign_beat",
+    "slot_of",
+]

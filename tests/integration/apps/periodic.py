@@ -1,0 +1,38 @@
+"""An app with Celery's own ``beat_schedule``, as a new user writes it: a task without arguments
+(keyless: its arguments are its key) and one whose key template names a fixed argument, each
+every 2 seconds. Every run records its slot (``self.scheduled_for``) under the test's tag
+(``PERIODIC_RUN``), so a test counts runs per slot."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from celery_ledger import Settings, create_app
+from tasks.effects import record_effect
+
+NAMESPACE = "periodic_tests"
+RUN = os.environ.get("PERIODIC_RUN", "none")
+
+app = create_app(NAMESPACE, settings=Settings(ledger_collection="periodic_ledger"))
+
+
+def _record(kind: str, task: Any) -> None:
+    slot = task.scheduled_for
+    record_effect(kind, RUN, slot=None if slot is None else slot.timestamp(), job=task.job_key)
+
+
+@app.task(bind=True, name="periodic.tick")
+def tick(self: Any) -> None:
+    _record("tick", self)
+
+
+@app.task(bind=True, name="periodic.tick_keyed", idempotency_key="{report}")
+def tick_keyed(self: Any, report: str) -> None:
+    _record("tick-keyed", self)
+
+
+app.conf.beat_schedule = {
+    "tick": {"task": "periodic.tick", "schedule": 2.0},
+    "tick-keyed": {"task": "periodic.tick_keyed", "schedule": 2.0, "args": ("daily",)},
+}

@@ -1,0 +1,244 @@
+"""Celery's ``beat_schedule`` on real servers: every tick runs, once per slot, whoever fires it
+(celery beat, two beats, the workers without any beat, a scheduling worker SIGKILLed)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_ledger.embedded.servers import app_env, spawn
+from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
+from tasks.effects import effects
+
+from .helpers import wait_for
+
+MODULE = "tests.integration.apps.periodic"
+NAMESPACE = "periodic_tests"
+PERIOD = 2.0  # every entry of the app's schedule
+KINDS = ("tick", "tick-keyed")
+
+
+class Fleet:
+    """Workers and beats of the periodic app on the session's servers, tagged with one run."""
+
+    def __init__(self, stack: EmbeddedStack, base: Path) -> None:
+        self.stack = EmbeddedStack(
+            MODULE, base, broker=stack.broker, ledger=stack.ledger, queue_namespace=NAMESPACE
+        )
+        self.base = base
+        self.run = uuid.uuid4().hex[:10]
+        self.workers: list[WorkerProcess] = []
+        self.beats: list[Any] = []
+
+    def worker(self, name: str, **env: str) -> WorkerProcess:
+        worker = self.stack.start_worker(
+            self.stack.queues_of(),
+            concurrency=1,
+            name=f"{name}@127.0.0.1",
+            env={"PERIODIC_RUN": self.run, **env},
+        )
+        self.workers.append(worker)
+        return worker
+
+    def beat(self, name: str, *args: str) -> Any:
+        argv = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            MODULE,
+            "beat",
+            "-s",
+            str(self.base / f"beat-{name}.db"),
+            "--loglevel",
+            "INFO",
+            *args,
+        ]
+        env = app_env(self.stack.env, {"PERIODIC_RUN": self.run})
+        process = spawn(argv, self.base / f"beat-{name}.log", env)
+        self.beats.append(process)
+        return process
+
+    def stop_beats(self) -> None:
+        for process in self.beats:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(timeout=20)
+
+    def stop(self) -> None:
+        self.stop_beats()
+        for worker in self.workers:
+            worker.stop()
+
+    def runs(self, kind: str) -> list[dict[str, Any]]:
+        return list(effects().find({"kind": kind, "key": self.run}))
+
+    def slots(self, kind: str) -> Counter[float]:
+        return Counter(run["slot"] for run in self.runs(kind))
+
+    def logs(self) -> str:
+        paths = [w.log_path for w in self.workers] + list(self.base.glob("beat-*.log"))
+        return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in paths if p.exists())
+
+
+@pytest.fixture
+def fleet(stack: EmbeddedStack, tmp_path: Path) -> Iterator[Fleet]:
+    running = Fleet(stack, tmp_path)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def once_per_slot(fleet: Fleet, kind: str, *, at_least: int) -> Counter[float]:
+    """Every slot ran exactly once, and at least ``at_least`` slots ran."""
+    slots = fleet.slots(kind)
+    assert None not in slots, f"{kind}: a run without its slot\n{fleet.logs()}"
+    twice = {slot: n for slot, n in slots.items() if n > 1}
+    assert not twice, f"{kind}: slots run more than once: {twice}\n{fleet.logs()}"
+    assert len(slots) >= at_least, f"{kind}: {len(slots)} slots ran\n{fleet.logs()}"
+    return slots
+
+
+def until_slots(fleet: Fleet, count: int, *, timeout: float = 60) -> None:
+    """Wait until every entry ran ``count`` slots (or more)."""
+    wait_for(
+        lambda: all(len(fleet.slots(kind)) >= count for kind in KINDS),
+        timeout=timeout,
+        what=f"{count} slots of each entry",
+    )
+
+
+def settle(fleet: Fleet) -> None:
+    time.sleep(PERIOD)  # what was published runs
+
+
+def test_every_tick_of_a_beat_schedule_runs_once_under_two_beats(fleet: Fleet) -> None:
+    # Given a worker that leaves the schedule to beat, and two beats (one too many: a failover
+    # pair, or two left running by a deploy)
+    fleet.worker("beat-worker", LEDGER_SCHEDULES_IN_WORKERS="false")
+    fleet.beat("a")
+    fleet.beat("b")
+
+    # When they run the app's schedule for a while
+    until_slots(fleet, 5)
+    fleet.stop_beats()
+    settle(fleet)
+
+    # Then every tick ran (a keyless task, and one whose key names a fixed argument), each
+    # slot once: on the code before, each ran once in all, every later tick a duplicate
+    for kind in KINDS:
+        slots = once_per_slot(fleet, kind, at_least=5)
+        assert all(slot % PERIOD == 0 for slot in slots)  # the windows of the interval
+        ordered = sorted(slots)
+        assert all(b - a == PERIOD for a, b in itertools.pairwise(ordered)), ordered
+    # and each run is a job of its own, named by its entry and slot
+    jobs = [run["job"] for run in fleet.runs("tick")]
+    assert len(set(jobs)) == len(jobs) and all(j.startswith("schedule:tick@") for j in jobs)
+
+
+def test_the_workers_run_the_schedule_without_beat_and_through_a_sigkill(
+    fleet: Fleet,
+) -> None:
+    assert fleet.stack.broker is not None
+    # Given two workers and no beat
+    workers = [fleet.worker("sched-1"), fleet.worker("sched-2")]
+    until_slots(fleet, 3)
+
+    # (the operator sees who fires the schedule, and each entry's last slot)
+    listed = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "celery", "-A", MODULE, "ledger", "schedules", "list", "--json"],
+            env=app_env(fleet.stack.env),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    )
+    assert {row["schedule"] for row in listed["schedules"]} == set(KINDS)
+    assert all(row["last_slot"] and row["next_due"] for row in listed["schedules"]), listed
+
+    # When the one holding the schedule's lease is SIGKILLed
+    client = redis.Redis.from_url(fleet.stack.broker.url)
+    holder = client.get(f"{NAMESPACE}:ledger:schedules")
+    assert holder is not None, fleet.logs()
+    assert listed["fired_by"] == holder.decode().split("|")[0]
+    pid = int(holder.decode().split("|")[0].rsplit(":", 1)[1])
+    [victim] = [w for w in workers if w.pid == pid]
+    os.kill(victim.pid, signal.SIGKILL)
+    killed_at = time.time()
+    before = {kind: len(fleet.slots(kind)) for kind in KINDS}
+
+    # Then the other takes over within the lease (10 s) and runs every window after it, once
+    wait_for(
+        lambda: all(len(fleet.slots(kind)) >= before[kind] + 4 for kind in KINDS),
+        timeout=60,
+        what="four more slots of each entry after the kill",
+    )
+    settle(fleet)
+    for kind in KINDS:
+        slots = once_per_slot(fleet, kind, at_least=before[kind] + 4)
+        after = sorted(slot for slot in slots if slot > killed_at)
+        assert after[0] - killed_at <= 10 + 2 * PERIOD, (kind, killed_at, after)
+        assert all(b - a == PERIOD for a, b in itertools.pairwise(after)), (kind, after)
+    client.close()
+
+
+def test_beat_and_the_workers_together_run_each_slot_once(fleet: Fleet) -> None:
+    # Given beat and workers that schedule too (an app moving off beat, or keeping both)
+    fleet.worker("both-1")
+    fleet.beat("a")
+    until_slots(fleet, 5)
+    fleet.stop_beats()
+    settle(fleet)
+    # Then each slot ran once
+    for kind in KINDS:
+        once_per_slot(fleet, kind, at_least=5)
+
+
+def test_beat_with_another_scheduler_class_runs_every_tick_and_the_workers_stand_down(
+    fleet: Fleet,
+) -> None:
+    assert fleet.stack.broker is not None
+    client = redis.Redis.from_url(fleet.stack.broker.url)
+    try:
+        # Given a worker with the default settings, and beat with Celery's own scheduler
+        # class (an app that chose its scheduler): its messages name no slot
+        fleet.worker("plain-worker")
+        fleet.beat("plain", "-S", "celery.beat:PersistentScheduler")
+        wait_for(
+            lambda: all(
+                sum(r["job"].startswith("beat:") for r in fleet.runs(kind)) >= 4 for kind in KINDS
+            ),
+            timeout=60,
+            what="four runs of each entry sent by beat",
+        )
+        fleet.stop_beats()
+        settle(fleet)
+
+        for kind in KINDS:
+            runs = sorted(fleet.runs(kind), key=lambda run: run["at"])
+            # every tick ran, each a job of its own
+            assert len({run["job"] for run in runs}) == len(runs)
+            # and once beat's runs began, the workers' scheduler stood down (or every tick
+            # would run twice): its runs, if any, came before (and up to a pass after)
+            first_beat = next(run["at"] for run in runs if run["job"].startswith("beat:"))
+            fleets = [run["at"] for run in runs if run["job"].startswith("schedule:")]
+            assert all((at - first_beat).total_seconds() < 2.0 for at in fleets), fleet.logs()
+    finally:
+        client.delete(f"{NAMESPACE}:ledger:schedules:foreign-beat")  # (for later tests)
+        client.close()
