@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -316,3 +318,46 @@ class ClockBook:
         if gone:
             self._client.hdel(self.key, *gone)  # type: ignore[attr-defined]
         return sorted(found, key=lambda h: h.worst(), reverse=True)
+
+
+class ClockReports:
+    """Reports a process's offsets to the fleet's book when it has no worker housekeeping to do
+    it (a producer, the console): on its clocks' own readings, at most once per
+    ``REPORT_EVERY_SECONDS``, so it costs no thread and no read of a server beyond those its
+    decisions make; a process whose clocks are never read has nothing to report.
+
+    A worker turns it off (``enabled``): its housekeeping reports for its host, pool processes
+    included. A failed write is dropped (the next reading tries again): reporting never fails
+    the publish whose reading it rides on."""
+
+    def __init__(
+        self,
+        book: Callable[[], ClockBook],
+        clocks: Callable[[], tuple[ServerClock, ...]],
+        *,
+        role: str = "client",
+        monotonic: Callable[[], float] = BOOT_CLOCK,
+    ) -> None:
+        self._book = book
+        self._clocks = clocks
+        self.role = role
+        self.enabled = True
+        self._monotonic = monotonic
+        self._last: float | None = None
+
+    @property
+    def host(self) -> str:
+        """This process's entry in the book (a pid, as a host may run several)."""
+        return f"{self.role} {socket.gethostname()} pid {os.getpid()}"
+
+    def reading_taken(self, reading: Reading) -> None:
+        if not self.enabled:
+            return
+        now = self._monotonic()
+        if self._last is not None and 0 <= now - self._last < REPORT_EVERY_SECONDS:
+            return
+        self._last = now
+        try:
+            self._book().report(self.host, self._clocks(), now=last_known_time("broker"))
+        except READ_ERRORS as exc:
+            logger.debug("could not report this process's clock offsets: %s", exc)

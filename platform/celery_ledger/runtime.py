@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from .clock import ClockBook, ServerClock, redis_time
+from .clock import ClockBook, ClockReports, Reading, ServerClock, redis_time
 from .crypto import Sealer
 from .delayed import DelayedDeliveries
 from .events import Observers
@@ -105,7 +105,7 @@ class Runtime:
         self.tier_of = tier_of
         self.observers = observers or Observers()
         ledger.open_text = self.sealer.open
-        ledger.clock.on_reading = self.observers.clock_read
+        ledger.clock.on_reading = self._clock_read
         ledger.clock.warn_offset_seconds = settings.clock_warn_seconds
         forget_after_fork(self, PER_PROCESS)
 
@@ -137,7 +137,7 @@ class Runtime:
         return ServerClock(
             "broker",
             lambda: redis_time(self.redis),
-            on_reading=self.observers.clock_read,
+            on_reading=self._clock_read,
             warn_offset_seconds=self.settings.clock_warn_seconds,
         )
 
@@ -145,6 +145,16 @@ class Runtime:
     def clock_book(self) -> ClockBook:
         """The fleet's offsets from the servers' clocks, as each worker last measured them."""
         return ClockBook(self.redis, namespace=self.tiers.namespace)
+
+    @cached_property
+    def clock_reports(self) -> ClockReports:
+        """This process's offsets, written to the fleet's book on its own readings (producers,
+        the console; a worker's housekeeping reports instead, and turns this off)."""
+        return ClockReports(lambda: self.clock_book, lambda: (self.ledger.clock, self.broker_clock))
+
+    def _clock_read(self, reading: Reading) -> None:
+        self.observers.clock_read(reading)
+        self.clock_reports.reading_taken(reading)
 
     def message_time(self) -> float:
         """Now, on the clock every message's times are on (the broker's), in unix seconds."""

@@ -179,6 +179,9 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         app = worker.app
         runtime = app.runtime
         settings = runtime.settings
+        # Its housekeeping reports this host's clocks (below), for its pool processes too:
+        # they fork after this, and inherit the switch
+        runtime.clock_reports.enabled = False
         # Keys it lacks (it could open, seal or key none of those jobs), settings changed
         # after create_app that break a guarantee: refuse to start, naming each
         missing = app.missing_keys() + app.configuration_problems()

@@ -21,6 +21,7 @@ import pytest
 from pymongo import MongoClient
 
 from celery_ledger import State
+from celery_ledger.clock import ClockBook
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 
 from .conftest import HEALING, TEST_ENV, producer_app, start_healing_worker
@@ -238,6 +239,14 @@ def test_a_producers_clock_moves_neither_a_due_time_nor_an_age(
     published = produce_on(isolated, clock, "record", token, "countdown")
     wait_for(lambda: effects_of(isolated, "record", token), timeout=30, what="it running")
     assert 3.5 <= time.monotonic() - published <= 12.0
+    # And the fleet's clock book (``ledger health``'s clock check) shows that producer's host
+    book = ClockBook(producer.runtime.redis, namespace=producer.runtime.tiers.namespace)
+    offsets = [
+        h.offsets["broker"][0]
+        for h in book.hosts(now=producer.runtime.message_time())
+        if h.host.startswith("client ") and "broker" in h.offsets
+    ]
+    assert any(abs(found + offset) < 5 for found in offsets), offsets
     producer.close()
 
 
@@ -264,7 +273,7 @@ def test_a_clock_that_jumps_while_a_job_waits_moves_not_its_due_time(
 
 
 @pytest.mark.parametrize("offset", [-3600, 3600], ids=["-1h", "+1h"])
-def test_a_workflow_timer_fires_when_due_on_a_worker_whose_clock_is_off(
+def test_workflow_timers_and_signal_timeouts_end_when_due_on_a_worker_whose_clock_is_off(
     isolated: EmbeddedStack, clocks: Any, offset: int
 ) -> None:
     from tests.integration.ledger_app import declare_workflows
@@ -293,6 +302,18 @@ def test_a_workflow_timer_fires_when_due_on_a_worker_whose_clock_is_off(
     assert 3.9 <= scheduled[0].data["until"] - scheduled[0].at.timestamp() <= 4.1
     assert fired[0].at.timestamp() >= scheduled[0].data["until"] - 0.01
     assert (fired[0].at - scheduled[0].at).total_seconds() <= 15.0
+    # And a signal's timeout (4 s, no signal sent) ends the wait when due, the same way
+    waiting = flows["order"].start(f"{token}-signal", steps=1, signal="approve", signal_timeout=4)
+    started = time.monotonic()
+    assert waiting.result(timeout=60)["signal"] is None
+    assert time.monotonic() - started >= 3.5
+    timed_out = [e for e in waiting.history() if e.kind == "timed_out"]
+    waits = [
+        e for e in waiting.history() if e.kind == "scheduled" and e.data.get("kind") == "signal"
+    ]
+    assert len(timed_out) == 1 and len(waits) == 1
+    assert timed_out[0].at.timestamp() >= waits[0].data["until"] - 0.01
+    assert (timed_out[0].at - waits[0].at).total_seconds() <= 15.0
     producer.close()
 
 
@@ -323,3 +344,101 @@ def test_a_latency_objective_counts_from_the_publish_whatever_the_clocks(
     assert effects_of(isolated, "late", quick) == []
     assert len(effects_of(isolated, "late", slow)) == 1
     producer.close()
+
+
+def test_breaker_cooldowns_and_rate_limits_hold_on_workers_whose_clocks_are_off(
+    isolated: EmbeddedStack, clocks: Any
+) -> None:
+    """A breaker's cooldown and a rate bucket's refill are judged on the broker's clock: two
+    workers an hour apart neither call a dependency early nor wait an hour for it."""
+    from celery_ledger.policies.breaker import BreakerState
+
+    assert isolated.ledger is not None
+    world = MongoClient(isolated.ledger.url, tz_aware=True).get_database("reference_world")
+    producer = producer_app(isolated, f"policies_{uuid.uuid4().hex[:6]}")
+    limited = shared_task(producer, "tests.integration.ledger_app.rate_limited")
+    payments = shared_task(producer, "tests.integration.ledger_app.call_payments")
+    skewed_worker(isolated, "fast", clocks("fast", 3600))
+    skewed_worker(isolated, "slow", clocks("slow", -3600))
+    # A bucket of 4/s (burst 2) shared by both: 10 jobs take 2 s at least, and not an hour
+    tokens = [f"rate-{i}-{uuid.uuid4().hex[:6]}" for i in range(10)]
+    seen: list[float] = []
+    for token in tokens:
+        limited.apply_async((token,))
+    deadline = time.monotonic() + 40
+    while len(seen) < len(tokens) and time.monotonic() < deadline:
+        done = world.effects.count_documents({"kind": "limited", "key": {"$in": tokens}})
+        seen += [time.monotonic()] * (done - len(seen))
+        time.sleep(0.05)
+    assert len(seen) == len(tokens), f"{len(seen)} of {len(tokens)} rate-limited jobs ran"
+    assert seen[-1] - seen[0] >= (len(tokens) - 2) / 4 - 0.4, "the bucket was overdrawn"
+    # A breaker opened by failures (3, cooldown 3 s): no call while it cools, a probe after
+    breaker = producer.breakers["payments"]
+    breaker.reset()
+    world.effects.insert_one({"kind": "outage", "key": "payments"})
+    token = f"pay-{uuid.uuid4().hex[:6]}"
+    try:
+        payments.apply_async((token,))
+        wait_for(lambda: breaker.status().state is BreakerState.OPEN, timeout=30, what="open")
+        opened, calls = time.monotonic(), effects_of(isolated, "payment_call", token)
+        time.sleep(2.0)
+        assert len(effects_of(isolated, "payment_call", token)) == len(calls), "called early"
+    finally:
+        world.effects.delete_many({"kind": "outage", "key": "payments"})
+    wait_for(
+        lambda: (r := producer.ledger.get(payments.name, token)) and r.state is State.SUCCEEDED,
+        timeout=30,
+        what="the job succeeding after the cooldown",
+    )
+    assert time.monotonic() - opened >= 2.5
+    assert breaker.status().state is BreakerState.CLOSED
+    producer.close()
+
+
+RELAYING = {
+    # the outbox relay alone brings a dead committer's work back (no reconciler runs)
+    "LEDGER_RECONCILE_IN_WORKERS": "false",
+    "LEDGER_OUTBOX_RELAY_IN_WORKERS": "true",
+    "LEDGER_OUTBOX_RELAY_SECONDS": "0.5",
+    "LEDGER_OUTBOX_GRACE_SECONDS": "1",
+}
+
+
+@pytest.mark.parametrize(
+    ("committer_offset", "relay_offset"),
+    [(3600, -3600), (-3600, 3600)],
+    ids=["committer+1h-relay-1h", "committer-1h-relay+1h"],
+)
+def test_a_dead_committers_work_is_relayed_after_its_grace_whatever_the_clocks(
+    isolated: EmbeddedStack, clocks: Any, committer_offset: int, relay_offset: int
+) -> None:
+    """The outbox's grace counts on the ledger's clock from the commit: a committer an hour
+    off marks its records neither long overdue nor an hour in the future for the relay."""
+    from celery_ledger.embedded.servers import app_env
+
+    assert isolated.ledger is not None
+    token = f"outbox-{uuid.uuid4().hex[:8]}"
+    relay = clocks("relay", relay_offset)
+    isolated.start_worker(
+        isolated.queues_of(),
+        concurrency=2,
+        name="relay@127.0.0.1",
+        env={**RELAYING, **relay.env()},
+    )
+    # Given a committer on a clock an hour off, SIGKILLed between its commit and its publish
+    committer = clocks("committer", committer_offset)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.integration.apps.outbox_committer", token],
+        env=app_env(TEST_ENV, isolated.env, RELAYING, committer.env()),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == -9 and "committed" in done.stdout, done.stderr[-2000:]
+    died = time.monotonic()
+    # Then the relay on its own clock runs the job once, within seconds
+    wait_for(lambda: effects_of(isolated, "record", token), timeout=30, what="the relayed job")
+    assert time.monotonic() - died < 20
+    time.sleep(2.0)
+    assert len(effects_of(isolated, "record", token)) == 1

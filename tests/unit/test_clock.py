@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from typing import Any
 
 import pytest
 
-from celery_ledger.clock import HostClocks, ServerClock
+from celery_ledger.clock import REPORT_EVERY_SECONDS, ClockReports, HostClocks, ServerClock
 from celery_ledger.health import clock_status
 
 
@@ -236,3 +237,63 @@ def test_a_soft_time_limit_raised_into_a_read_is_not_swallowed() -> None:
     clock = ServerClock("ledger", limited, monotonic=lambda: host.mono, wall=lambda: host.wall)
     with pytest.raises(SoftTimeLimitExceeded):
         clock.now()
+
+
+class Book:
+    """The fleet's book, in memory: what each process reported last."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, dict[str, tuple[float, float]]] = {}
+        self.down = False
+
+    def report(self, host: str, clocks: tuple[ServerClock, ...], *, now: float) -> None:
+        if self.down:
+            raise ConnectionError("broker away")
+        self.entries[host] = {
+            c.server: (c.reading.offset_seconds, c.reading.error_seconds)
+            for c in clocks
+            if c.reading is not None
+        }
+
+
+def reporting_process(role: str = "client") -> tuple[Host, Server, ServerClock, Book, Any]:
+    host, book = Host(wall=1_000.0), Book()
+    server = Server(host, time=1_300.0)  # the host is 5 minutes slow
+    clock = clock_of(host, server)
+    reports = ClockReports(lambda: book, lambda: (clock,), role=role, monotonic=lambda: host.mono)
+    clock.on_reading = reports.reading_taken
+    return host, server, clock, book, reports
+
+
+def test_a_producer_reports_its_offset_to_the_fleet_on_its_own_readings() -> None:
+    _host, _server, clock, book, reports = reporting_process()
+    clock.now()
+    assert list(book.entries) == [reports.host]
+    assert reports.host.startswith("client ")
+    offset, error = book.entries[reports.host]["ledger"]
+    assert offset == pytest.approx(300.0, abs=error)
+
+
+def test_it_reports_at_most_once_per_period_whatever_the_readings() -> None:
+    host, server, clock, book, reports = reporting_process()
+    clock.now()
+    server.advance(100.0)  # the host's clock falls further behind: not written at once
+    for _ in range(5):
+        host.advance(REPORT_EVERY_SECONDS / 6)
+        server.advance(REPORT_EVERY_SECONDS / 6)
+        clock.now()
+    assert book.entries[reports.host]["ledger"][0] == pytest.approx(300.0, abs=0.01)
+    host.advance(REPORT_EVERY_SECONDS)
+    server.advance(REPORT_EVERY_SECONDS)
+    clock.now()
+    assert book.entries[reports.host]["ledger"][0] == pytest.approx(400.0, abs=0.01)
+
+
+def test_a_worker_turns_it_off_and_a_broker_away_fails_nothing() -> None:
+    _host, _server, clock, book, reports = reporting_process()
+    reports.enabled = False
+    clock.sync()
+    assert book.entries == {}
+    reports.enabled, book.down = True, True
+    assert clock.sync().offset_seconds == pytest.approx(300.0, abs=0.01)  # the reading stands
+    assert book.entries == {}

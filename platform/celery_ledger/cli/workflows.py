@@ -151,7 +151,9 @@ def history(ctx: click.Context, workflow_id: str, as_json: bool) -> None:
 @_acting
 def state(ctx: click.Context, workflow_id: str, as_of: str | None, as_json: bool) -> None:
     """The state folded from the log, now or as it was at a moment (time travel)."""
-    rebuilt = _handle(ctx, workflow_id).state(parse_since(as_of))
+    # "30m ago" on the clock the events were stamped on (the ledger's), not this host's
+    moment = parse_since(as_of, ctx.obj.app.runtime.ledger.now)
+    rebuilt = _handle(ctx, workflow_id).state(moment)
     if as_json:
         _echo_json(rebuilt.to_dict())
         return

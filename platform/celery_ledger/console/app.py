@@ -91,6 +91,7 @@ def create_console(app: Any) -> Starlette:
         else secrets.token_urlsafe(48)
     )
     console = _Console(app, users, secret)
+    app.runtime.clock_reports.role = "console"  # its entry in the fleet's clock book
     routes = [
         Route("/login", console.login_page, methods=["GET"]),
         Route("/login", console.login, methods=["POST"]),
