@@ -129,6 +129,11 @@ class SealedMessageError(ValueError):
     """A sealed message body cannot be opened here (kombu reports it as a DecodeError)."""
 
 
+class SealedKeyMissing(SealedMessageError):
+    """A sealed body that no key of this process opens: sealed with a key it does not hold
+    (another worker of the fleet may), or changed in flight."""
+
+
 def register_sealed_codec(sealer: Sealer) -> None:
     """Make ``sealer`` usable for sealed message bodies in this process (idempotent)."""
     if sealer.enabled and all(opener is not sealer for opener in _openers):
@@ -167,7 +172,7 @@ def _decode(text: str | bytes) -> Any:
     if not Sealer.is_sealed(token):
         raise SealedMessageError(f"a message of type {SEALED_CONTENT_TYPE} is not sealed")
     if not _openers:
-        raise SealedMessageError(
+        raise SealedKeyMissing(
             "a sealed task message arrived but LEDGER_ENCRYPTION_KEYS is empty here"
         )
     for opener in _openers:
@@ -175,7 +180,7 @@ def _decode(text: str | bytes) -> Any:
             return kombu_json.loads(opener.open(token))
         except StoreError:
             continue
-    raise SealedMessageError(
+    raise SealedKeyMissing(
         "a sealed task message cannot be opened with LEDGER_ENCRYPTION_KEYS"
         " (sealed with a key that is not listed, or rotated out too early)"
     )

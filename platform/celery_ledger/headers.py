@@ -49,7 +49,12 @@ NEW = "ledger_new"
 # keeps dying run up to ``MAX_HANDED_BACK`` more times before it is poison.
 HANDED_BACK = "ledger_handed_back"
 MAX_HANDED_BACK = 100
-PROPERTIES = (NEW, HANDED_BACK)
+# A message *property* on the copy of a parked message that a worker took to run (the handoff,
+# see celery_ledger.handoff): the parked entry's id, which that worker removes when the copy
+# arrives. Unsigned: a forged id only removes a parked entry early, whose message still
+# returns to its queue from the delayed set.
+PARKED = "ledger_parked"
+PROPERTIES = (NEW, HANDED_BACK, PARKED)
 
 # Headers a republish copies from the original message (see KeptMessage).
 CARRIED = (

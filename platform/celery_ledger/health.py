@@ -27,6 +27,7 @@ from .clock import (
     mongo_time,
     redis_time,
 )
+from .handoff import Parking, tally
 from .ledger.store import Ledger
 from .ledger.triggers import TriggerState, TriggerStore
 
@@ -83,6 +84,7 @@ def run_checks(app: Any, *, required: Iterable[str], timeout: float) -> list[Che
         else:
             checks.extend(tier_checks(active, tiers, required, app.tiers.queue))
         checks.append(_timed("breakers", lambda: _breakers(app)))
+        checks.append(_timed("parked", lambda: _parked(app, timeout)))
     else:
         required_tiers = set(required)
         for tier in tiers:
@@ -211,6 +213,43 @@ def clock_status(
     if status != "ok":
         detail += "; decisions use the servers' clocks: sync this host (NTP)"
     return status, detail, data
+
+
+def _parked(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
+    """Messages a worker could not run, parked for one that can (celery_ledger.handoff)."""
+    client = _short_redis(app, timeout)
+    try:
+        runtime = app.runtime
+        parking = Parking(client, delayed_key=runtime.parking.delayed_key, key=runtime.parking.key)
+        now = redis_time(client)
+        return parked_status(
+            tally(parking.all(), now=now),
+            window_seconds=runtime.settings.unrunnable_window_seconds,
+        )
+    finally:
+        client.close()
+
+
+def parked_status(
+    found: tuple[dict[tuple[str, str], int], float], *, window_seconds: float
+) -> tuple[Status, str, dict[str, Any]]:
+    """The ``parked`` check: ok when nothing waits for a worker that can run it; warn while
+    something does (a deploy under way, or a worker short of a key); down once the oldest has
+    waited half its window (the rest of the window, then it is a dead letter)."""
+    counts, oldest = found
+    data: dict[str, Any] = {
+        "parked": {f"{task} ({why})": n for (why, task), n in sorted(counts.items())},
+        "oldest_seconds": round(oldest, 1),
+    }
+    total = sum(counts.values())
+    if not total:
+        return "ok", "no message waits for a worker that can run it", data
+    tasks = ", ".join(f"{task} ({why}) {n}" for (why, task), n in sorted(counts.items()))
+    detail = (
+        f"{total} message(s) wait for a worker that can run them: {tasks}; the oldest for"
+        f" {oldest:.0f}s (dead-lettered after {window_seconds:g}s)"
+    )
+    return ("down" if oldest > window_seconds / 2 else "warn"), detail, data
 
 
 def _breakers(app: Any) -> tuple[Status, str, dict[str, Any]]:

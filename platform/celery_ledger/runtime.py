@@ -30,6 +30,7 @@ from .clock import ClockBook, ClockReports, Reading, ServerClock, redis_time
 from .crypto import Sealer
 from .delayed import DelayedDeliveries
 from .events import Observers
+from .handoff import Parking, parked_key
 from .ledger.message import Publish
 from .ledger.store import Ledger
 from .locks import keep_inherited
@@ -64,6 +65,7 @@ PER_PROCESS = (
     "legacy_delayed",
     "pending_wakes",
     "clock_book",
+    "parking",
 )
 
 
@@ -221,6 +223,12 @@ class Runtime:
         return DelayedDeliveries(
             self.settings.broker_url, key=delayed_key(self.tiers.namespace), signer=self.signer
         )
+
+    @cached_property
+    def parking(self) -> Parking:
+        """The messages a worker could not run, parked for one that can (the handoff)."""
+        namespace = self.tiers.namespace
+        return Parking(self.redis, delayed_key=delayed_key(namespace), key=parked_key(namespace))
 
     @cached_property
     def pending_wakes(self) -> PendingWakes:

@@ -178,6 +178,16 @@ class Signer:
         mac = hmac.new(key, signed_text(message_headers, body), hashlib.sha256).hexdigest()
         return f"{VERSION}:{kid}:{mac}"
 
+    def lacks_key(self, message_headers: Mapping[str, Any]) -> bool:
+        """Whether the message is signed with a well-formed signature of a key this process
+        does not hold (another worker of the fleet may: a key added by a deploy under way)."""
+        signature = message_headers.get(HEADER)
+        if signature is None or not self._keys:
+            return False
+        version, _, rest = str(signature).partition(":")
+        kid, _, mac = rest.partition(":")
+        return version in (VERSION, LEGACY_VERSION) and bool(kid and mac) and kid not in self._keys
+
     def problem(
         self, message_headers: Mapping[str, Any], body: Any, *, strict: bool = False
     ) -> str | None:

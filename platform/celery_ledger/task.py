@@ -447,7 +447,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         request.ledger_key = delivery.identity.key  # LedgerTask.job_key
         request.ledger_run_tier = delivery.tier  # a retry republishes to it (LedgerTask.retry)
         policy, body = self.policy(delivery.tier), _Body(self, delivery)
-        unbound = self._binding_problem(args, kwargs)
+        unbound = self.binding_problem(args, kwargs)
         verdict = self.app.guard.run(delivery, policy, body, unbound=unbound)
         self._wake_workflow(verdict)
         return _follow(verdict)
@@ -468,7 +468,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             tier = self.app.settings.default_tier
         self.app.wake_where_step_ended(workflow_id, tier)
 
-    def _binding_problem(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    def binding_problem(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         """Why the arguments do not bind the body's signature, or None."""
         signature = self.__dict__.get("_ledger_signature")
         if signature is None:

@@ -15,13 +15,17 @@ from typing import Any, ClassVar
 from celery import bootsteps, signals
 from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer
+from kombu import serialization
 from kombu.exceptions import ContentDisallowed, DecodeError
+from kombu.utils import json as kombu_json
 
 from .clock import REPORT_EVERY_SECONDS
-from .crypto import sealing
+from .crypto import SealedKeyMissing, sealing
 from .delayed import DelayedPublisher
 from .envelope import body_problem
 from .errors import ConfigurationError, LedgerError
+from .handoff import LOOK_EVERY_SECONDS, Handoff, Parked, inbox_of
+from .headers import PARKED, UNRUNNABLE_SINCE
 from .policies.unrunnable import unrunnable_delay
 from .progress import serve_shutdown_flag
 from .schedules import fleet_entries
@@ -239,9 +243,29 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             upkeep.append(Every(EXPIRE_EVERY_SECONDS, runtime.ledger.expire))
         throttle: list[Callable[[], object]] = []
         bulk_queue = runtime.tiers.queue("bulk")
+        switch: ThrottleSwitch | None = None
         if bulk_queue in app.amqp.queues.consume_from:
             switch = ThrottleSwitch(app, worker.hostname, bulk_queue)
             throttle.append(Every(settings.throttle_check_seconds, switch.tick))
+        # The handoff (celery_ledger.handoff): what another worker parked and this one can run
+        # comes to this worker's inbox, a queue only it consumes (as Celery's worker_direct)
+        consumed = frozenset(app.amqp.queues.consume_from)
+        inbox = inbox_of(runtime.tiers.namespace, worker.hostname)
+        app.amqp.queues.select_add(inbox)
+
+        def not_runnable(entry: Parked) -> str | None:
+            if entry.queue not in consumed:  # a tier this worker does not serve
+                return f"queue {entry.queue!r} is not consumed here"
+            headers = entry.raw.get("headers")
+            found = not_runnable_here(
+                app, headers if isinstance(headers, dict) else {}, raw_decoder(app, entry.raw)
+            )
+            return None if found is None else found[1]
+
+        def held(entry: Parked) -> bool:  # for now only: looked at again next time
+            return switch is not None and switch.engaged and entry.queue == bulk_queue
+
+        handoff = Handoff(runtime.parking, inbox, not_runnable, held=held)
         reconcile: list[Callable[[], object]] = []
         outbox: list[Callable[[], object]] = []
         schedules: list[Callable[[], object]] = []
@@ -274,6 +298,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 "reconcile": reconcile,
                 "outbox": outbox,
                 "schedules": schedules,
+                "handoff": [Every(LOOK_EVERY_SECONDS, handoff.look)],
             },
             interval=settings.defer_poll_seconds,
             on_stop=stops,
@@ -286,10 +311,12 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
     Celery logs and drops (acks or rejects) undecodable bodies, refused content types, unknown
     tasks and invalid task messages. Here:
 
-    - a message of a task this worker does not know is put off with backoff, as it was sent,
-      for ``LEDGER_UNRUNNABLE_WINDOW_SECONDS`` (a rolling deploy adds tasks before every
-      worker has them; another app's worker may share the queue by mistake), and only then
-      dead-lettered with reason ``unknown task``;
+    - a message this worker cannot run and another worker may (a task it does not know,
+      arguments its version of the task does not bind, a body signed or sealed with a key it
+      does not hold) is parked, as it was sent, for a worker that can run it to take (the
+      handoff: celery_ledger.handoff), for ``LEDGER_UNRUNNABLE_WINDOW_SECONDS`` (a rolling
+      deploy adds tasks before every worker has them; another app's worker may share the queue
+      by mistake), and only then dead-lettered with its reason;
     - everything else that cannot run is kept in the dead-letter flow with its reason.
 
     A message is acknowledged only once it is kept (put off, or quarantined); if that fails it
@@ -302,12 +329,80 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
         on_task_received: Callable[[Any], Any] = super().create_task_handler(*args, **kwargs)
 
         def on_valid_task_received(message: Any) -> Any:
+            self._received_from_parking(message)
+            headers = message.headers if isinstance(message.headers, dict) else {}
+            name = headers.get("task")
+            known = isinstance(name, str) and name in self.strategies  # (else: unknown task)
+            # Not here, maybe elsewhere: a key this worker lacks (parked before any check that
+            # needs it); arguments this version does not bind (parked once the message is
+            # shown sound: a changed or forged one is refused, not parked)
+            missing = missing_key(self.app, headers, message.decode) if known else None
+            if missing is not None and self._park(message, "no-key", missing):
+                return None
             problem = self._body_problem(message)
             if problem is not None:
                 return self.on_invalid_task(None, message, InvalidTaskError(problem))
+            unbound = self._unbound(message, headers) if known else None
+            if unbound is not None and self._park(message, "arguments", unbound):
+                return None
             return on_task_received(message)
 
         return on_valid_task_received
+
+    def _unbound(self, message: Any, headers: dict[str, Any]) -> str | None:
+        try:
+            body = message.decode()  # memoized
+        except (ContentDisallowed, DecodeError):
+            return None  # Celery refuses these itself (on_decode_error)
+        return unbound_arguments(self.app, headers, body)
+
+    def _received_from_parking(self, message: Any) -> None:
+        """A copy this worker took from the parked messages arrived (booked as taken): the
+        parked entry is done (see celery_ledger.handoff). A failure leaves it parked: its take
+        lease ends and it is taken again, a duplicate the ledger suppresses."""
+        properties = message.properties if isinstance(message.properties, dict) else {}
+        parked = properties.get(PARKED)
+        if not isinstance(parked, str) or not 0 < len(parked) <= 64:
+            return
+        try:
+            self.app.runtime.parking.release(parked)
+        except Exception as exc:
+            logger.warning("could not mark parked message %s as received: %s", parked, exc)
+
+    def _park(self, message: Any, why: str, problem: str) -> bool:
+        """Put off a message this worker cannot run and another worker may (a deploy under
+        way): parked for the handoff, and due back on its queue with backoff. False once its
+        window is over (the caller keeps it as a dead letter, with its reason)."""
+        headers = message.headers if isinstance(message.headers, dict) else {}
+        runtime = self.app.runtime
+        now = runtime.message_time()
+        later = unrunnable_delay(
+            headers, window_seconds=runtime.settings.unrunnable_window_seconds, now=now
+        )
+        if later is None:
+            return False
+        delay, held_headers = later
+        queue = str((message.delivery_info or {}).get("routing_key") or "")
+        try:
+            runtime.parking.park(
+                queue,
+                _envelope(message, held_headers),
+                due_at=now + delay,
+                why=why,
+                since=float(held_headers[UNRUNNABLE_SINCE]),
+            )
+        except Exception as exc:
+            logger.error("could not park %s (%s: %s); requeued", headers.get("id"), why, exc)
+            message.reject(requeue=True)
+            return True
+        logger.warning(
+            "%s (%s): parked for a worker that can run it (back on its queue in %.1fs)",
+            problem,
+            headers.get("id"),
+            delay,
+        )
+        message.ack()
+        return True
 
     def _body_problem(self, message: Any) -> str | None:
         """Why the body of a known task's message is unusable, or None (Celery decides)."""
@@ -341,40 +436,11 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
         if not isinstance(name, str) or not name.strip():  # no deploy will ever know it
             self._keep_or_requeue(message, f"unknown task {name!r}: not a task name")
             return
-        runtime = self.app.runtime
-        later = unrunnable_delay(
-            headers,
-            window_seconds=runtime.settings.unrunnable_window_seconds,
-            now=runtime.message_time(),
-        )
-        if later is None:
-            window = runtime.settings.unrunnable_window_seconds
+        if not self._park(message, "unknown-task", f"unknown task {name!r}: not registered here"):
+            window = self.app.runtime.settings.unrunnable_window_seconds
             self._keep_or_requeue(
                 message, f"unknown task {name!r}: no worker ran it within {window:.0f}s"
             )
-            return
-        delay, held_headers = later
-        queue = str((message.delivery_info or {}).get("routing_key") or "")
-        try:
-            runtime.delayed.schedule_raw(
-                queue, _envelope(message, held_headers), runtime.message_time() + delay
-            )
-        except Exception as exc:
-            logger.error(
-                "could not put off %s of unknown task %r (%s); requeued",
-                headers.get("id"),
-                name,
-                exc,
-            )
-            message.reject(requeue=True)
-            return
-        logger.warning(
-            "unknown task %r (%s): not registered here; put off %.1fs for a worker that knows it",
-            name,
-            headers.get("id"),
-            delay,
-        )
-        message.ack()
 
     def _keep_or_requeue(self, message: Any, reason: str) -> None:
         """Quarantine the message as poison and acknowledge it; if it cannot be kept, hand it
@@ -395,6 +461,86 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
             message.reject(requeue=True)
             return
         message.ack()
+
+
+def missing_key(app: Any, message_headers: dict[str, Any], decode: Callable[[], Any]) -> str | None:
+    """Why this worker cannot open or check a task message that a worker holding another key
+    may (a key rotation under way): signed with a key it does not list, sealed with a key it
+    does not hold. None otherwise. ``decode``: the body, as kombu decodes it (memoized)."""
+    name = message_headers.get("task")
+    if app.runtime.signer.lacks_key(message_headers):
+        return f"task {name!r}: signed with a key this worker does not hold"
+    try:
+        decode()
+    except DecodeError as exc:
+        if any(isinstance(e, SealedKeyMissing) for e in (exc.__cause__, *exc.args)):
+            return f"task {name!r}: sealed with a key this worker does not hold"
+    except ContentDisallowed:
+        pass
+    return None
+
+
+def unbound_arguments(app: Any, message_headers: dict[str, Any], body: Any) -> str | None:
+    """Why this worker's version of a registered task does not bind a sound body's arguments
+    (another release may: a deploy under way), or None."""
+    name = message_headers.get("task")
+    binding = getattr(app.tasks.get(name), "binding_problem", None)  # (a ledger task's)
+    if not callable(binding) or body_problem(body) is not None:
+        return None
+    unbound = binding(tuple(body[0]), dict(body[1]))
+    if unbound is None:
+        return None
+    if len(kombu_json.dumps([body[0], body[1]])) > app.settings.max_payload_bytes:
+        return None  # oversized everywhere: the guard keeps it as a dead letter at once
+    return f"task {name!r}: arguments do not bind this version: {unbound}"
+
+
+def not_runnable_here(
+    app: Any, message_headers: dict[str, Any], decode: Callable[[], Any]
+) -> tuple[str, str] | None:
+    """(why, problem) when this worker cannot run a task message that another worker of the
+    fleet may (a deploy under way): ``unknown-task`` (not registered here), ``no-key`` (signed
+    or sealed with a key this worker does not hold), ``arguments`` (its version of the task
+    does not bind them). None when it can, or when the message is bad everywhere (the checks
+    that keep it as a dead letter decide). ``decode``: the body, as kombu decodes it.
+
+    One owner for "can this worker run it": the consumer parks what fails these checks (in
+    its own order, to check each signature once), and the handoff takes what passes them
+    (see celery_ledger.handoff)."""
+    name = message_headers.get("task")
+    if not isinstance(name, str) or not name.strip():
+        return None
+    if name not in app.tasks:
+        return "unknown-task", f"unknown task {name!r}: not registered here"
+    missing = missing_key(app, message_headers, decode)
+    if missing is not None:
+        return "no-key", missing
+    try:
+        body = decode()
+    except (DecodeError, ContentDisallowed):
+        return None
+    if body_problem(body) is not None or app.runtime.signer.problem(message_headers, body):
+        return None
+    unbound = unbound_arguments(app, message_headers, body)
+    return None if unbound is None else ("arguments", unbound)
+
+
+def raw_decoder(app: Any, raw: dict[str, Any]) -> Callable[[], Any]:
+    """``decode`` for :func:`not_runnable_here` of a message as the transport stores it."""
+
+    def decode() -> Any:
+        properties = raw.get("properties") or {}
+        body = raw.get("body")
+        if properties.get("body_encoding") == "base64":
+            body = base64.b64decode(str(body))
+        return serialization.loads(
+            body,
+            raw.get("content-type"),
+            raw.get("content-encoding"),
+            accept=app.conf.accept_content,
+        )
+
+    return decode
 
 
 def _envelope(message: Any, message_headers: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,15 @@ def start_worker(stack: EmbeddedStack, tmp_path: Path) -> Iterator[StartWorker]:
     """Workers of other app modules on the session's servers (stopped after the test)."""
     started: list[WorkerProcess] = []
 
-    def start(module: str, namespace: str, name: str, **env: str) -> WorkerProcess:
+    def start(
+        module: str,
+        namespace: str,
+        name: str,
+        *,
+        tiers: tuple[str, ...] = (),
+        pool: str = "prefork",
+        **env: str,
+    ) -> WorkerProcess:
         other = EmbeddedStack(
             module,
             tmp_path,
@@ -36,7 +44,7 @@ def start_worker(stack: EmbeddedStack, tmp_path: Path) -> Iterator[StartWorker]:
             queue_namespace=namespace,
         )
         worker = other.start_worker(
-            other.queues_of(), concurrency=1, name=f"{name}@127.0.0.1", env=env
+            other.queues_of(*tiers), concurrency=1, name=f"{name}@127.0.0.1", pool=pool, env=env
         )
         started.append(worker)
         return worker
@@ -167,4 +175,125 @@ def test_a_task_no_worker_ever_knows_is_dead_after_the_window(
     assert record["dead_reason"].startswith("unknown task 'deploys.never_deployed'")
     assert record["death"] == "unknown-task"
     assert app.ledger.resolve(result.id)["_id"] == record_id  # its message id finds it
+    app.close()
+
+
+# An able worker up, the parked message is in its inbox within a look (1 s) and runs when the
+# worker has room: this bound leaves a loaded CI machine its margin.
+HANDOFF_BOUND_SECONDS = 15.0
+
+
+@pytest.mark.parametrize(
+    ("unable", "able", "order"),
+    [
+        (1, 1, "able-later"),  # the deploy's first new worker comes up after the publish
+        (3, 1, "able-later"),  # most of the fleet still old
+        (1, 3, "able-first"),  # most of the fleet new
+        (1, 1, "able-idle"),  # the new worker idle long before the job comes
+    ],
+    ids=["1:1-able-later", "3:1-able-later", "1:3-able-first", "1:1-able-idle"],
+)
+def test_a_job_only_some_workers_can_run_reaches_one_of_them_within_seconds(
+    stack: EmbeddedStack, start_worker: StartWorker, unable: int, able: int, order: str
+) -> None:
+    """The handoff: whatever the mix, a message the old workers cannot run (a new task, a new
+    argument) is parked by them and taken by a new worker, not left to the race for the
+    queue; it runs once, and nothing is dead-lettered."""
+    assert stack.broker is not None
+    run = uuid.uuid4().hex[:6]
+    app = producer(stack, "deploys")
+    broker = redis.Redis.from_url(stack.broker.url)
+
+    def start(module: str, name: str, count: int) -> None:
+        for i in range(count):
+            start_worker(f"tests.integration.apps.{module}", "deploys", f"{name}{i}-{run}")
+
+    if order != "able-later":
+        start("deploy_v2", "new", able)
+        if order == "able-idle":
+            time.sleep(15.0)  # idle: its consumer and its look at the parked long settled
+    start("deploy_v1", "old", unable)
+    tokens = [f"{run}-{i}" for i in range(3)]
+    jobs = []
+    for token in tokens:
+        jobs.append(
+            app.send_task(
+                "deploys.new_feature",
+                (token,),
+                queue=app.tiers.queue("default"),
+                headers={"ledger_key": token},
+            )
+        )
+        jobs.append(
+            app.send_task(
+                "deploys.greet",
+                (token, "hi"),
+                queue=app.tiers.queue("critical"),
+                headers={"ledger_key": token},
+            )
+        )
+    if order == "able-later":
+        parking = app.runtime.parking
+        wait_for(lambda: parking.count() >= 1, what="the old workers parking what they can't run")
+        time.sleep(2.0)
+        start("deploy_v2", "new", able)
+    up = time.monotonic()
+    assert [job.get(timeout=60) for job in jobs] == ["new", "hi"] * len(tokens)
+    waited = time.monotonic() - up
+    assert waited < HANDOFF_BOUND_SECONDS, f"the last job ran {waited:.1f}s after a new worker"
+    for token in tokens:
+        assert effect_count("new_feature", token) == 1
+        assert effect_count("greet", token) == 1
+    assert dead_records(app, [job.id for job in jobs]) == []
+    assert broker.llen(app.dead_letters.poison_key) == 0
+    # Every parked entry was received (the index empties: nothing waits for a later bounce)
+    ids = {job.id for job in jobs}
+    wait_for(
+        lambda: not [p for p in app.runtime.parking.all() if p.raw["headers"]["id"] in ids],
+        timeout=10,
+        what="the parked entries done",
+    )
+    app.close()
+
+
+def test_a_worker_takes_only_what_its_tiers_serve_whatever_its_pool(
+    stack: EmbeddedStack, start_worker: StartWorker
+) -> None:
+    """A new worker that serves the critical tier only (on the threads pool) takes the parked
+    critical job and leaves the default one parked, for a worker of its tier."""
+    run = uuid.uuid4().hex[:6]
+    app = producer(stack, "deploys")
+    start_worker("tests.integration.apps.deploy_v1", "deploys", f"old-{run}")
+    token = f"tiers-{run}"
+    new = app.send_task(
+        "deploys.new_feature",
+        (token,),
+        queue=app.tiers.queue("default"),
+        headers={"ledger_key": token},
+    )
+    greet = app.send_task(
+        "deploys.greet",
+        (token, "hi"),
+        queue=app.tiers.queue("critical"),
+        headers={"ledger_key": token},
+    )
+    wait_for(lambda: app.runtime.parking.count() >= 2, what="both parked by the old worker")
+    start_worker(
+        "tests.integration.apps.deploy_v2",
+        "deploys",
+        f"crit-{run}",
+        tiers=("critical",),
+        pool="threads",
+    )
+    assert greet.get(timeout=30) == "hi"
+    time.sleep(3.0)  # several looks of the critical worker at the parked default job
+    assert effect_count("new_feature", token) == 0
+    wait_for(  # (between the bounces of its backoff it is parked, not run)
+        lambda: new.id in {p.raw["headers"]["id"] for p in app.runtime.parking.all()},
+        timeout=15,
+        what="the default job still parked",
+    )
+    start_worker("tests.integration.apps.deploy_v2", "deploys", f"dflt-{run}", tiers=("default",))
+    assert new.get(timeout=30) == "new"
+    assert effect_count("new_feature", token) == 1 and effect_count("greet", token) == 1
     app.close()

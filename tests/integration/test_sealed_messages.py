@@ -143,7 +143,11 @@ def test_a_message_sealed_with_a_key_no_worker_holds_is_dead_lettered_alone(
         running.start_worker(
             running.queues_of(),
             concurrency=1,
-            env={"LEDGER_ENCRYPTION_KEYS": json.dumps([new, old])},
+            env={
+                "LEDGER_ENCRYPTION_KEYS": json.dumps([new, old]),
+                # parked for a worker that holds the key (the handoff), none does: dead after
+                "LEDGER_UNRUNNABLE_WINDOW_SECONDS": "3",
+            },
         )
 
         # (results are sealed with the worker's newest key: read them with the new key list)
@@ -164,5 +168,37 @@ def test_a_message_sealed_with_a_key_no_worker_holds_is_dead_lettered_alone(
         assert again.get(timeout=60)["echo"] == secret
         for producer in (before, after, stray):
             producer.close()
+    finally:
+        running.stop()
+
+
+def test_a_message_sealed_with_a_key_some_workers_lack_reaches_one_that_holds_it(
+    tmp_path: Path, stack: Any, token: str
+) -> None:
+    """An encryption key rotation under way: producers seal with the newest key, which only
+    the workers already redeployed hold. The others park the job (the handoff) instead of
+    dead-lettering it, and it runs once on a worker that opens it."""
+    listed = json.loads(TEST_ENV["LEDGER_ENCRYPTION_KEYS"])
+    new, old = Fernet.generate_key().decode(), listed[0]
+    secret = _secret()
+    running = make_isolated_stack(tmp_path)
+    try:
+        running.start_worker(
+            running.queues_of(),
+            name="stale@127.0.0.1",
+            env={"LEDGER_ENCRYPTION_KEYS": json.dumps([old])},
+        )
+        after = producer_app(running, "after_rotation", encryption_keys=[new, old])
+        job = shared_task(after, STORE_CARD).delay(f"{token}-new", secret)
+        wait_for(lambda: after.runtime.parking.count() >= 1, what="the stale worker parking")
+        running.start_worker(
+            running.queues_of(),
+            name="current@127.0.0.1",
+            env={"LEDGER_ENCRYPTION_KEYS": json.dumps([new, old])},
+        )
+        assert job.get(timeout=30)["echo"] == secret
+        record = after.ledger.find_raw(job.id)
+        assert record["state"] == State.SUCCEEDED.value and record["attempts"] == 1
+        after.close()
     finally:
         running.stop()

@@ -177,7 +177,12 @@ def test_a_signature_made_with_a_key_no_worker_lists_is_refused(
         job = shared_task(stray, TASKS + "record").delay(token)
         running.start_worker(
             running.queues_of(),
-            env={"LEDGER_SIGNING_KEYS": json.dumps([NEW]), "LEDGER_SIGNATURES_REQUIRED": required},
+            env={
+                "LEDGER_SIGNING_KEYS": json.dumps([NEW]),
+                "LEDGER_SIGNATURES_REQUIRED": required,
+                # parked for a worker that holds the key (the handoff), none does: dead after
+                "LEDGER_UNRUNNABLE_WINDOW_SECONDS": "3",
+            },
         )
         probe = producer_app(running, "probe", signing_keys=[NEW])
         assert "not listed in LEDGER_SIGNING_KEYS" in _quarantined(probe, job.id)["dead_reason"]
@@ -255,6 +260,38 @@ def test_changing_any_bound_header_dead_letters_the_copy_and_never_stops_its_job
             assert job is None or job.get("state") != State.DEAD.value, name
             assert record.delay(job_token).get(timeout=60)["token"] == job_token, name
             assert _effects(running, "record", job_token) == 1, name
+        producer.close()
+    finally:
+        running.stop()
+
+
+def test_a_job_signed_with_a_key_some_workers_lack_reaches_one_that_holds_it(
+    tmp_path: Path, stack: Any, token: str
+) -> None:
+    """A key rotation under way: producers sign with the newest key, which only the workers
+    already redeployed hold. The others park the job for them (the handoff) instead of
+    refusing it, and it runs once on a worker that can check its signature."""
+    running = make_isolated_stack(tmp_path)
+    try:
+        running.start_worker(
+            running.queues_of(),
+            name="stale@127.0.0.1",
+            env={"LEDGER_SIGNING_KEYS": json.dumps([OLD]), "LEDGER_SIGNATURES_REQUIRED": "true"},
+        )
+        producer = producer_app(running, "rotated", signing_keys=[NEW, OLD])
+        jobs = [shared_task(producer, TASKS + "record").delay(f"{token}-{i}") for i in range(3)]
+        wait_for(lambda: producer.runtime.parking.count() >= 1, what="the stale worker parking")
+        running.start_worker(
+            running.queues_of(),
+            name="current@127.0.0.1",
+            env={
+                "LEDGER_SIGNING_KEYS": json.dumps([NEW, OLD]),
+                "LEDGER_SIGNATURES_REQUIRED": "true",
+            },
+        )
+        for i, job in enumerate(jobs):
+            assert job.get(timeout=30)["token"] == f"{token}-{i}"
+            assert _effects(running, "record", f"{token}-{i}") == 1
         producer.close()
     finally:
         running.stop()

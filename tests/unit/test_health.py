@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from celery_ledger import Settings, create_app
 from celery_ledger.cli.health import health
 from celery_ledger.embedded.servers import free_port
-from celery_ledger.health import tier_checks
+from celery_ledger.health import parked_status, tier_checks
 
 TIERS = ("critical", "default", "bulk")
 
@@ -70,3 +70,14 @@ def test_the_outbox_check_warns_of_committed_jobs_nobody_publishes() -> None:
     assert "LEDGER_OUTBOX_RELAY_IN_WORKERS" in detail
     many = [{"tier": "bulk"}] * OUTBOX_SAMPLE
     assert f"{OUTBOX_SAMPLE} or more" in outbox_report(many, overdue_seconds=11)[1]
+
+
+def test_parked_messages_warn_then_are_down_past_half_their_window() -> None:
+    assert parked_status(({}, 0.0), window_seconds=900)[0] == "ok"
+    counts = {("unknown-task", "shop.new"): 2, ("no-key", "shop.pay"): 1}
+    status, detail, data = parked_status((counts, 120.0), window_seconds=900)
+    assert status == "warn"
+    assert "3 message(s)" in detail and "shop.new (unknown-task) 2" in detail
+    assert data["parked"] == {"shop.new (unknown-task)": 2, "shop.pay (no-key)": 1}
+    # Past half the window its jobs are dead-lettered soon: someone must finish the deploy
+    assert parked_status((counts, 451.0), window_seconds=900)[0] == "down"

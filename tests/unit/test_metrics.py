@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from celery_ledger import Job, Settings, create_app
+from celery_ledger.handoff import Parked
 from celery_ledger.headers import SENT_AT
 from celery_ledger.ledger.dead import DeadLetter
 from celery_ledger.observability import ledger_listeners, metrics, stamp_sent_at
@@ -169,12 +170,19 @@ def test_nothing_is_recorded_while_disabled(app: Any, registry: CollectorRegistr
 
 def test_scrape_time_gauges_and_a_broker_outage() -> None:
     # Given an app whose broker answers and whose ledger does not
+    parked = [
+        Parked("1", "q", {"headers": {"task": "a"}}, "arguments", 960.0),
+        Parked("2", "q", {"headers": {"task": "a"}}, "arguments", 990.0),
+        Parked("3", "q", {"headers": {"task": "b"}}, "no-key", None),
+    ]
     status = SimpleNamespace(name="payments", state=BreakerState.OPEN)
     app = SimpleNamespace(
         queue_depths=SimpleNamespace(depths=lambda: {"critical": 3, "dead_letter": 1}),
         delayed=SimpleNamespace(pending=lambda: 4),
         breakers=SimpleNamespace(statuses=lambda: [status]),
         ledger=SimpleNamespace(count_dead=None),  # calling it fails
+        parking=SimpleNamespace(all=lambda: parked),
+        message_time=lambda: 1_000.0,
     )
     registry = CollectorRegistry()
     registry.register(StateCollector(app, ["critical", "default"]))
@@ -186,6 +194,10 @@ def test_scrape_time_gauges_and_a_broker_outage() -> None:
     assert value(registry, "celery_ledger_dependency_up", dependency="broker") == 1
     assert value(registry, "celery_ledger_dependency_up", dependency="ledger") == 0
     assert registry.get_sample_value("celery_ledger_dead_letters") is None
+    # And the messages parked for a worker that can run them, by reason and task
+    assert value(registry, "celery_ledger_parked_messages", reason="arguments", task="a") == 2
+    assert value(registry, "celery_ledger_parked_messages", reason="no-key", task="b") == 1
+    assert value(registry, "celery_ledger_parked_oldest_seconds") == 40.0
 
 
 def test_workflows_by_state_and_their_steps_are_exported(registry: CollectorRegistry) -> None:
@@ -195,6 +207,8 @@ def test_workflows_by_state_and_their_steps_are_exported(registry: CollectorRegi
         delayed=SimpleNamespace(pending=lambda: 0),
         breakers=SimpleNamespace(statuses=lambda: []),
         ledger=SimpleNamespace(count_dead=lambda: 0),
+        parking=SimpleNamespace(all=lambda: []),
+        message_time=lambda: 0.0,
     )
     counts = {"running": 4, "stuck": 1, "completed": 10}
     scraped = CollectorRegistry()
@@ -235,6 +249,8 @@ def test_scrapes_within_the_cache_time_read_the_broker_and_the_ledger_once() -> 
         delayed=SimpleNamespace(pending=counted("delayed", 1)),
         breakers=SimpleNamespace(statuses=counted("breakers", [])),
         ledger=SimpleNamespace(count_dead=counted("dead", 5)),
+        parking=SimpleNamespace(all=counted("parked", [])),
+        message_time=lambda: 0.0,
     )
     registry = CollectorRegistry()
     collector = StateCollector(
@@ -249,12 +265,12 @@ def test_scrapes_within_the_cache_time_read_the_broker_and_the_ledger_once() -> 
         assert value(registry, "celery_ledger_dead_letters") == 5
         now[0] += 0.5
     # Then each backend was read once
-    assert sorted(reads) == ["breakers", "dead", "delayed", "depths", "workflows"]
+    assert sorted(reads) == ["breakers", "dead", "delayed", "depths", "parked", "workflows"]
 
     # And the next scrape after the cache time reads again
     now[0] += 10
     assert value(registry, "celery_ledger_queue_depth", queue="critical") == 2
-    assert len(reads) == 10
+    assert len(reads) == 12
 
 
 def _call(app: Any, authorization: str | None) -> tuple[str, bytes]:

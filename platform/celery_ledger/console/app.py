@@ -364,6 +364,7 @@ class _Console:
             "open_breakers": [b for b in breakers if b.state.value != "closed"],
             "problems": problems,
             "delayed": _quietly(runtime.delayed.pending, None),
+            "parked": _quietly(runtime.parking.count, None),
             "minutes": SPARK_MINUTES,
             "now": runtime.ledger.now(),  # (the records' clock)
         }

@@ -43,6 +43,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from ..handoff import tally
 from ..ledger.workflow_log import ACTIVE
 from ..policies.breaker import BreakerState
 from . import metrics
@@ -76,6 +77,10 @@ def mark_dead(pid: int | None = None, **_: Any) -> None:
     if path and metrics.active() is not None:
         with contextlib.suppress(Exception):
             multiprocess.mark_process_dead(pid or os.getpid(), path)
+
+
+# Task names come from messages (any producer's): a bounded number of label values.
+PARKED_TASKS_NAMED = 20
 
 
 class StateCollector(Collector):
@@ -179,6 +184,33 @@ class StateCollector(Collector):
         for status in self.runtime.breakers.statuses():
             breakers.add_metric([status.name], BREAKER_VALUES[status.state])
         yield from (depth, delayed, breakers)
+        yield from self._parked()
+
+    def _parked(self) -> Iterator[Metric]:
+        """The messages parked for a worker that can run them (celery_ledger.handoff)."""
+        counts, oldest = tally(self.runtime.parking.all(), now=self.runtime.message_time())
+        parked = GaugeMetricFamily(
+            "celery_ledger_parked_messages",
+            "Messages a worker could not run, parked for one that can (a deploy under way),"
+            " by reason and task (the 20 most parked tasks; the rest as 'other').",
+            labels=["reason", "task"],
+        )
+        tasks: dict[str, int] = {}
+        for (_why, task), n in counts.items():
+            tasks[task] = tasks.get(task, 0) + n
+        named = set(sorted(tasks, key=lambda t: -tasks[t])[:PARKED_TASKS_NAMED])
+        merged: dict[tuple[str, str], int] = {}
+        for (why, task), n in counts.items():
+            label = (why, task if task in named else "other")
+            merged[label] = merged.get(label, 0) + n
+        for (why, task), n in sorted(merged.items()):
+            parked.add_metric([why, task], n)
+        yield parked
+        yield GaugeMetricFamily(
+            "celery_ledger_parked_oldest_seconds",
+            "How long the oldest parked message has been put off (0: none parked).",
+            value=oldest,
+        )
 
 
 class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
