@@ -51,12 +51,25 @@ end
 return due
 """
 
-# KEYS[1] = the sorted set; ARGV = the member as read, the member to put in its place (same score).
+# KEYS[1] = the sorted set, KEYS[2] = the index of parked messages (celery_ledger.handoff);
+# ARGV = the member as read, the member to put in its place (same score), the parked entry's id
+# ("" for an entry that is not parked: its index entry names the new member).
 _REPLACE = """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score then return 0 end
 redis.call('ZADD', KEYS[1], score, ARGV[2])
 redis.call('ZREM', KEYS[1], ARGV[1])
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[2], ARGV[3], ARGV[2]) end
+return 1
+"""
+
+# KEYS[1] = the sorted set, KEYS[2] = the index of parked messages, KEYS[3] = the queue;
+# ARGV = the member, the message to push, the parked entry's id ("" if not parked). A held raw
+# message back on its queue, out of the set, and out of the index if it was parked: one step.
+_PUSH_BACK = """
+redis.call('LPUSH', KEYS[3], ARGV[2])
+redis.call('ZREM', KEYS[1], ARGV[1])
+if ARGV[3] ~= '' then redis.call('HDEL', KEYS[2], ARGV[3]) end
 return 1
 """
 
@@ -71,13 +84,16 @@ class DelayedDeliveries:
         key: str = "celery_ledger:delayed",
         handout_seconds: float = 30.0,
         signer: Signer | None = None,
+        parked_key: str = "celery_ledger:parked",
     ) -> None:
         self.key = key
+        self.parked_key = parked_key  # the index of the parked among these (the handoff)
         self.handout_seconds = handout_seconds
         self._signer = signer
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
         self._take_due = self._redis.register_script(_TAKE_DUE)
         self._replace = self._redis.register_script(_REPLACE)
+        self._push_back = self._redis.register_script(_PUSH_BACK)
 
     def schedule(
         self,
@@ -133,9 +149,11 @@ class DelayedDeliveries:
         except redis.RedisError as exc:
             raise PublishError(f"cannot delay a message for {queue}: {exc}") from exc
 
-    def push_raw(self, queue: str, envelope: dict[str, Any]) -> None:
-        """Put a held raw message back on its queue (kombu's Redis transport: LPUSH)."""
-        self._redis.lpush(queue, dumps(envelope))
+    def push_back(self, member: bytes, envelope: dict[str, Any]) -> None:
+        """Put a held raw message back on its queue (kombu's Redis transport: LPUSH) and take
+        its entry out of the set, and out of the index of parked messages if it is one."""
+        keys = [self.key, self.parked_key, envelope["queue"]]
+        self._push_back(keys=keys, args=[member, dumps(envelope["raw"]), _parked_id(envelope)])
 
     def take_due(self, *, limit: int = 100, now: float | None = None) -> list[tuple[bytes, Any]]:
         """Hand out up to ``limit`` due entries to this caller (see the module docstring):
@@ -192,7 +210,11 @@ class DelayedDeliveries:
                 changed = True
                 self._sign(new)
             replaced = (
-                changed and apply and self._replace(keys=[self.key], args=[member, dumps(new)])
+                changed
+                and apply
+                and self._replace(
+                    keys=[self.key, self.parked_key], args=[member, dumps(new), _parked_id(new)]
+                )
             )
             tally.changed_meanwhile += int(changed and apply and not replaced)
         return tally
@@ -232,6 +254,13 @@ class DelayedDeliveries:
 
     def close(self) -> None:
         self._redis.close()
+
+
+def _parked_id(envelope: dict[str, Any]) -> str:
+    """The id a parked entry has in the index of parked messages, or "" (not parked)."""
+    if isinstance(envelope.get("parked"), dict) and isinstance(envelope.get("id"), str):
+        return str(envelope["id"])
+    return ""
 
 
 def _decoded(member: bytes) -> Any:
@@ -301,7 +330,9 @@ class DelayedPublisher:
                 elif "raw" in envelope:
                     # A message as the transport held it: its own signature is checked when a
                     # worker consumes it, so this entry vouches for nothing.
-                    self._deliveries.push_raw(envelope["queue"], envelope["raw"])
+                    self._deliveries.push_back(member, envelope)
+                    published += 1
+                    continue  # (out of the set already)
                 elif "sealed" in envelope:
                     if not self._publish_sealed(envelope):
                         continue  # left in the set: its hand-out lease brings it back

@@ -13,18 +13,23 @@ what it can run: a designed handoff, not a race.
   the index (``<namespace>:ledger:parked``: id -> the delayed set's member) with its reason.
 - **Taking**: each worker's housekeeping looks at up to :data:`SAMPLE` parked entries every
   :data:`LOOK_EVERY_SECONDS` and checks each, once, with the same checks the worker's consumer
-  makes (:func:`celery_ledger.worker.not_runnable_here`). An entry it can run it takes (one
-  script: a lease so that no other worker takes it meanwhile, its return to the queue pushed
-  past the lease) and pushes onto its own *inbox* queue, which only it consumes.
-- **Receipt**: when the worker's consumer receives the copy (kombu has booked it as taken), it
-  removes the entry from the index and the delayed set. The copy keeps the original queue in
-  its delivery info, so a worker that dies holding it has it put back on that queue by the
-  visibility sweep, like any message taken.
+  makes (:func:`celery_ledger.worker.check_message`). An entry it can run, as many as it has
+  room to run now, it takes (one script: a lease so that no other worker takes it meanwhile,
+  its return to the queue pushed past the lease) and pushes onto its own *inbox* queue, which
+  only it consumes (bound to an exchange of its own, so no publish reads its binding).
+- **Receipt**: when the worker's consumer receives the copy, booked as taken by kombu, and
+  finds it sound, it removes the entry from the index and the delayed set (only the copy of
+  that very message can: the property that names the entry is not signed). The copy keeps the
+  original queue in its delivery info, so a worker that dies holding it has it put back on
+  that queue by the visibility sweep, like any message taken.
 
 Nothing is lost on any path: the entry leaves the delayed set only once a copy is safely taken
 (or when it comes back on its queue). A worker that dies between its take and its receipt
 leaves the entry parked: the lease ends and another worker takes it (the stale copy, if that
-worker's inbox is ever consumed again, is a duplicate the ledger suppresses). Why not ask the
+worker's inbox is ever consumed again, is a duplicate the ledger suppresses). When a parked
+message goes back to its queue (its backoff), one script pushes it and takes it out of the
+delayed set and the index, so the index holds only what is parked. Needs Redis 6.2 or later
+(``HRANDFIELD``, ``ZADD ... GT``). Why not ask the
 workers what they can run (advertised task names, signature versions, key ids) and route by
 it: a worker's word goes stale the moment it dies, and every check would need to be restated
 as data; here the check that decides is the code that will run the message, and a dead
@@ -34,7 +39,6 @@ taker costs a lease, not a job.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -55,9 +59,10 @@ LOOK_EVERY_SECONDS = 1.0
 # A look reads at most this many entries (chosen at random, so that a large backlog of parked
 # messages one worker cannot run does not hide the others from it).
 SAMPLE = 100
-# A take holds its entry this long: the receipt comes within milliseconds when the taker has
-# room, and the taker may be busy; past it another worker may take the entry again.
-TAKE_LEASE_SECONDS = 30.0
+# A take holds its entry this long: the receipt comes within milliseconds (a worker takes only
+# while it has room to run what it takes); past it another worker may take the entry again
+# (its taker died, or its copy waits behind work that came first).
+TAKE_LEASE_SECONDS = 60.0
 # Entries this worker found it cannot run, remembered (its code and keys do not change while
 # it runs): each is checked once per worker, not once per look.
 REMEMBERED = 20_000
@@ -90,16 +95,21 @@ redis.call('EXPIRE', KEYS[4], 86400)
 return 1
 """
 
-# KEYS: the delayed set, the index, the take's lease key. ARGV: id.
+# KEYS: the delayed set, the index, the take's lease key. ARGV: id, the arriving copy's message
+# id. Only the copy of that very message ends the entry (the property naming the entry is not
+# signed: a message that names another's entry removes nothing).
 _RELEASE = """
 local member = redis.call('HGET', KEYS[2], ARGV[1])
-if member then
-  redis.call('ZREM', KEYS[1], member)
-  redis.call('HDEL', KEYS[2], ARGV[1])
+if not member then return 0 end
+local ok, entry = pcall(cjson.decode, member)
+if not ok or type(entry) ~= 'table' or type(entry['raw']) ~= 'table'
+    or type(entry['raw']['headers']) ~= 'table' or entry['raw']['headers']['id'] ~= ARGV[2] then
+  return 0
 end
+redis.call('ZREM', KEYS[1], member)
+redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('DEL', KEYS[3])
-if member then return 1 end
-return 0
+return 1
 """
 
 
@@ -150,11 +160,18 @@ class Parking:
         self._park(keys=[self.delayed_key, self.key], args=[member, parked_id, due_at])
         return parked_id
 
-    def sample(self, limit: int = SAMPLE) -> list[Parked]:
-        """Up to ``limit`` parked entries, at random (all of them when there are fewer)."""
-        found = self._redis.hrandfield(self.key, limit, withvalues=True) or []
-        pairs = list(zip(found[::2], found[1::2], strict=True))
-        return [p for p in (_parked(k, v) for k, v in pairs) if p is not None]
+    def sample(
+        self, limit: int = SAMPLE, *, skip: Callable[[str], bool] = lambda _id: False
+    ) -> list[Parked]:
+        """Up to ``limit`` parked entries, at random (all of them when there are fewer), but
+        those ``skip`` passes over (read by id first: only the others' messages are read)."""
+        ids = [_text(raw) for raw in self._redis.hrandfield(self.key, limit) or []]
+        wanted = [i for i in ids if not skip(i)]
+        if not wanted:
+            return []
+        values = self._redis.hmget(self.key, wanted)
+        found = (_parked(i, v) for i, v in zip(wanted, values, strict=True) if v is not None)
+        return [p for p in found if p is not None]
 
     def all(self, *, limit: int = 2_000) -> list[Parked]:
         """Up to ``limit`` parked entries (for the metrics and the health check)."""
@@ -173,7 +190,8 @@ class Parking:
     def take(self, entry: Parked, inbox: str) -> bool:
         """Take ``entry`` into ``inbox``; False if another worker holds it or it is gone."""
         copy = dict(entry.raw)
-        properties = dict(copy.get("properties") or {})
+        found = copy.get("properties")
+        properties = dict(found) if isinstance(found, dict) else {}
         # A delivery tag of its own: a copy that meets the original in one worker's bookings
         # must not share its entry there
         properties.update({"delivery_tag": str(uuid.uuid4()), PARKED: entry.id})
@@ -184,10 +202,15 @@ class Parking:
         )
         return int(taken) == 1
 
-    def release(self, parked_id: str) -> bool:
-        """The copy of ``parked_id`` was received: the entry is done."""
+    def release(self, parked_id: str, message_id: str) -> bool:
+        """The copy of ``parked_id`` (message ``message_id``) was received: the entry is done.
+        False if there is no such entry, or it is not that message's."""
         keys = [self.delayed_key, self.key, self._lease_key(parked_id)]
-        return bool(self._release(keys=keys, args=[parked_id]))
+        return bool(self._release(keys=keys, args=[parked_id, message_id]))
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 def _parked(key: Any, value: Any) -> Parked | None:
@@ -224,41 +247,50 @@ class Handoff:
         not_runnable: NotRunnable,
         *,
         held: Callable[[Parked], bool] = lambda _entry: False,
-        monotonic: Callable[[], float] = time.monotonic,
+        room: Callable[[], int] = lambda: SAMPLE,
     ) -> None:
         self._parking = parking
         self.inbox = inbox
         self._not_runnable = not_runnable
         self._held = held
-        self._monotonic = monotonic
-        self._cannot: OrderedDict[str, None] = OrderedDict()  # ids this worker cannot run
-        self._taken: dict[str, float] = {}  # ids this worker took -> until its lease ends
+        self._room = room
+        # Entries this worker cannot run, and those it took (its copy is in its inbox: it is
+        # not taken again by this worker, whose receipt ends it)
+        self._cannot: OrderedDict[str, None] = OrderedDict()
+        self._taken: OrderedDict[str, None] = OrderedDict()
 
     def look(self) -> int:
         """Take what this worker can run of a sample of the parked; returns how many.
         ``not_runnable`` says why it cannot run an entry (remembered: asked once per entry);
-        ``held``: not now (asked again at the next look)."""
-        taken = 0
-        now = self._monotonic()
-        self._taken = {i: until for i, until in self._taken.items() if until > now}
-        for entry in self._parking.sample():
-            if entry.id in self._cannot or entry.id in self._taken or self._held(entry):
+        ``held``: not now (asked again at the next look); ``room``: how many more this worker
+        can run now (it takes no more: a busy worker leaves the entries to an idle one)."""
+        taken, room = 0, self._room()
+        if room <= 0:
+            return 0
+        for entry in self._parking.sample(skip=self._known):
+            if self._held(entry):
                 continue
             problem = self._check(entry)
             if problem is not None:
-                self._remember(entry.id)
+                _remember(self._cannot, entry.id)
                 continue
             if self._parking.take(entry, self.inbox):
-                # its receipt ends it; until its lease ends, not looked at again
-                self._taken[entry.id] = now + TAKE_LEASE_SECONDS
+                _remember(self._taken, entry.id)
                 taken += 1
+                headers = entry.raw.get("headers")
+                found = headers if isinstance(headers, dict) else {}
                 logger.info(
                     "took %s of task %r (parked: %s) to run here",
-                    entry.raw.get("headers", {}).get("id"),
-                    entry.raw.get("headers", {}).get("task"),
+                    found.get("id"),
+                    found.get("task"),
                     entry.why,
                 )
+                if taken >= room:
+                    break
         return taken
+
+    def _known(self, parked_id: str) -> bool:
+        return parked_id in self._cannot or parked_id in self._taken
 
     def _check(self, entry: Parked) -> str | None:
         try:
@@ -267,10 +299,11 @@ class Handoff:
             logger.warning("could not check parked message %s: %s", entry.id, exc)
             return f"check failed: {exc}"
 
-    def _remember(self, parked_id: str) -> None:
-        self._cannot[parked_id] = None
-        while len(self._cannot) > REMEMBERED:
-            self._cannot.popitem(last=False)
+
+def _remember(ids: OrderedDict[str, None], parked_id: str) -> None:
+    ids[parked_id] = None
+    while len(ids) > REMEMBERED:
+        ids.popitem(last=False)
 
 
 def tally(entries: Iterable[Parked], *, now: float) -> tuple[dict[tuple[str, str], int], float]:

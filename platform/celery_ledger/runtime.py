@@ -220,8 +220,12 @@ class Runtime:
         memory). One set per queue namespace, like the queues whose messages it holds: a
         producer app of another name that publishes to these queues (LEDGER_QUEUE_NAMESPACE)
         shares it with their workers, which drain it."""
+        namespace = self.tiers.namespace
         return DelayedDeliveries(
-            self.settings.broker_url, key=delayed_key(self.tiers.namespace), signer=self.signer
+            self.settings.broker_url,
+            key=delayed_key(namespace),
+            signer=self.signer,
+            parked_key=parked_key(namespace),
         )
 
     @cached_property

@@ -130,6 +130,11 @@ class QoS(kombu_redis.QoS):
         self._unbooked.pop(delivery_tag, None)
         super().ack(delivery_tag)
 
+    def booked(self, delivery_tag: str) -> bool:
+        """Whether a take is booked in the broker (a worker that dies holding it has it put
+        back by the visibility sweep), not held in this process only (a full broker)."""
+        return delivery_tag not in self._unbooked
+
     def restore_unacked(self, client: Any = None) -> Any:
         """At the channel's close kombu puts back what it holds from its bookkeeping; the
         unbooked, and the requeues the broker refused, are put back from here. One refused

@@ -14,8 +14,10 @@ from typing import Any, ClassVar
 
 from celery import bootsteps, signals
 from celery.exceptions import InvalidTaskError
+from celery.worker import state as worker_state
 from celery.worker.consumer import Consumer
 from kombu import serialization
+from kombu.entity import Exchange, Queue
 from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.utils import json as kombu_json
 
@@ -248,24 +250,33 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             switch = ThrottleSwitch(app, worker.hostname, bulk_queue)
             throttle.append(Every(settings.throttle_check_seconds, switch.tick))
         # The handoff (celery_ledger.handoff): what another worker parked and this one can run
-        # comes to this worker's inbox, a queue only it consumes (as Celery's worker_direct)
-        consumed = frozenset(app.amqp.queues.consume_from)
+        # comes to this worker's inbox, a queue only it consumes (as Celery's worker_direct),
+        # bound to an exchange of its own (no publish to a tier reads its binding)
+        at_start = frozenset(app.amqp.queues.consume_from)
         inbox = inbox_of(runtime.tiers.namespace, worker.hostname)
-        app.amqp.queues.select_add(inbox)
+        app.amqp.queues.select_add(Queue(inbox, Exchange(inbox, type="direct"), routing_key=inbox))
+
+        def serving() -> frozenset[str]:
+            """The queues this worker consumes now (a throttle or an operator may have
+            cancelled one since it started)."""
+            consumer = getattr(getattr(worker, "consumer", None), "task_consumer", None)
+            queues = getattr(consumer, "queues", None)
+            return frozenset(q.name for q in queues) if queues else at_start
 
         def not_runnable(entry: Parked) -> str | None:
-            if entry.queue not in consumed:  # a tier this worker does not serve
-                return f"queue {entry.queue!r} is not consumed here"
             headers = entry.raw.get("headers")
-            found = not_runnable_here(
+            verdict, _why, problem = check_message(
                 app, headers if isinstance(headers, dict) else {}, raw_decoder(app, entry.raw)
             )
-            return None if found is None else found[1]
+            return None if verdict == "run" else (problem or verdict)
 
-        def held(entry: Parked) -> bool:  # for now only: looked at again next time
-            return switch is not None and switch.engaged and entry.queue == bulk_queue
+        def held(entry: Parked) -> bool:  # not now (looked at again at the next look)
+            return entry.queue not in serving()
 
-        handoff = Handoff(runtime.parking, inbox, not_runnable, held=held)
+        def room() -> int:
+            return int(worker.concurrency or 1) - len(worker_state.reserved_requests)
+
+        handoff = Handoff(runtime.parking, inbox, not_runnable, held=held, room=room)
         reconcile: list[Callable[[], object]] = []
         outbox: list[Callable[[], object]] = []
         schedules: list[Callable[[], object]] = []
@@ -329,43 +340,39 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
         on_task_received: Callable[[Any], Any] = super().create_task_handler(*args, **kwargs)
 
         def on_valid_task_received(message: Any) -> Any:
-            self._received_from_parking(message)
             headers = message.headers if isinstance(message.headers, dict) else {}
             name = headers.get("task")
-            known = isinstance(name, str) and name in self.strategies  # (else: unknown task)
-            # Not here, maybe elsewhere: a key this worker lacks (parked before any check that
-            # needs it); arguments this version does not bind (parked once the message is
-            # shown sound: a changed or forged one is refused, not parked)
-            missing = missing_key(self.app, headers, message.decode) if known else None
-            if missing is not None and self._park(message, "no-key", missing):
-                return None
-            problem = self._body_problem(message)
-            if problem is not None:
+            if not (isinstance(name, str) and name in self.strategies):
+                return on_task_received(message)  # Celery's checks: on_unknown_task, ...
+            verdict, why, problem = check_message(self.app, headers, message.decode)
+            if verdict == "park":
+                if self._park(message, str(why), str(problem)):
+                    return None
+                # its window is over: a dead letter, by the path its kind takes
+                verdict = {"arguments": "run", "signature": "refuse"}.get(str(why), "pass")
+            if verdict == "refuse":
                 return self.on_invalid_task(None, message, InvalidTaskError(problem))
-            unbound = self._unbound(message, headers) if known else None
-            if unbound is not None and self._park(message, "arguments", unbound):
-                return None
-            return on_task_received(message)
+            if verdict == "run":
+                self._received_from_parking(message, headers)
+            return on_task_received(message)  # ("pass": Celery refuses it, on_decode_error)
 
         return on_valid_task_received
 
-    def _unbound(self, message: Any, headers: dict[str, Any]) -> str | None:
-        try:
-            body = message.decode()  # memoized
-        except (ContentDisallowed, DecodeError):
-            return None  # Celery refuses these itself (on_decode_error)
-        return unbound_arguments(self.app, headers, body)
-
-    def _received_from_parking(self, message: Any) -> None:
-        """A copy this worker took from the parked messages arrived (booked as taken): the
-        parked entry is done (see celery_ledger.handoff). A failure leaves it parked: its take
-        lease ends and it is taken again, a duplicate the ledger suppresses."""
+    def _received_from_parking(self, message: Any, headers: dict[str, Any]) -> None:
+        """A copy this worker took from the parked messages arrived, sound and booked as taken:
+        the parked entry is done (see celery_ledger.handoff). Not while its take is held in
+        this process only (a full broker): the entry stays parked, and its take lease ends. A
+        failure leaves it parked too: taken again later, a duplicate the ledger suppresses."""
         properties = message.properties if isinstance(message.properties, dict) else {}
         parked = properties.get(PARKED)
         if not isinstance(parked, str) or not 0 < len(parked) <= 64:
             return
+        qos = getattr(getattr(message, "channel", None), "qos", None)
+        booked = getattr(qos, "booked", None)
+        if callable(booked) and not booked(message.delivery_tag):
+            return
         try:
-            self.app.runtime.parking.release(parked)
+            self.app.runtime.parking.release(parked, str(headers.get("id")))
         except Exception as exc:
             logger.warning("could not mark parked message %s as received: %s", parked, exc)
 
@@ -403,18 +410,6 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
         )
         message.ack()
         return True
-
-    def _body_problem(self, message: Any) -> str | None:
-        """Why the body of a known task's message is unusable, or None (Celery decides)."""
-        headers = message.headers
-        task = headers.get("task") if isinstance(headers, dict) else None
-        if not isinstance(task, str) or task not in self.strategies:
-            return None  # not a protocol 2 message of a task here: Celery's own checks apply
-        try:
-            body = message.decode()  # memoized: Celery's request reuses it
-        except (ContentDisallowed, DecodeError):
-            return None  # Celery refuses these itself (on_invalid_task, on_decode_error)
-        return body_problem(body) or self.app.runtime.signer.problem(headers, body)
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         reason = f"undecodable or refused content ({message.content_type}): {exc}"
@@ -463,70 +458,69 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
         message.ack()
 
 
-def missing_key(app: Any, message_headers: dict[str, Any], decode: Callable[[], Any]) -> str | None:
-    """Why this worker cannot open or check a task message that a worker holding another key
-    may (a key rotation under way): signed with a key it does not list, sealed with a key it
-    does not hold. None otherwise. ``decode``: the body, as kombu decodes it (memoized)."""
-    name = message_headers.get("task")
-    if app.runtime.signer.lacks_key(message_headers):
-        return f"task {name!r}: signed with a key this worker does not hold"
-    try:
-        decode()
-    except DecodeError as exc:
-        if any(isinstance(e, SealedKeyMissing) for e in (exc.__cause__, *exc.args)):
-            return f"task {name!r}: sealed with a key this worker does not hold"
-    except ContentDisallowed:
-        pass
-    return None
+# check_message's verdicts: run it; park it for a worker that can (why, problem); refuse it
+# as an invalid task message here and everywhere (problem); pass it to Celery's own refusals.
+Verdict = tuple[str, str | None, str | None]
+RUN: Verdict = ("run", None, None)
+PASS: Verdict = ("pass", None, None)
 
 
-def unbound_arguments(app: Any, message_headers: dict[str, Any], body: Any) -> str | None:
-    """Why this worker's version of a registered task does not bind a sound body's arguments
-    (another release may: a deploy under way), or None."""
-    name = message_headers.get("task")
-    binding = getattr(app.tasks.get(name), "binding_problem", None)  # (a ledger task's)
-    if not callable(binding) or body_problem(body) is not None:
-        return None
-    unbound = binding(tuple(body[0]), dict(body[1]))
-    if unbound is None:
-        return None
-    if len(kombu_json.dumps([body[0], body[1]])) > app.settings.max_payload_bytes:
-        return None  # oversized everywhere: the guard keeps it as a dead letter at once
-    return f"task {name!r}: arguments do not bind this version: {unbound}"
+def check_message(app: Any, message_headers: dict[str, Any], decode: Callable[[], Any]) -> Verdict:
+    """Whether this worker can run a task message, as (verdict, why, problem):
 
+    - ``("run", None, None)``: it can;
+    - ``("park", why, problem)``: it cannot, and another worker of the fleet may (a deploy or
+      a key rotation under way): ``why`` is ``unknown-task`` (not registered here),
+      ``sealed`` (sealed with a key it does not hold), ``signature`` (signed with a key it
+      does not list), ``arguments`` (its version of the task does not bind them);
+    - ``("refuse", None, problem)``: an invalid task message, for every worker (a body that is
+      not ``[args, kwargs, embed]``, a signature that does not check);
+    - ``("pass", None, None)``: Celery's own checks refuse it (undecodable, content refused).
 
-def not_runnable_here(
-    app: Any, message_headers: dict[str, Any], decode: Callable[[], Any]
-) -> tuple[str, str] | None:
-    """(why, problem) when this worker cannot run a task message that another worker of the
-    fleet may (a deploy under way): ``unknown-task`` (not registered here), ``no-key`` (signed
-    or sealed with a key this worker does not hold), ``arguments`` (its version of the task
-    does not bind them). None when it can, or when the message is bad everywhere (the checks
-    that keep it as a dead letter decide). ``decode``: the body, as kombu decodes it.
-
-    One owner for "can this worker run it": the consumer parks what fails these checks (in
-    its own order, to check each signature once), and the handoff takes what passes them
-    (see celery_ledger.handoff)."""
+    The order is the point: a message is parked only once every check this worker can make
+    has passed, so a changed, forged or oversized message is refused at once, never parked
+    for the window; a sealed body cannot be checked without its key, so it is parked first.
+    One owner for "can this worker run it": the consumer parks what it finds unrunnable here,
+    and the handoff takes what it finds runnable (see celery_ledger.handoff).
+    ``decode``: the body, as kombu decodes it (memoized by kombu's message)."""
     name = message_headers.get("task")
     if not isinstance(name, str) or not name.strip():
-        return None
-    if name not in app.tasks:
-        return "unknown-task", f"unknown task {name!r}: not registered here"
-    missing = missing_key(app, message_headers, decode)
-    if missing is not None:
-        return "no-key", missing
+        return PASS
+    task = app.tasks.get(name)
+    if task is None:
+        return "park", "unknown-task", f"unknown task {name!r}: not registered here"
     try:
         body = decode()
-    except (DecodeError, ContentDisallowed):
-        return None
-    if body_problem(body) is not None or app.runtime.signer.problem(message_headers, body):
-        return None
-    unbound = unbound_arguments(app, message_headers, body)
-    return None if unbound is None else ("arguments", unbound)
+    except DecodeError as exc:
+        if any(isinstance(e, SealedKeyMissing) for e in (exc.__cause__, *exc.args)):
+            return "park", "sealed", f"task {name!r}: sealed with a key this worker does not hold"
+        return PASS
+    except ContentDisallowed:
+        return PASS
+    problem = body_problem(body)
+    if problem is not None:
+        return "refuse", None, problem
+    signer = app.runtime.signer
+    problem = signer.problem(message_headers, body)
+    if problem is not None:
+        if signer.lacks_key(message_headers):
+            return "park", "signature", problem
+        return "refuse", None, problem
+    binding = getattr(task, "binding_problem", None)  # (a ledger task's)
+    unbound = binding(tuple(body[0]), dict(body[1])) if callable(binding) else None
+    if unbound is None:
+        return RUN
+    try:
+        size = len(kombu_json.dumps([body[0], body[1]]))
+    except (TypeError, ValueError):
+        return RUN  # (the guard says what is wrong with them)
+    if size > app.settings.max_payload_bytes:
+        return RUN  # oversized everywhere: the guard keeps it as a dead letter at once
+    return "park", "arguments", f"task {name!r}: arguments do not bind this version: {unbound}"
 
 
 def raw_decoder(app: Any, raw: dict[str, Any]) -> Callable[[], Any]:
-    """``decode`` for :func:`not_runnable_here` of a message as the transport stores it."""
+    """``decode`` for :func:`check_message` of a message as the transport stores it."""
 
     def decode() -> Any:
         properties = raw.get("properties") or {}
@@ -537,7 +531,7 @@ def raw_decoder(app: Any, raw: dict[str, Any]) -> Callable[[], Any]:
             body,
             raw.get("content-type"),
             raw.get("content-encoding"),
-            accept=app.conf.accept_content,
+            accept=serialization.prepare_accept_content(app.conf.accept_content),
         )
 
     return decode

@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from celery_ledger import handoff
+from celery_ledger.delayed import DelayedDeliveries, DelayedPublisher
 from celery_ledger.embedded.servers import ServerProcess, start_valkey
 from celery_ledger.handoff import Handoff, Parked, Parking
 
@@ -86,9 +87,13 @@ def test_a_parked_message_is_taken_by_one_worker_only(
     # Still parked (and still in the delayed set) until the copy is received
     assert parking.count() == 1
     assert client.zcard(parking.delayed_key) == 1
-    assert parking.release(parked_id) is True
+    # Only the copy of that very message ends the entry (the property naming it is unsigned)
+    assert parking.release(parked_id, "another-message") is False
+    assert parking.count() == 1 and client.zcard(parking.delayed_key) == 1
+    message_id = entry.raw["headers"]["id"]
+    assert parking.release(parked_id, message_id) is True
     assert parking.count() == 0 and client.zcard(parking.delayed_key) == 0
-    assert parking.release(parked_id) is False  # a second receipt changes nothing
+    assert parking.release(parked_id, message_id) is False  # a second receipt changes nothing
 
 
 def test_a_taker_that_dies_before_its_receipt_leaves_it_parked_for_another(
@@ -108,13 +113,24 @@ def test_a_taker_that_dies_before_its_receipt_leaves_it_parked_for_another(
 
 
 def test_an_entry_that_went_back_to_its_queue_is_no_longer_parked(
-    client: redis.Redis, parking: Parking
+    valkey: ServerProcess, client: redis.Redis, parking: Parking
 ) -> None:
     park(parking, "shop.new", due_in=0.0)
     (entry,) = parking.sample()
-    client.delete(parking.delayed_key)  # published back on its queue by the delayed publisher
+    # Its backoff is over: the delayed publisher puts it back on its queue, in one step out of
+    # the delayed set and the index
+    deliveries = DelayedDeliveries(valkey.url, key=parking.delayed_key, parked_key=parking.key)
+    assert DelayedPublisher(deliveries, lambda *_: None).publish_due() == 1
+    assert parking.count() == 0 and client.zcard(parking.delayed_key) == 0
+    assert json.loads(client.lpop("q.default"))["headers"] == entry.raw["headers"]
     assert parking.take(entry, f"{parking.key}.inbox.a") is False
-    assert parking.count() == 0 and client.llen(f"{parking.key}.inbox.a") == 0
+    assert client.llen(f"{parking.key}.inbox.a") == 0
+    # An index entry whose message left the set some other way is cleaned up at a take
+    park(parking, "shop.new")
+    (entry,) = parking.sample()
+    client.delete(parking.delayed_key)
+    assert parking.take(entry, f"{parking.key}.inbox.a") is False
+    assert parking.count() == 0
 
 
 def test_a_look_takes_what_it_can_run_and_asks_once_about_the_rest(
@@ -135,7 +151,20 @@ def test_a_look_takes_what_it_can_run_and_asks_once_about_the_rest(
     (copy,) = inbox_items(client, f"{parking.key}.inbox.w")
     assert copy["headers"]["task"] == "shop.new"
     held = Handoff(parking, f"{parking.key}.inbox.h", lambda _entry: None, held=lambda _entry: True)
-    assert held.look() == 0  # throttled for now: not taken, asked again next time
+    assert held.look() == 0  # not a tier it serves now: not taken, asked again next time
+
+
+def test_a_busy_worker_takes_only_what_it_has_room_for(
+    client: redis.Redis, parking: Parking
+) -> None:
+    for _ in range(3):
+        park(parking, "shop.new")
+    room = [0]
+    look = Handoff(parking, f"{parking.key}.inbox.b", lambda _entry: None, room=lambda: room[0])
+    assert look.look() == 0  # busy: left to an idle worker
+    room[0] = 2
+    assert look.look() == 2
+    assert client.llen(f"{parking.key}.inbox.b") == 2
 
 
 def test_the_tally_counts_by_reason_and_task_and_ages_the_oldest(parking: Parking) -> None:

@@ -26,7 +26,7 @@ class _Due:
     def done(self, member: bytes) -> None:
         del self.entries[member]
 
-    def push_raw(self, queue: str, envelope: dict[str, Any]) -> None:
+    def push_back(self, member: bytes, envelope: dict[str, Any]) -> None:
         raise AssertionError("no raw entries here")
 
     def entry_problem(self, envelope: dict[str, Any]) -> str | None:
