@@ -26,6 +26,9 @@ observer's exception: observing can never fail a task. Events:
                                           after it scheduled the step
     workflow_ended(workflow, status)      a workflow ended (completed, failed, compensated, ...)
     clock_read(reading)                   a server's clock was read (its offset from this host's)
+    scheduled(schedule, task, slot, lag)  a periodic run was sent for its slot
+    schedule_skipped(schedule, task, slot, reason)
+                                          a slot passed without a run (its entry paused)
 """
 
 from __future__ import annotations
@@ -122,6 +125,10 @@ class Observer:
         """A run of the schedule entry ``schedule`` (of ``task``) for ``slot`` (unix time) was
         sent, ``lag_seconds`` after its slot (celery beat's, or the fleet's scheduler)."""
 
+    def schedule_skipped(self, schedule: str, task: str, slot: float, reason: str) -> None:
+        """The slot ``slot`` of the schedule entry ``schedule`` passed without a run
+        (``reason``: ``paused``, an operator paused the entry)."""
+
 
 EVENTS: tuple[str, ...] = tuple(
     name for name, value in vars(Observer).items() if callable(value) and not name.startswith("_")
@@ -207,3 +214,6 @@ class Observers(Observer):
 
     def scheduled(self, schedule: str, task: str, slot: float, lag_seconds: float) -> None:
         self._dispatch("scheduled", schedule, task, slot, lag_seconds)
+
+    def schedule_skipped(self, schedule: str, task: str, slot: float, reason: str) -> None:
+        self._dispatch("schedule_skipped", schedule, task, slot, reason)

@@ -6,13 +6,16 @@ an action from the command line and the same action from the web console leave t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import audit
 from .deadletter import ReplayOutcome
+from .ledger.schedule_controls import ScheduleControls
 from .policies.breaker import BreakerState
+from .schedules import entry_of, send_slot, slots_between
 
 BREAKER_ACTIONS: dict[str, tuple[BreakerState | None, str]] = {
     "open": (BreakerState.OPEN, "forced open"),
@@ -76,3 +79,53 @@ def force_breaker(app: Any, name: str, action: str, *, actor: str) -> str:
     with audit.action(app.ledger, label, f"breaker:{name}", actor=actor):
         app.breakers[name].force(state)
     return label
+
+
+def pause_schedule(app: Any, name: str, *, actor: str, reason: str = "") -> bool:
+    """Pause schedule entry ``name`` (its slots pass without runs until resumed), audited;
+    False if it was paused already."""
+    entry_of(app, name)  # a name the schedule declares
+    with audit.action(app.ledger, "schedule paused", f"schedule:{name}", actor=actor) as e:
+        changed = ScheduleControls(app.ledger).set_paused(name, True, actor=actor, reason=reason)
+        e.note(changed=changed, reason=reason)
+    return changed
+
+
+def resume_schedule(app: Any, name: str, *, actor: str) -> bool:
+    """Resume schedule entry ``name`` from its next slot, audited; False if it was not
+    paused."""
+    entry_of(app, name)
+    with audit.action(app.ledger, "schedule resumed", f"schedule:{name}", actor=actor) as e:
+        changed = ScheduleControls(app.ledger).set_paused(name, False, actor=actor)
+        e.note(changed=changed)
+    return changed
+
+
+def trigger_schedule(app: Any, name: str, *, actor: str) -> str:
+    """Run schedule entry ``name`` now, outside its slots (a run keyed by this second: a
+    second trigger within it is the same run), audited; returns the run's message id."""
+    entry = entry_of(app, name)
+    slot = float(math.floor(app.runtime.message_time()))
+    with audit.action(app.ledger, "schedule triggered", f"schedule:{name}", actor=actor) as e:
+        sent = send_slot(app, entry, slot)
+        e.note(slot=slot, message_id=sent)
+    return sent
+
+
+def backfill_schedule(
+    app: Any, name: str, start: float, end: float, *, actor: str, dry_run: bool = False
+) -> list[float]:
+    """Send the runs of schedule entry ``name`` for each of its slots from ``start`` to
+    ``end`` (unix seconds): a slot that already ran is a duplicate the ledger suppresses, so
+    only the missed ones run. Audited (unless a dry run); returns the slots."""
+    entry = entry_of(app, name)
+    slots = slots_between(entry, start, end)
+    if dry_run:
+        return slots
+    with audit.action(
+        app.ledger, "schedule backfilled", f"schedule:{name}", actor=actor, start=start, end=end
+    ) as e:
+        for slot in slots:
+            send_slot(app, entry, slot)
+        e.note(slots=len(slots))
+    return slots

@@ -48,7 +48,9 @@ from celery.schedules import schedule as interval_schedule
 
 from . import headers
 from .broker import SweepLock
+from .errors import ConfigurationError, LedgerError
 from .keys import slot_key
+from .ledger.schedule_controls import ScheduleControls
 from .untrusted import utc_of_unix
 
 logger = logging.getLogger("celery_ledger.schedules")
@@ -67,6 +69,11 @@ LEDGER_BEAT_SCHEDULER = "celery_ledger.schedules:LedgerScheduler"
 # successor fires what fell due within about this long.
 FLEET_LEASE_SECONDS = 10.0
 MAX_FIRED_PER_TICK = 1000  # entries fired in one housekeeping pass (the rest in the next)
+# A pause or a resume reaches every scheduler within this long (each reads the ledger's
+# schedule controls at most this often)
+PAUSED_READ_SECONDS = 2.0
+# A backfill sends at most this many runs (a wider range is refused: narrow it)
+MAX_BACKFILL = 10_000
 # How long a send by a beat of another scheduler class keeps the fleet's scheduler standing
 # down (beat sends at least every max loop interval, 5 minutes by default, when it has entries).
 FOREIGN_BEAT_SECONDS = 600
@@ -165,6 +172,14 @@ class LedgerScheduling:
     schedule: dict[str, ScheduleEntry]
 
     def is_due(self, entry: ScheduleEntry) -> tuple[bool, float]:
+        due, next_in = self._due(entry)
+        if self._paused(entry.name):
+            if due:  # a slot that falls due while its entry is paused is skipped, not kept
+                self._skip(entry)
+            return False, min(next_in, PAUSED_READ_SECONDS)
+        return due, next_in
+
+    def _due(self, entry: ScheduleEntry) -> tuple[bool, float]:
         if not is_interval(entry):
             due: tuple[bool, float] = super().is_due(entry)  # type: ignore[misc]
             return due
@@ -172,6 +187,34 @@ class LedgerScheduling:
         window = slot_of(entry, broker_now=broker_now)
         until_next = window + window_seconds(entry) - broker_now
         return window > self._sent().get(entry.name, -math.inf), max(until_next, 0.01)
+
+    def _skip(self, entry: ScheduleEntry) -> None:
+        """Pass over the slot ``entry`` is due for (paused): counted, never sent."""
+        broker_now = self.app.runtime.message_time()
+        try:
+            slot = slot_of(entry, broker_now=broker_now)
+        except Exception:  # an app's schedule class that cannot say
+            slot = float(math.floor(broker_now))
+        if is_interval(entry):
+            self._sent()[entry.name] = slot
+        self.schedule[entry.name] = next(entry)
+        self.app.observers.schedule_skipped(entry.name, entry.task, slot, "paused")
+
+    def _paused(self, name: str) -> bool:
+        """Whether an operator paused entry ``name`` (the ledger's schedule controls, read at
+        most every ``PAUSED_READ_SECONDS``; while the ledger is away, the last answer)."""
+        cache = self.__dict__.setdefault("_ledger_paused", [-math.inf, frozenset()])
+        now = time.monotonic()
+        if now - cache[0] >= PAUSED_READ_SECONDS:
+            cache[0] = now
+            try:
+                cache[1] = self._read_paused()
+            except LedgerError as exc:
+                logger.warning("could not read which schedules are paused: %s", exc)
+        return name in cache[1]
+
+    def _read_paused(self) -> frozenset[str]:
+        return frozenset(ScheduleControls(self.app.ledger).paused())
 
     def reserve(self, entry: ScheduleEntry) -> ScheduleEntry:
         broker_now = self.app.runtime.message_time()
@@ -329,6 +372,7 @@ class EntryState:
     schedule: str
     last_slot: datetime | None
     next_due: datetime | None
+    paused: dict[str, Any] | None = None  # by whom, when, why (None: not paused)
 
 
 def fleet_state(app: Any) -> tuple[str | None, str | None, list[EntryState]]:
@@ -340,6 +384,7 @@ def fleet_state(app: Any) -> tuple[str | None, str | None, list[EntryState]]:
     holder, foreign = client.get(lease_key(runtime.name)), client.get(foreign_key(runtime.name))
     stored = client.hgetall(slots_key(runtime.name))
     last = {(k.decode() if isinstance(k, bytes) else str(k)): _number(v) for k, v in stored.items()}
+    paused = ScheduleControls(app.ledger).paused()
     states = []
     for name, spec in sorted(fleet_entries(app.conf.beat_schedule).items()):
         entry = ScheduleEntry(**dict(spec, name=name, app=app))
@@ -355,8 +400,71 @@ def fleet_state(app: Any) -> tuple[str | None, str | None, list[EntryState]]:
                     due = slot_of(following, broker_now=slot)
                 except Exception:  # an app's own schedule class: shown without its next time
                     due = None
-        states.append(EntryState(name, entry.task, str(entry.schedule), _utc(slot), _utc(due)))
+        control = paused.get(name)
+        if control is not None:
+            control = {k: control.get(k) for k in ("changed_by", "changed_at", "reason")}
+        states.append(
+            EntryState(name, entry.task, str(entry.schedule), _utc(slot), _utc(due), control)
+        )
     return _text(holder), _text(foreign), states
+
+
+def entry_of(app: Any, name: str) -> ScheduleEntry:
+    """Entry ``name`` of the app's schedule (raises ``ConfigurationError`` naming the others)."""
+    entries = fleet_entries(app.conf.beat_schedule)
+    spec = entries.get(name)
+    if spec is None:
+        known = ", ".join(sorted(entries)) or "none"
+        raise ConfigurationError(f"no schedule entry {name!r} in beat_schedule (entries: {known})")
+    return ScheduleEntry(**dict(spec, name=name, app=app))
+
+
+def slots_between(entry: ScheduleEntry, start: float, end: float) -> list[float]:
+    """The slots of ``entry`` from ``start`` to ``end`` (unix seconds, both included), as its
+    schedulers name them: an interval's windows on its grid, a crontab's occurrences in its
+    time zone. Raises ``ConfigurationError`` for another kind of schedule (a solar event is
+    known only relative to now) or for more than ``MAX_BACKFILL`` slots."""
+    found: list[float] = []
+    if is_interval(entry):
+        period = window_seconds(entry)
+        slot = math.ceil(start / period) * period
+        while slot <= end:
+            found.append(float(slot))
+            slot += period
+            if len(found) > MAX_BACKFILL:
+                break
+    elif isinstance(entry.schedule, crontab):
+        last = datetime.fromtimestamp(start - 1, UTC)
+        while len(found) <= MAX_BACKFILL:
+            following = entry.__class__(**dict(entry, last_run_at=last))
+            slot = slot_of(following, broker_now=start)
+            if slot > end:
+                break
+            if not found or slot > found[-1]:
+                found.append(slot)
+            last = datetime.fromtimestamp(slot, UTC)
+    else:
+        raise ConfigurationError(
+            f"{entry.name}: only interval and crontab schedules can be backfilled"
+            f" ({type(entry.schedule).__name__} names its slots relative to now)"
+        )
+    if len(found) > MAX_BACKFILL:
+        raise ConfigurationError(
+            f"{entry.name}: more than {MAX_BACKFILL} slots in that range: narrow it"
+        )
+    return found
+
+
+def send_slot(app: Any, entry: ScheduleEntry, slot: float) -> str:
+    """Send the run of ``entry`` for ``slot``, as its schedulers do (keyed by the slot, so a
+    slot that already ran is a duplicate the ledger suppresses); returns its message id."""
+    options = marked_options(entry.name, entry.options, slot)
+    task = app.tasks.get(entry.task)
+    if task is not None:
+        result = task.apply_async(entry.args, entry.kwargs, **options)
+    else:
+        result = app.send_task(entry.task, entry.args, entry.kwargs, **options)
+    return str(result.id)
 
 
 def _utc(value: float | None) -> datetime | None:

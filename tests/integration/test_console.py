@@ -421,3 +421,51 @@ def test_a_purge_asks_first_then_deletes_what_it_listed_and_audits_it(
     )
     entry = next(e for e in app.ledger.audit_entries(limit=50) if e["action"] == "purge")
     assert entry["actor"] == f"{OPERATOR[0]} [console]" and doomed.id in entry["record_ids"]
+
+
+def test_an_operator_pauses_resumes_and_triggers_a_schedule_from_its_page(
+    app: Any, console: str, token: str
+) -> None:
+    name = f"console-{token}"
+    saved = dict(app.conf.beat_schedule or {})
+    app.conf.beat_schedule = {
+        **saved,
+        name: {
+            "task": "tests.integration.ledger_app.record",
+            "schedule": 3600.0,
+            "args": (f"sched-{token}",),
+        },
+    }
+    try:
+        operator, csrf = logged_in(console, OPERATOR)
+        assert f'data-schedule="{name}"' in operator.get("/schedules").text
+        paused = operator.post(
+            "/schedules/pause", data={"csrf": csrf, "name": name, "reason": "maintenance"}
+        )
+        assert paused.status_code == 303
+        assert f"by {OPERATOR[0]} [console]: maintenance" in operator.get("/schedules").text
+        viewer, viewer_csrf = logged_in(console, VIEWER)
+        refused = viewer.post("/schedules/resume", data={"csrf": viewer_csrf, "name": name})
+        assert refused.status_code == 403
+        assert "maintenance" in operator.get("/schedules").text  # still paused
+        assert (
+            operator.post("/schedules/resume", data={"csrf": csrf, "name": name}).status_code == 303
+        )
+        assert "maintenance" not in operator.get("/schedules").text
+        # "run now": one run of the entry, through the workers
+        assert (
+            operator.post("/schedules/trigger", data={"csrf": csrf, "name": name}).status_code
+            == 303
+        )
+        wait_for(lambda: effect_count("record", f"sched-{token}") == 1, what="the triggered run")
+        unknown = operator.post("/schedules/pause", data={"csrf": csrf, "name": "no-such"})
+        assert unknown.status_code == 404 and "no schedule entry" in unknown.text
+        actions = [
+            (e["action"], e["actor"])
+            for e in app.ledger.audit_entries(limit=50)
+            if e["target"] == f"schedule:{name}"
+        ]
+        for action in ("schedule paused", "schedule resumed", "schedule triggered"):
+            assert (action, f"{OPERATOR[0]} [console]") in actions
+    finally:
+        app.conf.beat_schedule = saved

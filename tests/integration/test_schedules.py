@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -242,3 +244,65 @@ def test_beat_with_another_scheduler_class_runs_every_tick_and_the_workers_stand
     finally:
         client.delete(f"{NAMESPACE}:ledger:schedules:foreign-beat")  # (for later tests)
         client.close()
+
+
+def ledger_cli(fleet: Fleet, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", MODULE, "ledger", "schedules", *args],
+        env=app_env(fleet.stack.env, {"LEDGER_ACTOR": "ops-test"}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def iso(moment: float) -> str:
+    return datetime.fromtimestamp(moment, UTC).isoformat()
+
+
+def test_an_operator_pauses_resumes_triggers_and_backfills_a_schedule(fleet: Fleet) -> None:
+    from celery_ledger.schedules import PAUSED_READ_SECONDS
+
+    # Given the workers running the schedule
+    fleet.worker("ops-1")
+    until_slots(fleet, 2)
+    # When an operator pauses one entry for a while
+    assert "tick: paused" in ledger_cli(fleet, "pause", "tick", "--reason", "maintenance")
+    paused_at = time.time()
+    listed = json.loads(ledger_cli(fleet, "list", "--json"))
+    [row] = [r for r in listed["schedules"] if r["schedule"] == "tick"]
+    assert row["paused"]["reason"] == "maintenance" and "ops-test" in row["paused"]["changed_by"]
+    time.sleep(PAUSED_READ_SECONDS + 5 * PERIOD)
+    resumed_at = time.time()
+    assert "tick: resumed" in ledger_cli(fleet, "resume", "tick")
+    # Then no slot of it ran while it was paused (past the pause's reach), the other entry's did
+    wait_for(
+        lambda: any(s > resumed_at + PAUSED_READ_SECONDS for s in fleet.slots("tick")),
+        timeout=30,
+        what="a slot of the resumed entry",
+    )
+    quiet_from, quiet_to = paused_at + PAUSED_READ_SECONDS + PERIOD, resumed_at - PERIOD
+    assert not [s for s in fleet.slots("tick") if quiet_from <= s <= quiet_to], fleet.logs()
+    assert [s for s in fleet.slots("tick-keyed") if quiet_from <= s <= quiet_to]
+    # And a backfill over the pause runs each slot it missed, once; none that ran again
+    out = ledger_cli(fleet, "backfill", "tick", "--from", iso(paused_at), "--to", iso(resumed_at))
+    assert "slot(s)" in out
+    grid = [s for s in range(math.ceil(paused_at), math.floor(resumed_at) + 1) if s % PERIOD == 0]
+    wait_for(
+        lambda: all(float(s) in fleet.slots("tick") for s in grid),
+        timeout=30,
+        what="every slot of the pause backfilled",
+    )
+    # And a trigger runs it once now, outside its grid or on it
+    triggered = time.time()
+    assert "sent" in ledger_cli(fleet, "trigger", "tick")
+    wait_for(
+        lambda: any(s >= math.floor(triggered) for s in fleet.slots("tick")),
+        timeout=30,
+        what="the triggered run",
+    )
+    settle(fleet)
+    once_per_slot(fleet, "tick", at_least=len(grid) + 2)
+    once_per_slot(fleet, "tick-keyed", at_least=4)

@@ -946,6 +946,7 @@ def test_every_documented_event_is_emitted_by_the_platform() -> None:
     observers.clock_read(Reading("ledger", 1.0, 1.0, 0.0, 0.001))
     # and the schedulers (tests/unit/test_schedules.py sees their sends)
     observers.scheduled("hourly-rollup", "shop.rollup", 1.8e9, 0.4)
+    observers.schedule_skipped("hourly-rollup", "shop.rollup", 1.8e9, "paused")
     seen |= set(recorder.names())
     assert seen == set(EVENTS)
 

@@ -168,14 +168,22 @@ def scheduler(clock: dict[str, float]) -> Any:
             clock["now"] += clock.get("send_seconds", 0.0)  # a publish takes its time
             self.sent.append((name, options))
 
+        def _read_paused(self) -> frozenset[str]:  # the ledger's controls, as the test sets
+            return frozenset(self.paused)
+
     app = Celery("schedules-fire", set_as_current=False)
     app.conf.update(enable_utc=True, timezone="UTC")
     lags: list[tuple[str, float, float]] = []
     kept: dict[str, dict[str, float]] = {}
 
+    skipped: list[tuple[str, float]] = []
+
     class Lags(Observer):
         def scheduled(self, schedule: str, task: str, slot: float, lag_seconds: float) -> None:
             lags.append((schedule, slot, lag_seconds))
+
+        def schedule_skipped(self, schedule: str, task: str, slot: float, reason: str) -> None:
+            skipped.append((schedule, slot))
 
     class Hashes:  # the broker's hashes (the last slot of each entry)
         def hset(self, key: str, field: str, value: float) -> None:
@@ -188,7 +196,8 @@ def scheduler(clock: dict[str, float]) -> Any:
     app.now = lambda: datetime.fromtimestamp(clock["now"], UTC)  # type: ignore[method-assign]
     found = Recording(app, lazy=True)
     found.__dict__["producer"] = None  # (no broker here: sends are recorded)
-    found.sent, found.lags, found.kept = [], lags, kept
+    found.sent, found.lags, found.kept, found.skipped = [], lags, kept, skipped
+    found.paused = set()
     return found
 
 
@@ -257,3 +266,73 @@ def test_only_a_periodic_runs_key_names_a_slot() -> None:
     assert slot_of_key(slot_key("a@b", 1.8e9)) == datetime.fromtimestamp(1.8e9, UTC)
     for key in ("order-7", "schedule:x", "schedule:x@2026-11-28", "h:abc", None, 7):
         assert slot_of_key(key) is None
+
+
+def test_a_paused_entry_skips_its_slots_and_resumes_at_the_next(monkeypatch: Any) -> None:
+    import celery_ledger.schedules as schedules_module
+
+    monkeypatch.setattr(schedules_module, "PAUSED_READ_SECONDS", 0.0)  # read at every check
+    start = 1_000_000.0
+    clock = {"now": start + 0.3}
+    run = scheduler(clock)
+    every_two = schedule(
+        timedelta(seconds=2), nowfun=lambda: datetime.fromtimestamp(clock["now"], UTC)
+    )
+    run.update_from_dict({"tick": {"task": "shop.tick", "schedule": every_two}})
+
+    def until(moment: float) -> None:
+        while clock["now"] < moment:
+            run.tick()
+            clock["now"] += 0.5
+
+    until(start + 10)
+    run.paused.add("tick")
+    until(start + 30)
+    run.paused.clear()
+    until(start + 40)
+    slots = [slot_of_key(options["headers"][headers.KEY]).timestamp() for _, options in run.sent]
+    skipped = [slot for _, slot in run.skipped]
+    # every window either ran once or was skipped (paused), none both, none late after it
+    every = sorted(slots + skipped)
+    assert every == [every[0] + 2 * n for n in range(len(every))] and every[0] <= start + 4
+    assert skipped and all(start + 10 <= slot < start + 32 for slot in skipped)
+    assert not [slot for slot in slots if start + 12 <= slot < start + 30]
+    assert max(slots) >= start + 38  # resumed: its windows run again, from the next
+
+
+def test_backfill_slots_are_those_its_schedulers_name() -> None:
+    from celery_ledger.errors import ConfigurationError
+    from celery_ledger.schedules import slots_between
+
+    every_ten = entry(schedule(timedelta(seconds=10)), at("2026-11-28T10:00:00"))
+    start = at("2026-11-28T10:00:05").timestamp()
+    assert slots_between(every_ten, start, start + 30) == [start + 5, start + 15, start + 25]
+    hourly = entry(crontab(minute=5, app=APP), at("2026-11-28T00:00:00"))
+    found = slots_between(
+        hourly, at("2026-11-28T10:05:00").timestamp(), at("2026-11-28T13:04:59").timestamp()
+    )
+    assert found == [at(f"2026-11-28T{h}:05:00").timestamp() for h in (10, 11, 12)]
+    with pytest.raises(ConfigurationError, match="only interval and crontab"):
+        slots_between(entry(solar("sunrise", 52.5, 13.4, app=APP), at("2026-11-28T00:00:00")), 0, 1)
+    with pytest.raises(ConfigurationError, match="narrow it"):
+        slots_between(every_ten, 0, 10 * 20_000)
+
+
+def test_backfill_slots_of_a_daily_crontab_across_the_autumn_dst_change_are_one_a_day() -> None:
+    # Berlin's clocks go back from 03:00 to 02:00 on 2026-10-25: 02:30 local happens twice,
+    # and the daily 02:30 job has one slot that day, as every other day
+    app = Celery("schedules-dst-backfill", set_as_current=False)
+    app.conf.update(enable_utc=True, timezone="Europe/Berlin")
+    from celery_ledger.schedules import slots_between
+
+    daily = ScheduleEntry(
+        name="daily",
+        task="t",
+        schedule=crontab(hour=2, minute=30, app=app),
+        last_run_at=at("2026-10-20T00:00:00"),
+        app=app,
+    )
+    found = slots_between(
+        daily, at("2026-10-23T00:00:00").timestamp(), at("2026-10-27T00:00:00").timestamp()
+    )
+    assert len(found) == 4, [datetime.fromtimestamp(s, UTC) for s in found]

@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
+from .. import audit
+from ..errors import ConfigurationError
+from ..operations import backfill_schedule, pause_schedule, resume_schedule, trigger_schedule
 from ..schedules import fleet_state
+from .dlq import parse_since
+from .options import actor_option
 
 console = Console(soft_wrap=True)
 
 
 @click.group(name="schedules")
 def schedules() -> None:
-    """Periodic tasks (the app's beat_schedule): last slot sent, next due, who fires them."""
+    """Periodic tasks (the app's beat_schedule): list them (last slot sent, next due, who
+    fires them), pause and resume them, trigger a run, backfill missed slots (audited)."""
 
 
 @schedules.command(name="list")
@@ -46,6 +54,7 @@ def list_(ctx: click.Context, as_json: bool) -> None:
                 "every": s.schedule,
                 "last_slot": s.last_slot,
                 "next_due": s.next_due,
+                "paused": s.paused,
             }
             for s in states
         ]
@@ -53,7 +62,7 @@ def list_(ctx: click.Context, as_json: bool) -> None:
         click.echo(json.dumps(listed, indent=2, default=str))
         return
     console.print(f"fired by: {fired_by}")
-    table = Table("schedule", "task", "every", "last slot sent", "next due")
+    table = Table("schedule", "task", "every", "last slot sent", "next due", "paused")
     for s in states:
         table.add_row(
             s.name,
@@ -61,8 +70,98 @@ def list_(ctx: click.Context, as_json: bool) -> None:
             s.schedule,
             "never" if s.last_slot is None else s.last_slot.isoformat(),
             "" if s.next_due is None else s.next_due.isoformat(),
+            "" if s.paused is None else f"by {s.paused['changed_by']}: {s.paused['reason'] or ''}",
         )
     console.print(table)
+
+
+def _actor(actor_name: str | None) -> str:
+    return audit.current_actor(actor_name)
+
+
+def _checked(action: Callable[[], Any]) -> Any:
+    try:
+        return action()
+    except ConfigurationError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+@schedules.command()
+@click.argument("name")
+@click.option("--reason", default="", help="Why (kept with the pause, and in the audit trail).")
+@actor_option
+@click.pass_context
+def pause(ctx: click.Context, name: str, reason: str, actor_name: str | None) -> None:
+    """Pause entry NAME: its slots pass without runs (counted as skipped) until resumed."""
+    app = ctx.obj.app
+    app.loader.import_default_modules()
+    changed = _checked(lambda: pause_schedule(app, name, actor=_actor(actor_name), reason=reason))
+    console.print(f"{name}: {'paused' if changed else 'already paused'}")
+
+
+@schedules.command()
+@click.argument("name")
+@actor_option
+@click.pass_context
+def resume(ctx: click.Context, name: str, actor_name: str | None) -> None:
+    """Resume entry NAME from its next slot (backfill runs the ones it skipped)."""
+    app = ctx.obj.app
+    app.loader.import_default_modules()
+    changed = _checked(lambda: resume_schedule(app, name, actor=_actor(actor_name)))
+    console.print(f"{name}: {'resumed' if changed else 'was not paused'}")
+
+
+@schedules.command()
+@click.argument("name")
+@actor_option
+@click.pass_context
+def trigger(ctx: click.Context, name: str, actor_name: str | None) -> None:
+    """Run entry NAME now, once, outside its slots."""
+    app = ctx.obj.app
+    app.loader.import_default_modules()
+    sent = _checked(lambda: trigger_schedule(app, name, actor=_actor(actor_name)))
+    console.print(f"{name}: sent {sent}")
+
+
+@schedules.command()
+@click.argument("name")
+@click.option("--from", "start", required=True, help="First slot: an ISO time, or 6h (ago).")
+@click.option("--to", "end", default=None, help="Last slot: an ISO time, or 1h (ago); now.")
+@click.option("--dry-run", is_flag=True, help="List the slots, send nothing.")
+@actor_option
+@click.pass_context
+def backfill(
+    ctx: click.Context,
+    name: str,
+    start: str,
+    end: str | None,
+    dry_run: bool,
+    actor_name: str | None,
+) -> None:
+    """Run entry NAME for each of its slots in a range: a slot that already ran is not run
+    again (its run's key is the slot's), so only the missed ones run."""
+    app = ctx.obj.app
+    app.loader.import_default_modules()
+    now = app.runtime.ledger.now  # "6h" ago on the records' clock
+    first = parse_since(start, now)
+    last = parse_since(end, now) or now()
+    assert first is not None
+    slots = _checked(
+        lambda: backfill_schedule(
+            app,
+            name,
+            first.timestamp(),
+            last.timestamp(),
+            actor=_actor(actor_name),
+            dry_run=dry_run,
+        )
+    )
+    verb = "would send" if dry_run else "sent"
+    console.print(f"{name}: {verb} {len(slots)} slot(s) (slots already run are not run again)")
+    for slot in slots[:20]:
+        console.print(f"  {datetime.fromtimestamp(slot, UTC).isoformat()}")
+    if len(slots) > 20:
+        console.print(f"  ... and {len(slots) - 20} more")
 
 
 __all__: list[Any] = ["schedules"]

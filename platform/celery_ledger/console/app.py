@@ -53,6 +53,7 @@ from ..health import run_checks
 from ..keys import derive_task_id
 from ..ledger.record import LedgerRecord
 from ..policies.backpressure import DEFAULT_TIER_LIMITS
+from ..schedules import fleet_state
 
 HERE = Path(__file__).parent
 SESSION_COOKIE = "ledger_console"
@@ -112,6 +113,8 @@ def create_console(app: Any) -> Starlette:
             console.action(console.workflow_action),
             methods=["POST"],
         ),
+        Route("/schedules", console.page(console.schedules), methods=["GET"]),
+        Route("/schedules/{verb}", console.action(console.schedule_action), methods=["POST"]),
         Route("/audit", console.page(console.audit_trail), methods=["GET"]),
         Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
     ]
@@ -548,6 +551,29 @@ class _Console:
             return HTMLResponse("unknown action or breaker", status_code=404)
         operations.force_breaker(self.app, name, verb, actor=actor(request.session["user"]))
         return RedirectResponse("/breakers", status_code=303)
+
+    # -- schedules -------------------------------------------------------------------------------
+
+    def schedules(self, request: Request) -> Response:
+        holder, foreign, states = fleet_state(self.app)
+        return self.render(request, "schedules.html", states=states, holder=holder, foreign=foreign)
+
+    def schedule_action(self, request: Request, form: FormData) -> Response:
+        name, verb = str(form.get("name", "")), request.path_params["verb"]
+        who = actor(request.session["user"])
+        try:
+            if verb == "pause":
+                reason = str(form.get("reason", ""))[:200]
+                operations.pause_schedule(self.app, name, actor=who, reason=reason)
+            elif verb == "resume":
+                operations.resume_schedule(self.app, name, actor=who)
+            elif verb == "trigger":
+                operations.trigger_schedule(self.app, name, actor=who)
+            else:
+                return HTMLResponse("unknown action", status_code=404)
+        except ConfigurationError as exc:  # no such entry
+            return HTMLResponse(html.escape(str(exc)), status_code=404)
+        return RedirectResponse("/schedules", status_code=303)
 
     # -- workflows -------------------------------------------------------------------------------
 

@@ -149,6 +149,11 @@ class LedgerMetrics:
             buckets=WAIT_BUCKETS,
             registry=registry,
         )
+        self.schedule_skipped = counter(
+            "celery_ledger_schedule_slots_skipped_total",
+            "Slots of a schedule entry that passed without a run (reason: paused).",
+            ("schedule", "reason"),
+        )
         self.clock_offset = Gauge(
             "celery_ledger_clock_offset_seconds",
             "A server's clock minus this host's, at its last reading (decisions use the"
@@ -415,6 +420,10 @@ class MetricsObserver(Observer):
         _m().schedule_lag.labels(schedule).observe(max(lag_seconds, 0.0))
 
     @_safe
+    def schedule_skipped(self, schedule: str, task: str, slot: float, reason: str) -> None:
+        _m().schedule_skipped.labels(schedule, reason).inc()
+
+    @_safe
     def clock_read(self, reading: Reading) -> None:
         server = reading.server if reading.server in CLOCK_SERVERS else OTHER
         _m().clock_offset.labels(server).set(reading.offset_seconds)
@@ -515,6 +524,7 @@ METRIC_NAMES = frozenset(
         "celery_ledger_degraded_total",
         "celery_ledger_late_total",
         "celery_ledger_outbox_published_total",
+        "celery_ledger_schedule_slots_skipped_total",
         *(
             f"{name}_{suffix}"
             for name in (
