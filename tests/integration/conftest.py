@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import redis
 
+from celery_ledger.embedded.servers import ServerProcess, start_valkey
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from celery_ledger.settings import TIERS
 
@@ -325,3 +326,23 @@ def producer_app(stack: EmbeddedStack, name: str, **settings: Any) -> Any:
     settings.setdefault("mongo_uri", stack.ledger.url)
     settings.setdefault("mongo_db", "ledger_tests")
     return create_app(name, settings=Settings(**settings), set_as_current=False)
+
+
+@pytest.fixture(scope="module")
+def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A valkey server of the test module's own (for the tests of one Redis mechanism)."""
+    server = start_valkey(tmp_path_factory.mktemp("valkey"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def client(valkey: ServerProcess) -> Iterator[redis.Redis]:
+    """A client of the module's own valkey."""
+    connection = redis.Redis.from_url(valkey.url)
+    try:
+        yield connection
+    finally:
+        connection.close()

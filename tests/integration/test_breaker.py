@@ -10,14 +10,13 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
 import pytest
 import redis
 
-from celery_ledger.embedded.servers import ServerProcess, start_valkey
+from celery_ledger.embedded.servers import ServerProcess
 from celery_ledger.errors import CircuitOpen, ConfigurationError
 from celery_ledger.policies.breaker import (
     Admission,
@@ -29,24 +28,6 @@ from celery_ledger.policies.breaker import (
 
 CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
 COOLDOWN = 0.5
-
-
-@pytest.fixture(scope="module")
-def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = start_valkey(tmp_path_factory.mktemp("breaker-valkey"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def client(valkey: ServerProcess) -> Iterator[redis.Redis]:
-    conn = redis.Redis.from_url(valkey.url)
-    try:
-        yield conn
-    finally:
-        conn.close()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,26 +13,8 @@ import redis
 
 from celery_ledger import handoff
 from celery_ledger.delayed import DelayedDeliveries, DelayedPublisher
-from celery_ledger.embedded.servers import ServerProcess, start_valkey
+from celery_ledger.embedded.servers import ServerProcess
 from celery_ledger.handoff import Handoff, Parked, Parking
-
-
-@pytest.fixture(scope="module")
-def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = start_valkey(tmp_path_factory.mktemp("handoff-valkey"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def client(valkey: ServerProcess) -> Iterator[redis.Redis]:
-    conn = redis.Redis.from_url(valkey.url)
-    try:
-        yield conn
-    finally:
-        conn.close()
 
 
 @pytest.fixture

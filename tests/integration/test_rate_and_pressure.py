@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from celery_ledger import pressure
-from celery_ledger.embedded.servers import ServerProcess, start_valkey
+from celery_ledger.embedded.servers import ServerProcess
 from celery_ledger.policies.backpressure import QueueDepths
 from celery_ledger.policies.rate_limit import RateLimit, RateLimits, TokenBucket
 from celery_ledger.pressure import Pressure
@@ -27,15 +27,6 @@ class CountingConnection(redis.Connection):
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         CountingConnection.sends += 1
         super().send_packed_command(command, check_health)
-
-
-@pytest.fixture(scope="module")
-def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = start_valkey(tmp_path_factory.mktemp("valkey"))
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
