@@ -140,15 +140,6 @@ class DelayedDeliveries:
         except redis.RedisError as exc:
             raise PublishError(f"cannot delay {task_name}: broker unavailable: {exc}") from exc
 
-    def schedule_raw(self, queue: str, envelope: dict[str, Any], due_at: float) -> None:
-        """Hold a message exactly as the transport stores it, to go back on ``queue`` at
-        ``due_at`` (a message no worker here can run yet: it comes back as it was sent)."""
-        member = dumps({"id": uuid.uuid4().hex, "queue": queue, "raw": envelope})
-        try:
-            self._redis.zadd(self.key, {member: due_at})
-        except redis.RedisError as exc:
-            raise PublishError(f"cannot delay a message for {queue}: {exc}") from exc
-
     def push_back(self, member: bytes, envelope: dict[str, Any]) -> None:
         """Put a held raw message back on its queue (kombu's Redis transport: LPUSH) and take
         its entry out of the set, and out of the index of parked messages if it is one."""
