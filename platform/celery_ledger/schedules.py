@@ -145,6 +145,45 @@ def slot_of(entry: ScheduleEntry, *, broker_now: float) -> float:
     return float(round(due.timestamp()))
 
 
+@dataclass(frozen=True)
+class BrokerNow:
+    """A calendar schedule's ``nowfun`` (Celery's hook for a schedule's clock): now on the
+    broker's clock, in the app's time zone, as ``app.now()`` would give it on this host's.
+
+    A crontab or solar schedule judges what is due, and which occurrence comes next, from its
+    ``now()``: on the host's clock, a scheduler whose clock runs 40 s fast fires every
+    minute's run 40 s early, and one that runs slow fires late. Compared by app: crontab's
+    equality compares its ``nowfun``, and Celery rebuilds its heap when a schedule changes."""
+
+    app: Any
+
+    def __call__(self) -> datetime:
+        now = self.app.runtime.message_time()
+        return datetime.fromtimestamp(now, UTC).astimezone(self.app.timezone)
+
+
+class LedgerEntry(ScheduleEntry):  # type: ignore[misc]
+    """Celery's schedule entry, its calendar schedule on the broker's clock (:class:`BrokerNow`;
+    an interval's windows are on it already, :meth:`LedgerScheduling.is_due`). A ``nowfun``
+    the app gave its schedule itself is left as it is."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_broker_clock()
+
+    def default_now(self) -> datetime:
+        # (Celery's __init__ reads it for a new entry's last run: on the broker's clock too)
+        self._on_broker_clock()
+        now: datetime = super().default_now()
+        return now
+
+    def _on_broker_clock(self) -> None:
+        sched = self.schedule
+        if self.app is not None and not isinstance(sched, interval_schedule):
+            if getattr(sched, "nowfun", False) is None:
+                sched.nowfun = BrokerNow(self.app)
+
+
 def marked_options(entry_name: str, options: Mapping[str, Any], slot: float) -> dict[str, Any]:
     """An entry's publish options for its run of ``slot``: the run's key in its headers.
 
@@ -168,6 +207,7 @@ class LedgerScheduling:
     way a window is skipped now and then. Here an interval is due whenever the broker's clock
     is in a window it has not sent, and is checked again as the next window starts."""
 
+    Entry = LedgerEntry
     app: Any
     schedule: dict[str, ScheduleEntry]
 
@@ -387,7 +427,7 @@ def fleet_state(app: Any) -> tuple[str | None, str | None, list[EntryState]]:
     paused = ScheduleControls(app.ledger).paused()
     states = []
     for name, spec in sorted(fleet_entries(app.conf.beat_schedule).items()):
-        entry = ScheduleEntry(**dict(spec, name=name, app=app))
+        entry = LedgerEntry(**dict(spec, name=name, app=app))
         slot = last.get(name)
         due: float | None = None
         if slot is not None:
@@ -395,7 +435,7 @@ def fleet_state(app: Any) -> tuple[str | None, str | None, list[EntryState]]:
                 due = slot + window_seconds(entry)
             else:
                 try:
-                    following = ScheduleEntry(**dict(spec, name=name, app=app))
+                    following = LedgerEntry(**dict(spec, name=name, app=app))
                     following.last_run_at = datetime.fromtimestamp(slot, UTC)
                     due = slot_of(following, broker_now=slot)
                 except Exception:  # an app's own schedule class: shown without its next time
@@ -416,7 +456,7 @@ def entry_of(app: Any, name: str) -> ScheduleEntry:
     if spec is None:
         known = ", ".join(sorted(entries)) or "none"
         raise ConfigurationError(f"no schedule entry {name!r} in beat_schedule (entries: {known})")
-    return ScheduleEntry(**dict(spec, name=name, app=app))
+    return LedgerEntry(**dict(spec, name=name, app=app))
 
 
 def slots_between(entry: ScheduleEntry, start: float, end: float) -> list[float]:
@@ -487,8 +527,10 @@ def _number(raw: Any) -> float | None:
 
 __all__ = [
     "BEAT_HEADER",
+    "BrokerNow",
     "EntryState",
     "FleetScheduler",
+    "LedgerEntry",
     "LedgerScheduler",
     "fleet_state",
     "marked_options",

@@ -24,45 +24,21 @@ from celery_ledger import State
 from celery_ledger.clock import ClockBook
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 
-from .conftest import HEALING, TEST_ENV, producer_app, start_healing_worker
+from .conftest import (
+    DEFAULT_QUEUE,
+    HEALING,
+    NAMESPACE,
+    TEST_ENV,
+    UNACKED,
+    broker_client,
+    producer_app,
+    start_healing_worker,
+)
 from .helpers import shared_task, wait_for
+from .skew import LIBFAKETIME, FakeClock, needs_faketime
 
-LIBFAKETIME = next(
-    iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))),
-    Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"),
-)
 RECORD = "tests.integration.ledger_app.record"
-SITE = Path(__file__).with_name("faketime_site")
-
-pytestmark = pytest.mark.skipif(
-    not LIBFAKETIME.exists() and not os.environ.get("CI"),
-    reason="libfaketime is not installed (apt-get install faketime; .ci/run installs it)",
-)
-
-
-class FakeClock:
-    """A host's wall clock under libfaketime: an offset read from a file (a test makes it jump
-    while the process runs), the monotonic clock left alone, as a kernel leaves it
-    (``FAKETIME_DONT_FAKE_MONOTONIC``; ``faketime_site/sitecustomize.py`` says why sleeping then
-    needs a shim, and why faking every clock is no host at all)."""
-
-    def __init__(self, directory: Path, name: str, offset_seconds: float) -> None:
-        self.path = directory / f"faketime-{name}"
-        self.set(offset_seconds)
-
-    def set(self, offset_seconds: float) -> None:
-        self.path.write_text(f"{offset_seconds:+.0f}s\n")
-
-    def env(self) -> dict[str, str]:
-        return {
-            "LD_PRELOAD": str(LIBFAKETIME),
-            "FAKETIME_TIMESTAMP_FILE": str(self.path),
-            "FAKETIME_CACHE_DURATION": "1",  # the file is read again every second
-            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-            "PYTHONPATH": os.pathsep.join(
-                filter(None, [str(SITE), os.environ.get("PYTHONPATH", "")])
-            ),
-        }
+pytestmark = needs_faketime
 
 
 @pytest.fixture
@@ -442,3 +418,163 @@ def test_a_dead_committers_work_is_relayed_after_its_grace_whatever_the_clocks(
     assert time.monotonic() - died < 20
     time.sleep(2.0)
     assert len(effects_of(isolated, "record", token)) == 1
+
+
+SWEEP = """
+import sys
+from tests.integration import ledger_app  # the test app, on the servers its environment names
+with ledger_app.app.connection_for_write() as connection:
+    channel = connection.default_channel
+    channel.visibility_timeout = float(sys.argv[1])  # (below the settings' floor, for speed)
+    channel.qos.restore_visible(num=100, interval=1)
+ledger_app.app.close()
+"""
+
+
+def sweep_unacked_on(stack: EmbeddedStack, clock: FakeClock, visibility_timeout: int) -> None:
+    """kombu's sweep of messages unacknowledged past the visibility timeout, run once by a
+    process of its own on ``clock`` (a worker runs it every few minutes)."""
+    env = {
+        **os.environ,
+        **TEST_ENV,
+        **stack.env,
+        **clock.env(),
+    }
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *sys.path])
+    done = subprocess.run(
+        [sys.executable, "-c", SWEEP, str(visibility_timeout)],
+        env=env,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def taken_messages(stack: EmbeddedStack) -> int:
+    return int(broker_client(stack).hlen(UNACKED))
+
+
+@pytest.mark.parametrize(
+    ("holder_offset", "sweeper_offset"),
+    [(0, 3600), (-3600, 0), (0, 300), (-300, 300)],
+    ids=["sweeper+1h", "holder-1h", "sweeper+5m", "holder-5m-sweeper+5m"],
+)
+def test_a_running_jobs_message_is_not_put_back_early_whatever_the_clocks(
+    isolated: EmbeddedStack, clocks: Any, holder_offset: int, sweeper_offset: int
+) -> None:
+    """kombu puts a message back on its queue once it has been taken longer ago than the
+    visibility timeout. The take is booked, and its age judged, on the broker's clock: a
+    sweeper whose clock runs fast, or a holder whose clock runs slow, does not hand a
+    running job's message to a second worker."""
+    producer = producer_app(isolated, f"vis_{uuid.uuid4().hex[:6]}")
+    record = shared_task(producer, RECORD)
+    token = f"vis-{uuid.uuid4().hex[:8]}"
+    skewed_worker(isolated, "holder", clocks("holder", holder_offset))
+    record.apply_async((token,), {"sleep_seconds": 8.0})
+    wait_for(lambda: holder_of(producer, record, token) == "holder", what="the holder running")
+    # When a sweeper with a visibility timeout of 5 s sweeps 1-2 s after the take
+    sweep_unacked_on(isolated, clocks("sweeper", sweeper_offset), visibility_timeout=5)
+    # Then the message stays taken (not back on the queue for another worker)
+    assert taken_messages(isolated) == 1
+    assert broker_client(isolated).llen(DEFAULT_QUEUE) == 0
+    wait_for(lambda: effects_of(isolated, "record", token), timeout=30, what="the job ending")
+    assert len(effects_of(isolated, "record", token)) == 1
+    producer.close()
+
+
+@pytest.mark.parametrize(
+    ("holder_offset", "sweeper_offset"),
+    [(0, -3600), (3600, 0), (300, -300)],
+    ids=["sweeper-1h", "holder+1h", "holder+5m-sweeper-5m"],
+)
+def test_a_dead_workers_message_is_put_back_when_due_whatever_the_clocks(
+    isolated: EmbeddedStack, clocks: Any, holder_offset: int, sweeper_offset: int
+) -> None:
+    """A worker SIGKILLed mid-body leaves its message taken: the sweep puts it back once its
+    visibility timeout has passed on the broker's clock, not an hour later because the
+    sweeper's clock runs slow or the holder's ran fast; then it runs once."""
+    producer = producer_app(isolated, f"vis_{uuid.uuid4().hex[:6]}")
+    record = shared_task(producer, RECORD)
+    token = f"dead-{uuid.uuid4().hex[:8]}"
+    holder = skewed_worker(isolated, "holder", clocks("holder", holder_offset))
+    record.apply_async((token,), {"sleep_seconds": 30.0})
+    wait_for(lambda: holder_of(producer, record, token) == "holder", what="the holder running")
+    holder.kill()
+    assert taken_messages(isolated) == 1
+    # When a sweeper with a visibility timeout of 2 s sweeps 3 s after the take or later
+    time.sleep(3.0)
+    sweep_unacked_on(isolated, clocks("sweeper", sweeper_offset), visibility_timeout=2)
+    # Then the message is back on its queue, and a worker runs it once
+    assert taken_messages(isolated) == 0
+    assert broker_client(isolated).llen(DEFAULT_QUEUE) == 1
+    skewed_worker(isolated, "heir", None, LEDGER_RECONCILE_IN_WORKERS="false")
+    wait_for(lambda: effects_of(isolated, "record", token), timeout=60, what="the job running")
+    time.sleep(1.0)
+    assert len(effects_of(isolated, "record", token)) == 1
+    producer.close()
+
+
+# The fleet's leases (one holder across the fleet each): what turns each on, its key, and how
+# long a dead holder keeps it (the lock's time to live).
+FLEET_LEASES = {
+    "reconciler": ({"LEDGER_RECONCILE_EVERY_SECONDS": "1"}, "reconciler", 2.5),
+    "outbox-relay": (
+        {
+            "LEDGER_RECONCILE_IN_WORKERS": "false",
+            "LEDGER_OUTBOX_RELAY_IN_WORKERS": "true",
+            "LEDGER_OUTBOX_RELAY_SECONDS": "1",
+        },
+        "outbox",
+        2.5,
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("lease", "holder_offset", "contender_offset"),
+    [
+        ("reconciler", -3600, 3600),
+        ("reconciler", 3600, -3600),
+        ("outbox-relay", -3600, 3600),
+    ],
+    ids=[
+        "reconciler-holder-1h-contender+1h",
+        "reconciler-holder+1h-contender-1h",
+        "relay-holder-1h-contender+1h",
+    ],
+)
+def test_the_fleets_leases_stay_with_a_live_holder_and_pass_on_in_time_whatever_the_clocks(
+    isolated: EmbeddedStack, clocks: Any, lease: str, holder_offset: int, contender_offset: int
+) -> None:
+    """The reconciler's and the outbox relay's leases (a trigger's and the scheduler's are the
+    same lock; test_schedules.py hands the scheduler's over between skewed hosts) end on the
+    broker's clock: a contender two hours ahead of the holder does not
+    take a lease its holder renews, and a dead holder's lease passes on within its time to
+    live however far behind the contender's clock runs."""
+    env, kind, ttl = FLEET_LEASES[lease]
+    key = f"{NAMESPACE}:ledger:{kind}"
+    broker = broker_client(isolated)
+
+    def holder_now() -> str | None:
+        value = broker.get(key)
+        return value.decode() if value is not None else None
+
+    holder = skewed_worker(isolated, "holder", clocks("holder", holder_offset), **env)
+    wait_for(lambda: holder_now() is not None, timeout=30, what="the holder taking the lease")
+    held = holder_now()
+    assert held is not None and held.split("|")[0].endswith(f":{holder.pid}"), held
+    skewed_worker(isolated, "contender", clocks("contender", contender_offset), **env)
+    watched_until = time.monotonic() + max(ttl * 1.5, 5.0)
+    while time.monotonic() < watched_until:
+        assert holder_now() == held, "the lease was taken from a live holder"
+        time.sleep(0.2)
+    holder.kill()
+    died = time.monotonic()
+    wait_for(
+        lambda: holder_now() not in (None, held), timeout=ttl + 30, what="the lease passing on"
+    )
+    taken = holder_now()
+    assert taken is not None and int(taken.split("|")[1]) > int(held.split("|")[1])
+    assert time.monotonic() - died <= ttl + 3.0, "the dead holder's lease lasted too long"

@@ -26,6 +26,7 @@ from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from tasks.effects import effects
 
 from .helpers import wait_for
+from .skew import FakeClock, needs_faketime
 
 MODULE = "tests.integration.apps.periodic"
 NAMESPACE = "periodic_tests"
@@ -152,12 +153,25 @@ def test_every_tick_of_a_beat_schedule_runs_once_under_two_beats(fleet: Fleet) -
     assert len(set(jobs)) == len(jobs) and all(j.startswith("schedule:tick@") for j in jobs)
 
 
+@pytest.mark.parametrize(
+    "offsets",
+    [
+        (0, 0),
+        pytest.param((3600, -3600), marks=needs_faketime),
+        pytest.param((-40, 40), marks=needs_faketime),
+    ],
+    ids=["same-clocks", "hosts+1h-and-1h", "hosts-40s-and+40s"],
+)
 def test_the_workers_run_the_schedule_without_beat_and_through_a_sigkill(
-    fleet: Fleet,
+    fleet: Fleet, offsets: tuple[int, int]
 ) -> None:
     assert fleet.stack.broker is not None
-    # Given two workers and no beat
-    workers = [fleet.worker("sched-1"), fleet.worker("sched-2")]
+    # Given two workers and no beat (on hosts whose clocks agree, or are off: the windows are
+    # on the broker's clock, and so is the lease a successor waits out)
+    workers = [
+        fleet.worker(name, **(FakeClock(fleet.base, name, offset).env() if offset else {}))
+        for name, offset in zip(("sched-1", "sched-2"), offsets, strict=True)
+    ]
     until_slots(fleet, 3)
 
     # (the operator sees who fires the schedule, and each entry's last slot)

@@ -235,6 +235,27 @@ def test_an_interval_fires_once_in_every_window_through_celerys_tick(
     assert run.kept == {"shop:ledger:schedules:slots": {"tick": slots[-1]}}
 
 
+@pytest.mark.parametrize("host_offset", [-3600, -40, 40, 3600], ids=["-1h", "-40s", "+40s", "+1h"])
+def test_a_crontab_fires_each_occurrence_on_the_brokers_clock_whatever_the_hosts(
+    host_offset: float,
+) -> None:
+    # A scheduler on a host whose clock is off: Celery judges a crontab on ``app.now()`` (the
+    # host's), which would fire every run early (fast host) or late (slow). Each occurrence
+    # fires when it is due on the broker's clock, named by that occurrence.
+    start = 1_000_020.0
+    clock = {"now": start}
+    run = scheduler(clock)
+    run.app.now = lambda: datetime.fromtimestamp(clock["now"] + host_offset, UTC)
+    run.update_from_dict({"minutely": {"task": "shop.tick", "schedule": crontab()}})
+    while clock["now"] < start + 600:
+        run.tick()
+        clock["now"] += 0.5
+    slots = [slot for _, slot, _ in run.lags]
+    assert slots == [slots[0] + 60 * n for n in range(len(slots))] and len(slots) >= 9
+    assert all(slot % 60 == 0 for slot in slots)
+    assert all(0 <= lag < 1.0 for _, _, lag in run.lags), run.lags
+
+
 # -- crontab slots: the occurrence itself, whatever the clock's reading ----------------------------
 
 
