@@ -1,7 +1,5 @@
 """The app object. Settings come from LEDGER_* environment variables."""
 
-from celery.schedules import crontab
-
 from celery_ledger import create_app
 
 from .observers import SlowJobs
@@ -20,9 +18,6 @@ app = create_app(
     ],
 )
 app.observers.add(SlowJobs(budget_seconds=10.0))
-# Periodic tasks, as Celery declares them: the workers run them (one scheduler at a time across
-# the fleet), and so does `celery -A tasks beat` if you run it; each slot runs once either way.
-app.conf.beat_schedule = {
-    **app.conf.beat_schedule,
-    "hourly-rollup": {"task": "tasks.reports.hourly_rollup", "schedule": crontab(minute=5)},
-}
+# Periodic tasks: declared beside the task with @app.periodic (tasks/reports.py), or in
+# Celery's own beat_schedule. The workers run them (one scheduler at a time across the fleet),
+# and so does `celery -A tasks beat` if you run it; each slot runs once either way.

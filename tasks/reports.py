@@ -9,6 +9,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from celery.schedules import crontab
+
 from celery_ledger import Fallback, LastGood
 
 from .celery import app
@@ -62,13 +64,23 @@ def rebuild_report(report: str, day: str) -> dict[str, str]:
     return {"report": report, "day": day, "digest": digest[:12]}
 
 
+@app.periodic(
+    crontab(minute=5),
+    name="hourly-rollup",
+    # every hour missed in an outage of up to six hours is rolled up after it, one at a time
+    catch_up="all",
+    catch_up_window_seconds=6 * 3600,
+    overlap="buffer_one",
+    # many apps' hourly jobs fire at :05: spread over a minute, the same for every scheduler
+    jitter_seconds=60,
+)
 @app.task(bind=True, tier="bulk", max_retries=5)
 def hourly_rollup(self: Any) -> dict[str, str]:
-    """Roll up one hour of orders: run by the app's schedule (tasks/celery.py) at five past
-    every hour, by the workers themselves (no celery beat needed). A task without arguments:
-    each run is the job of its slot (``schedule:hourly-rollup@<slot>``), so every hour runs
-    once however many workers or beats fire it. It works on the hour its slot is for, not on
-    the hour it happens to run in: a run retried or late after an outage rolls up its own."""
+    """Roll up one hour of orders, at five past every hour: the workers fire it themselves (no
+    celery beat needed). A task without arguments: each run is the job of its slot
+    (``schedule:hourly-rollup@<slot>``), so every hour runs once however many workers or beats
+    fire it. It works on the hour its slot is for, not on the hour it happens to run in: a
+    run retried, or caught up after an outage, rolls up its own."""
     slot = self.scheduled_for or datetime.now(UTC)  # (None when called by hand)
     hour = slot.replace(minute=0, second=0, microsecond=0)
     record_effect("rollup", hour.isoformat())

@@ -29,6 +29,7 @@ from .events import Job, Observer
 from .ledger import ErrorEntry, LedgerRecord, State
 from .policies.deadline import bounded, deadline, hedged, remaining
 from .policies.fallback import Alternate, Fallback, LastGood, Placeholder
+from .policies.schedule import CatchUp, Overlap, SchedulePolicy
 from .settings import Settings
 from .task import LedgerTask
 from .workflow.api import Workflow, WorkflowEvent, WorkflowHandle, WorkflowStatus
@@ -37,6 +38,7 @@ from .workflow.context import WorkflowContext
 __all__ = [
     "Alternate",
     "Backpressure",
+    "CatchUp",
     "CircuitOpen",
     "CommitLost",
     "ConfigurationError",
@@ -56,11 +58,13 @@ __all__ = [
     "LedgerUnavailable",
     "NonDeterminism",
     "Observer",
+    "Overlap",
     "PayloadError",
     "PermanentError",
     "Placeholder",
     "PublishError",
     "RetryNotPublished",
+    "SchedulePolicy",
     "Settings",
     "State",
     "StepFailed",

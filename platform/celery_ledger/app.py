@@ -54,6 +54,7 @@ from .observability import ledger_listeners
 from .outbox import Outbox
 from .policies.breaker import Breakers
 from .policies.deadline import deadline
+from .policies.schedule import SchedulePolicy
 from .reconciler import Reconciler
 from .routing import DEAD_LETTER, TIERS, Tiers
 from .runtime import Runtime, forget_after_fork
@@ -327,6 +328,50 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             return declared
 
         return declare if fn is None else declare(fn)
+
+    def periodic(
+        self,
+        schedule: Any,
+        *,
+        name: str | None = None,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        options: Mapping[str, Any] | None = None,
+        **policy: Any,
+    ) -> Callable[[Any], Any]:
+        """Run the task below on ``schedule`` (seconds, a ``timedelta``, a ``crontab`` or a
+        ``solar``), each slot once, whoever fires it (the workers, ``celery beat``, both):
+
+            @app.periodic(crontab(minute=5), overlap="skip", jitter_seconds=30)
+            @app.task
+            def hourly_rollup(): ...
+
+        The keywords left are its policy (:class:`~celery_ledger.policies.schedule.
+        SchedulePolicy`: ``catch_up``, ``catch_up_window_seconds``, ``late_after_seconds``,
+        ``overlap``, ``jitter_seconds``, ``start``, ``end``), checked here. It is the entry
+        ``name`` (the task's name unless given) of ``beat_schedule``, which is where Celery's
+        own declarations go too: ``ledger schedules`` and the console manage it by that name.
+        """
+        chosen = SchedulePolicy.of(policy or None)
+
+        def declare(task: Any) -> Any:
+            task_name = getattr(task, "name", None)
+            if not isinstance(task_name, str) or not callable(getattr(task, "apply_async", None)):
+                raise ConfigurationError(
+                    "@app.periodic schedules a task of this app: put it above @app.task"
+                )
+            entry = {
+                "task": task_name,
+                "schedule": schedule,
+                "args": tuple(args),
+                "kwargs": dict(kwargs or {}),
+                "options": dict(options or {}),
+                "policy": chosen,
+            }
+            self.conf.beat_schedule = {**(self.conf.beat_schedule or {}), name or task_name: entry}
+            return task
+
+        return declare
 
     def missing_keys(self) -> list[str]:
         """What this app's sensitive tasks and workflows need and the settings lack (a worker

@@ -50,7 +50,17 @@ from . import headers
 from .broker import SweepLock
 from .errors import ConfigurationError, LedgerError
 from .keys import slot_key
+from .ledger.record import TERMINAL
 from .ledger.schedule_controls import ScheduleControls
+from .policies.schedule import (
+    CatchUp,
+    Overlap,
+    SchedulePolicy,
+    catch_up,
+    in_range,
+    jitter_of,
+    overlap,
+)
 from .untrusted import utc_of_unix
 
 logger = logging.getLogger("celery_ledger.schedules")
@@ -69,6 +79,9 @@ LEDGER_BEAT_SCHEDULER = "celery_ledger.schedules:LedgerScheduler"
 # successor fires what fell due within about this long.
 FLEET_LEASE_SECONDS = 10.0
 MAX_FIRED_PER_TICK = 1000  # entries fired in one housekeeping pass (the rest in the next)
+# While a slot is buffered behind a running one (overlap ``buffer_one``), the scheduler looks
+# at least this often whether that run ended
+BUFFERED_CHECK_SECONDS = 1.0
 # A pause or a resume reaches every scheduler within this long (each reads the ledger's
 # schedule controls at most this often)
 PAUSED_READ_SECONDS = 2.0
@@ -88,6 +101,11 @@ def lease_key(app_name: str) -> str:
 def slots_key(app_name: str) -> str:
     """The broker's hash of each schedule entry's last slot sent (by any scheduler)."""
     return f"{lease_key(app_name)}:slots"
+
+
+def buffered_key(app_name: str) -> str:
+    """Each entry's buffered slot (overlap ``buffer_one``: sent when the run before it ends)."""
+    return f"{app_name}:ledger:schedules:buffered"
 
 
 def foreign_key(app_name: str) -> str:
@@ -167,9 +185,18 @@ class LedgerEntry(ScheduleEntry):  # type: ignore[misc]
     an interval's windows are on it already, :meth:`LedgerScheduling.is_due`). A ``nowfun``
     the app gave its schedule itself is left as it is."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, policy: SchedulePolicy | Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        # (set first: Celery's entries copy themselves with ``dict(entry)``, which keeps it)
+        self.policy = SchedulePolicy.of(policy)
         super().__init__(*args, **kwargs)
         self._on_broker_clock()
+
+    def update(self, other: ScheduleEntry) -> None:
+        """Celery's update of an entry from a changed definition, its policy included."""
+        super().update(other)
+        self.policy = policy_of(other)
 
     def default_now(self) -> datetime:
         # (Celery's __init__ reads it for a new entry's last run: on the broker's clock too)
@@ -179,9 +206,15 @@ class LedgerEntry(ScheduleEntry):  # type: ignore[misc]
 
     def _on_broker_clock(self) -> None:
         sched = self.schedule
-        if self.app is not None and not isinstance(sched, interval_schedule):
-            if getattr(sched, "nowfun", False) is None:
-                sched.nowfun = BrokerNow(self.app)
+        calendar = self.app is not None and not isinstance(sched, interval_schedule)
+        if calendar and getattr(sched, "nowfun", False) is None:
+            sched.nowfun = BrokerNow(self.app)
+
+
+def policy_of(entry: ScheduleEntry) -> SchedulePolicy:
+    """``entry``'s policy (the default one for an entry made by Celery's own classes)."""
+    found = getattr(entry, "policy", None)
+    return found if isinstance(found, SchedulePolicy) else SchedulePolicy.of(None)
 
 
 def marked_options(entry_name: str, options: Mapping[str, Any], slot: float) -> dict[str, Any]:
@@ -198,8 +231,9 @@ def marked_options(entry_name: str, options: Mapping[str, Any], slot: float) -> 
 
 
 class LedgerScheduling:
-    """What both schedulers add to Celery's: each message names its entry's slot, and an
-    interval fires once in each window of its grid.
+    """What both schedulers add to Celery's: each message names its entry's slot, an interval
+    fires once in each window of its grid, and each entry's policy holds (policies/schedule.py:
+    catch-up, overlap, jitter, start and end).
 
     Celery runs an interval from the moment its last run was sent and checks it again a period
     after that, so its phase drifts later by each send's latency, and polled (the fleet's
@@ -215,8 +249,10 @@ class LedgerScheduling:
         due, next_in = self._due(entry)
         if self._paused(entry.name):
             if due:  # a slot that falls due while its entry is paused is skipped, not kept
-                self._skip(entry)
+                self._skip(entry, "paused")
             return False, min(next_in, PAUSED_READ_SECONDS)
+        if due and not self._in_range(entry):
+            return False, next_in
         return due, next_in
 
     def _due(self, entry: ScheduleEntry) -> tuple[bool, float]:
@@ -228,17 +264,33 @@ class LedgerScheduling:
         until_next = window + window_seconds(entry) - broker_now
         return window > self._sent().get(entry.name, -math.inf), max(until_next, 0.01)
 
-    def _skip(self, entry: ScheduleEntry) -> None:
-        """Pass over the slot ``entry`` is due for (paused): counted, never sent."""
-        broker_now = self.app.runtime.message_time()
+    def _in_range(self, entry: ScheduleEntry) -> bool:
+        """Whether the slot ``entry`` is due for lies within its policy's start and end; one
+        before the start is passed over (not counted: the entry had not begun)."""
+        policy = policy_of(entry)
+        if policy.start is None and policy.end is None:
+            return True
+        slot = self._slot(entry, self.app.runtime.message_time())
+        where = in_range(policy, slot)
+        if where == "before":
+            self._skip(entry, None)
+        return where == "within"
+
+    def _slot(self, entry: ScheduleEntry, broker_now: float) -> float:
         try:
-            slot = slot_of(entry, broker_now=broker_now)
-        except Exception:  # an app's schedule class that cannot say
-            slot = float(math.floor(broker_now))
+            return slot_of(entry, broker_now=broker_now)
+        except Exception as exc:  # an app's schedule class that cannot say: a slot per second
+            logger.warning("slot of %s unknown (%s): keyed by the second", entry.name, exc)
+            return float(math.floor(broker_now))
+
+    def _skip(self, entry: ScheduleEntry, reason: str | None) -> None:
+        """Pass over the slot ``entry`` is due for, never sent: counted with ``reason``."""
+        slot = self._slot(entry, self.app.runtime.message_time())
         if is_interval(entry):
             self._sent()[entry.name] = slot
         self.schedule[entry.name] = next(entry)
-        self.app.observers.schedule_skipped(entry.name, entry.task, slot, "paused")
+        if reason is not None:
+            self.app.observers.schedule_skipped(entry.name, entry.task, slot, reason)
 
     def _paused(self, name: str) -> bool:
         """Whether an operator paused entry ``name`` (the ledger's schedule controls, read at
@@ -257,30 +309,87 @@ class LedgerScheduling:
         return frozenset(ScheduleControls(self.app.ledger).paused())
 
     def reserve(self, entry: ScheduleEntry) -> ScheduleEntry:
+        """Celery's step before it sends a due entry: here the slots it sends are chosen (the
+        one due, and the missed ones its catch-up policy runs; the others are counted as
+        skipped), and the entry moves on past them."""
         broker_now = self.app.runtime.message_time()
-        try:
-            slot = slot_of(entry, broker_now=broker_now)
-        except Exception as exc:  # an app's schedule class that cannot say: a slot per second
-            logger.warning("slot of %s unknown (%s): keyed by the second", entry.name, exc)
-            slot = float(math.floor(broker_now))
-        self._pending()[entry.name] = slot
+        slot = self._slot(entry, broker_now)
+        policy = policy_of(entry)
+        due = self._due_slots(entry, slot, broker_now, policy)
+        send, skipped = catch_up(policy, due, broker_now)
+        for passed in skipped:
+            self.app.observers.schedule_skipped(entry.name, entry.task, passed, "missed")
+        self._pending()[entry.name] = send
         if is_interval(entry):
-            self._sent()[entry.name] = slot
+            self._sent()[entry.name] = max(due)
         following: ScheduleEntry = next(entry)
         self.schedule[entry.name] = following
         return following
+
+    def _due_slots(
+        self, entry: ScheduleEntry, first: float, now: float, policy: SchedulePolicy
+    ) -> list[float]:
+        """The slots of ``entry`` due now, oldest first: ``first`` (the one Celery fires) and,
+        where the policy may run missed slots, those that passed after it unfired (within the
+        catch-up window: older ones pass uncounted)."""
+        earliest = now - policy.catch_up_window_seconds - policy.late_after_seconds
+        if is_interval(entry):
+            # (an interval's due window is the latest one: those before it are the missed)
+            last = self._sent().get(entry.name)
+            if policy.catch_up is not CatchUp.ALL or last is None:
+                return [first]
+            start = max(last + window_seconds(entry), earliest)
+            if start >= first:
+                return [first]  # none passed between the last window and this one
+        elif isinstance(entry.schedule, crontab):
+            if now - first <= policy.late_after_seconds:
+                return [first]  # on time: the usual case, and no later occurrence passed
+            start = max(first, earliest)
+        else:
+            return [first]  # solar, an app's own class: the one due, as Celery fires it
+        try:
+            found = slots_between(entry, start, now)
+        except ConfigurationError:  # more than MAX_BACKFILL in the window: the latest one
+            found = []
+        return found or [first]
 
     def apply_async(
         self, entry: ScheduleEntry, producer: Any = None, advance: bool = True, **kwargs: Any
     ) -> Any:
         if advance:
             self.reserve(entry)
-        slot = self._pending().pop(entry.name, None)
-        if slot is None:  # sent without a reserve (beat's own apply_async callers)
-            slot = slot_of(entry, broker_now=self.app.runtime.message_time())
-        marked = entry.__class__(
-            **dict(entry, options=marked_options(entry.name, entry.options, slot))
-        )
+        slots = self._pending().pop(entry.name, None)
+        if slots is None:  # sent without a reserve (beat's own apply_async callers)
+            slots = [slot_of(entry, broker_now=self.app.runtime.message_time())]
+        result = None
+        for slot in slots:
+            result = self._send_unless_overlapping(entry, slot, producer, **kwargs)
+        return result
+
+    def _send_unless_overlapping(
+        self, entry: ScheduleEntry, slot: float, producer: Any, **kwargs: Any
+    ) -> Any:
+        policy = policy_of(entry)
+        if policy.overlap is not Overlap.ALLOW_ALL:
+            verdict = overlap(
+                policy,
+                previous_running=self._running(entry),
+                buffered=entry.name in self._buffered(),
+            )
+            if verdict == "skip":
+                self.app.observers.schedule_skipped(entry.name, entry.task, slot, "overlap")
+                return None
+            if verdict == "buffer":
+                self._buffer(entry.name, slot)
+                return None
+        return self._send(entry, slot, producer, **kwargs)
+
+    def _send(self, entry: ScheduleEntry, slot: float, producer: Any, **kwargs: Any) -> Any:
+        options = marked_options(entry.name, entry.options, slot)
+        delay = jitter_of(policy_of(entry), entry.name, slot)
+        if delay > 0:
+            options["countdown"] = delay
+        marked = entry.__class__(**dict(entry, options=options))
         result = super().apply_async(  # type: ignore[misc]
             marked, producer=producer, advance=False, **kwargs
         )
@@ -292,24 +401,110 @@ class LedgerScheduling:
     def fired(self, entry_name: str, slot: float) -> None:
         """A run of ``entry_name`` for ``slot`` was sent: kept as the entry's last slot in the
         broker (``ledger schedules list`` shows it; the fleet's next holder resumes from it)."""
+        self._last_runs()[entry_name] = slot
         runtime = self.app.runtime
         try:
             runtime.redis.hset(slots_key(runtime.name), entry_name, slot)
         except redis.RedisError as exc:  # the run is sent; a successor may fire it again (once)
             logger.warning("could not keep the last slot of %s: %s", entry_name, exc)
 
-    def _pending(self) -> dict[str, float]:
-        """Each reserved entry's slot, until its run is sent."""
+    # -- overlap: the run of the last slot sent, and the slot buffered behind it ------------------
+
+    def _running(self, entry: ScheduleEntry) -> bool:
+        """Whether the run of the last slot sent of ``entry`` has not ended (its record in
+        the ledger is not final). A run whose record the ledger does not have yet (its message
+        not taken) counts as ended; a ledger that is away does not hold a slot back."""
+        previous = self._last_run(entry.name)
+        if previous is None:
+            return False
+        try:
+            record = self.app.ledger.get(entry.task, slot_key(entry.name, previous))
+        except LedgerError as exc:
+            logger.warning("could not read the last run of %s: %s", entry.name, exc)
+            return False
+        return record is not None and record.state not in TERMINAL
+
+    def _last_run(self, name: str) -> float | None:
+        runs = self._last_runs()
+        if name not in runs:
+            runtime = self.app.runtime
+            try:
+                runs[name] = _number(runtime.redis.hget(slots_key(runtime.name), name))
+            except redis.RedisError as exc:
+                logger.warning("could not read the last slot of %s: %s", name, exc)
+                return None
+        return runs[name]
+
+    def _buffer(self, name: str, slot: float) -> None:
+        self._buffered()[name] = slot
+        runtime = self.app.runtime
+        try:
+            runtime.redis.hset(buffered_key(runtime.name), name, slot)
+        except redis.RedisError as exc:  # kept here; a successor would not know of it
+            logger.warning("could not keep the buffered slot of %s: %s", name, exc)
+
+    def release_buffered(self, producer: Any = None) -> int:
+        """Send each buffered slot whose entry's previous run has ended; how many it sent.
+        (Only entries whose policy buffers ever have one: the others pay nothing.)"""
+        if not self._buffered():
+            return 0
+        sent = 0
+        runtime = self.app.runtime
+        for name, slot in list(self._buffered().items()):
+            entry = self.schedule.get(name)
+            if entry is not None and self._running(entry):
+                continue
+            del self._buffered()[name]
+            try:
+                runtime.redis.hdel(buffered_key(runtime.name), name)
+            except redis.RedisError as exc:
+                logger.warning("could not clear the buffered slot of %s: %s", name, exc)
+            if entry is not None:
+                self._send(entry, slot, producer)
+                sent += 1
+        return sent
+
+    def _buffered(self) -> dict[str, float]:
+        """Each entry's buffered slot (the broker's hash, read once per scheduler)."""
+        found = self.__dict__.get("_ledger_buffered")
+        if found is None:
+            runtime = self.app.runtime
+            found = {}
+            try:
+                stored = runtime.redis.hgetall(buffered_key(runtime.name))
+            except redis.RedisError as exc:
+                logger.warning("could not read the buffered slots: %s", exc)
+                return found  # (read again next time)
+            for raw_name, raw_slot in stored.items():
+                value = _number(raw_slot)
+                if value is not None:
+                    found[_text(raw_name) or ""] = value
+            self.__dict__["_ledger_buffered"] = found
+        return found
+
+    def _pending(self) -> dict[str, list[float]]:
+        """Each reserved entry's slots to send, until they are sent."""
         return self.__dict__.setdefault("_ledger_pending", {})  # type: ignore[no-any-return]
 
     def _sent(self) -> dict[str, float]:
-        """Each interval entry's last window sent (broker's clock)."""
+        """Each interval entry's last window passed (sent or skipped; broker's clock)."""
         return self.__dict__.setdefault("_ledger_sent", {})  # type: ignore[no-any-return]
+
+    def _last_runs(self) -> dict[str, float | None]:
+        """Each entry's last slot sent (the broker's hash, read once per entry)."""
+        return self.__dict__.setdefault("_ledger_last_runs", {})  # type: ignore[no-any-return]
 
 
 class LedgerScheduler(LedgerScheduling, PersistentScheduler):  # type: ignore[misc]
     """``celery beat``'s scheduler (``beat_scheduler``): Celery's persistent scheduler, whose
     messages name their entry's slot. Any number of beats may run: a slot runs once."""
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        """Celery's tick, after the buffered slots whose previous run ended are sent (and
+        soon again while any waits: beat would sleep until the next entry is due)."""
+        self.release_buffered(self.producer)
+        delay: float = super().tick(*args, **kwargs)
+        return min(delay, BUFFERED_CHECK_SECONDS) if self._buffered() else delay
 
 
 class FleetScheduler(LedgerScheduling, Scheduler):  # type: ignore[misc]
@@ -342,11 +537,12 @@ class FleetScheduler(LedgerScheduling, Scheduler):  # type: ignore[misc]
             self._resume()
             self._token = token
         try:
+            self.release_buffered()
             # (Celery's tick fires one due entry per call and answers 0 while more are due)
             for _ in range(MAX_FIRED_PER_TICK):
                 delay: float = self.tick()
                 if delay > 0:
-                    return delay
+                    return min(delay, BUFFERED_CHECK_SECONDS) if self._buffered() else delay
         except BaseException:
             # Celery's tick pops an entry off its heap before it fires it: an error on the
             # way would leave that entry out of the schedule for good. Rebuilt next pass.
@@ -381,10 +577,14 @@ class FleetScheduler(LedgerScheduling, Scheduler):  # type: ignore[misc]
 
     def _resume(self) -> None:
         stored = self._client.hgetall(slots_key(self._name))
+        # (what another holder sent and buffered meanwhile: read from the broker again)
+        self.__dict__.pop("_ledger_buffered", None)
+        self._last_runs().clear()
         for raw_name, raw_slot in stored.items():
             name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
             entry = self.schedule.get(name)
             slot = _number(raw_slot)
+            self._last_runs()[name] = slot
             moment = utc_of_unix(slot)
             if entry is None or slot is None or moment is None:
                 continue
@@ -413,12 +613,14 @@ class EntryState:
     last_slot: datetime | None
     next_due: datetime | None
     paused: dict[str, Any] | None = None  # by whom, when, why (None: not paused)
+    policy: str = "default"  # what of its policy differs from the default
 
 
 def fleet_state(app: Any) -> tuple[str | None, str | None, list[EntryState]]:
     """The fleet scheduler's holder (or None), the host of a beat of another scheduler class
     sending runs (or None), and each entry of the app's schedule with its last slot sent and
     when it is next due (reads from the broker)."""
+    app.loader.import_default_modules()  # (where entries are declared with @app.periodic)
     runtime = app.runtime
     client = runtime.redis
     holder, foreign = client.get(lease_key(runtime.name)), client.get(foreign_key(runtime.name))
@@ -444,7 +646,15 @@ def fleet_state(app: Any) -> tuple[str | None, str | None, list[EntryState]]:
         if control is not None:
             control = {k: control.get(k) for k in ("changed_by", "changed_at", "reason")}
         states.append(
-            EntryState(name, entry.task, str(entry.schedule), _utc(slot), _utc(due), control)
+            EntryState(
+                name,
+                entry.task,
+                str(entry.schedule),
+                _utc(slot),
+                _utc(due),
+                control,
+                policy_of(entry).describe(),
+            )
         )
     return _text(holder), _text(foreign), states
 

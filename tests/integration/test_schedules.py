@@ -46,10 +46,10 @@ class Fleet:
         self.workers: list[WorkerProcess] = []
         self.beats: list[Any] = []
 
-    def worker(self, name: str, **env: str) -> WorkerProcess:
+    def worker(self, name: str, concurrency: int = 1, **env: str) -> WorkerProcess:
         worker = self.stack.start_worker(
             self.stack.queues_of(),
-            concurrency=1,
+            concurrency=concurrency,
             name=f"{name}@127.0.0.1",
             env={"PERIODIC_RUN": self.run, **env},
         )
@@ -320,3 +320,25 @@ def test_an_operator_pauses_resumes_triggers_and_backfills_a_schedule(fleet: Fle
     settle(fleet)
     once_per_slot(fleet, "tick", at_least=len(grid) + 2)
     once_per_slot(fleet, "tick-keyed", at_least=4)
+
+
+@pytest.mark.parametrize("overlap", ["skip", "allow_all"])
+def test_an_overlap_policy_holds_slots_back_while_the_previous_run_runs(
+    fleet: Fleet, overlap: str
+) -> None:
+    # Given an entry every 2 s whose runs take 5 s, on a worker with room for three at once
+    fleet.worker("overlap", concurrency=3, PERIODIC_OVERLAP=overlap)
+    wait_for(lambda: len(fleet.runs("slow")) >= 4, timeout=60, what="four runs of the entry")
+    time.sleep(PERIOD)
+    runs = sorted(fleet.runs("slow"), key=lambda run: run["slot"])
+    slots = [run["slot"] for run in runs]
+    starts = [run["at"].timestamp() for run in runs]
+    assert len(set(slots)) == len(slots), f"a slot ran twice: {slots}"
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    if overlap == "skip":
+        # Then no run starts while the one before runs: the slots meanwhile are skipped
+        assert all(gap >= 4.5 for gap in gaps), (gaps, fleet.logs())
+        assert all(b - a >= 3 * PERIOD for a, b in itertools.pairwise(slots)), slots
+    else:  # (allow_all, Celery's way: a run every slot, three at a time here)
+        assert any(gap < 4.5 for gap in gaps), gaps
+        assert all(b - a == PERIOD for a, b in itertools.pairwise(slots)), slots

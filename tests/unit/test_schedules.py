@@ -177,6 +177,7 @@ def scheduler(clock: dict[str, float]) -> Any:
     kept: dict[str, dict[str, float]] = {}
 
     skipped: list[tuple[str, float]] = []
+    reasons: list[str] = []
 
     class Lags(Observer):
         def scheduled(self, schedule: str, task: str, slot: float, lag_seconds: float) -> None:
@@ -184,20 +185,40 @@ def scheduler(clock: dict[str, float]) -> Any:
 
         def schedule_skipped(self, schedule: str, task: str, slot: float, reason: str) -> None:
             skipped.append((schedule, slot))
+            reasons.append(reason)
 
-    class Hashes:  # the broker's hashes (the last slot of each entry)
+    class Hashes:  # the broker's hashes (each entry's last slot, and its buffered one)
         def hset(self, key: str, field: str, value: float) -> None:
             kept.setdefault(key, {})[field] = value
+
+        def hget(self, key: str, field: str) -> float | None:
+            return kept.get(key, {}).get(field)
+
+        def hgetall(self, key: str) -> dict[str, float]:
+            return dict(kept.get(key, {}))
+
+        def hdel(self, key: str, field: str) -> None:
+            kept.get(key, {}).pop(field, None)
+
+    class Records:  # the ledger's records of the runs, by (task, key): what the test says
+        def __init__(self) -> None:
+            self.states: dict[str, Any] = {}
+
+        def get(self, task: str, key: str) -> Any:
+            state = self.states.get(key)
+            return None if state is None else SimpleNamespace(state=state)
 
     app.observers = Observers(Lags())  # type: ignore[attr-defined]
     app.runtime = SimpleNamespace(  # type: ignore[attr-defined]
         name="shop", redis=Hashes(), message_time=lambda: clock["now"]
     )
+    app.ledger = Records()  # type: ignore[attr-defined]
     app.now = lambda: datetime.fromtimestamp(clock["now"], UTC)  # type: ignore[method-assign]
     found = Recording(app, lazy=True)
     found.__dict__["producer"] = None  # (no broker here: sends are recorded)
     found.sent, found.lags, found.kept, found.skipped = [], lags, kept, skipped
     found.paused = set()
+    found.skip_reasons = reasons
     return found
 
 

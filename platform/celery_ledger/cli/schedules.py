@@ -33,7 +33,6 @@ def schedules() -> None:
 def list_(ctx: click.Context, as_json: bool) -> None:
     """Every entry of the app's schedule with its last slot sent and its next one."""
     app = ctx.obj.app
-    app.loader.import_default_modules()  # (modules may add entries when imported)
     holder, foreign, states = fleet_state(app)
     if foreign:
         fired_by = (
@@ -55,6 +54,7 @@ def list_(ctx: click.Context, as_json: bool) -> None:
                 "last_slot": s.last_slot,
                 "next_due": s.next_due,
                 "paused": s.paused,
+                "policy": s.policy,
             }
             for s in states
         ]
@@ -62,12 +62,13 @@ def list_(ctx: click.Context, as_json: bool) -> None:
         click.echo(json.dumps(listed, indent=2, default=str))
         return
     console.print(f"fired by: {fired_by}")
-    table = Table("schedule", "task", "every", "last slot sent", "next due", "paused")
+    table = Table("schedule", "task", "every", "policy", "last slot sent", "next due", "paused")
     for s in states:
         table.add_row(
             s.name,
             s.task,
             s.schedule,
+            s.policy,
             "never" if s.last_slot is None else s.last_slot.isoformat(),
             "" if s.next_due is None else s.next_due.isoformat(),
             "" if s.paused is None else f"by {s.paused['changed_by']}: {s.paused['reason'] or ''}",

@@ -6,6 +6,7 @@ every 2 seconds. Every run records its slot (``self.scheduled_for``) under the t
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from celery_ledger import Settings, create_app
@@ -36,3 +37,14 @@ app.conf.beat_schedule = {
     "tick": {"task": "periodic.tick", "schedule": 2.0},
     "tick-keyed": {"task": "periodic.tick_keyed", "schedule": 2.0, "args": ("daily",)},
 }
+
+
+@app.task(bind=True, name="periodic.slow")
+def slow(self: Any) -> None:
+    """A run longer than its period (5 s every 2 s): recorded as it starts."""
+    _record("slow", self)
+    time.sleep(5.0)
+
+
+if os.environ.get("PERIODIC_OVERLAP"):  # (the overlap test's workers alone: the others count)
+    app.periodic(2.0, name="slow", overlap=os.environ["PERIODIC_OVERLAP"])(slow)

@@ -1,0 +1,225 @@
+"""A periodic entry's policy: catch-up after downtime, overlap with a run still going, jitter,
+start and end. The pure decisions, then each through Celery's own tick over a moved clock."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from celery.schedules import crontab, schedule
+
+from celery_ledger import headers
+from celery_ledger.errors import ConfigurationError
+from celery_ledger.keys import slot_key, slot_of_key
+from celery_ledger.ledger.record import State
+from celery_ledger.policies.schedule import (
+    CatchUp,
+    Overlap,
+    SchedulePolicy,
+    catch_up,
+    in_range,
+    jitter_of,
+    overlap,
+)
+
+from .test_schedules import scheduler
+
+START = 1_000_020.0  # a minute's start (unix seconds): START % 60 == 0
+
+
+# -- the decisions --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("policy", "sent", "skipped"),
+    [
+        (CatchUp.SKIP, [990], [100, 500, 900]),
+        (CatchUp.LATEST, [990], [100, 500, 900]),
+        (CatchUp.ALL, [500, 900, 990], [100]),
+    ],
+)
+def test_catch_up_runs_what_its_policy_says_of_the_missed_slots_and_always_the_one_on_time(
+    policy: CatchUp, sent: list[float], skipped: list[float]
+) -> None:
+    chosen = SchedulePolicy(catch_up=policy, catch_up_window_seconds=600, late_after_seconds=60)
+    assert catch_up(chosen, [100, 500, 900, 990], now=1000) == (sent, skipped)
+
+
+@pytest.mark.parametrize(
+    ("policy", "sent"), [(CatchUp.SKIP, []), (CatchUp.LATEST, [900]), (CatchUp.ALL, [500, 900])]
+)
+def test_with_no_slot_on_time_latest_runs_the_last_missed_one(
+    policy: CatchUp, sent: list[float]
+) -> None:
+    chosen = SchedulePolicy(catch_up=policy, catch_up_window_seconds=600, late_after_seconds=60)
+    send, skip = catch_up(chosen, [100, 500, 900], now=1000)
+    assert send == sent and sorted(send + skip) == [100, 500, 900]
+
+
+@pytest.mark.parametrize(
+    ("policy", "running", "buffered", "verdict"),
+    [
+        (Overlap.ALLOW_ALL, True, False, "send"),
+        (Overlap.SKIP, False, False, "send"),
+        (Overlap.SKIP, True, False, "skip"),
+        (Overlap.BUFFER_ONE, True, False, "buffer"),
+        (Overlap.BUFFER_ONE, True, True, "skip"),
+        (Overlap.BUFFER_ONE, False, True, "send"),
+    ],
+)
+def test_overlap_verdicts(policy: Overlap, running: bool, buffered: bool, verdict: str) -> None:
+    chosen = SchedulePolicy(overlap=policy)
+    assert overlap(chosen, previous_running=running, buffered=buffered) == verdict
+
+
+def test_jitter_is_the_same_for_a_slot_whoever_asks_and_within_its_bound() -> None:
+    policy = SchedulePolicy(jitter_seconds=30)
+    delays = [jitter_of(policy, "nightly", START + 60 * n) for n in range(200)]
+    assert delays == [jitter_of(policy, "nightly", START + 60 * n) for n in range(200)]
+    assert all(0 <= d < 30 for d in delays) and max(delays) - min(delays) > 20
+    assert jitter_of(SchedulePolicy(), "nightly", START) == 0.0
+
+
+def test_start_and_end_bound_the_slots() -> None:
+    begin = datetime(2026, 12, 1, tzinfo=UTC)
+    policy = SchedulePolicy(start=begin, end=begin + timedelta(days=1))
+    assert in_range(policy, begin.timestamp() - 1) == "before"
+    assert in_range(policy, begin.timestamp()) == "within"
+    assert in_range(policy, begin.timestamp() + 86400) == "within"
+    assert in_range(policy, begin.timestamp() + 86401) == "after"
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"catch_up": "sometimes"}, "catch_up='sometimes' is not one of 'skip', 'latest', 'all'"),
+        ({"overlap": "queue"}, "overlap='queue' is not one of"),
+        ({"jitter_seconds": -1}, "jitter_seconds must be >= 0"),
+        ({"start": datetime(2026, 1, 1)}, "start must be an aware datetime"),
+        ({"jiter_seconds": 5}, "unknown jiter_seconds"),
+        (
+            {"start": datetime(2026, 1, 2, tzinfo=UTC), "end": datetime(2026, 1, 1, tzinfo=UTC)},
+            "end must come after start",
+        ),
+    ],
+)
+def test_a_mistaken_policy_says_what_is_wrong(given: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigurationError, match="schedule policy: " + message.replace("(", r"\(")):
+        SchedulePolicy.of(given)
+
+
+# -- through Celery's tick ------------------------------------------------------------------------
+
+
+def slots_sent(run: Any) -> list[float]:
+    return [slot_of_key(options["headers"][headers.KEY]).timestamp() for _, options in run.sent]
+
+
+def run_until(run: Any, clock: dict[str, float], moment: float, step: float = 0.5) -> None:
+    while clock["now"] < moment:
+        run.tick()
+        clock["now"] += step
+
+
+@pytest.mark.parametrize("policy", list(CatchUp))
+def test_a_crontab_after_ten_minutes_down_runs_what_its_catch_up_says(policy: CatchUp) -> None:
+    clock = {"now": START}
+    run = scheduler(clock)
+    every_minute = {"task": "shop.tick", "schedule": crontab(), "policy": {"catch_up": policy}}
+    run.update_from_dict({"minutely": every_minute})
+    run_until(run, clock, START + 125)  # the slots of START+60 and START+120
+    before = slots_sent(run)
+    assert before == [START + 60, START + 120]
+    clock["now"] = START + 725  # down 10 minutes: 180 ... 720 passed unfired
+    run_until(run, clock, START + 790)
+    after = slots_sent(run)[2:]
+    missed = [START + 60 * n for n in range(3, 12)]  # 180 ... 660: more than 60 s late
+    on_time = [START + 720, START + 780]
+    expected = {CatchUp.SKIP: on_time, CatchUp.LATEST: on_time, CatchUp.ALL: missed + on_time}
+    assert after == expected[policy]
+    skipped = [slot for _, slot in run.skipped]
+    assert sorted(skipped + after) == missed + on_time  # every slot either ran or was counted
+
+
+def test_an_interval_catches_up_every_missed_window_within_its_window_with_all() -> None:
+    clock = {"now": START + 0.3}
+    run = scheduler(clock)
+    every_ten = schedule(timedelta(seconds=10))
+    policy = {"catch_up": "all", "catch_up_window_seconds": 100, "late_after_seconds": 5}
+    run.update_from_dict({"ten": {"task": "shop.tick", "schedule": every_ten, "policy": policy}})
+    run_until(run, clock, START + 21)
+    assert slots_sent(run) == [START + 10, START + 20]  # (Celery: a period after it starts)
+    clock["now"] = START + 300.5  # down: 30 ... 290 passed unfired
+    run_until(run, clock, START + 301)
+    # the windows of the last 100 s run, oldest first; the one just older is counted as
+    # skipped, and older ones pass uncounted
+    assert slots_sent(run)[2:] == [START + 10 * n for n in range(21, 31)]
+    assert [slot for _, slot in run.skipped] == [START + 200]
+
+
+def test_overlap_skip_passes_slots_while_the_previous_run_runs() -> None:
+    clock = {"now": START + 0.3}
+    run = scheduler(clock)
+    policy = {"overlap": "skip"}
+    every_two = schedule(timedelta(seconds=2))
+    run.update_from_dict({"two": {"task": "shop.tick", "schedule": every_two, "policy": policy}})
+    first = START + 2  # (Celery fires an interval a period after it starts)
+    run_until(run, clock, first + 1)
+    assert slots_sent(run) == [first]
+    run.app.ledger.states[slot_key("two", first)] = State.RUNNING  # a long run
+    run_until(run, clock, first + 9)
+    assert slots_sent(run) == [first]
+    assert [slot for _, slot in run.skipped] == [first + 2, first + 4, first + 6, first + 8]
+    assert set(run.skip_reasons) == {"overlap"}
+    run.app.ledger.states[slot_key("two", first)] = State.SUCCEEDED
+    run_until(run, clock, first + 11)
+    assert slots_sent(run) == [first, first + 10]
+
+
+def test_overlap_buffer_one_runs_one_slot_when_the_previous_ends() -> None:
+    clock = {"now": START + 0.3}
+    run = scheduler(clock)
+    policy = {"overlap": "buffer_one"}
+    every_two = schedule(timedelta(seconds=2))
+    run.update_from_dict({"two": {"task": "shop.tick", "schedule": every_two, "policy": policy}})
+    first = START + 2
+    run_until(run, clock, first + 1)
+    run.app.ledger.states[slot_key("two", first)] = State.RUNNING
+    run_until(run, clock, first + 7)
+    # the first slot behind the run waits (kept in the broker, for a successor); later ones skip
+    assert slots_sent(run) == [first]
+    assert run.kept["shop:ledger:schedules:buffered"] == {"two": first + 2}
+    assert [slot for _, slot in run.skipped] == [first + 4, first + 6]
+    run.app.ledger.states[slot_key("two", first)] = State.DEAD
+    run.app.ledger.states[slot_key("two", first + 2)] = State.RUNNING
+    assert run.release_buffered() == 1  # (each scheduler's pass starts with it)
+    assert slots_sent(run) == [first, first + 2]  # sent as its own slot, when the run ended
+    assert run.kept["shop:ledger:schedules:buffered"] == {}
+
+
+def test_jitter_delays_each_run_and_names_its_slot() -> None:
+    clock = {"now": START + 0.3}
+    run = scheduler(clock)
+    policy = SchedulePolicy(jitter_seconds=1.5)
+    every_two = schedule(timedelta(seconds=2))
+    run.update_from_dict({"two": {"task": "shop.tick", "schedule": every_two, "policy": policy}})
+    run_until(run, clock, START + 40)
+    slots = slots_sent(run)
+    assert slots == [START + 2 * n for n in range(1, 20)]
+    delays = [options.get("countdown", 0.0) for _, options in run.sent]
+    assert delays == [jitter_of(policy, "two", slot) for slot in slots]
+    assert all(0 <= d < 1.5 for d in delays) and len(set(delays)) > 5
+
+
+def test_start_and_end_bound_the_runs() -> None:
+    clock = {"now": START + 0.3}
+    run = scheduler(clock)
+    policy = SchedulePolicy(
+        start=datetime.fromtimestamp(START + 10, UTC), end=datetime.fromtimestamp(START + 20, UTC)
+    )
+    every_two = schedule(timedelta(seconds=2))
+    run.update_from_dict({"two": {"task": "shop.tick", "schedule": every_two, "policy": policy}})
+    run_until(run, clock, START + 40)
+    assert slots_sent(run) == [START + 10 + 2 * n for n in range(6)]
+    assert run.skipped == []  # (before its start and after its end: not slots it missed)
