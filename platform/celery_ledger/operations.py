@@ -13,9 +13,10 @@ from typing import Any
 
 from . import audit
 from .deadletter import ReplayOutcome
+from .errors import ConfigurationError
 from .ledger.schedule_controls import ScheduleControls
 from .policies.breaker import BreakerState
-from .schedules import entry_of, send_slot, slots_between
+from .schedules import entry_of, fleet_entries, send_slot, slots_between
 
 BREAKER_ACTIONS: dict[str, tuple[BreakerState | None, str]] = {
     "open": (BreakerState.OPEN, "forced open"),
@@ -129,3 +130,30 @@ def backfill_schedule(
             send_slot(app, entry, slot)
         e.note(slots=len(slots))
     return slots
+
+
+def create_schedule(app: Any, name: str, definition: dict[str, Any], *, actor: str) -> bool:
+    """Declare entry ``name`` at run time (``definition``: ``schedules.definition_of``), kept in
+    the ledger; every scheduler takes it up within seconds. Audited; False if an entry of that
+    name is declared at run time already. A name the code declares is refused (its entry in
+    code would win)."""
+    if name in fleet_entries(app.conf.beat_schedule):
+        raise ConfigurationError(f"{name!r} is declared in the app's code: choose another name")
+    if definition["task"] not in app.tasks:
+        known = ", ".join(sorted(t for t in app.tasks if not t.startswith("celery.")))
+        raise ConfigurationError(f"no task {definition['task']!r} in this app (tasks: {known})")
+    with audit.action(app.ledger, "schedule created", f"schedule:{name}", actor=actor) as e:
+        created = ScheduleControls(app.ledger).declare(name, definition, actor=actor)
+        e.note(created=created, definition=definition)
+    return created
+
+
+def delete_schedule(app: Any, name: str, *, actor: str) -> bool:
+    """Delete entry ``name`` declared at run time (its runs already sent stay jobs); audited.
+    False if there was none. An entry declared in code is refused: pause it instead."""
+    if name in fleet_entries(app.conf.beat_schedule):
+        raise ConfigurationError(f"{name!r} is declared in the app's code: pause it instead")
+    with audit.action(app.ledger, "schedule deleted", f"schedule:{name}", actor=actor) as e:
+        deleted = ScheduleControls(app.ledger).remove(name)
+        e.note(deleted=deleted)
+    return deleted

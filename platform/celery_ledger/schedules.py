@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -129,6 +129,83 @@ def fleet_entries(beat_schedule: Mapping[str, Any] | None) -> dict[str, Any]:
         for name, entry in (beat_schedule or {}).items()
         if not (isinstance(entry, Mapping) and entry.get("task") in IN_HOUSEKEEPING)
     }
+
+
+# -- entries declared at run time (stored in the ledger: ledger/schedule_controls.py) -------------
+
+
+def definition_of(
+    task: str,
+    *,
+    every: float | None = None,
+    cron: str | None = None,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    queue: str | None = None,
+    policy: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The stored definition of an entry declared at run time (a plain document), checked:
+    a mistake is a ``ConfigurationError`` saying what is wrong."""
+    if (every is None) == (cron is None):
+        raise ConfigurationError("a schedule is every N seconds or a cron expression: one of them")
+    if every is not None and not (isinstance(every, int | float) and every >= 1):
+        raise ConfigurationError(f"every must be at least 1 second, not {every!r}")
+    stored_policy = {
+        name: value.isoformat() if isinstance(value, datetime) else value
+        for name, value in (policy or {}).items()
+    }
+    definition = {
+        "task": task,
+        "every": None if every is None else float(every),
+        "cron": cron,
+        "args": list(args),
+        "kwargs": dict(kwargs or {}),
+        "options": {"queue": queue} if queue else {},
+        "policy": stored_policy,
+    }
+    stored_spec(definition)  # (every check of the stored form: the schedule and the policy)
+    return definition
+
+
+def stored_spec(definition: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored definition as a ``beat_schedule`` entry (raises ``ConfigurationError``)."""
+    cron = definition.get("cron")
+    if cron is not None:
+        try:
+            when: Any = crontab.from_string(str(cron))
+        except (ValueError, TypeError) as exc:
+            raise ConfigurationError(
+                f"cron {cron!r}: {exc} (five fields: minute hour day-of-month month day-of-week)"
+            ) from None
+    else:
+        when = float(definition["every"])
+    policy = dict(definition.get("policy") or {})
+    for name in ("start", "end"):
+        if isinstance(policy.get(name), str):
+            try:
+                policy[name] = datetime.fromisoformat(policy[name])
+            except ValueError:
+                raise ConfigurationError(f"schedule policy: {name} {policy[name]!r}") from None
+    return {
+        "task": str(definition["task"]),
+        "schedule": when,
+        "args": tuple(definition.get("args") or ()),
+        "kwargs": dict(definition.get("kwargs") or {}),
+        "options": dict(definition.get("options") or {}),
+        "policy": SchedulePolicy.of(policy or None),
+    }
+
+
+def stored_entries(definitions: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The entries of the stored definitions; one that no longer reads (stored by a later
+    release, or damaged) is left out with a warning, never fails the others."""
+    found = {}
+    for name, definition in definitions.items():
+        try:
+            found[name] = stored_spec(definition)
+        except (ConfigurationError, KeyError, TypeError, ValueError) as exc:
+            logger.warning("schedule %s stored in the ledger does not read: %s", name, exc)
+    return found
 
 
 def is_interval(entry: ScheduleEntry) -> bool:
@@ -243,7 +320,17 @@ class LedgerScheduling:
 
     Entry = LedgerEntry
     app: Any
+    producer: Any
     schedule: dict[str, ScheduleEntry]
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        """Celery's tick, after the entries declared at run time are brought in and the
+        buffered slots whose previous run ended are sent (and soon again while one waits:
+        the scheduler would sleep until the next entry is due)."""
+        self.refresh_entries()
+        self.release_buffered(self.producer)
+        delay: float = super().tick(*args, **kwargs)  # type: ignore[misc]
+        return min(delay, BUFFERED_CHECK_SECONDS) if self._buffered() else delay
 
     def is_due(self, entry: ScheduleEntry) -> tuple[bool, float]:
         due, next_in = self._due(entry)
@@ -293,20 +380,47 @@ class LedgerScheduling:
             self.app.observers.schedule_skipped(entry.name, entry.task, slot, reason)
 
     def _paused(self, name: str) -> bool:
-        """Whether an operator paused entry ``name`` (the ledger's schedule controls, read at
-        most every ``PAUSED_READ_SECONDS``; while the ledger is away, the last answer)."""
-        cache = self.__dict__.setdefault("_ledger_paused", [-math.inf, frozenset()])
+        """Whether an operator paused entry ``name``."""
+        return name in self._controls()[0]
+
+    def _controls(self) -> tuple[frozenset[str], dict[str, dict[str, Any]]]:
+        """What operators changed at run time (the ledger's schedule controls: the paused
+        entries, the definitions of the entries declared there), read at most every
+        ``PAUSED_READ_SECONDS``; while the ledger is away, the last answer."""
+        cache = self.__dict__.setdefault("_ledger_controls", [-math.inf, frozenset(), {}])
         now = time.monotonic()
         if now - cache[0] >= PAUSED_READ_SECONDS:
             cache[0] = now
             try:
-                cache[1] = self._read_paused()
+                cache[1], cache[2] = self._read_controls()
             except LedgerError as exc:
-                logger.warning("could not read which schedules are paused: %s", exc)
-        return name in cache[1]
+                logger.warning("could not read the schedules' run-time changes: %s", exc)
+        return cache[1], cache[2]
 
-    def _read_paused(self) -> frozenset[str]:
-        return frozenset(ScheduleControls(self.app.ledger).paused())
+    def _read_controls(self) -> tuple[frozenset[str], dict[str, dict[str, Any]]]:
+        return ScheduleControls(self.app.ledger).read()
+
+    def _code_entries(self) -> Mapping[str, Any]:
+        """The entries the app declares in code (this scheduler's share of them)."""
+        return fleet_entries(self.app.conf.beat_schedule)
+
+    def refresh_entries(self) -> None:
+        """Bring the entries declared at run time into the schedule as they change (an entry
+        of the same name in code wins); an unchanged one keeps its place in its schedule."""
+        declared = self._controls()[1]
+        if declared is self.__dict__.get("_ledger_merged_from"):
+            return  # (the same read: Celery ticks once per entry fired)
+        self.__dict__["_ledger_merged_from"] = declared
+        merged: dict[str, Any] = self.__dict__.setdefault("_ledger_merged", {})
+        if declared == merged:
+            return
+        code = self._code_entries()
+        for name in merged.keys() - declared.keys():
+            if name not in code:
+                self.schedule.pop(name, None)
+        changed = {n: d for n, d in declared.items() if merged.get(n) != d and n not in code}
+        self.update_from_dict(stored_entries(changed))  # type: ignore[attr-defined]
+        self.__dict__["_ledger_merged"] = dict(declared)
 
     def reserve(self, entry: ScheduleEntry) -> ScheduleEntry:
         """Celery's step before it sends a due entry: here the slots it sends are chosen (the
@@ -499,12 +613,8 @@ class LedgerScheduler(LedgerScheduling, PersistentScheduler):  # type: ignore[mi
     """``celery beat``'s scheduler (``beat_scheduler``): Celery's persistent scheduler, whose
     messages name their entry's slot. Any number of beats may run: a slot runs once."""
 
-    def tick(self, *args: Any, **kwargs: Any) -> float:
-        """Celery's tick, after the buffered slots whose previous run ended are sent (and
-        soon again while any waits: beat would sleep until the next entry is due)."""
-        self.release_buffered(self.producer)
-        delay: float = super().tick(*args, **kwargs)
-        return min(delay, BUFFERED_CHECK_SECONDS) if self._buffered() else delay
+    def _code_entries(self) -> Mapping[str, Any]:
+        return dict(self.app.conf.beat_schedule or {})  # (beat fires the reconciler's too)
 
 
 class FleetScheduler(LedgerScheduling, Scheduler):  # type: ignore[misc]
@@ -522,7 +632,11 @@ class FleetScheduler(LedgerScheduling, Scheduler):  # type: ignore[misc]
         super().__init__(app, lazy=True)
 
     def setup_schedule(self) -> None:
-        self.merge_inplace(fleet_entries(self.app.conf.beat_schedule))
+        self.merge_inplace(self._code_entries())
+        # (and those declared at run time, again)
+        self.__dict__["_ledger_merged"] = {}
+        self.__dict__.pop("_ledger_merged_from", None)
+        self.refresh_entries()
 
     def tick_if_leader(self) -> float | None:
         """Fire what is due if this worker holds (or now takes) the lease; else None."""
@@ -537,12 +651,11 @@ class FleetScheduler(LedgerScheduling, Scheduler):  # type: ignore[misc]
             self._resume()
             self._token = token
         try:
-            self.release_buffered()
             # (Celery's tick fires one due entry per call and answers 0 while more are due)
             for _ in range(MAX_FIRED_PER_TICK):
                 delay: float = self.tick()
                 if delay > 0:
-                    return min(delay, BUFFERED_CHECK_SECONDS) if self._buffered() else delay
+                    return delay
         except BaseException:
             # Celery's tick pops an entry off its heap before it fires it: an error on the
             # way would leave that entry out of the schedule for good. Rebuilt next pass.
@@ -614,6 +727,7 @@ class EntryState:
     next_due: datetime | None
     paused: dict[str, Any] | None = None  # by whom, when, why (None: not paused)
     policy: str = "default"  # what of its policy differs from the default
+    origin: str = "code"  # or "ledger": declared at run time (``ledger schedules create``)
 
 
 def fleet_state(app: Any) -> tuple[str | None, str | None, list[EntryState]]:
@@ -626,9 +740,18 @@ def fleet_state(app: Any) -> tuple[str | None, str | None, list[EntryState]]:
     holder, foreign = client.get(lease_key(runtime.name)), client.get(foreign_key(runtime.name))
     stored = client.hgetall(slots_key(runtime.name))
     last = {(k.decode() if isinstance(k, bytes) else str(k)): _number(v) for k, v in stored.items()}
-    paused = ScheduleControls(app.ledger).paused()
+    controls = ScheduleControls(app.ledger)
+    paused = controls.paused()
+    code = fleet_entries(app.conf.beat_schedule)
+    stored = {
+        name: spec
+        for name, spec in stored_entries(
+            {name: doc["definition"] for name, doc in controls.declared().items()}
+        ).items()
+        if name not in code
+    }
     states = []
-    for name, spec in sorted(fleet_entries(app.conf.beat_schedule).items()):
+    for name, spec in sorted({**stored, **code}.items()):
         entry = LedgerEntry(**dict(spec, name=name, app=app))
         slot = last.get(name)
         due: float | None = None
@@ -654,14 +777,22 @@ def fleet_state(app: Any) -> tuple[str | None, str | None, list[EntryState]]:
                 _utc(due),
                 control,
                 policy_of(entry).describe(),
+                "code" if name in code else "ledger",
             )
         )
     return _text(holder), _text(foreign), states
 
 
 def entry_of(app: Any, name: str) -> ScheduleEntry:
-    """Entry ``name`` of the app's schedule (raises ``ConfigurationError`` naming the others)."""
+    """Entry ``name`` of the app's schedule, declared in code or at run time (raises
+    ``ConfigurationError`` naming the others)."""
     entries = fleet_entries(app.conf.beat_schedule)
+    if name not in entries:
+        declared = ScheduleControls(app.ledger).declared()
+        entries = {
+            **stored_entries({n: doc["definition"] for n, doc in declared.items()}),
+            **entries,
+        }
     spec = entries.get(name)
     if spec is None:
         known = ", ".join(sorted(entries)) or "none"

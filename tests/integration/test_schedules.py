@@ -342,3 +342,67 @@ def test_an_overlap_policy_holds_slots_back_while_the_previous_run_runs(
     else:  # (allow_all, Celery's way: a run every slot, three at a time here)
         assert any(gap < 4.5 for gap in gaps), gaps
         assert all(b - a == PERIOD for a, b in itertools.pairwise(slots)), slots
+
+
+def test_an_entry_created_at_run_time_runs_each_slot_once_until_deleted(fleet: Fleet) -> None:
+    from celery_ledger.schedules import PAUSED_READ_SECONDS
+
+    first = fleet.worker("runtime-1")
+    until_slots(fleet, 1)
+    name = f"added-{fleet.run}"  # (the ledger is the session's: a name of this test's own)
+
+    def added() -> list[float]:
+        prefix = f"schedule:{name}@"
+        return sorted(r["slot"] for r in fleet.runs("tick") if r["job"].startswith(prefix))
+
+    # When an operator declares an entry at run time (every 2 s, overlap skip)
+    out = ledger_cli(
+        fleet, "create", name, "--task", "periodic.tick", "--every", "2", "--policy",
+        '{"overlap": "skip"}',
+    )  # fmt: skip
+    assert f"{name}: created" in out
+    # Then the workers run it, each slot once; list and show say where it comes from
+    wait_for(lambda: len(added()) >= 3, timeout=30, what="three runs of the created entry")
+    listed = json.loads(ledger_cli(fleet, "list", "--json"))
+    [row] = [r for r in listed["schedules"] if r["schedule"] == name]
+    assert row["origin"] == "ledger" and row["policy"] == "overlap=skip" and row["last_slot"]
+    shown = json.loads(ledger_cli(fleet, "show", name, "--json"))
+    assert shown["task"] == "periodic.tick" and shown["origin"] == "ledger"
+    # and it survives the worker that ran it: a new worker runs it on, from the ledger
+    first.stop()
+    before = len(added())
+    fleet.worker("runtime-2")
+    wait_for(lambda: len(added()) >= before + 3, timeout=60, what="runs after the restart")
+    slots = added()
+    assert len(set(slots)) == len(slots), f"a slot ran twice: {slots}"
+    # When it is deleted, no slot of it runs after (past a read of the controls)
+    assert f"{name}: deleted" in ledger_cli(fleet, "delete", name)
+    deleted_at = time.time()
+    time.sleep(PAUSED_READ_SECONDS + 3 * PERIOD)
+    assert not [s for s in added() if s > deleted_at + PAUSED_READ_SECONDS + PERIOD]
+    assert name not in ledger_cli(fleet, "list")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["tick", "--task", "periodic.tick", "--every", "5"], "declared in the app's code"),
+        (["x", "--task", "periodic.nope", "--every", "5"], "no task 'periodic.nope' in this app"),
+        (["x", "--task", "periodic.tick", "--cron", "* *"], "five fields"),
+        (["x", "--task", "periodic.tick"], "one of them"),
+        (["x", "--task", "periodic.tick", "--every", "5", "--policy", "{"], "not JSON"),
+    ],
+    ids=["code-name", "unknown-task", "bad-cron", "no-schedule", "bad-policy"],
+)
+def test_a_mistaken_create_says_what_is_wrong_without_a_traceback(
+    fleet: Fleet, args: list[str], message: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", MODULE, "ledger", "schedules", "create", *args],
+        env=app_env(fleet.stack.env, {"LEDGER_ACTOR": "ops-test"}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and message in done.stderr, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr

@@ -223,3 +223,67 @@ def test_start_and_end_bound_the_runs() -> None:
     run_until(run, clock, START + 40)
     assert slots_sent(run) == [START + 10 + 2 * n for n in range(6)]
     assert run.skipped == []  # (before its start and after its end: not slots it missed)
+
+
+# -- entries declared at run time -----------------------------------------------------------------
+
+
+def test_an_entry_declared_at_run_time_runs_every_slot_and_stops_when_deleted(
+    monkeypatch: Any,
+) -> None:
+    import celery_ledger.schedules as schedules_module
+    from celery_ledger.schedules import definition_of
+
+    monkeypatch.setattr(schedules_module, "PAUSED_READ_SECONDS", 0.0)  # read at every tick
+
+    clock = {"now": START + 0.3}
+    run = scheduler(clock)
+    every_ten = schedule(timedelta(seconds=10))
+    run.update_from_dict({"code": {"task": "shop.code", "schedule": every_ten}})
+    run.declared["added"] = definition_of(
+        "shop.added", every=2, args=[7], policy={"jitter_seconds": 0}
+    )
+    run_until(run, clock, START + 10, step=0.25)
+    added = [slot for name, slot, _ in run.lags if name == "added"]
+    assert added == [added[0] + 2 * n for n in range(len(added))] and len(added) >= 3
+    assert {name for name, _ in run.sent} == {"shop.added"}  # (the code's: 10 s from the start)
+    # an unchanged declaration keeps its place (read again, not merged again)
+    run.declared["added"] = dict(run.declared["added"])
+    run_until(run, clock, START + 20, step=0.25)
+    added = [slot for name, slot, _ in run.lags if name == "added"]
+    assert added == [added[0] + 2 * n for n in range(len(added))] and len(added) >= 8
+    del run.declared["added"]
+    run_until(run, clock, START + 21, step=0.25)
+    count = len(run.sent)
+    run_until(run, clock, START + 40, step=0.25)
+    after = [name for name, _ in run.sent[count:]]
+    assert after and set(after) == {"shop.code"} and "added" not in run.schedule
+    assert "code" in run.schedule  # (the code's entry stays)
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({}, "every N seconds or a cron expression: one of them"),
+        ({"every": 5, "cron": "* * * * *"}, "one of them"),
+        ({"every": 0.5}, "every must be at least 1 second"),
+        ({"cron": "61 * * * *"}, "cron '61 \\* \\* \\* \\*'"),
+        ({"cron": "* *"}, "five fields"),
+        ({"every": 5, "policy": {"overlap": "queue"}}, "overlap='queue'"),
+        ({"every": 5, "policy": {"start": "tomorrow"}}, "start 'tomorrow'"),
+    ],
+)
+def test_a_mistaken_run_time_entry_says_what_is_wrong(given: dict[str, Any], message: str) -> None:
+    from celery_ledger.schedules import definition_of
+
+    with pytest.raises(ConfigurationError, match=message):
+        definition_of("shop.tick", **given)
+
+
+def test_a_stored_entry_that_no_longer_reads_is_left_out_not_fatal() -> None:
+    from celery_ledger.schedules import definition_of, stored_entries
+
+    good = definition_of("shop.tick", cron="5 * * * *", policy={"catch_up": "all"})
+    found = stored_entries({"good": good, "bad": {**good, "cron": "nonsense"}, "worse": {}})
+    assert list(found) == ["good"]
+    assert found["good"]["policy"].catch_up is CatchUp.ALL

@@ -168,8 +168,9 @@ def scheduler(clock: dict[str, float]) -> Any:
             clock["now"] += clock.get("send_seconds", 0.0)  # a publish takes its time
             self.sent.append((name, options))
 
-        def _read_paused(self) -> frozenset[str]:  # the ledger's controls, as the test sets
-            return frozenset(self.paused)
+        def _read_controls(self) -> tuple[frozenset[str], dict[str, Any]]:
+            # the ledger's controls, as the test sets them
+            return frozenset(self.paused), dict(self.declared)
 
     app = Celery("schedules-fire", set_as_current=False)
     app.conf.update(enable_utc=True, timezone="UTC")
@@ -217,7 +218,7 @@ def scheduler(clock: dict[str, float]) -> Any:
     found = Recording(app, lazy=True)
     found.__dict__["producer"] = None  # (no broker here: sends are recorded)
     found.sent, found.lags, found.kept, found.skipped = [], lags, kept, skipped
-    found.paused = set()
+    found.paused, found.declared = set(), {}
     found.skip_reasons = reasons
     return found
 

@@ -13,8 +13,15 @@ from rich.table import Table
 
 from .. import audit
 from ..errors import ConfigurationError
-from ..operations import backfill_schedule, pause_schedule, resume_schedule, trigger_schedule
-from ..schedules import fleet_state
+from ..operations import (
+    backfill_schedule,
+    create_schedule,
+    delete_schedule,
+    pause_schedule,
+    resume_schedule,
+    trigger_schedule,
+)
+from ..schedules import definition_of, fleet_state
 from .dlq import parse_since
 from .options import actor_option
 
@@ -23,8 +30,9 @@ console = Console(soft_wrap=True)
 
 @click.group(name="schedules")
 def schedules() -> None:
-    """Periodic tasks (the app's beat_schedule): list them (last slot sent, next due, who
-    fires them), pause and resume them, trigger a run, backfill missed slots (audited)."""
+    """Periodic tasks (the app's beat_schedule, and entries declared at run time): list and
+    show them (last slot sent, next due, who fires them), create and delete one at run time,
+    pause and resume them, trigger a run, backfill missed slots (each change audited)."""
 
 
 @schedules.command(name="list")
@@ -55,6 +63,7 @@ def list_(ctx: click.Context, as_json: bool) -> None:
                 "next_due": s.next_due,
                 "paused": s.paused,
                 "policy": s.policy,
+                "origin": s.origin,
             }
             for s in states
         ]
@@ -166,3 +175,102 @@ def backfill(
 
 
 __all__: list[Any] = ["schedules"]
+
+
+def _json_option(text: str | None, what: str) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON ({exc})", param_hint=what) from None
+
+
+@schedules.command()
+@click.argument("name")
+@click.option("--task", "task_name", required=True, help="The task each run runs (its name).")
+@click.option("--every", type=float, default=None, help="Every N seconds (an interval).")
+@click.option("--cron", default=None, help="A cron expression: 'minute hour dom month dow'.")
+@click.option("--args", "args_json", default=None, help="Its positional arguments (JSON list).")
+@click.option("--kwargs", "kwargs_json", default=None, help="Its keyword arguments (JSON).")
+@click.option("--queue", default=None, help="The queue its runs go to (the task's tier's).")
+@click.option(
+    "--policy",
+    "policy_json",
+    default=None,
+    help='Its policy (JSON): {"catch_up": "all", "overlap": "skip", "jitter_seconds": 30, ...}.',
+)
+@actor_option
+@click.pass_context
+def create(
+    ctx: click.Context,
+    name: str,
+    task_name: str,
+    every: float | None,
+    cron: str | None,
+    args_json: str | None,
+    kwargs_json: str | None,
+    queue: str | None,
+    policy_json: str | None,
+    actor_name: str | None,
+) -> None:
+    """Declare entry NAME at run time, kept in the ledger (it survives restarts and deploys):
+    every scheduler runs it within seconds, each slot once."""
+    app = ctx.obj.app
+    app.loader.import_default_modules()
+    args = _json_option(args_json, "--args") or []
+    if not isinstance(args, list):
+        raise click.BadParameter("a JSON list", param_hint="--args")
+    kwargs = _json_option(kwargs_json, "--kwargs") or {}
+    policy = _json_option(policy_json, "--policy") or {}
+    if not isinstance(kwargs, dict) or not isinstance(policy, dict):
+        raise click.BadParameter("a JSON object", param_hint="--kwargs/--policy")
+    definition = _checked(
+        lambda: definition_of(
+            task_name, every=every, cron=cron, args=args, kwargs=kwargs, queue=queue, policy=policy
+        )
+    )
+    created = _checked(lambda: create_schedule(app, name, definition, actor=_actor(actor_name)))
+    console.print(f"{name}: {'created' if created else 'exists already (delete it first)'}")
+
+
+@schedules.command()
+@click.argument("name")
+@actor_option
+@click.pass_context
+def delete(ctx: click.Context, name: str, actor_name: str | None) -> None:
+    """Delete entry NAME declared at run time (its runs already sent stay jobs)."""
+    app = ctx.obj.app
+    app.loader.import_default_modules()
+    deleted = _checked(lambda: delete_schedule(app, name, actor=_actor(actor_name)))
+    console.print(f"{name}: {'deleted' if deleted else 'no such entry declared at run time'}")
+
+
+@schedules.command()
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def show(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Entry NAME: its schedule, task, policy, origin, last slot sent, next due, pause."""
+    app = ctx.obj.app
+    _holder, _foreign, states = fleet_state(app)
+    found = [s for s in states if s.name == name]
+    if not found:
+        known = ", ".join(s.name for s in states) or "none"
+        raise click.UsageError(f"no schedule entry {name!r} (entries: {known})")
+    state = found[0]
+    shown = {
+        "schedule": state.name,
+        "task": state.task,
+        "every": state.schedule,
+        "policy": state.policy,
+        "origin": state.origin,
+        "last_slot": state.last_slot,
+        "next_due": state.next_due,
+        "paused": state.paused,
+    }
+    if as_json:
+        click.echo(json.dumps(shown, indent=2, default=str))
+        return
+    for field, value in shown.items():
+        console.print(f"{field:>10}: {'' if value is None else value}")
