@@ -32,6 +32,10 @@ class Profile:
     visibility_timeout: int
     workflows: int = 0  # celery-ledger only: durable workflows of 3-5 steps, beside the jobs
     workflow_fail_share: float = 0.0  # of those, designed to fail for good at their last step
+    # celery-ledger only: when (a share of fault_seconds) half the workers are restarted, one
+    # at a time, into a release with a task the first release lacks (``soak.newer``, a tenth
+    # of the jobs, published from the start); workers started after it are of that release
+    deploy_at: float | None = None
 
 
 PROFILES = {
@@ -62,6 +66,7 @@ PROFILES = {
         visibility_timeout=30,
         workflows=50,
         workflow_fail_share=0.3,
+        deploy_at=0.3,
     ),
     "long": Profile(
         name="long",
@@ -86,6 +91,7 @@ PROFILES = {
         visibility_timeout=30,
         workflows=400,
         workflow_fail_share=0.25,
+        deploy_at=0.3,
     ),
 }
 
@@ -107,6 +113,16 @@ class Job:
         outbox: published after the commit, or by the workers' relay) instead of directly.
         From the job's number, so a seed plans the same jobs and faults as before."""
         return int(self.key.rsplit("-", 1)[1]) % 4 == 1
+
+    @property
+    def newer(self) -> bool:
+        """A tenth of celery-ledger's jobs are of a task only the release deployed during
+        the soak has (``Profile.deploy_at``): the first release's workers hand them over."""
+        return int(self.key.rsplit("-", 1)[1]) % 10 == 7
+
+    @property
+    def ledger_task(self) -> str:
+        return "soak.newer" if self.newer else "soak.work"
 
 
 def plan_jobs(profile: Profile, rng: random.Random, run: str) -> list[Job]:

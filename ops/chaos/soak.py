@@ -72,6 +72,7 @@ WORKFLOW_CHECK_SECONDS = 5.0
 WORKFLOW_ENDS = ("completed", "failed", "compensated", "cancelled", "dead")
 WORKFLOW_START_PATIENCE_SECONDS = 30.0  # a start retried through a ledger or broker outage
 WATCH_QUEUES_EVERY_SECONDS = 2.0
+JOB_TASKS = ["soak.work", "soak.newer"]  # the ledger's jobs (``Job.ledger_task``)
 
 
 def queued_item(raw: bytes) -> tuple[str, str]:
@@ -143,6 +144,7 @@ class Soak:
         self.publish_lock = threading.Lock()
         self.workers_lock = threading.Lock()
         self.retired: set[int] = set()  # pids of workers we killed or replaced
+        self.release = 1  # of the ledger's workers started now (a rolling deploy makes it 2)
         self.crashes: list[str] = []  # workers that exited by themselves
         self.fault_log: list[str] = []
         self.started = 0.0
@@ -171,6 +173,7 @@ class Soak:
             "?retryWrites=false&directConnection=true"
         )
         return common | {
+            "SOAK_RELEASE": str(self.release),
             "LEDGER_BROKER_URL": f"{broker}/0",
             "LEDGER_MONGO_URI": ledger_uri,
             "LEDGER_MONGO_DB": "soak",
@@ -263,12 +266,13 @@ class Soak:
     def publishers(self) -> dict[str, Callable[[Job], None]]:
         out: dict[str, Callable[[Job], None]] = {}
         if "ledger" in self.systems:
-            task = self.ledger_app().tasks["soak.work"]
+            tasks = self.ledger_app().tasks
 
             def ledger_publish(job: Job) -> None:
                 if job.outbox:
                     self.enqueue_in_transaction(job)
                 else:
+                    task = tasks[job.ledger_task]
                     task.apply_async((job.key, job.kind, job.param), tier=job.tier)
 
             out["ledger"] = ledger_publish
@@ -293,7 +297,8 @@ class Soak:
                     mongo_timeout_ms=2000,
                     dedupe_on_publish=True,
                     workflow_check_seconds=WORKFLOW_CHECK_SECONDS,
-                )
+                ),
+                release=2,  # (the producer publishes the newer release's task from the start)
             )
         return self._ledger_app
 
@@ -330,7 +335,7 @@ class Soak:
         while the ledger is away, as a producer would: a retry after a commit whose reply was
         lost finds the job known, and the relay publishes it."""
         app = self.ledger_app()
-        task = app.tasks["soak.work"]
+        task = app.tasks[job.ledger_task]
 
         def checkout(session: Any) -> None:
             orders = session.client.get_database("soak").get_collection("orders")
@@ -395,6 +400,8 @@ class Soak:
         events += [
             (rng.uniform(0.3, 0.85) * p.fault_seconds, "partition") for _ in range(p.partitions)
         ]
+        if p.deploy_at is not None and "ledger" in self.systems:  # (drawn from no rng)
+            events.append((p.deploy_at * p.fault_seconds, "rolling deploy"))
         return sorted(events)
 
     def inject(self) -> None:
@@ -435,6 +442,21 @@ class Soak:
             with self.workers_lock:
                 self.retired.add(victim.pid)
                 self.start_worker(system)
+
+    def fault_rolling_deploy(self) -> None:
+        """Half the ledger's workers restarted, one at a time (a warm stop, then the next
+        release's worker in its place, up before the next one stops), into release 2, while
+        the load runs: its jobs of ``soak.newer``, parked by release 1 until then, reach it."""
+        self.release = 2
+        victims = [w for w in self.workers["ledger"] if w.alive()]
+        for victim in victims[: max(1, len(victims) // 2)]:
+            with self.workers_lock:
+                self.retired.add(victim.pid)
+            victim.stop(timeout=30)  # (warm: its jobs end first; a kill after that long)
+            with self.workers_lock:
+                worker = self.start_worker("ledger")
+            self.wait_ready("ledger", worker)
+        self.faults["rolling deploy of half the workers into release 2 (ledger)"] += 1
 
     def supervise(self, stop: threading.Event) -> None:
         """Restart a worker that exited by itself, as a process supervisor would; note why."""
@@ -505,7 +527,9 @@ class Soak:
             world = world_client.soak_world
             if system == "ledger":
                 with self.ledger_client() as client:
-                    docs = client.soak.ledger.find({"task": "soak.work"}, {"key": 1, "state": 1})
+                    docs = client.soak.ledger.find(
+                        {"task": {"$in": JOB_TASKS}}, {"key": 1, "state": 1}
+                    )
                     states = {d["key"]: d["state"] for d in docs}
                 return {
                     j.key: states.get(j.key, "missing")
@@ -641,8 +665,9 @@ class Soak:
         dead_docs: list[dict[str, Any]] = []
         if system == "ledger":
             with self.ledger_client() as client:
-                records = {d["key"]: d for d in client.soak.ledger.find({"task": "soak.work"})}
-                dead_docs = list(client.soak.ledger.find({"state": "dead", "task": "soak.work"}))
+                jobs_of = {"task": {"$in": JOB_TASKS}}
+                records = {d["key"]: d for d in client.soak.ledger.find(jobs_of)}
+                dead_docs = list(client.soak.ledger.find({"state": "dead", **jobs_of}))
         if not quiet:
             report.details += [f"broker: {line}" for line in self.broker_leftovers(system)]
         where: dict[str, str] | None = None  # job key -> where its message is now

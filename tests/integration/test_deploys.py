@@ -256,6 +256,50 @@ def test_a_job_only_some_workers_can_run_reaches_one_of_them_within_seconds(
     app.close()
 
 
+@pytest.mark.parametrize(
+    ("new", "old", "order"),
+    [(3, 1, "old-idle"), (1, 1, "old-later")],
+    ids=["3:1-old-idle", "1:1-old-later"],
+)
+def test_a_task_the_new_release_removed_runs_on_the_old_workers_while_they_last(
+    stack: EmbeddedStack, start_worker: StartWorker, new: int, old: int, order: str
+) -> None:
+    """The other way round: the new release removed a task that producers of the old one
+    still send. The new workers park it; an old worker (idle for a while, or up only after
+    the publish) takes it and runs it once; nothing is dead-lettered while one is up."""
+    run = uuid.uuid4().hex[:6]
+    app = producer(stack, "deploys")
+
+    def start(module: str, name: str, count: int) -> None:
+        for i in range(count):
+            start_worker(f"tests.integration.apps.{module}", "deploys", f"{name}{i}-{run}")
+
+    start("deploy_v3", "new", new)
+    if order == "old-idle":
+        start("deploy_v1", "old", old)
+        time.sleep(15.0)  # idle: its consumer and its look at the parked long settled
+    tokens = [f"{run}-{i}" for i in range(3)]
+    jobs = [
+        app.send_task(
+            "deploys.whoami",
+            (token,),
+            queue=app.tiers.queue("default"),
+            headers={"ledger_key": token},
+        )
+        for token in tokens
+    ]
+    if order == "old-later":
+        parking = app.runtime.parking
+        wait_for(lambda: parking.count() >= 1, what="the new workers parking the removed task")
+        start("deploy_v1", "old", old)
+    up = time.monotonic()
+    assert [job.get(timeout=60) for job in jobs] == ["deploys"] * len(tokens)
+    assert time.monotonic() - up < HANDOFF_BOUND_SECONDS
+    assert all(effect_count("whoami-deploys", token) == 1 for token in tokens)
+    assert dead_records(app, [job.id for job in jobs]) == []
+    app.close()
+
+
 def test_a_worker_takes_only_what_its_tiers_serve_whatever_its_pool(
     stack: EmbeddedStack, start_worker: StartWorker
 ) -> None:

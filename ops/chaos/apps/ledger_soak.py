@@ -8,6 +8,7 @@ step record commit in one transaction on the ledger's server.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from typing import Any
 
@@ -28,9 +29,12 @@ RESTORE_SWEEP = {
 }
 
 
-def build(settings: Settings | None = None) -> LedgerCelery:
+def build(settings: Settings | None = None, release: int | None = None) -> LedgerCelery:
     """The app (settings from ``LEDGER_*`` unless given): the job ``soak.work``, the workflow
-    ``soak.flow`` and its steps' task ``soak.step``."""
+    ``soak.flow`` and its steps' task ``soak.step``; from release 2 (``SOAK_RELEASE`` unless
+    given) also the job ``soak.newer``, which the first release's workers do not know."""
+    if release is None:
+        release = int(os.environ.get("SOAK_RELEASE", "1"))
     app = create_app("soak_ledger", settings=settings, set_as_current=False)
     # kombu sweeps for unacked messages past the visibility timeout only every
     # interval x throttle seconds (10 x 10 by default): sweep every second instead.
@@ -77,6 +81,12 @@ def build(settings: Settings | None = None) -> LedgerCelery:
     @app.task(name="soak.work", **options)  # type: ignore[untyped-decorator]
     def work(self: Any, key: str, kind: str, param: float) -> str:
         return body(self, key, kind, param)
+
+    if release >= 2:
+
+        @app.task(name="soak.newer", **options)  # type: ignore[untyped-decorator]
+        def newer(self: Any, key: str, kind: str, param: float) -> str:
+            return body(self, key, kind, param)
 
     # A workflow's step or compensation (its ledger key is the workflow's: ``wf:<id>:...``).
     @app.task(name="soak.step", **options)  # type: ignore[untyped-decorator]
