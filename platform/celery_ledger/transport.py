@@ -226,6 +226,16 @@ class Channel(kombu_redis.Channel):
         if client:
             yield client
             return
+        if self._pool is None and getattr(self.connection, "client", None) is None:
+            # The transport was closed under this channel. After a lost broker connection,
+            # Celery's consumer collects the connection (its transport closed), then closes it,
+            # which closes its default channel; kombu's close puts back the messages the
+            # channel took, and a pool made from a transport without its connection details
+            # raised AttributeError, which Celery's close does not ignore: the worker ended
+            # ("Unrecoverable error", seen in the chaos soak on a proxy reset). A connection
+            # error it ignores: the messages stay booked in the broker, and the visibility
+            # sweep or the reconciler puts them back.
+            raise redis_errors.ConnectionError("the channel's transport is closed")
         pool = self.pool
         kept = self._ledger_client
         if kept is None or kept[0] is not pool:

@@ -43,3 +43,19 @@ def test_the_setting_reaches_the_transport() -> None:
             set_as_current=False,
         )
         assert app.conf.broker_transport_options["ledger_restore_visible"] is restore
+
+
+def test_a_channel_whose_transport_closed_under_it_fails_as_a_lost_connection() -> None:
+    """After a lost broker connection Celery's consumer collects the connection (closing its
+    transport), then closes it: the channel's close must fail as a connection error, which
+    Celery ignores, never as an AttributeError from a transport without its connection
+    details, which ended the worker."""
+    import redis
+
+    from celery_ledger.transport import Channel
+
+    channel = Channel.__new__(Channel)
+    channel._pool = None
+    channel.connection = SimpleNamespace(client=None)  # (kombu's closed transport)
+    with pytest.raises(redis.exceptions.ConnectionError), channel.conn_or_acquire():
+        pass
