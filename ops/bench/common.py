@@ -8,13 +8,16 @@ import os
 import platform
 import statistics
 import tempfile
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pymongo import monitoring
 from rich.console import Console
 from rich.table import Table
 
@@ -219,3 +222,22 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+class Commands(monitoring.CommandListener):
+    """MongoDB commands sent by the thread that made it (the benchmark's producer, or its
+    scheduler), by name; a connection's own set-up is not counted."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.thread = threading.get_ident()
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if threading.get_ident() == self.thread and event.command_name not in CONNECTION_SETUP:
+            self.counts[event.command_name] += 1
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass

@@ -22,18 +22,15 @@ times; medians of the runs. No worker runs: publishing is what is measured.
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 import uuid
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Any
-
-from pymongo import monitoring
 
 from celery_ledger import LedgerCelery, Settings, create_app
 
 from .common import (
-    CONNECTION_SETUP,
+    Commands,
     median,
     percentile,
     print_header,
@@ -45,24 +42,6 @@ from .common import (
 
 CASES = ("after commit", "after commit, recorded", "in the transaction")
 QUEUE = "bench_outbox"
-
-
-class Commands(monitoring.CommandListener):
-    """MongoDB commands sent by the benchmark's thread (the producer), by name."""
-
-    def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
-        self.thread = threading.get_ident()
-
-    def started(self, event: monitoring.CommandStartedEvent) -> None:
-        if threading.get_ident() == self.thread and event.command_name not in CONNECTION_SETUP:
-            self.counts[event.command_name] += 1
-
-    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
-
-    def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
 
 
 def build(broker_url: str, mongo_uri: str, listener: Commands) -> LedgerCelery:

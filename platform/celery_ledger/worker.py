@@ -37,6 +37,7 @@ logger = logging.getLogger("celery_ledger.worker")
 EXPIRE_EVERY_SECONDS = 60.0  # as MongoDB's TTL monitor (when ``ttl_index`` is off)
 COPY_PENDING_EVERY_SECONDS = 10.0  # dead letters whose queue copy failed (broker away)
 REAP_EVERY_SECONDS = 30.0  # transactions a dead worker left (Ledger.reap_abandoned_transactions)
+PACED_FLOOR_SECONDS = 0.01  # a paced lane's shortest wait (a job that asks for none: 0)
 
 
 class Housekeeping:
@@ -94,10 +95,14 @@ class Housekeeping:
     def _run(self, jobs: list[Callable[[], object]]) -> None:
         failing_since: dict[int, float] = {}
         last_warning: dict[int, float] = {}
-        while not self._stop.wait(self._interval):
+        wait = self._interval
+        while not self._stop.wait(wait):
+            wait = self._interval
             for index, job in enumerate(jobs):
                 try:
-                    job()
+                    asked = job()
+                    if isinstance(job, Paced) and isinstance(asked, float):
+                        wait = min(wait, max(asked, PACED_FLOOR_SECONDS))
                 except Exception as exc:  # keep going through broker or ledger outages
                     now = time.monotonic()
                     since = failing_since.setdefault(index, now)
@@ -155,6 +160,19 @@ class ThrottleSwitch:
             logger.warning("resuming %s on %s", self._queue, self._hostname)
         self.engaged = should
         self._app.runtime.observers.throttle(self._queue, should, throttle.reason())
+
+
+class Paced:
+    """A job that answers when it wants to run again (seconds, or None): its lane waits no
+    longer than that. The fleet's scheduler: a lane that waited its interval after each pass
+    would start every pass a pass's time later than the last, and skip 1-s windows."""
+
+    def __init__(self, job: Callable[[], float | None]) -> None:
+        self._job = job
+        self.__qualname__ = getattr(job, "__qualname__", "job")
+
+    def __call__(self) -> float | None:
+        return self._job()
 
 
 class Every:
@@ -283,7 +301,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         stops: tuple[Callable[[float], object], ...] = ()
         if fleet_entries(app.conf.beat_schedule) and app.schedules_in_workers():
             # A lane of its own: a slot is due to the second, whatever else housekeeping does
-            schedules.append(app.fleet_scheduler.tick_if_leader)
+            schedules.append(Paced(app.fleet_scheduler.tick_if_leader))
             stops += (app.fleet_scheduler.stop,)  # give the lease up: the next slot is on time
         if settings.reconcile_in_workers:
             sweep = app.reconciler.sweep_if_leader

@@ -287,3 +287,69 @@ def test_a_stored_entry_that_no_longer_reads_is_left_out_not_fatal() -> None:
     found = stored_entries({"good": good, "bad": {**good, "cron": "nonsense"}, "worse": {}})
     assert list(found) == ["good"]
     assert found["good"]["policy"].catch_up is CatchUp.ALL
+
+
+def test_interval_windows_a_stalled_scheduler_passed_run_late_or_are_counted_as_missed() -> None:
+    clock = {"now": START + 0.3}
+    run = scheduler(clock)
+    run.update_from_dict({"one": {"task": "shop.tick", "schedule": schedule(timedelta(seconds=1))}})
+    run_until(run, clock, START + 3)
+    sent = slots_sent(run)
+    assert sent[-1] == START + 2
+    clock["now"] += 4.0  # a pass that took 4 s (an overloaded host): 4 windows passed unfired
+    run.tick()
+    # within late_after_seconds (60) of due: still run, late (the lag metric says how late)
+    assert slots_sent(run)[len(sent) :] == [START + n for n in range(3, 8)]
+    assert run.skipped == []
+    sent = slots_sent(run)
+    clock["now"] += 70.0  # stalled 70 s: windows more than 60 s old are missed, and counted
+    run.tick()
+    now = clock["now"]
+    late = slots_sent(run)[len(sent) :]
+    assert late == [START + n for n in range(8, int(now - START) + 1) if now - (START + n) <= 60]
+    missed = [slot for _, slot in run.skipped]
+    assert missed == [START + n for n in range(8, int(now - START) + 1) if now - (START + n) > 60]
+    assert set(run.skip_reasons) == {"missed"}
+
+
+@pytest.mark.parametrize("outage", [20.0, 90.0], ids=["20s", "90s"])
+def test_slots_whose_publish_failed_are_sent_when_the_broker_is_back(outage: float) -> None:
+    clock = {"now": START + 0.3}
+    run = scheduler(clock)
+    run.update_from_dict({"two": {"task": "shop.tick", "schedule": schedule(timedelta(seconds=2))}})
+    run_until(run, clock, START + 5)
+    before = slots_sent(run)
+    clock["broker_down"] = True
+    down_at = clock["now"]
+    run_until(run, clock, down_at + outage)
+    clock["broker_down"] = False
+    run_until(run, clock, down_at + outage + 3)
+    now = clock["now"]
+    expected = [slot for slot in range(int(START) + 2, int(now), 2)]
+    sent = slots_sent(run)
+    missed = [slot for _, slot in run.skipped]
+    # every window once: sent (late, if the outage was shorter than late_after_seconds) or,
+    # past that, counted as missed; none lost without a trace, none sent twice
+    assert sorted(sent + missed) == expected[: len(sent) + len(missed)]
+    assert len(sent) + len(missed) >= len(expected) - 1
+    assert len(set(sent)) == len(sent) and sent[: len(before)] == before
+    if outage < 60:
+        assert missed == []
+    else:
+        assert missed and all(now - 3 - slot > 60 for slot in missed)
+
+
+def test_overlap_counts_a_run_not_yet_taken_as_running_for_late_after_seconds() -> None:
+    clock = {"now": START + 0.3}
+    run = scheduler(clock)
+    policy = {"overlap": "skip", "late_after_seconds": 10}
+    every_two = schedule(timedelta(seconds=2))
+    run.update_from_dict({"two": {"task": "shop.tick", "schedule": every_two, "policy": policy}})
+    first = START + 2
+    run_until(run, clock, first + 1)
+    # no worker has taken the first run's message (no record): the next slots wait...
+    run_until(run, clock, first + 9)
+    assert slots_sent(run) == [first]
+    # ...for late_after_seconds, then the entry goes on (a lost message holds nothing back)
+    run_until(run, clock, first + 13)
+    assert slots_sent(run) == [first, first + 10]  # (its window began 10.3 s after the first)

@@ -165,6 +165,8 @@ def scheduler(clock: dict[str, float]) -> Any:
 
     class Recording(LedgerScheduling, Scheduler):  # type: ignore[misc]
         def send_task(self, name: str, *args: Any, **options: Any) -> None:
+            if clock.get("broker_down"):
+                raise ConnectionError("the broker is away")
             clock["now"] += clock.get("send_seconds", 0.0)  # a publish takes its time
             self.sent.append((name, options))
 
@@ -189,8 +191,14 @@ def scheduler(clock: dict[str, float]) -> Any:
             reasons.append(reason)
 
     class Hashes:  # the broker's hashes (each entry's last slot, and its buffered one)
-        def hset(self, key: str, field: str, value: float) -> None:
-            kept.setdefault(key, {})[field] = value
+        def hset(
+            self,
+            key: str,
+            field: str | None = None,
+            value: float | None = None,
+            mapping: dict[str, float] | None = None,
+        ) -> None:
+            kept.setdefault(key, {}).update(mapping or {field: value})
 
         def hget(self, key: str, field: str) -> float | None:
             return kept.get(key, {}).get(field)
