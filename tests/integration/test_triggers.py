@@ -564,3 +564,33 @@ def test_a_watchers_stop_during_a_ledger_outage_keeps_to_its_time(
             w.close()
     finally:
         own.stop()
+
+
+def test_workers_with_triggers_off_never_watch_and_the_watch_resumes_where_they_are_on(
+    world: Callable[..., TriggerWorld],
+) -> None:
+    """A fleet mix: two workers with triggers off (``LEDGER_TRIGGERS_IN_WORKERS=false``) and
+    one with them on. Only that one watches; the others run the jobs. When it dies, no worker
+    watches (the changes wait in the collection, none lost) until one with triggers on comes
+    up, which reads on from the saved place: every change runs once."""
+    w = world(TRIGGER_TEST_LEASE_SECONDS="3")
+    for name in ("off1", "off2"):
+        w.start(name, LEDGER_TRIGGERS_IN_WORKERS="false")
+    watcher = w.start("on1")
+    wait_for(w.watching, timeout=30, what="a watcher")
+    assert (w.holder() or "").endswith(f":{watcher.pid}")
+    w.orders.insert_many([order(w, n) for n in range(100)])
+    wait_for(lambda: len(w.runs()) == 100, timeout=60, what="100 runs")
+    # When the only worker with triggers on dies, and orders keep coming
+    watcher.kill()
+    w.orders.insert_many([order(w, n) for n in range(100, 200)])
+    time.sleep(3 + 4)  # its lease ends: a worker with triggers off never takes it
+    assert w.holder() is None, w.holder()
+    assert len(w.runs()) == 100
+    # Then a worker with triggers on reads on from the saved place: each change once
+    w.start("on2")
+    try:
+        runs = wait_for(lambda: len(r := w.runs()) == 200 and r, timeout=60, what="200 runs")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {w.describe()}") from None
+    assert set(runs.values()) == {1}, {k: n for k, n in runs.items() if n != 1}
