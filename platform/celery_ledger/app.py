@@ -43,7 +43,7 @@ from .crypto import (
     sealing,
 )
 from .deadletter import DeadLetters, poison_key
-from .errors import Backpressure, ConfigurationError, PayloadError
+from .errors import Backpressure, ConfigurationError, PayloadError, PermanentError
 from .escalation import Escalation
 from .events import Observers
 from .guard import Guard
@@ -76,6 +76,9 @@ from .workflow.engine import NOT_HERE, Definition, WorkflowEngine
 logger = logging.getLogger("celery_ledger.app")
 
 WAKE_TASK = "celery_ledger.workflow.wake"
+# A schedule's run of a durable workflow (``@app.periodic`` on a workflow): starts it keyed by
+# the run's slot
+START_WORKFLOW_TASK = "celery_ledger.workflow.start"
 _MAX_WAKE_FAILURES = 12  # a wake that fails this often in a row marks its workflow stuck
 
 # Options of @app.task that Celery reads but that are not attributes of Task.
@@ -339,8 +342,9 @@ class LedgerCelery(Celery):  # type: ignore[misc]
         options: Mapping[str, Any] | None = None,
         **policy: Any,
     ) -> Callable[[Any], Any]:
-        """Run the task below on ``schedule`` (seconds, a ``timedelta``, a ``crontab`` or a
-        ``solar``), each slot once, whoever fires it (the workers, ``celery beat``, both):
+        """Run the task (or start the durable workflow) below on ``schedule`` (seconds, a
+        ``timedelta``, a ``crontab`` or a ``solar``), each slot once, whoever fires it (the
+        workers, ``celery beat``, both; a workflow's id is keyed by the slot):
 
             @app.periodic(crontab(minute=5), overlap="skip", jitter_seconds=30)
             @app.task
@@ -349,27 +353,39 @@ class LedgerCelery(Celery):  # type: ignore[misc]
         The keywords left are its policy (:class:`~celery_ledger.policies.schedule.
         SchedulePolicy`: ``catch_up``, ``catch_up_window_seconds``, ``late_after_seconds``,
         ``overlap``, ``jitter_seconds``, ``start``, ``end``), checked here. It is the entry
-        ``name`` (the task's name unless given) of ``beat_schedule``, which is where Celery's
-        own declarations go too: ``ledger schedules`` and the console manage it by that name.
+        ``name`` (the task's or workflow's name unless given) of ``beat_schedule``, where
+        Celery's own declarations go too: ``ledger schedules`` and the console manage it by
+        that name.
         """
         chosen = SchedulePolicy.of(policy or None)
 
-        def declare(task: Any) -> Any:
-            task_name = getattr(task, "name", None)
-            if not isinstance(task_name, str) or not callable(getattr(task, "apply_async", None)):
-                raise ConfigurationError(
-                    "@app.periodic schedules a task of this app: put it above @app.task"
-                )
+        def declare(target: Any) -> Any:
+            if isinstance(target, Workflow):  # started by a task of its own, keyed by the slot
+                workflow = target.definition.name
+                task_name, entry_name = START_WORKFLOW_TASK, name or workflow
+                run_args: tuple[Any, ...] = (workflow, list(args), dict(kwargs or {}))
+                run_kwargs: dict[str, Any] = {}
+                tier = target.definition.tier or self.settings.default_tier
+                run_options = {"queue": self.tiers.queue(tier), **dict(options or {})}
+            else:
+                found = getattr(target, "name", None)
+                if not isinstance(found, str) or not callable(getattr(target, "apply_async", None)):
+                    raise ConfigurationError(
+                        "@app.periodic schedules a task or a workflow of this app: put it above"
+                        " @app.task or @app.workflow"
+                    )
+                task_name, entry_name, run_args = found, name or found, tuple(args)
+                run_kwargs, run_options = dict(kwargs or {}), dict(options or {})
             entry = {
                 "task": task_name,
                 "schedule": schedule,
-                "args": tuple(args),
-                "kwargs": dict(kwargs or {}),
-                "options": dict(options or {}),
+                "args": run_args,
+                "kwargs": run_kwargs,
+                "options": run_options,
                 "policy": chosen,
             }
-            self.conf.beat_schedule = {**(self.conf.beat_schedule or {}), name or task_name: entry}
-            return task
+            self.conf.beat_schedule = {**(self.conf.beat_schedule or {}), entry_name: entry}
+            return target
 
         return declare
 
@@ -916,6 +932,17 @@ def create_app(
         delivery = self.request.delivery_info or {}
         queue = delivery.get("routing_key") if isinstance(delivery, dict) else None
         return app._run_wake(workflow_id, attempt, queue if isinstance(queue, str) else None)
+
+    @app.task(name=START_WORKFLOW_TASK, bind=True, shared=False)  # type: ignore[untyped-decorator]
+    def start_workflow(self: LedgerTask, workflow: str, args: Any = (), kwargs: Any = None) -> str:
+        """A schedule's run of the durable workflow ``workflow``: starts it with the run's key
+        (``schedule:<entry>@<slot>``), so each slot starts one workflow however often its
+        run is delivered; answers its id."""
+        declared = app.workflows.get(workflow)
+        if declared is None:
+            raise PermanentError(f"no workflow {workflow!r} is declared in this app")
+        started = declared.start_with(tuple(args or ()), dict(kwargs or {}), key=self.job_key)
+        return str(started.id)
 
     app.conf.beat_schedule = {
         "celery-ledger-reconcile": {

@@ -260,10 +260,10 @@ def test_beat_with_another_scheduler_class_runs_every_tick_and_the_workers_stand
         client.close()
 
 
-def ledger_cli(fleet: Fleet, *args: str) -> str:
+def ledger_cli(fleet: Fleet, *args: str, **env: str) -> str:
     done = subprocess.run(
         [sys.executable, "-m", "celery", "-A", MODULE, "ledger", "schedules", *args],
-        env=app_env(fleet.stack.env, {"LEDGER_ACTOR": "ops-test"}),
+        env=app_env(fleet.stack.env, {"LEDGER_ACTOR": "ops-test", **env}),
         capture_output=True,
         text=True,
         timeout=60,
@@ -406,3 +406,23 @@ def test_a_mistaken_create_says_what_is_wrong_without_a_traceback(
     )
     assert done.returncode != 0 and message in done.stderr, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_workflow_on_a_schedule_starts_once_per_slot(fleet: Fleet) -> None:
+    from celery_ledger.keys import derive_task_id, slot_key
+
+    # Given a durable workflow declared with @app.periodic (every 2 s), on two workers
+    for name in ("flow-1", "flow-2"):
+        fleet.worker(name, PERIODIC_WORKFLOW="1")
+    # Then each slot starts one workflow, keyed by the slot, and each runs its step once
+    wait_for(lambda: len(fleet.runs("flow-step")) >= 4, timeout=60, what="four workflows' steps")
+    settle(fleet)
+    workflows = [run["workflow"] for run in fleet.runs("flow-step")]
+    assert len(set(workflows)) == len(workflows), f"a workflow's step ran twice: {workflows}"
+    listed = json.loads(ledger_cli(fleet, "show", "flow", "--json", PERIODIC_WORKFLOW="1"))
+    assert listed["task"] == "celery_ledger.workflow.start" and listed["last_slot"]
+    last = datetime.fromisoformat(listed["last_slot"]).timestamp()
+    assert derive_task_id("periodic.flow", slot_key("flow", last)) in workflows or any(
+        derive_task_id("periodic.flow", slot_key("flow", last - n * PERIOD)) in workflows
+        for n in range(1, 4)
+    ), workflows

@@ -353,3 +353,30 @@ def test_overlap_counts_a_run_not_yet_taken_as_running_for_late_after_seconds() 
     # ...for late_after_seconds, then the entry goes on (a lost message holds nothing back)
     run_until(run, clock, first + 13)
     assert slots_sent(run) == [first, first + 10]  # (its window began 10.3 s after the first)
+
+
+def test_app_periodic_declares_entries_for_a_task_and_a_workflow_and_refuses_the_rest() -> None:
+    from celery_ledger import Settings, create_app
+
+    settings = Settings(broker_url="redis://127.0.0.1:1/0", mongo_uri="mongodb://127.0.0.1:1/")
+    app = create_app("periodic-unit", settings=settings, set_as_current=False)
+
+    @app.periodic(crontab(minute=5), name="rollup", overlap="skip")  # type: ignore[untyped-decorator]
+    @app.task(name="unit.rollup")  # type: ignore[untyped-decorator]
+    def rollup() -> None: ...
+
+    @app.periodic(60.0, kwargs={"report": "daily"})
+    @app.workflow(name="unit.flow")  # type: ignore[untyped-decorator]
+    def flow(wf: Any, report: str) -> None: ...
+
+    entries = app.conf.beat_schedule
+    assert entries["rollup"]["task"] == "unit.rollup"
+    assert entries["rollup"]["policy"].overlap is Overlap.SKIP
+    started = entries["unit.flow"]
+    assert started["task"] == "celery_ledger.workflow.start"
+    assert started["args"] == ("unit.flow", [], {"report": "daily"})
+    assert started["options"]["queue"] == app.tiers.queue("default")
+    with pytest.raises(ConfigurationError, match=r"put it above @app\.task or @app\.workflow"):
+        app.periodic(5.0)(lambda: None)
+    with pytest.raises(ConfigurationError, match="overlap='queue'"):
+        app.periodic(5.0, overlap="queue")

@@ -48,3 +48,19 @@ def slow(self: Any) -> None:
 
 if os.environ.get("PERIODIC_OVERLAP"):  # (the overlap test's workers alone: the others count)
     app.periodic(2.0, name="slow", overlap=os.environ["PERIODIC_OVERLAP"])(slow)
+
+
+@app.task(name="periodic.flow_step", idempotency_key="{workflow}")
+def flow_step(workflow: str) -> None:
+    record_effect("flow-step", RUN, workflow=workflow)
+
+
+@app.workflow(name="periodic.flow")
+def flow(wf: Any, report: str) -> str:
+    """A durable workflow a schedule starts: one step, which records its workflow's id."""
+    wf.run(flow_step.s(wf.id))
+    return report
+
+
+if os.environ.get("PERIODIC_WORKFLOW"):  # (the workflow test's workers alone)
+    app.periodic(2.0, name="flow", kwargs={"report": "nightly"})(flow)
