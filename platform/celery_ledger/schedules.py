@@ -42,7 +42,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import redis
-from celery.beat import PersistentScheduler, ScheduleEntry, Scheduler
+from celery.beat import ScheduleEntry, Scheduler
 from celery.schedules import crontab
 from celery.schedules import schedule as interval_schedule
 
@@ -257,9 +257,10 @@ class BrokerNow:
 
 
 class LedgerEntry(ScheduleEntry):  # type: ignore[misc]
-    """Celery's schedule entry, its calendar schedule on the broker's clock (:class:`BrokerNow`;
-    an interval's windows are on it already, :meth:`LedgerScheduling.is_due`). A ``nowfun``
-    the app gave its schedule itself is left as it is."""
+    """Celery's schedule entry, its schedule on the broker's clock (:class:`BrokerNow`): what
+    is due, and when Celery's heap looks at an entry again (its last run, on the clock of the
+    scheduler that sent it, against now on this one's), all on one clock. A ``nowfun`` the app
+    gave its schedule itself is left as it is."""
 
     def __init__(
         self, *args: Any, policy: SchedulePolicy | Mapping[str, Any] | None = None, **kwargs: Any
@@ -282,8 +283,7 @@ class LedgerEntry(ScheduleEntry):  # type: ignore[misc]
 
     def _on_broker_clock(self) -> None:
         sched = self.schedule
-        calendar = self.app is not None and not isinstance(sched, interval_schedule)
-        if calendar and getattr(sched, "nowfun", False) is None:
+        if self.app is not None and getattr(sched, "nowfun", False) is None:
             sched.nowfun = BrokerNow(self.app)
 
 
@@ -389,6 +389,9 @@ class LedgerScheduling:
         if is_interval(entry):
             self._sent()[entry.name] = slot
         self.schedule[entry.name] = next(entry)
+        # (Celery keeps the entry it asked about in its heap when it is not due: asked again,
+        # a crontab's passed slot would be skipped again and again; the heap is rebuilt)
+        self._heap = None
         if reason is not None:
             self.app.observers.schedule_skipped(entry.name, entry.task, slot, reason)
 
@@ -467,9 +470,11 @@ class LedgerScheduling:
             last = self._sent().get(entry.name)
             if last is None:
                 return [first]
-            start = max(last + window_seconds(entry), earliest)
+            period = window_seconds(entry)
+            start = max(last + period, earliest, first - MAX_BACKFILL * period)
             if start >= first:
                 return [first]  # none passed between the last window and this one
+            return [float(w) for w in _grid(start, first, period)]
         elif isinstance(entry.schedule, crontab):
             if now - first <= policy.late_after_seconds:
                 return [first]  # on time: the usual case, and no later occurrence passed
@@ -506,7 +511,7 @@ class LedgerScheduling:
         while they are within their policy's ``late_after_seconds``; older ones are missed
         (counted). Without it a slot whose publish failed was lost, as with Celery's beat."""
         unsent = self._unsent()
-        if not unsent:
+        if not unsent or not self._due_check("unsent"):
             return
         now = self.app.runtime.message_time()
         for name, slots in list(unsent.items()):
@@ -516,8 +521,9 @@ class LedgerScheduling:
                 continue
             late_after = policy_of(entry).late_after_seconds
             for index, slot in enumerate(slots):
-                if now - slot > late_after:
-                    self.app.observers.schedule_skipped(name, entry.task, slot, "missed")
+                if now - slot > late_after or self._paused(name):
+                    reason = "paused" if self._paused(name) else "missed"
+                    self.app.observers.schedule_skipped(name, entry.task, slot, reason)
                     continue
                 try:
                     self._send_unless_overlapping(entry, slot, producer)
@@ -566,6 +572,7 @@ class LedgerScheduling:
         """A run of ``entry_name`` for ``slot`` was sent: kept as the entry's last slot in the
         broker (``ledger schedules list`` shows it; the fleet's next holder resumes from it)."""
         self._last_runs()[entry_name] = slot
+        self._sent_at()[entry_name] = self.app.runtime.message_time()
         self._unsaved()[entry_name] = slot
         if not self.saves_per_pass:
             self.save_fired()
@@ -590,7 +597,7 @@ class LedgerScheduling:
     def _running(self, entry: ScheduleEntry) -> bool:
         """Whether the run of the last slot sent of ``entry`` has not ended (its record in
         the ledger is not final). A run whose message no worker has taken yet (no record)
-        counts as running for ``late_after_seconds`` after its slot, then as ended (a message
+        counts as running for ``late_after_seconds`` after it was sent, then as ended (a message
         lost for good must not hold the entry back forever); a ledger that is away does not
         hold a slot back."""
         previous = self._last_run(entry.name)
@@ -602,7 +609,8 @@ class LedgerScheduling:
             logger.warning("could not read the last run of %s: %s", entry.name, exc)
             return False
         if record is None:
-            waited = self.app.runtime.message_time() - previous
+            sent_at = self._sent_at().get(entry.name, previous)
+            waited = self.app.runtime.message_time() - sent_at
             return bool(waited <= policy_of(entry).late_after_seconds)
         return record.state not in TERMINAL
 
@@ -627,24 +635,41 @@ class LedgerScheduling:
 
     def release_buffered(self, producer: Any = None) -> int:
         """Send each buffered slot whose entry's previous run has ended; how many it sent.
-        (Only entries whose policy buffers ever have one: the others pay nothing.)"""
-        if not self._buffered():
+        (Only entries whose policy buffers ever have one: the others pay nothing. Looked at
+        once every ``BUFFERED_CHECK_SECONDS``, not at every tick: each look reads the ledger.)"""
+        buffered = self._buffered()
+        if not buffered or not self._due_check("buffered"):
             return 0
         sent = 0
         runtime = self.app.runtime
-        for name, slot in list(self._buffered().items()):
+        for name, slot in list(buffered.items()):
             entry = self.schedule.get(name)
-            if entry is not None and self._running(entry):
+            if entry is not None and not self._paused(name) and self._running(entry):
                 continue
-            del self._buffered()[name]
+            try:
+                if entry is not None and not self._paused(name):
+                    self._send(entry, slot, producer)
+                    sent += 1
+                elif entry is not None:
+                    self.app.observers.schedule_skipped(name, entry.task, slot, "paused")
+            except Exception as exc:  # the broker away: kept, sent at a later look
+                logger.warning("could not send %s's buffered run of %s yet: %s", name, slot, exc)
+                continue
+            del buffered[name]
             try:
                 runtime.redis.hdel(buffered_key(runtime.name), name)
-            except redis.RedisError as exc:
+            except redis.RedisError as exc:  # (a successor may send it again: once by its key)
                 logger.warning("could not clear the buffered slot of %s: %s", name, exc)
-            if entry is not None:
-                self._send(entry, slot, producer)
-                sent += 1
         return sent
+
+    def _due_check(self, what: str) -> bool:
+        """Whether ``what`` (an occasional look) is due: at most every BUFFERED_CHECK_SECONDS."""
+        looks: dict[str, float] = self.__dict__.setdefault("_ledger_looks", {})
+        now = self.app.runtime.message_time()  # (read locally between the broker's readings)
+        if now - looks.get(what, -math.inf) < BUFFERED_CHECK_SECONDS:
+            return False
+        looks[what] = now
+        return True
 
     def _buffered(self) -> dict[str, float]:
         """Each entry's buffered slot (the broker's hash, read once per scheduler)."""
@@ -664,6 +689,39 @@ class LedgerScheduling:
             self.__dict__["_ledger_buffered"] = found
         return found
 
+    def _resume(self) -> None:
+        """Take up from each entry's last slot sent, kept in the broker by whichever scheduler
+        sent it: a new holder of the fleet's lease, or a beat (re)started."""
+        runtime = self.app.runtime
+        stored = runtime.redis.hgetall(slots_key(runtime.name))
+        # (what another holder sent and buffered meanwhile: read from the broker again)
+        self.__dict__.pop("_ledger_buffered", None)
+        self._last_runs().clear()
+        for raw_name, raw_slot in stored.items():
+            name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+            entry = self.schedule.get(name)
+            slot = _number(raw_slot)
+            self._last_runs()[name] = slot
+            moment = utc_of_unix(slot)
+            if entry is None or slot is None or moment is None:
+                continue
+            if is_interval(entry):
+                self._sent()[name] = slot
+            # Its last run was that slot: Celery looks at it again when the next one is due
+            # (an interval's next window; a crontab's next occurrence, which fires now if it
+            # fell due meanwhile), not a whole period after the takeover. A slot the last
+            # holder sent already is a duplicate its key suppresses.
+            self.schedule[name] = entry.__class__(**dict(entry, last_run_at=moment))
+        self._heap = None  # (Celery rebuilds its heap only when an entry's definition changed)
+
+    def _reset_to_code_and_stored(self) -> None:
+        """The schedule as the app's code and the ledger declare it, from the last slots."""
+        self.merge_inplace(self._code_entries())  # type: ignore[attr-defined]
+        self.__dict__["_ledger_merged"] = {}
+        self.__dict__.pop("_ledger_merged_from", None)
+        self.refresh_entries()
+        self._resume()
+
     def _pending(self) -> dict[str, list[float]]:
         """Each reserved entry's slots to send, until they are sent."""
         return self.__dict__.setdefault("_ledger_pending", {})  # type: ignore[no-any-return]
@@ -676,6 +734,10 @@ class LedgerScheduling:
         """Each entry's slots whose publish failed, to send again (:meth:`resend_unsent`)."""
         return self.__dict__.setdefault("_ledger_unsent", {})  # type: ignore[no-any-return]
 
+    def _sent_at(self) -> dict[str, float]:
+        """When (the broker's clock) each entry's last slot was sent by this scheduler."""
+        return self.__dict__.setdefault("_ledger_sent_at", {})  # type: ignore[no-any-return]
+
     def _unsaved(self) -> dict[str, float]:
         """The last slots sent not yet written to the broker (:meth:`save_fired`)."""
         return self.__dict__.setdefault("_ledger_unsaved", {})  # type: ignore[no-any-return]
@@ -685,12 +747,22 @@ class LedgerScheduling:
         return self.__dict__.setdefault("_ledger_last_runs", {})  # type: ignore[no-any-return]
 
 
-class LedgerScheduler(LedgerScheduling, PersistentScheduler):  # type: ignore[misc]
-    """``celery beat``'s scheduler (``beat_scheduler``): Celery's persistent scheduler, whose
-    messages name their entry's slot. Any number of beats may run: a slot runs once."""
+class LedgerScheduler(LedgerScheduling, Scheduler):  # type: ignore[misc]
+    """``celery beat``'s scheduler (``beat_scheduler``): its messages name their entry's slot,
+    so any number of beats may run and a slot runs once. Nothing is kept on disk: each entry's
+    last slot is kept in the broker, as the fleet's scheduler keeps it, and a beat (re)started
+    resumes from it. (Celery's persistent scheduler kept entries in a shelve, whose copies
+    read back after each sync lost what an entry carries beyond Celery's own fields: its
+    policy, its app, its schedule's clock.)"""
+
+    def setup_schedule(self) -> None:
+        self._reset_to_code_and_stored()
 
     def _code_entries(self) -> Mapping[str, Any]:
         return dict(self.app.conf.beat_schedule or {})  # (beat fires the reconciler's too)
+
+    def sync(self) -> None:
+        """Nothing to write on disk (the last slots are in the broker)."""
 
 
 class FleetScheduler(LedgerScheduling, Scheduler):  # type: ignore[misc]
@@ -710,11 +782,7 @@ class FleetScheduler(LedgerScheduling, Scheduler):  # type: ignore[misc]
         super().__init__(app, lazy=True)
 
     def setup_schedule(self) -> None:
-        self.merge_inplace(self._code_entries())
-        # (and those declared at run time, again)
-        self.__dict__["_ledger_merged"] = {}
-        self.__dict__.pop("_ledger_merged_from", None)
-        self.refresh_entries()
+        """Nothing until this worker holds the lease (:meth:`tick_if_leader` sets it up)."""
 
     def tick_if_leader(self) -> float | None:
         """Fire what is due if this worker holds (or now takes) the lease; else None."""
@@ -725,8 +793,7 @@ class FleetScheduler(LedgerScheduling, Scheduler):  # type: ignore[misc]
             self._token = None
             return None
         if token != self._token:  # newly the holder: resume from the fleet's last slots
-            self.setup_schedule()
-            self._resume()
+            self._reset_to_code_and_stored()
             self._token = token
         try:
             # (Celery's tick fires one due entry per call and answers 0 while more are due)
@@ -767,27 +834,6 @@ class FleetScheduler(LedgerScheduling, Scheduler):  # type: ignore[misc]
             self._lock.release()
             self._token = None
         return True
-
-    def _resume(self) -> None:
-        stored = self._client.hgetall(slots_key(self._name))
-        # (what another holder sent and buffered meanwhile: read from the broker again)
-        self.__dict__.pop("_ledger_buffered", None)
-        self._last_runs().clear()
-        for raw_name, raw_slot in stored.items():
-            name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
-            entry = self.schedule.get(name)
-            slot = _number(raw_slot)
-            self._last_runs()[name] = slot
-            moment = utc_of_unix(slot)
-            if entry is None or slot is None or moment is None:
-                continue
-            if is_interval(entry):
-                self._sent()[name] = slot
-            else:
-                # Its last run was that slot: the next occurrence after it fires now if it
-                # fell due meanwhile (its key makes it once if the last holder sent it).
-                self.schedule[name] = entry.__class__(**dict(entry, last_run_at=moment))
-        self._heap = None  # (Celery rebuilds its heap only when an entry's definition changed)
 
     def sync(self) -> None:
         """Nothing to write on disk (the last slots are in the broker)."""
@@ -878,6 +924,12 @@ def entry_of(app: Any, name: str) -> ScheduleEntry:
         known = ", ".join(sorted(entries)) or "none"
         raise ConfigurationError(f"no schedule entry {name!r} in beat_schedule (entries: {known})")
     return LedgerEntry(**dict(spec, name=name, app=app))
+
+
+def _grid(start: float, end: float, period: float) -> list[float]:
+    """The windows of ``period`` on its grid from ``start`` to ``end`` (both included)."""
+    first = math.ceil(start / period) * period
+    return [first + period * n for n in range(int((end - first) // period) + 1)]
 
 
 def slots_between(entry: ScheduleEntry, start: float, end: float) -> list[float]:

@@ -30,7 +30,6 @@ from .handoff import LOOK_EVERY_SECONDS, Handoff, Parked, inbox_of
 from .headers import PARKED, UNRUNNABLE_SINCE
 from .policies.unrunnable import unrunnable_delay
 from .progress import serve_shutdown_flag
-from .schedules import fleet_entries
 from .triggers import TriggerRunner, watchers_for
 
 logger = logging.getLogger("celery_ledger.worker")
@@ -299,7 +298,8 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         outbox: list[Callable[[], object]] = []
         schedules: list[Callable[[], object]] = []
         stops: tuple[Callable[[float], object], ...] = ()
-        if fleet_entries(app.conf.beat_schedule) and app.schedules_in_workers():
+        # (entries may be declared at run time, in the ledger: the lane runs without any in code)
+        if app.schedules_in_workers():
             # A lane of its own: a slot is due to the second, whatever else housekeeping does
             schedules.append(Paced(app.fleet_scheduler.tick_if_leader))
             stops += (app.fleet_scheduler.stop,)  # give the lease up: the next slot is on time

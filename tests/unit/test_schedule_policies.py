@@ -193,9 +193,11 @@ def test_overlap_buffer_one_runs_one_slot_when_the_previous_ends() -> None:
     assert [slot for _, slot in run.skipped] == [first + 4, first + 6]
     run.app.ledger.states[slot_key("two", first)] = State.DEAD
     run.app.ledger.states[slot_key("two", first + 2)] = State.RUNNING
-    assert run.release_buffered() == 1  # (each scheduler's pass starts with it)
+    clock["now"] += 1.0  # (a scheduler looks at what it buffered every second)
+    run.tick()
     assert slots_sent(run) == [first, first + 2]  # sent as its own slot, when the run ended
-    assert run.kept["shop:ledger:schedules:buffered"] == {}
+    # (and the window due meanwhile waits behind that one, now running)
+    assert run.kept["shop:ledger:schedules:buffered"] == {"two": first + 8}
 
 
 def test_jitter_delays_each_run_and_names_its_slot() -> None:
@@ -352,7 +354,7 @@ def test_overlap_counts_a_run_not_yet_taken_as_running_for_late_after_seconds() 
     assert slots_sent(run) == [first]
     # ...for late_after_seconds, then the entry goes on (a lost message holds nothing back)
     run_until(run, clock, first + 13)
-    assert slots_sent(run) == [first, first + 10]  # (its window began 10.3 s after the first)
+    assert slots_sent(run) == [first, first + 12]  # (10 s after the first was sent)
 
 
 def test_app_periodic_declares_entries_for_a_task_and_a_workflow_and_refuses_the_rest() -> None:
@@ -380,3 +382,45 @@ def test_app_periodic_declares_entries_for_a_task_and_a_workflow_and_refuses_the
         app.periodic(5.0)(lambda: None)
     with pytest.raises(ConfigurationError, match="overlap='queue'"):
         app.periodic(5.0, overlap="queue")
+
+
+def test_a_paused_crontab_counts_each_slot_once_and_runs_none_of_them_after() -> None:
+    import celery_ledger.schedules as schedules_module
+
+    clock = {"now": START + 0.3}
+    run = scheduler(clock)
+    minutely = {"task": "shop.tick", "schedule": crontab(), "policy": {"catch_up": "all"}}
+    run.update_from_dict({"minutely": minutely})
+    run_until(run, clock, START + 61)
+    assert slots_sent(run) == [START + 60]
+    run.paused.add("minutely")
+    run.__dict__["_ledger_controls"][0] = -1e18  # (read the controls again now)
+    run_until(run, clock, START + 301)
+    run.paused.clear()
+    run.__dict__["_ledger_controls"][0] = -1e18
+    run_until(run, clock, START + 421, step=1.0)
+    skipped = [slot for _, slot in run.skipped]
+    assert skipped == [START + 60 * n for n in range(2, 6)], skipped  # each once
+    assert slots_sent(run) == [START + 60, START + 360, START + 420]
+    assert schedules_module.PAUSED_READ_SECONDS == 2.0
+
+
+def test_a_crontab_starting_later_fires_from_its_start() -> None:
+    clock = {"now": START + 0.3}
+    run = scheduler(clock)
+    policy = SchedulePolicy(start=datetime.fromtimestamp(START + 300, UTC))
+    run.update_from_dict({"m": {"task": "shop.tick", "schedule": crontab(), "policy": policy}})
+    run_until(run, clock, START + 430, step=1.0)
+    assert slots_sent(run) == [START + 300, START + 360, START + 420]
+
+
+def test_a_new_holder_fires_an_intervals_next_window_on_time_not_a_period_later() -> None:
+    window = 3600 * 278.0  # an hourly window (on the grid from the epoch)
+    clock = {"now": window - 10}
+    run = scheduler(clock)
+    hourly = schedule(timedelta(hours=1))
+    run.kept["shop:ledger:schedules:slots"] = {"hourly": window - 3600}  # the last one sent
+    run.update_from_dict({"hourly": {"task": "shop.tick", "schedule": hourly}})
+    run._resume()  # (what a new holder of the lease does)
+    run_until(run, clock, window + 5, step=1.0)
+    assert slots_sent(run) == [window]

@@ -159,7 +159,8 @@ def catch_up(
     else:
         chosen = []
     send = sorted({*chosen, *on_time})
-    return send, [slot for slot in due if slot not in send]
+    sending = set(send)
+    return send, [slot for slot in due if slot not in sending]
 
 
 def overlap(policy: SchedulePolicy, *, previous_running: bool, buffered: bool) -> OverlapVerdict:
