@@ -85,6 +85,15 @@ class SystemReport:
     quiet: bool = False
     details: list[str] = field(default_factory=list)
     workflows: WorkflowReport | None = None
+    # celery-ledger's periodic task (every 2 s, the workers' own scheduler): the slots from
+    # its first run until a minute before the count, and those of them that did not run once
+    schedule_slots: int = 0
+    schedule_missing: list[float] = field(default_factory=list)
+    schedule_duplicates: int = 0  # runs beyond the first, over all slots
+
+    @property
+    def schedule_ok(self) -> bool:
+        return not self.schedule_missing and self.schedule_duplicates == 0
 
 
 @dataclass
@@ -180,6 +189,14 @@ class SoakReport:
                     ["deepest backlog (messages queued at once)", w.deepest_backlog],
                 ],
             )
+        for name, r in self.systems.items():
+            if r.schedule_slots:
+                console.print(
+                    f"{name} periodic task: {r.schedule_slots} slots, missing"
+                    f" {len(r.schedule_missing)}, run twice {r.schedule_duplicates}"
+                    + (f" (missing: {r.schedule_missing[:10]})" if r.schedule_missing else ""),
+                    highlight=False,
+                )
         if self.repaired:
             console.print(
                 f"the ledger workers' own reconciler brought back: {self.repaired}",

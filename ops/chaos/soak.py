@@ -54,6 +54,7 @@ from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 
 from ..bench.common import REPO, RESULTS, console, machine, print_table
 from .apps import plain_soak
+from .apps.ledger_soak import TICK_SECONDS
 from .forensics import broker_fate, dead_letter_key, last_error, message_key
 from .plan import PROFILES, TIERS, Job, Profile, WorkflowJob, plan_jobs, plan_workflows
 from .proxy import Proxy, ProxyLoop
@@ -73,6 +74,9 @@ WORKFLOW_ENDS = ("completed", "failed", "compensated", "cancelled", "dead")
 WORKFLOW_START_PATIENCE_SECONDS = 30.0  # a start retried through a ledger or broker outage
 WATCH_QUEUES_EVERY_SECONDS = 2.0
 JOB_TASKS = ["soak.work", "soak.newer"]  # the ledger's jobs (``Job.ledger_task``)
+# The periodic task's slots counted: up to this long before the count (a slot whose publish
+# failed, or whose scheduler died, is sent within seconds; a minute is its latest)
+SCHEDULE_SETTLE_SECONDS = 30.0
 
 
 def queued_item(raw: bytes) -> tuple[str, str]:
@@ -649,8 +653,28 @@ class Soak:
             time.sleep(0.5)
         return {s: (drained[s], quiet[s]) for s in self.systems}
 
+    def account_schedule(self, report: SystemReport) -> None:
+        """The periodic task's slots: each from its first run until half a minute before now
+        ran exactly once."""
+        with self.ledger_client() as client:
+            runs = {
+                doc["_id"]: int(doc.get("runs", 0))
+                for doc in client.soak_world.ticks.find({"_id": {"$ne": "unscheduled"}})
+            }
+        if not runs:
+            report.schedule_missing = [0.0]  # (not one ran: the scheduler never fired)
+            return
+        first = min(float(slot) for slot in runs)
+        last = time.time() - SCHEDULE_SETTLE_SECONDS
+        slots = [first + TICK_SECONDS * n for n in range(int((last - first) // TICK_SECONDS) + 1)]
+        report.schedule_slots = len(slots)
+        report.schedule_missing = [slot for slot in slots if f"{slot:.0f}" not in runs]
+        report.schedule_duplicates = sum(max(0, n - 1) for n in runs.values())
+
     def account(self, system: str, drained: float | None, quiet: bool) -> SystemReport:
         report = SystemReport(system, tasks=len(self.jobs), drain_seconds=drained, quiet=quiet)
+        if system == "ledger":
+            self.account_schedule(report)
         states = self.outcomes(system)
         effects: dict[str, list[dict[str, Any]]] = defaultdict(list)
         with self.world() as world_client:
@@ -1031,6 +1055,7 @@ def passed(report: SoakReport) -> bool:
         and ledger.duplicates == 0
         and bool(ledger.dead_letters_match)
         and (ledger.workflows is None or ledger.workflows.ok)
+        and ledger.schedule_ok
     )
 
 

@@ -21,6 +21,7 @@ from celery_ledger.app import WAKE_TASK
 from ..plan import step_effect_key, undo_effect_key
 from . import world
 
+TICK_SECONDS = 2.0  # the soak's periodic task (``soak.tick``)
 RESTORE_SWEEP = {
     "unacked_restore_interval": 1,
     "unacked_restore_throttle": 1,
@@ -87,6 +88,24 @@ def build(settings: Settings | None = None, release: int | None = None) -> Ledge
         @app.task(name="soak.newer", **options)  # type: ignore[untyped-decorator]
         def newer(self: Any, key: str, kind: str, param: float) -> str:
             return body(self, key, kind, param)
+
+    # A periodic task every 2 s, fired by the workers' own scheduler through every fault: each
+    # slot's run counts itself, in an atomic step (the count commits with the step's record)
+    @app.task(name="soak.tick", bind=True, shared=False)  # type: ignore[untyped-decorator]
+    def tick(self: Any) -> None:
+        slot = self.scheduled_for
+        key = "unscheduled" if slot is None else f"{slot.timestamp():.0f}"
+
+        def count(session: ClientSession) -> None:
+            ticks = session.client.get_database("soak_world").get_collection("ticks")
+            ticks.update_one({"_id": key}, {"$inc": {"runs": 1}}, upsert=True, session=session)
+
+        self.step("tick").atomic(count)
+
+    app.conf.beat_schedule = {
+        **app.conf.beat_schedule,
+        "soak-tick": {"task": "soak.tick", "schedule": TICK_SECONDS},
+    }
 
     # A workflow's step or compensation (its ledger key is the workflow's: ``wf:<id>:...``).
     @app.task(name="soak.step", **options)  # type: ignore[untyped-decorator]
