@@ -101,8 +101,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.timeout(float(config.getini("timeout")) * WIDE_FACTOR))
 
 
-# The suite mostly waits on servers and workers (about one core busy of 2 with 4 processes): on 2
-# cores 6 processes run it fastest; more cores, up to 8, get one each (README, "Testing").
+# The suite mostly waits on servers and workers (about one core of 2 busy with 4 processes): on 2
+# cores 6 processes ran it faster than 4; more cores, up to 8, get one each (README, "Testing").
 XDIST_WORKERS_MIN, XDIST_WORKERS_MAX = 6, 8
 
 
@@ -112,7 +112,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still decides when set; ``-n N`` is taken as given."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
-    files = {Path(arg.split("::", 1)[0]) for arg in config.args}
+    files = {config.invocation_params.dir / arg.split("::", 1)[0] for arg in config.args}
     if len(files) == 1 and next(iter(files)).is_file():
         return 0
     return max(XDIST_WORKERS_MIN, min(os.cpu_count() or 1, XDIST_WORKERS_MAX))
