@@ -545,7 +545,12 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             return "retrying"
 
     def is_sensitive(self, task_name: Any) -> bool:
-        task = self.tasks.get(task_name) if isinstance(task_name, str) else None
+        """Whether ``task_name`` is a sensitive task of this app. The log filter of every app of
+        the process asks about every task log line: an app not finalized runs no task, so it
+        answers without finalizing (a declaration of its own that fails would raise there)."""
+        if not isinstance(task_name, str) or not self.finalized:
+            return False
+        task = self.tasks.get(task_name)
         return bool(getattr(task, "sensitive", False))
 
     def tier_of(self, task_name: str) -> str | None:

@@ -304,6 +304,11 @@ def test_a_latency_objective_counts_from_the_publish_whatever_the_clocks(
     producer = producer_app(isolated, f"slo_{uuid.uuid4().hex[:6]}")
     report = shared_task(producer, "tests.integration.ledger_app.slow_report")
     skewed_worker(isolated, "judge", clocks("judge", worker_offset) if worker_offset else None)
+    # A first job warms the worker's pool process (its connections) first: the objective below
+    # is 1 s from the publish, which a cold start on a loaded machine can take by itself
+    warm = f"slo-warm-{uuid.uuid4().hex[:6]}"
+    report.apply_async((warm, 0.0))
+    wait_for(lambda: effects_of(isolated, "slow_report", warm), timeout=30, what=warm)
     clock = clocks("producer", producer_offset) if producer_offset else None
     # A job well within its 1 s objective, and one past it (3 s), from a host whose clock is off
     quick, slow = (f"slo-{what}-{uuid.uuid4().hex[:6]}" for what in ("quick", "slow"))

@@ -185,7 +185,8 @@ def test_max_age_and_time_limits_retire_to_the_dead_letter_flow(
     record = app.ledger.get(soft_limited.name, token)
     assert record.state is State.DEAD
     assert record.dead_reason == "time limit exceeded (soft, 1s)"
-    assert not artefact.exists()  # the cleanup hook removed the job's temporary file
+    # The cleanup hook removed the job's temporary file (it runs once the record is dead: wait)
+    wait_for(lambda: not artefact.exists(), timeout=10, what="the artefact removed")
 
     hard = hard_limited.delay(token)
     wait_for(

@@ -91,7 +91,11 @@ def test_a_delayed_retry_waits_in_redis_not_in_worker_memory(
         return any(result.id in member.decode() for member in members)
 
     wait_for(held, what="retry held in Redis")
-    assert app.ledger.get(slow_retry.name, token).state is State.RETRYING
+    # (the worker records the retry just after it parked it: the record follows)
+    wait_for(
+        lambda: app.ledger.get(slow_retry.name, token).state is State.RETRYING,
+        what="retry recorded",
+    )
     inspector = app.control.inspect(destination=[stack.workers[0].name], timeout=2)
     assert not any((inspector.scheduled() or {}).values())
     assert result.get(timeout=30) == "retried"

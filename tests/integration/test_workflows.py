@@ -279,6 +279,12 @@ def isolated(tmp_path: Path, stack: Any) -> Any:
     try:
         yield running
     finally:
+        # Its client is closed while the server still answers: closing it later waits out
+        # the server selection (30 s) to end its sessions.
+        assert running.ledger is not None
+        client = _clients.pop(running.ledger.url, None)
+        if client is not None:
+            client.close()
         running.stop()
 
 

@@ -219,6 +219,25 @@ def test_unknown_tier_in_a_task_declaration_is_refused(app: LedgerCelery) -> Non
     assert "known tiers: critical, default, bulk" in str(info.value)
 
 
+def test_an_app_left_with_a_refused_task_does_not_break_another_apps_task_log_lines(
+    app: LedgerCelery,
+) -> None:
+    # Given an app whose task was refused at its binding (it stays declared, not finalized)
+    class Urgent(LedgerTask):
+        tier = "urgent"
+
+    with pytest.raises(ConfigurationError):
+
+        @app.task(name="shop.urgent", shared=False, base=Urgent)
+        def urgent() -> None:
+            pass
+
+        urgent.delay()
+    # When its log filter is asked about another app's task (every app's filter is)
+    # Then it answers without finalizing itself, which would raise the refusal again
+    assert not app.finalized and app.is_sensitive("other.task") is False
+
+
 def test_declaring_tasks_and_finalizing_connects_to_nothing(
     app: LedgerCelery, no_network: list[Any]
 ) -> None:
