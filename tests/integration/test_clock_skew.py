@@ -344,6 +344,7 @@ def test_breaker_cooldowns_and_rate_limits_hold_on_workers_whose_clocks_are_off(
     # A bucket of 4/s (burst 2) shared by both: 10 jobs take 2 s at least, and not an hour
     tokens = [f"rate-{i}-{uuid.uuid4().hex[:6]}" for i in range(10)]
     seen: list[float] = []
+    published = time.monotonic()
     for token in tokens:
         limited.apply_async((token,))
     deadline = time.monotonic() + 40
@@ -352,7 +353,9 @@ def test_breaker_cooldowns_and_rate_limits_hold_on_workers_whose_clocks_are_off(
         seen += [time.monotonic()] * (done - len(seen))
         time.sleep(0.05)
     assert len(seen) == len(tokens), f"{len(seen)} of {len(tokens)} rate-limited jobs ran"
-    assert seen[-1] - seen[0] >= (len(tokens) - 2) / 4 - 0.4, "the bucket was overdrawn"
+    # (from the publish: the bucket limits starts, and a slow first job under load would
+    # shorten the span between completions)
+    assert seen[-1] - published >= (len(tokens) - 2) / 4 - 0.4, "the bucket was overdrawn"
     # A breaker opened by failures (3, cooldown 3 s): no call while it cools, a probe after
     breaker = producer.breakers["payments"]
     breaker.reset()
