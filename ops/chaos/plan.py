@@ -34,8 +34,10 @@ class Profile:
     workflow_fail_share: float = 0.0  # of those, designed to fail for good at their last step
     # celery-ledger only: when (a share of fault_seconds) half the workers are restarted, one
     # at a time, into a release with a task the first release lacks (``soak.newer``, a tenth
-    # of the jobs, published from the start); workers started after it are of that release
+    # of the jobs, published from the start), and when the rest are (the deploy done);
+    # workers started after the first half are of that release
     deploy_at: float | None = None
+    deploy_done_at: float | None = None
 
 
 PROFILES = {
@@ -67,6 +69,7 @@ PROFILES = {
         workflows=50,
         workflow_fail_share=0.3,
         deploy_at=0.3,
+        deploy_done_at=0.6,
     ),
     "long": Profile(
         name="long",
@@ -92,6 +95,7 @@ PROFILES = {
         workflows=400,
         workflow_fail_share=0.25,
         deploy_at=0.3,
+        deploy_done_at=0.6,
     ),
 }
 

@@ -406,6 +406,8 @@ class Soak:
         ]
         if p.deploy_at is not None and "ledger" in self.systems:  # (drawn from no rng)
             events.append((p.deploy_at * p.fault_seconds, "rolling deploy"))
+            if p.deploy_done_at is not None:
+                events.append((p.deploy_done_at * p.fault_seconds, "rolling deploy rest"))
         return sorted(events)
 
     def inject(self) -> None:
@@ -447,20 +449,30 @@ class Soak:
                 self.retired.add(victim.pid)
                 self.start_worker(system)
 
-    def fault_rolling_deploy(self) -> None:
+    def fault_rolling_deploy(self, rest: bool = False) -> None:
         """Half the ledger's workers restarted, one at a time (a warm stop, then the next
         release's worker in its place, up before the next one stops), into release 2, while
-        the load runs: its jobs of ``soak.newer``, parked by release 1 until then, reach it."""
+        the load runs: its jobs of ``soak.newer``, parked by release 1 until then, reach it.
+        ``rest``: the deploy's second half, the workers of release 1 left."""
         self.release = 2
-        victims = [w for w in self.workers["ledger"] if w.alive()]
-        for victim in victims[: max(1, len(victims) // 2)]:
+        victims = [
+            w for w in self.workers["ledger"] if w.alive() and w.env.get("SOAK_RELEASE") != "2"
+        ]
+        for victim in victims if rest else victims[: max(1, len(victims) // 2)]:
             with self.workers_lock:
                 self.retired.add(victim.pid)
             victim.stop(timeout=30)  # (warm: its jobs end first; a kill after that long)
             with self.workers_lock:
                 worker = self.start_worker("ledger")
-            self.wait_ready("ledger", worker)
-        self.faults["rolling deploy of half the workers into release 2 (ledger)"] += 1
+            try:  # (up before the next one stops; a broker fault meanwhile delays no more)
+                self.wait_ready("ledger", worker)
+            except Exception as exc:
+                self.log(f"rolling deploy: {worker.name} not seen ready: {exc!r}")
+        what = "the rest of" if rest else "half"
+        self.faults[f"rolling deploy of {what} the workers into release 2 (ledger)"] += 1
+
+    def fault_rolling_deploy_rest(self) -> None:
+        self.fault_rolling_deploy(rest=True)
 
     def supervise(self, stop: threading.Event) -> None:
         """Restart a worker that exited by itself, as a process supervisor would; note why."""
