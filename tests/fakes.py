@@ -34,6 +34,7 @@ from celery_ledger.ledger.store import (
     EnqueueOutcome,
     Fenced,
     HeldBy,
+    RecordState,
     Unchanged,
     Unclaimed,
 )
@@ -89,8 +90,10 @@ class MemoryLedger:
         error_history_limit: int = 20,
         dead_retention_seconds: float = 30 * 24 * 3600,
         result_retention_seconds: float = 7 * 24 * 3600,
+        fleet: str | None = None,
     ) -> None:
         self.now = clock or Clock()
+        self.fleet = fleet
         self.lease_seconds = lease_seconds
         self.max_deliveries = max_deliveries
         self.error_history_limit = error_history_limit
@@ -247,6 +250,8 @@ class MemoryLedger:
             self._leave(fault)
             return Claim(ClaimOutcome.DEAD, killed=True)
         fence = self._fence(doc.get("fence", 0) + 1)
+        if self.fleet is not None:
+            doc["fleet"] = self.fleet
         doc.update(
             {
                 "tier": tier,
@@ -601,7 +606,7 @@ class MemoryLedger:
 
     def _queued(self, task: str, key: str, tier: str) -> dict[str, Any]:
         now = self.now()
-        return {
+        return ({} if self.fleet is None else {"fleet": self.fleet}) | {
             "v": 2,
             "task": task,
             "key": key,
@@ -823,9 +828,9 @@ class MemoryLedger:
             if d.get("state") == State.RUNNING and d["claimable_at"] < cutoff
         ][:limit]
 
-    def states_of(self, record_ids: Sequence[str]) -> dict[str, str]:
+    def states_of(self, record_ids: Sequence[str]) -> dict[str, RecordState]:
         self._enter("states_of")
-        return {i: str(d.get("state")) for i in record_ids if (d := self.docs.get(i)) is not None}
+        return {i: RecordState.of(d) for i in record_ids if (d := self.docs.get(i)) is not None}
 
     def stale(
         self, state: State, *, older_than_seconds: float, limit: int = 500

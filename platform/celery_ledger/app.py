@@ -860,6 +860,7 @@ def create_app(
         ttl_index=settings.ttl_index,
         group_commit_max=settings.group_commit_max,
         event_listeners=[*ledger_listeners(settings), *command_listeners],
+        fleet=tiers.namespace,
     )
     app.runtime = Runtime(
         settings,

@@ -259,12 +259,8 @@ class Outbox:
         def skip(doc: Mapping[str, Any]) -> bool:
             """Another app's (its relay's), held in the outbox by its tier's mark, or one this
             process cannot open (for now)."""
-            tier = runtime.tier_of(str(doc.get("task")))
-            return (
-                tier is None
-                or runtime.tiers.of_record(doc.get("tier"), tier) in held
-                or self._passed_over_now(str(doc["_id"]))
-            )
+            tier = runtime.tiers.for_record(doc, runtime.tier_of(str(doc.get("task"))))
+            return tier is None or tier in held or self._passed_over_now(str(doc["_id"]))
 
         docs = self._ledger.unpublished(older_than_seconds=grace, limit=limit, skip=skip)
         sent = self._publish(docs, by="relay") if docs else 0
@@ -321,10 +317,11 @@ class Outbox:
         key this process lacks: an operator may bring the key back, or another worker has it)."""
         runtime = self._runtime
         record_id, task = str(doc["_id"]), str(doc.get("task"))
-        task_tier = runtime.tier_of(task)
-        if task_tier is None:  # another app's task (apps may share a ledger, and tier names)
+        # None: another app's task (apps may share a ledger, and tier names); a task of this
+        # fleet this release lacks is published all the same (the handoff takes it on)
+        tier = runtime.tiers.for_record(doc, runtime.tier_of(str(doc.get("task"))))
+        if tier is None:
             return None
-        tier = runtime.tiers.of_record(doc.get("tier"), task_tier)
         message = KeptMessage.from_document(doc.get("message"))
         if message is None or not message.replayable:
             self._bury(doc, task, tier, "outbox: no replayable message was kept", message)

@@ -207,16 +207,23 @@ class Reconciler:
                 # task's publish; a plain task's message, or one without the key, is kombu's)
                 entry.record_id is not None
                 and entry.task is not None
-                and runtime.tier_of(entry.task) is not None  # a task of this app
                 and now - entry.since >= jobs_after
             ):
                 jobs.append(entry)
         if not jobs:
             return
-        states = self._ledger.states_of([str(entry.record_id) for entry in jobs])
+        records = self._ledger.states_of([str(entry.record_id) for entry in jobs])
         for entry in jobs:
-            state = states.get(str(entry.record_id))
+            record = records.get(str(entry.record_id))
+            state = None if record is None else record.state
             if state == State.RUNNING.value or entry.record_id in handled:
+                continue
+            if runtime.tier_of(str(entry.task)) is None and (
+                # Not a task of this release: put back only if its record says it is this
+                # fleet's (a newer or older release's task during a rolling deploy, whose
+                # taker died); another app's is left to kombu
+                record is None or record.fleet != runtime.tiers.namespace
+            ):
                 continue
             if self._broker.restore(entry.message):
                 report.stranded_restored += 1
@@ -254,9 +261,9 @@ class Reconciler:
             report.still_waiting += 1
             return
         runtime = self._runtime
-        task = str(doc.get("task"))
-        task_tier = runtime.tier_of(task)
-        tier = None if task_tier is None else runtime.tiers.of_record(doc.get("tier"), task_tier)
+        # None: another app's job (left to its sweeps); a job of this fleet whose task this
+        # release lacks is brought back all the same (the handoff takes it on)
+        tier = runtime.tiers.for_record(doc, runtime.tier_of(str(doc.get("task"))))
         if tier is not None and doc.get("claimable_at") == UNPUBLISHED and runtime.gate.holds(tier):
             # Never published (enqueued in an app's transaction, or its publish failed), and its
             # tier is above its mark: it waits in the outbox, durable, until the relay publishes

@@ -12,8 +12,9 @@ rule, the task's ``tier`` option, the default tier.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigurationError
 
@@ -78,6 +79,22 @@ class Tiers:
         """The tier a job's record says it was enqueued to (a call's choice) if this app has
         it, else its task's (``task_tier``)."""
         return recorded if isinstance(recorded, str) and recorded in self.names else task_tier
+
+    def for_record(self, record: Mapping[str, Any], task_tier: str | None) -> str | None:
+        """The tier this app's sweeps (the reconciler, the outbox relay) republish a job's
+        ``record`` to, or None if they leave it; ``task_tier``: its task's tier here, None if
+        this release does not have the task. A task of this release goes to the tier its
+        record names (a call's choice) or its own; a task it lacks goes to its record's tier
+        if the record is this fleet's (written by a worker or producer of this queue
+        namespace: a newer release's task during a rolling deploy, or a task this release
+        removed; the handoff brings it to a worker that has it). Another app's record sharing
+        the ledger, or one written before records named their fleet, is left to that app."""
+        if task_tier is not None:
+            return self.of_record(record.get("tier"), task_tier)
+        recorded = record.get("tier")
+        if record.get("fleet") == self.namespace and isinstance(recorded, str):
+            return recorded if recorded in self.names else None
+        return None
 
     def tier_of_queue(self, queue: str) -> str | None:
         """The tier whose queue this is (``dead_letter`` for the dead letters'), or None."""

@@ -15,6 +15,7 @@ import redis
 from celery_ledger import LedgerCelery, State
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from celery_ledger.keys import derive_task_id
+from celery_ledger.ledger.message import KeptMessage
 
 from .conftest import producer_app
 from .helpers import effect_count, wait_for
@@ -340,4 +341,50 @@ def test_a_worker_takes_only_what_its_tiers_serve_whatever_its_pool(
     start_worker("tests.integration.apps.deploy_v2", "deploys", f"dflt-{run}", tiers=("default",))
     assert new.get(timeout=30) == "new"
     assert effect_count("new_feature", token) == 1 and effect_count("greet", token) == 1
+    app.close()
+
+
+@pytest.mark.parametrize("lost", ["committed-unpublished", "lost-in-flight"])
+def test_a_new_tasks_job_an_old_sweeper_holds_reaches_a_new_worker(
+    stack: EmbeddedStack, start_worker: StartWorker, lost: str
+) -> None:
+    """Mid-deploy, the fleet's outbox relay and reconciler run on an old worker (the first up
+    holds their leases). A job of a task only the new release has, committed by a producer
+    that died before its publish, or published and its message lost, is brought back by the
+    old worker all the same (its record names this fleet), and the handoff runs it once on
+    a new worker, long before the deploy is done."""
+    assert stack.broker is not None
+    run = uuid.uuid4().hex[:6]
+    quick = {  # (the session's workers leave the sweeps to the tests that drive them)
+        "LEDGER_RECONCILE_IN_WORKERS": "true",
+        "LEDGER_OUTBOX_RELAY_IN_WORKERS": "true",
+        "LEDGER_RECONCILE_EVERY_SECONDS": "1",
+        "LEDGER_RECONCILE_STALE_AFTER_SECONDS": "3",
+    }
+    old = start_worker("tests.integration.apps.deploy_v1", "deploys", f"old-{run}", **quick)
+    app = producer(stack, "deploys")
+    broker = redis.Redis.from_url(stack.broker.url)
+    lock = (
+        "deploys:ledger:outbox" if lost == "committed-unpublished" else "deploys:ledger:reconciler"
+    )
+
+    def holder() -> str:
+        return (broker.get(lock) or b"").decode()
+
+    wait_for(lambda: f":{old.pid}|" in holder(), what="the old worker holding the sweep's lease")
+    start_worker("tests.integration.apps.deploy_v2", "deploys", f"new-{run}", **quick)
+    # Given a job of the new task the ledger knows, whose message never reached the broker
+    token = f"{run}-job"
+    record_id = derive_task_id("deploys.new_feature", token)
+    kept = KeptMessage.of_call([token], {}, message_headers={"ledger_key": token})
+    app.ledger.enqueue(
+        record_id, task="deploys.new_feature", key=token, tier="default", message=kept
+    )
+    if lost == "committed-unpublished":
+        app.ledger.mark_unpublished(record_id)  # what a committed outbox write holds
+    # Then it runs once, on the new worker, while the old one still holds the lease
+    assert app.AsyncResult(record_id).get(timeout=60) == "new"
+    assert effect_count("new_feature", token) == 1
+    assert f":{old.pid}|" in holder()
+    assert dead_records(app, [record_id]) == []
     app.close()

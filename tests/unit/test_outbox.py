@@ -229,6 +229,34 @@ def test_what_cannot_be_published_is_left_or_recorded_dead_and_the_rest_goes(w: 
     assert w.outbox.relay() == 0 and len(w.ports.tasks) == 1 and len(w.announced) == 3
 
 
+def test_a_committed_job_of_a_task_only_a_newer_release_has_is_published(w: World) -> None:
+    # Given jobs of a task this (older) release lacks, committed by processes that died
+    # before their publish: one of this app's (its record names this queue namespace), one
+    # of another app's sharing the ledger, one on a tier this release does not have
+    newer = "shop.refund_v2"
+    kept = KeptMessage.of_call([5], {}, message_headers={})
+    records = {}
+    for key, fleet, tier in (
+        ("a", w.runtime.tiers.namespace, "bulk"),
+        ("b", "another-app", "bulk"),
+        ("c", w.runtime.tiers.namespace, "overnight"),
+    ):
+        records[key] = derive_task_id(newer, key)
+        w.ledger.fleet = fleet
+        w.ledger.enqueue(records[key], task=newer, key=key, tier=tier, message=kept)
+        w.ledger.mark_unpublished(records[key])
+    w.clock.advance(6)
+    # When this worker's relay runs
+    assert w.outbox.relay() == 1
+    # Then this app's job goes to its tier (the handoff takes it to a worker that has its
+    # task); the others stay in the outbox for a relay that can route them
+    [sent] = w.ports.tasks
+    assert (sent.task, sent.args, sent.options["task_id"]) == (newer, [5], records["a"])
+    assert sent.options["tier"] == "bulk"
+    for key in ("b", "c"):
+        assert w.ledger.docs[records[key]]["claimable_at"] == UNPUBLISHED
+
+
 def test_a_record_claimed_or_published_since_the_read_is_never_recorded_dead(w: World) -> None:
     # Given a committed job with no kept message, read by the relay...
     bare = w.committed("late", message=False)

@@ -22,6 +22,7 @@ from tests.fakes import Clock, MemoryLedger, Outbox, server_clocks
 
 TASK = "shop.charge"
 WAKE = "celery_ledger.workflow.wake"
+NEWER = "shop.refund_v2"  # a task only a newer release of the app has
 OLD_KEY = "AcKyJ2oLnrAAy_LZcIqJcLFxu0NMYeTJnp7JIrpzIs4="
 NEW_KEY = "0qFzQc5xoZQhPWiz7RlXDGRcus0k650e5VRXFgPRCH8="
 
@@ -318,6 +319,64 @@ def test_a_job_of_a_task_not_registered_here_is_skipped(world: World) -> None:
 
     assert report.skipped == [record_id] and world.outbox.tasks == []
     assert world.ledger.docs[record_id]["state"] == State.RUNNING
+
+
+def newer_release_job(world: World, key: str, *, fleet: str | None) -> str:
+    """A job of a task this release lacks, claimed by a worker of ``fleet`` that then died
+    (a newer release's task in a rolling deploy, from this fleet when ``fleet`` is its own)."""
+    record_id = derive_task_id(NEWER, key)
+    world.ledger.fleet = fleet
+    world.ledger.claim(
+        record_id,
+        task=NEWER,
+        key=key,
+        tier="bulk",
+        owner="dead:1",
+        message=KeptMessage.of_call([3], {"n": 1}, message_headers={"ledger_key": key}),
+    )
+    world.ledger.fleet = None
+    return record_id
+
+
+def test_a_job_of_a_task_only_a_newer_release_has_is_brought_back_to_its_tier(
+    world: World,
+) -> None:
+    # Given a job of this fleet (its record names this app's queue namespace) whose task this
+    # release lacks, its new worker dead holding it, its message gone
+    ours = newer_release_job(world, "k1", fleet=world.runtime.tiers.namespace)
+    # and the same of another app sharing the ledger, and of a record of before fleets
+    theirs = newer_release_job(world, "k2", fleet="another-app")
+    unnamed = newer_release_job(world, "k3", fleet=None)
+    world.clock.advance(71)
+    # When this (older) worker sweeps
+    report = world.reconciler.sweep()
+    # Then this fleet's job is published again to the tier it was on (the handoff takes it to
+    # a worker that has its task); the others are left to their own app's sweeps
+    [sent] = world.outbox.tasks
+    assert (sent.task, sent.args, sent.kwargs) == (NEWER, [3], {"n": 1})
+    assert sent.options["task_id"] == ours and sent.options["tier"] == "bulk"
+    assert report.republished == 1 and sorted(report.skipped) == sorted([theirs, unnamed])
+
+
+def test_a_message_of_a_newer_releases_task_whose_taker_died_is_put_back(world: World) -> None:
+    # Given messages of a task this release lacks, taken long ago by workers that died before
+    # their claim: one of this fleet's jobs, one of another app's, one with no record here
+    ours, theirs, unknown = (derive_task_id(NEWER, key) for key in ("k1", "k2", "k3"))
+    for record_id, fleet in ((ours, world.runtime.tiers.namespace), (theirs, "another-app")):
+        world.ledger.fleet = fleet
+        world.ledger.enqueue(
+            record_id,
+            task=NEWER,
+            key=record_id,
+            tier="bulk",
+            message=KeptMessage.of_call([], {}, message_headers={}),
+        )
+    for tag, record_id in (("ours", ours), ("theirs", theirs), ("unknown", unknown)):
+        world.taken(tag, record_id=record_id, task=NEWER, ago=999)
+    # When this worker sweeps
+    world.reconciler.sweep()
+    # Then only this fleet's is put back on its queue
+    assert world.broker.restored == ["ours"]
 
 
 def test_a_dry_run_changes_nothing(world: World) -> None:

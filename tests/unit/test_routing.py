@@ -135,3 +135,16 @@ def test_worker_defaults_are_sane() -> None:
     for defaults in TIER_WORKER_DEFAULTS.values():
         assert defaults.concurrency >= 1
         assert defaults.prefetch_multiplier >= 1
+
+
+def test_the_sweeps_bring_back_this_fleets_records_whatever_task_and_leave_other_apps() -> None:
+    tiers = Tiers(TIERS, default="default", namespace="shop")
+    # a task of this release: the tier the call chose, if this app has it, else the task's
+    assert tiers.for_record({"tier": "bulk"}, "critical") == "bulk"
+    assert tiers.for_record({"tier": "nope", "fleet": "other"}, "critical") == "critical"
+    # a task this release lacks: its record's tier, if the record is this fleet's
+    assert tiers.for_record({"tier": "bulk", "fleet": "shop"}, None) == "bulk"
+    assert tiers.for_record({"tier": "overnight", "fleet": "shop"}, None) is None
+    assert tiers.for_record({"tier": "bulk", "fleet": "billing"}, None) is None
+    assert tiers.for_record({"tier": "bulk"}, None) is None  # written before records named it
+    assert tiers.for_record({"tier": None, "fleet": "shop"}, None) is None

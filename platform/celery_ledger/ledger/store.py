@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from bson.errors import BSONError
 from pymongo import ASCENDING, DESCENDING, DeleteOne, MongoClient, UpdateOne, WriteConcern
@@ -241,6 +241,18 @@ class _FenceClock:
             return self._last
 
 
+class RecordState(NamedTuple):
+    """What the reconciler reads of a record whose message a dead worker may hold."""
+
+    state: str
+    fleet: str | None  # the queue namespace of the publisher (None: an earlier release's)
+
+    @classmethod
+    def of(cls, doc: Mapping[str, Any]) -> RecordState:
+        fleet = doc.get("fleet")
+        return cls(str(doc.get("state")), fleet if isinstance(fleet, str) else None)
+
+
 class Ledger:
     """The ledger of one app: a MongoDB collection of :class:`LedgerRecord` documents, plus
     its groups and audit collections (``<collection>_groups``, ``<collection>_audit``).
@@ -266,8 +278,15 @@ class Ledger:
         group_commit_max: int = MAX_BATCH,
         event_listeners: Sequence[CommandListener] = (),
         clock: Callable[[], datetime] | None = None,
+        fleet: str | None = None,
     ) -> None:
         self.uri = uri
+        # The queue namespace of the workers that run these records' jobs, written on every
+        # record a publish or a claim writes: a reconciler or an outbox relay of an earlier
+        # release meets records of tasks it does not have during a rolling deploy, and tells
+        # its own fleet's (which it republishes for the handoff) from another app's sharing
+        # the ledger (which that app's own sweeps handle) by it.
+        self.fleet = fleet
         self.database_name = database
         self.collection_name = collection
         self.lease_seconds = lease_seconds
@@ -786,6 +805,8 @@ class Ledger:
         }
         if message is not None:
             fields["message"] = message.document()
+        if self.fleet is not None:
+            fields["fleet"] = self.fleet
         on_insert: dict[str, Any] = {"created_at": now}
         if slo_at is not None:  # a job's objective, from its publish (see escalation.py)
             on_insert |= {"slo_at": slo_at, "slo_seconds": slo_seconds}
@@ -1433,7 +1454,7 @@ class Ledger:
         whoever publishes it (the committing process, or the relay) marks it published.
         """
         now = self.now()
-        fields = _queued(task=task, key=key, tier=tier, now=now)
+        fields = _queued(task=task, key=key, tier=tier, now=now, fleet=self.fleet)
         fields["message"] = message.document()
         fields.update(objective or {})
         if claimable_at is not None:
@@ -1573,7 +1594,7 @@ class Ledger:
                     "$inc": {"deferrals": 1},
                     "$set": {"last_deferral": {"reason": reason, "until": until, "at": now}},
                     "$setOnInsert": {
-                        **_queued(task=task, key=key, tier=tier, now=now),
+                        **_queued(task=task, key=key, tier=tier, now=now, fleet=self.fleet),
                         **(objective or {}),
                     },
                 },
@@ -1819,13 +1840,15 @@ class Ledger:
                 ).limit(limit)
             )
 
-    def states_of(self, record_ids: Sequence[str]) -> dict[str, str]:
-        """Each existing record's state, by id."""
+    def states_of(self, record_ids: Sequence[str]) -> dict[str, RecordState]:
+        """Each existing record's state and fleet, by id."""
         if not record_ids:
             return {}
         with translate_errors("reconcile query"):
-            docs = self.collection.find({"_id": {"$in": list(record_ids)}}, {"state": 1})
-            return {str(doc["_id"]): str(doc.get("state")) for doc in docs}
+            docs = self.collection.find(
+                {"_id": {"$in": list(record_ids)}}, {"state": 1, "fleet": 1}
+            )
+            return {str(doc["_id"]): RecordState.of(doc) for doc in docs}
 
     def stale(
         self, state: State, *, older_than_seconds: float, limit: int = 500
@@ -2044,9 +2067,9 @@ def _cache_id(task: str, cache_key: str) -> str:
     return f"{task}\x1f{cache_key}"
 
 
-def _queued(*, task: str, key: str, tier: str, now: datetime) -> dict[str, Any]:
+def _queued(*, task: str, key: str, tier: str, now: datetime, fleet: str | None) -> dict[str, Any]:
     """The fields of a new record that waits for its first claim."""
-    return {
+    return ({} if fleet is None else {"fleet": fleet}) | {
         "v": SCHEMA_VERSION,
         "task": task,
         "key": key,
