@@ -1,5 +1,8 @@
 """celery-ledger: Celery tasks with exactly-once effects, backed by a MongoDB ledger."""
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _distribution_version
+
 from .app import LedgerCelery, create_app
 from .errors import (
     Backpressure,
@@ -34,6 +37,11 @@ from .settings import Settings
 from .task import LedgerTask
 from .workflow.api import Workflow, WorkflowEvent, WorkflowHandle, WorkflowStatus
 from .workflow.context import WorkflowContext
+
+try:
+    __version__: str = _distribution_version("celery-ledger")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "Alternate",

@@ -17,12 +17,12 @@ from .options import actor_option
 console = Console(soft_wrap=True)
 
 
-@click.group(name="breakers")
+@click.group(name="breakers", short_help="Circuit breakers shared by all workers.")
 def breakers() -> None:
     """Circuit breakers shared by all workers (state lives in Redis)."""
 
 
-@breakers.command(name="list")
+@breakers.command(name="list", short_help="List breakers, their state and counts.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def list_(ctx: click.Context, as_json: bool) -> None:
@@ -58,7 +58,7 @@ def _force(ctx: click.Context, name: str, action: str, actor: str | None) -> Non
     console.print(f"breaker {name}: {label}")
 
 
-@breakers.command(name="open")
+@breakers.command(name="open", short_help="Force a breaker open until cleared.")
 @click.argument("name")
 @actor_option
 @click.pass_context
@@ -67,7 +67,7 @@ def open_(ctx: click.Context, name: str, actor_name: str | None) -> None:
     _force(ctx, name, "open", actor_name)
 
 
-@breakers.command()
+@breakers.command(short_help="Force a breaker closed until cleared.")
 @click.argument("name")
 @actor_option
 @click.pass_context
@@ -76,7 +76,7 @@ def close(ctx: click.Context, name: str, actor_name: str | None) -> None:
     _force(ctx, name, "close", actor_name)
 
 
-@breakers.command()
+@breakers.command(short_help="Remove a breaker's forced state.")
 @click.argument("name")
 @actor_option
 @click.pass_context

@@ -14,6 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from .. import __version__
 from ..routing import TIER_WORKER_DEFAULTS, TIERS
 from .breakers import breakers
 from .dlq import dlq
@@ -39,7 +40,8 @@ def _app_path(ctx: click.Context) -> str:
     return str(value)
 
 
-@click.group(name="ledger")
+@click.group(name="ledger", short_help="Exactly-once tasks with a MongoDB ledger.")
+@click.version_option(__version__, prog_name="celery-ledger", message="%(prog)s %(version)s")
 @click.pass_context
 def ledger(ctx: click.Context) -> None:
     """celery-ledger: exactly-once tasks with a MongoDB ledger."""
@@ -54,7 +56,7 @@ ledger.add_command(triggers)
 ledger.add_command(schedules)
 
 
-@ledger.command(name="console")
+@ledger.command(name="console", short_help="Serve the operator console.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8077, show_default=True, help="Port to listen on.")
 @click.pass_context
@@ -74,7 +76,7 @@ def console_(ctx: click.Context, host: str, port: int) -> None:
     uvicorn.run(web, host=host, port=port, log_level="info", proxy_headers=False, access_log=False)
 
 
-@ledger.command(name="provision-users")
+@ledger.command(name="provision-users", short_help="Create the ledger's role and the app's user.")
 @click.option("--user", default="ledger", show_default=True, help="The user the app connects as.")
 @click.option(
     "--app-database",
@@ -111,7 +113,7 @@ def provision_users(ctx: click.Context, user: str, app_databases: tuple[str, ...
     )
 
 
-@ledger.command()
+@ledger.command(short_help="Run a worker for one tier.")
 @click.option("--tier", type=click.Choice(TIERS), required=True, help="The tier to consume.")
 @click.option("--concurrency", "-c", type=int, default=None, help="Pool processes (tier default).")
 @click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
@@ -142,7 +144,7 @@ def worker(
     os.execv(sys.executable, argv)
 
 
-@ledger.command()
+@ledger.command(short_help="Run the embedded stack until Ctrl-C.")
 @click.option(
     "--data-dir",
     type=click.Path(path_type=Path),
@@ -237,7 +239,7 @@ def stack(
         console.print("stopping...")
 
 
-@ledger.command(name="finish-upgrade")
+@ledger.command(name="finish-upgrade", short_help="Retire what an earlier release needed.")
 @click.pass_context
 def finish_upgrade(ctx: click.Context) -> None:
     """Retire what an earlier release needed, once none of its workers or producers runs.
@@ -251,7 +253,7 @@ def finish_upgrade(ctx: click.Context) -> None:
         console.print(f"{what}: {count}", highlight=False)
 
 
-@ledger.command(name="reconcile")
+@ledger.command(name="reconcile", short_help="Republish jobs whose worker died.")
 @click.option("--dry-run", is_flag=True, help="Report what would be done; change nothing.")
 @click.option("--grace", type=float, default=None, help="Lease grace seconds (setting).")
 @click.option("--stale-after", type=float, default=None, help="Stale seconds (setting).")
@@ -273,7 +275,7 @@ def reconcile_command(
     console.print(table)
 
 
-@ledger.command()
+@ledger.command(short_help="Show a job's ledger record.")
 @click.argument("task_name")
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw record as JSON.")

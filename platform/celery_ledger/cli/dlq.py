@@ -54,7 +54,7 @@ def dlq() -> None:
     """Dead letters: list, show, replay, purge."""
 
 
-@dlq.command(name="list")
+@dlq.command(name="list", short_help="List dead jobs grouped by fingerprint.")
 @with_filters
 @click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -142,7 +142,7 @@ def list_(
     console.print(table)
 
 
-@dlq.command()
+@dlq.command(short_help="Show one dead job and its message.")
 @click.argument("ident")
 @click.option("--task", "task_name", help="The task, when IDENT is a key used by several.")
 @click.option("--json", "as_json", is_flag=True)
@@ -191,7 +191,7 @@ def show(ctx: click.Context, ident: str, task_name: str | None, as_json: bool) -
     console.print(errors)
 
 
-@dlq.command()
+@dlq.command(short_help="Republish dead jobs to their tier.")
 @click.argument("ident", required=False)
 @with_filters
 @click.option("--dry-run", is_flag=True, help="Say what would be replayed; change nothing.")
@@ -270,7 +270,7 @@ def replay(
     console.print(f"{done} of {len(outcomes)} {'would be ' if dry_run else ''}replayed")
 
 
-@dlq.command()
+@dlq.command(short_help="Delete dead records, after asking.")
 @with_filters
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @actor_option

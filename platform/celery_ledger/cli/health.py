@@ -22,7 +22,7 @@ STYLE = {"ok": "green", "warn": "yellow", "down": "bold red", "skipped": "dim"}
 console = Console(soft_wrap=True)
 
 
-@click.command(name="health")
+@click.command(name="health", short_help="Check broker, ledger, workers and clocks.")
 @click.option(
     "--tiers",
     default=None,

@@ -20,13 +20,13 @@ from .options import actor_option
 console = Console(soft_wrap=True)
 
 
-@click.group(name="keys")
+@click.group(name="keys", short_help="Encryption and signing keys: check, reseal.")
 def keys() -> None:
     """Encryption and signing keys: seal stored values again with the newest encryption key,
     sign held delayed entries again with the newest signing key; say when an old key can go."""
 
 
-@keys.command()
+@keys.command(short_help="Count values an older key still seals.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def check(ctx: click.Context, as_json: bool) -> None:
@@ -38,7 +38,7 @@ def check(ctx: click.Context, as_json: bool) -> None:
         ctx.exit(1)
 
 
-@keys.command()
+@keys.command(short_help="Seal and sign again with the newest keys.")
 @click.option("--json", "as_json", is_flag=True)
 @actor_option
 @click.pass_context

@@ -28,14 +28,14 @@ from .options import actor_option
 console = Console(soft_wrap=True)
 
 
-@click.group(name="schedules")
+@click.group(name="schedules", short_help="Periodic tasks: list, pause, run, declare.")
 def schedules() -> None:
     """Periodic tasks (the app's beat_schedule, and entries declared at run time): list and
     show them (last slot sent, next due, who fires them), create and delete one at run time,
     pause and resume them, trigger a run, backfill missed slots (each change audited)."""
 
 
-@schedules.command(name="list")
+@schedules.command(name="list", short_help="List entries, last slot sent and next due.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def list_(ctx: click.Context, as_json: bool) -> None:
@@ -96,7 +96,7 @@ def _checked(action: Callable[[], Any]) -> Any:
         raise click.UsageError(str(exc)) from exc
 
 
-@schedules.command()
+@schedules.command(short_help="Pause an entry: its slots pass without runs.")
 @click.argument("name")
 @click.option("--reason", default="", help="Why (kept with the pause, and in the audit trail).")
 @actor_option
@@ -109,7 +109,7 @@ def pause(ctx: click.Context, name: str, reason: str, actor_name: str | None) ->
     console.print(f"{name}: {'paused' if changed else 'already paused'}")
 
 
-@schedules.command()
+@schedules.command(short_help="Resume an entry from its next slot.")
 @click.argument("name")
 @actor_option
 @click.pass_context
@@ -133,7 +133,7 @@ def trigger(ctx: click.Context, name: str, actor_name: str | None) -> None:
     console.print(f"{name}: sent {sent}")
 
 
-@schedules.command()
+@schedules.command(short_help="Run an entry's missed slots in a range.")
 @click.argument("name")
 @click.option("--from", "start", required=True, help="First slot: an ISO time, or 6h (ago).")
 @click.option("--to", "end", default=None, help="Last slot: an ISO time, or 1h (ago); now.")
@@ -186,7 +186,7 @@ def _json_option(text: str | None, what: str) -> Any:
         raise click.BadParameter(f"not JSON ({exc})", param_hint=what) from None
 
 
-@schedules.command()
+@schedules.command(short_help="Declare an entry at run time.")
 @click.argument("name")
 @click.option("--task", "task_name", required=True, help="The task each run runs (its name).")
 @click.option("--every", type=float, default=None, help="Every N seconds (an interval).")
@@ -234,7 +234,7 @@ def create(
     console.print(f"{name}: {'created' if created else 'exists already (delete it first)'}")
 
 
-@schedules.command()
+@schedules.command(short_help="Delete an entry declared at run time.")
 @click.argument("name")
 @actor_option
 @click.pass_context
@@ -246,7 +246,7 @@ def delete(ctx: click.Context, name: str, actor_name: str | None) -> None:
     console.print(f"{name}: {'deleted' if deleted else 'no such entry declared at run time'}")
 
 
-@schedules.command()
+@schedules.command(short_help="Show an entry: schedule, task, policy.")
 @click.argument("name")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context

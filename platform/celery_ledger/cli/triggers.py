@@ -16,12 +16,12 @@ from .options import actor_option
 console = Console(soft_wrap=True)
 
 
-@click.group(name="triggers")
+@click.group(name="triggers", short_help="Change-stream triggers: list, reset.")
 def triggers() -> None:
     """Change-stream triggers (@app.on_change): where each is, and whether it stopped."""
 
 
-@triggers.command(name="list")
+@triggers.command(name="list", short_help="List triggers: place, count, problem.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def list_(ctx: click.Context, as_json: bool) -> None:
@@ -58,7 +58,7 @@ def list_(ctx: click.Context, as_json: bool) -> None:
     console.print(table)
 
 
-@triggers.command()
+@triggers.command(short_help="Restart a stopped trigger from now.")
 @click.argument("name")
 @actor_option
 @click.pass_context

@@ -55,12 +55,12 @@ def _acting(func: Any) -> Any:
     return run
 
 
-@click.group(name="workflows")
+@click.group(name="workflows", short_help="Durable workflows: inspect, signal, cancel.")
 def workflows() -> None:
     """Durable workflows: list, show, history, state, signal, cancel, retry."""
 
 
-@workflows.command(name="list")
+@workflows.command(name="list", short_help="List workflows, most recent first.")
 @click.option("--status", help="Only this status (running, stuck, completed, failed, ...).")
 @click.option("--limit", type=int, default=100, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -99,7 +99,7 @@ def list_(ctx: click.Context, status: str | None, limit: int, as_json: bool) -> 
     console.print(table)
 
 
-@workflows.command()
+@workflows.command(short_help="Show where a workflow stands.")
 @click.argument("workflow_id")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
@@ -118,7 +118,7 @@ def show(ctx: click.Context, workflow_id: str, as_json: bool) -> None:
     console.print(table)
 
 
-@workflows.command()
+@workflows.command(short_help="Show every event of a workflow's log.")
 @click.argument("workflow_id")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
@@ -143,7 +143,7 @@ def history(ctx: click.Context, workflow_id: str, as_json: bool) -> None:
     console.print(table)
 
 
-@workflows.command()
+@workflows.command(short_help="Show a workflow's state, now or as of then.")
 @click.argument("workflow_id")
 @click.option("--as-of", "as_of", help="Rebuild the state at this moment: ISO time, or 30m ago.")
 @click.option("--json", "as_json", is_flag=True)
@@ -178,7 +178,7 @@ def state(ctx: click.Context, workflow_id: str, as_of: str | None, as_json: bool
     console.print(table)
 
 
-@workflows.command()
+@workflows.command(short_help="Send a signal to a workflow.")
 @click.argument("workflow_id")
 @click.argument("name")
 @click.option("--payload", default="null", help="The signal's payload, as JSON.")
@@ -208,7 +208,7 @@ def signal(
     console.print(f"signal {name} " + ("sent" if added else "was sent before (not repeated)"))
 
 
-@workflows.command()
+@workflows.command(short_help="Cancel a workflow (its steps compensated).")
 @click.argument("workflow_id")
 @click.option("--reason", default="", help="Why (kept in the log and the audit trail).")
 @click.option("--json", "as_json", is_flag=True)
@@ -227,7 +227,7 @@ def cancel(
     console.print(f"cancel requested for {workflow_id}")
 
 
-@workflows.command()
+@workflows.command(short_help="Resume a stuck workflow, or run it again.")
 @click.argument("workflow_id")
 @click.option("--from-step", type=int, default=None, help="Run again from this position.")
 @click.option("--json", "as_json", is_flag=True)
