@@ -6,7 +6,7 @@
 - ``wide`` (``--hypothesis-profile=wide``): random, ``WIDE_FACTOR`` times as many examples,
   and new failures are written into that directory, to be committed.
 
-Select the property tests with ``-m props``; the README's "Testing" paragraph has the commands.
+Select the property tests with ``-m props``; docs/contributing/testing.md has the commands.
 
 The suite runs in parallel (pytest-xdist, ``-n auto --dist loadgroup`` in pyproject's addopts):
 :func:`pytest_xdist_auto_num_workers` chooses how many processes, each with its own servers
@@ -102,7 +102,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # The suite mostly waits on servers and workers (about one core of 2 busy with 4 processes): on 2
-# cores 6 processes ran it faster than 4; more cores, up to 8, get one each (README, "Testing").
+# cores 6 processes ran it faster than 4; more cores, up to 8, get one each (docs/, "Testing").
 XDIST_WORKERS_MIN, XDIST_WORKERS_MAX = 6, 8
 
 

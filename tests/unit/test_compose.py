@@ -439,7 +439,7 @@ def test_the_broker_has_no_default_user_and_checks_health_as_its_own(
 
 @pytest.fixture(scope="module")
 def tls_services(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The configuration with the TLS override applied (as the README's command runs it)."""
+    """The configuration with the TLS override applied (as the deployment page runs it)."""
     config = _resolved_config(
         tmp_path_factory.mktemp("compose-tls"), files=(COMPOSE_FILE, TLS_FILE)
     )
