@@ -18,7 +18,7 @@ RUN groupadd --system --gid 10001 app \
 
 WORKDIR /app
 
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY platform/ platform/
 # The extras the compose file turns on: worker metrics, Sentry, OpenTelemetry traces.
 RUN pip install ".[metrics,sentry,tracing,console]" "flower>=2.0,<3" && rm -rf build platform/*.egg-info
