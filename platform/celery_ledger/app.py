@@ -31,6 +31,7 @@ from pymongo.client_session import ClientSession
 from pymongo.monitoring import CommandListener
 
 from . import headers, tracecontext
+from .admission import WORKFLOW_STEP
 from .broker import RedisBroker, SweepLock
 from .conf_check import conf_problems, pinned, task_problems
 from .crypto import (
@@ -65,7 +66,7 @@ from .schedules import (
     LedgerScheduler,
 )
 from .settings import Settings
-from .task import KEY_SECRET_NEEDED, WORKFLOW_STEP, LedgerTask
+from .task import KEY_SECRET_NEEDED, LedgerTask
 from .triggers import Argument, Trigger
 from .triggers import declare as declare_trigger
 from .worker import LedgerWorkerStep

@@ -29,6 +29,11 @@ observer's exception: observing can never fail a task. Events:
     scheduled(schedule, task, slot, lag)  a periodic run was sent for its slot
     schedule_skipped(schedule, task, slot, reason)
                                           a slot passed without a run (its entry paused)
+    trigger_change(trigger)               a change-stream trigger turned a change into a job
+    trigger_waited(trigger, tier)         a trigger stopped reading: its tier is above its mark
+    trigger_problem(trigger, namespace, problem, detail)
+                                          a trigger stopped (its stream invalidated, its
+                                          history lost, ...) until an operator resets it
 """
 
 from __future__ import annotations
@@ -129,6 +134,18 @@ class Observer:
         """The slot ``slot`` of the schedule entry ``schedule`` passed without a run
         (``reason``: ``paused``, an operator paused the entry)."""
 
+    def trigger_change(self, trigger: str) -> None:
+        """The change-stream trigger ``trigger`` turned a change into a job."""
+
+    def trigger_waited(self, trigger: str, tier: str) -> None:
+        """The trigger ``trigger`` stopped reading: its ``tier`` is above its mark (it reads
+        on once there is room; reported once per wait)."""
+
+    def trigger_problem(self, trigger: str, namespace: str, problem: str, detail: str) -> None:
+        """The trigger ``trigger`` (on ``namespace``) stopped: ``problem`` is ``invalidated``,
+        ``history_lost``, ``invalid_token`` or ``stuck``; its changes are no longer turned
+        into jobs until it is reset (reported once, by the watcher that found it)."""
+
 
 EVENTS: tuple[str, ...] = tuple(
     name for name, value in vars(Observer).items() if callable(value) and not name.startswith("_")
@@ -217,3 +234,12 @@ class Observers(Observer):
 
     def schedule_skipped(self, schedule: str, task: str, slot: float, reason: str) -> None:
         self._dispatch("schedule_skipped", schedule, task, slot, reason)
+
+    def trigger_change(self, trigger: str) -> None:
+        self._dispatch("trigger_change", trigger)
+
+    def trigger_waited(self, trigger: str, tier: str) -> None:
+        self._dispatch("trigger_waited", trigger, tier)
+
+    def trigger_problem(self, trigger: str, namespace: str, problem: str, detail: str) -> None:
+        self._dispatch("trigger_problem", trigger, namespace, problem, detail)

@@ -30,6 +30,7 @@ from kombu.exceptions import EncodeError
 from kombu.utils import json as kombu_json
 
 from . import headers
+from .admission import ADMITTED, NEVER_SHED, WORKFLOW_STEP
 from .conf_check import task_problems
 from .crypto import REDACTED, SEALED_SERIALIZER, sealing
 from .errors import (
@@ -101,20 +102,6 @@ _FROZEN_BY_CELERY = (
     "retries",
 )
 _MAX_DEFERRALS = 1_000_000
-# Marks a publish of a job already admitted and known (a trigger's job whose ``queued``
-# record exists, its message sent again): no backpressure, no dedupe.
-ADMITTED = "ledger_admitted"
-# Marks a publish of a started workflow's step: no backpressure (the workflow was admitted when
-# it started), and otherwise a first publish: with dedupe on publish its ``queued`` record is
-# written first. That record is what tells the engine that a step still waits behind a backlog
-# (a step with none looks lost after a few checks and is published again: the long chaos soak's
-# queues held two or three copies of many steps, each a claim, when steps skipped the record),
-# and a step whose message is lost is then the reconciler's, as any queued job's.
-WORKFLOW_STEP = "ledger_workflow_step"
-# Marks a publish whose caller waits and tries again rather than have its job shed: a
-# change-stream trigger's (a shed change's job would be recorded dead while its stream moved
-# past it). Above the mark, under any policy, it gets ``Backpressure``.
-NEVER_SHED = "ledger_never_shed"
 
 
 _EVENT_TEXT_FIELDS = ("result", "exception", "traceback", "args", "kwargs")

@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -55,14 +54,15 @@ from pymongo.errors import ConnectionFailure, OperationFailure
 # own list, the one its retries follow.
 from pymongo.helpers_shared import _RETRYABLE_ERROR_CODES
 
+from .admission import ADMITTED, NEVER_SHED
 from .broker import SweepLock
 from .errors import Backpressure, ConfigurationError, LedgerUnavailable, PayloadError
+from .events import Observer
 from .keys import derive_task_id
 from .ledger.dead import DeadJob
 from .ledger.record import State
 from .ledger.store import Ledger, Unclaimed
 from .ledger.triggers import TriggerStore
-from .task import ADMITTED, NEVER_SHED
 
 if TYPE_CHECKING:
     from pymongo.collection import Collection
@@ -330,8 +330,10 @@ class TriggerWatcher:
         save_every: int = DEFAULT_SAVE_EVERY,
         slice_seconds: float = SLICE_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        observers: Observer | None = None,
     ) -> None:
         self.trigger = trigger
+        self._observers = observers or Observer()  # metrics, Sentry: the app's observers
         self._source = source
         self._store = store
         self._lease = lease
@@ -437,7 +439,7 @@ class TriggerWatcher:
             if not self._room.has_room(self._tier):
                 if not self._waiting:
                     self._waiting = True
-                    _count("trigger_waited", self.trigger.name, self._tier)
+                    self._observers.trigger_waited(self.trigger.name, self._tier)
                     logger.info("trigger %s waits: tier %s is full", self.trigger.name, self._tier)
                 break
             self._waiting = False
@@ -475,7 +477,7 @@ class TriggerWatcher:
         # Changes are handled in stream order: after the first new one, none is known.
         self._recovering = self._recovering and known
         self._room.published(self._tier)
-        _count("trigger_change", self.trigger.name)
+        self._observers.trigger_change(self.trigger.name)
 
     def _open(self, fence: int) -> _Reading | None:
         state = self._store.load(self.trigger.name)
@@ -558,8 +560,9 @@ class TriggerWatcher:
             return
         self._reported = problem
         if not stored:  # counted once, by the watcher that found it
-            _count("trigger_problem", self.trigger.name, problem)
-            _to_sentry(self.trigger, problem, detail)
+            self._observers.trigger_problem(
+                self.trigger.name, self.trigger.namespace, problem, detail
+            )
         logger.error(
             "trigger %s on %s stopped (%s): %s. Its changes are no longer turned into jobs:"
             " reset it (celery -A APP ledger triggers reset %s) and backfill the collection",
@@ -627,39 +630,8 @@ class TriggerRunner:
             watcher.stop(timeout=max(0.0, deadline - self._clock()))
 
 
-def _count(event: str, *args: Any) -> None:
-    """A metric, when metrics are on (their module, which needs prometheus-client, is loaded
-    by ``create_app`` then); its functions never raise."""
-    module = sys.modules.get("celery_ledger.observability.metrics")
-    if module is not None:
-        getattr(module, event)(*args)
-
-
 def _token(value: Any) -> dict[str, Any] | None:
     return dict(value) if isinstance(value, Mapping) else None
-
-
-def _to_sentry(trigger: Trigger, problem: str, detail: str) -> None:
-    """A Sentry event when Sentry is set up (``LEDGER_SENTRY_DSN``); never raises."""
-    try:
-        import sentry_sdk
-        from sentry_sdk.integrations.logging import ignore_logger
-    except ImportError:
-        return
-    try:
-        if not sentry_sdk.get_client().is_active():
-            return
-        ignore_logger(logger.name)  # the error line below is this event
-        with sentry_sdk.new_scope() as scope:
-            scope.fingerprint = ["celery-ledger", "trigger", trigger.name, problem]
-            scope.set_tag("celery_ledger.event", "trigger_problem")
-            scope.set_tag("celery_ledger.trigger", trigger.name)
-            scope.set_context("trigger", {"namespace": trigger.namespace, "detail": detail[:500]})
-            sentry_sdk.capture_message(
-                f"trigger {trigger.name} stopped: {problem}; reset it and backfill", level="error"
-            )
-    except Exception as exc:
-        logger.warning("trigger %s: Sentry report failed: %s", trigger.name, exc)
 
 
 # -- declaration and wiring --------------------------------------------------------------------
@@ -800,6 +772,7 @@ def watchers_for(app: Any) -> list[TriggerWatcher]:
                 await_ms=await_ms,
                 save_every=settings.trigger_save_every,
                 slice_seconds=min(SLICE_SECONDS, turn),
+                observers=runtime.observers,
             )
         )
     return watchers

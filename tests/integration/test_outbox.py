@@ -382,7 +382,7 @@ def test_a_publish_that_must_never_be_shed_is_refused_instead(
 ) -> None:
     """A change-stream trigger publishes so (its change is read again once there is room):
     on a shed tier above its mark it gets Backpressure, and no dead record is written."""
-    from celery_ledger.task import NEVER_SHED
+    from celery_ledger.admission import NEVER_SHED
 
     namespace = f"ns{uuid.uuid4().hex[:6]}"
     limits = {"bulk": {"high_water": 1, "policy": "shed"}}

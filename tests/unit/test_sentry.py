@@ -130,6 +130,16 @@ def test_breaker_open_and_lost_leases_are_warnings_with_fingerprints(
     assert {e["level"] for e in captured.events} == {"warning"}
 
 
+def test_a_stopped_trigger_is_an_error_with_its_fingerprint(app: Any, captured: Captured) -> None:
+    app.observers.trigger_problem("shop.on_order", "shop.orders", "history_lost", "oplog rolled")
+    flush()
+    [event] = captured.events
+    assert event["fingerprint"] == ["celery-ledger", "trigger", "shop.on_order", "history_lost"]
+    assert event["level"] == "error" and "reset it and backfill" in event["message"]
+    assert event["tags"]["celery_ledger.event"] == "trigger_problem"
+    assert event["contexts"]["trigger"]["namespace"] == "shop.orders"
+
+
 def test_task_failures_are_scrubbed(app: Any, captured: Captured) -> None:
     # When a task fails with a secret in its arguments and its local variables
     app.tasks["sentry_tests.charge"].apply(args=(SECRET,))

@@ -29,9 +29,9 @@ from celery_ledger import (
     Settings,
     create_app,
 )
+from celery_ledger.admission import ADMITTED
 from celery_ledger.keys import default_key, derive_task_id
 from celery_ledger.ledger.store import EnqueueOutcome
-from celery_ledger.task import ADMITTED
 
 SENTINEL = object()
 

@@ -14,6 +14,7 @@ from pymongo.errors import OperationFailure
 
 from celery_ledger import Settings, create_app
 from celery_ledger.errors import Backpressure, ConfigurationError
+from celery_ledger.events import Observers
 from celery_ledger.health import trigger_report
 from celery_ledger.ledger.triggers import TriggerState
 from celery_ledger.observability import metrics
@@ -468,10 +469,12 @@ def test_trigger_metrics() -> None:
     registry = CollectorRegistry()
     metrics.enable(registry)
     try:
-        metrics.trigger_change("shop.on_order")
-        metrics.trigger_waited("shop.on_order", "bulk")
-        metrics.trigger_problem("shop.on_order", "history_lost")
-        metrics.trigger_problem("shop.on_order", "some text from a server")
+        # (through the app's observers, as a watcher reports them)
+        observers = Observers(metrics.MetricsObserver())
+        observers.trigger_change("shop.on_order")
+        observers.trigger_waited("shop.on_order", "bulk")
+        observers.trigger_problem("shop.on_order", "shop.orders", "history_lost", "gone")
+        observers.trigger_problem("shop.on_order", "shop.orders", "some text from a server", "")
     finally:
         metrics.disable()
     value = registry.get_sample_value

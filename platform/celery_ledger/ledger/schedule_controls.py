@@ -25,7 +25,7 @@ class ScheduleControls:
 
     @property
     def collection(self) -> Any:
-        return self.ledger._companion("schedules")
+        return self.ledger.companion("schedules")
 
     def paused(self) -> dict[str, dict[str, Any]]:
         """The paused entries by name: why, by whom, since when. One read on an index."""

@@ -349,7 +349,11 @@ class Ledger:
         name = self.collection_name if suffix is None else f"{self.collection_name}_{suffix}"
         return session.client.get_database(self.database_name).get_collection(name)
 
-    def _companion(self, suffix: str) -> Collection[dict[str, Any]]:
+    def companion(self, suffix: str) -> Collection[dict[str, Any]]:
+        """A companion collection of the ledger (``<collection>_<suffix>``: groups, cache,
+        audit, objectives, and the stores of the ledger package: workflows, triggers,
+        schedules), with the ledger's write concern. For the ``celery_ledger.ledger`` package's
+        own stores; the engines go through their methods."""
         return self.collection.database.get_collection(
             f"{self.collection_name}_{suffix}", write_concern=self._write_concern
         )
@@ -396,7 +400,7 @@ class Ledger:
         wanted, other = ("retention", "retention_sweep")
         if not self.ttl_index:
             wanted, other = other, wanted
-        groups, cache = self._companion("groups"), self._companion("cache")
+        groups, cache = self.companion("groups"), self.companion("cache")
         with translate_errors("index creation"):
             # A group's members expire with them; a last good result like a result.
             for collection in (self.collection, groups, cache):
@@ -423,7 +427,7 @@ class Ledger:
             )
             self._objectives.create_index("slo_at", name="due")
             self._retire_copy_due_index()
-        self.ensure_audit_indexes(self._companion("audit"))
+        self.ensure_audit_indexes(self.companion("audit"))
 
     def _retire_copy_due_index(self) -> None:
         """Dead records' pending queue copies had an index of their own (``copy_due_at``);
@@ -516,7 +520,7 @@ class Ledger:
         for them (see ensure_indexes). Written after the record that holds the objective
         (``slo_at`` on the record stays the truth: a finish or a late mark removes it there,
         in the write that does it), and removed by :meth:`overdue` once due and settled."""
-        return self._companion("objectives")
+        return self.companion("objectives")
 
     def _track_objective(
         self,
@@ -592,8 +596,8 @@ class Ledger:
         """
         past = {"expires_at": {"$lt": self.now()}}
         with translate_errors("expiry"):
-            self._companion("groups").delete_many(past)
-            self._companion("cache").delete_many(past)
+            self.companion("groups").delete_many(past)
+            self.companion("cache").delete_many(past)
             return self.collection.delete_many(past).deleted_count
 
     # -- reads ------------------------------------------------------------------------------
@@ -949,7 +953,7 @@ class Ledger:
         """Keep ``result_json`` as the last good result of ``task`` for ``cache_key`` (an older
         one never overwrites a newer: the write matches only an older entry, or inserts)."""
         now = self.now()
-        cache = self._companion("cache")
+        cache = self.companion("cache")
         with translate_errors("cache write"), contextlib.suppress(DuplicateKeyError):
             cache.update_one(
                 {"_id": _cache_id(task, cache_key), "at": {"$lt": now}},
@@ -967,7 +971,7 @@ class Ledger:
     def last_good(self, task: str, cache_key: str) -> tuple[str, datetime] | None:
         """The last good result of ``task`` for ``cache_key`` (stored JSON, when), or None."""
         with translate_errors("cache read"):
-            doc = self._companion("cache").find_one({"_id": _cache_id(task, cache_key)})
+            doc = self.companion("cache").find_one({"_id": _cache_id(task, cache_key)})
         if doc is None or not isinstance(doc.get("result"), str):
             return None
         at = doc["at"] if doc["at"].tzinfo else doc["at"].replace(tzinfo=UTC)
@@ -1952,11 +1956,11 @@ class Ledger:
             "expires_at": self.now() + self.result_retention,
         }
         with translate_errors("group save"):
-            self._companion("groups").replace_one({"_id": group_id}, doc, upsert=True)
+            self.companion("groups").replace_one({"_id": group_id}, doc, upsert=True)
 
     def group_members(self, group_id: str) -> list[str] | None:
         with translate_errors("group read"):
-            doc = self._companion("groups").find_one({"_id": group_id})
+            doc = self.companion("groups").find_one({"_id": group_id})
         if doc is None:
             return None
         members = doc.get("members")
@@ -1968,7 +1972,7 @@ class Ledger:
 
     def delete_group(self, group_id: str) -> None:
         with translate_errors("group delete"):
-            self._companion("groups").delete_one({"_id": group_id})
+            self.companion("groups").delete_one({"_id": group_id})
 
     # -- the audit trail ----------------------------------------------------------------------
 
@@ -1977,7 +1981,7 @@ class Ledger:
         returns its id, for :meth:`audit_outcome`."""
         entry = {"action": action, "target": target, "actor": actor, "at": self.now(), **details}
         with translate_errors("audit"):
-            return self._companion("audit").insert_one(entry).inserted_id
+            return self.companion("audit").insert_one(entry).inserted_id
 
     def audit_outcome(self, entry_id: Any, outcome: str, **details: Any) -> None:
         """Record how the audited action ended (``done`` or ``failed``), with its details: a
@@ -1986,7 +1990,7 @@ class Ledger:
         fields = {"of": entry_id, "outcome": outcome, "at": self.now(), **details}
         try:
             with translate_errors("audit"):
-                self._companion("audit").insert_one(fields)
+                self.companion("audit").insert_one(fields)
         except DuplicateKeyError:
             # One outcome per action (AUDIT_INDEXES): an outcome already there was written by
             # someone else before this one, which is evidence of tampering, never overwritten.
@@ -1998,7 +2002,7 @@ class Ledger:
     def audit_entries(self, *, limit: int = 100) -> list[dict[str, Any]]:
         """The newest actions, each with its outcome's fields (``ended_at``, details) merged
         in; an action without an outcome entry is still ``started``."""
-        audit = self._companion("audit")
+        audit = self.companion("audit")
         with translate_errors("audit read"):
             actions = list(
                 audit.find({"of": None}).sort("at", DESCENDING).limit(limit)  # absent: an action

@@ -63,7 +63,7 @@ class TriggerStore:
     @property
     def collection(self) -> Collection[dict[str, Any]]:
         # The ledger's companion: same database, client and journaled write concern.
-        return self._ledger._companion(self.SUFFIX)
+        return self._ledger.companion(self.SUFFIX)
 
     def load(self, name: str) -> TriggerState | None:
         with translate_errors("trigger load"):

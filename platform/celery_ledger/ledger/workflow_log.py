@@ -84,11 +84,11 @@ class WorkflowLog:
 
     @property
     def states(self) -> Collection[dict[str, Any]]:
-        return self.ledger._companion("workflows")
+        return self.ledger.companion("workflows")
 
     @property
     def events(self) -> Collection[dict[str, Any]]:
-        return self.ledger._companion("workflow_events")
+        return self.ledger.companion("workflow_events")
 
     def now(self) -> datetime:
         return self.ledger.now()

@@ -429,25 +429,21 @@ class MetricsObserver(Observer):
         _m().clock_offset.labels(server).set(reading.offset_seconds)
         _m().clock_error.labels(server).set(reading.error_seconds)
 
+    # (triggers are the app's declarations, a bounded set: their names are the labels)
+    @_safe
+    def trigger_change(self, trigger: str) -> None:
+        _m().trigger_changes.labels(trigger).inc()
 
-# -- change-stream triggers (called by celery_ledger.triggers in a worker's main process) -------
+    @_safe
+    def trigger_waited(self, trigger: str, tier: str) -> None:
+        _m().trigger_waits.labels(trigger, _tier(tier)).inc()
+
+    @_safe
+    def trigger_problem(self, trigger: str, namespace: str, problem: str, detail: str) -> None:
+        _m().trigger_problems.labels(trigger, category(problem, TRIGGER_PROBLEMS)).inc()
+
 
 TRIGGER_PROBLEMS = frozenset({"invalidated", "history_lost", "invalid_token", "stuck"})
-
-
-@_safe
-def trigger_change(trigger: str) -> None:
-    _m().trigger_changes.labels(trigger).inc()
-
-
-@_safe
-def trigger_waited(trigger: str, tier: str) -> None:
-    _m().trigger_waits.labels(trigger, _tier(tier)).inc()
-
-
-@_safe
-def trigger_problem(trigger: str, problem: str) -> None:
-    _m().trigger_problems.labels(trigger, category(problem, TRIGGER_PROBLEMS)).inc()
 
 
 def instrument(

@@ -118,6 +118,19 @@ class SentryObserver(Observer):
             _tag(scope, "breaker", breaker=name)
             sentry_sdk.capture_message(f"circuit breaker {name!r} opened", level="warning")
 
+    def trigger_problem(self, trigger: str, namespace: str, problem: str, detail: str) -> None:
+        import sentry_sdk
+        from sentry_sdk.integrations.logging import ignore_logger
+
+        ignore_logger("celery_ledger.triggers")  # its error line is this event
+        with sentry_sdk.new_scope() as scope:
+            scope.fingerprint = ["celery-ledger", "trigger", trigger, problem]
+            _tag(scope, "trigger_problem", trigger=trigger)
+            scope.set_context("trigger", {"namespace": namespace, "detail": detail[:500]})
+            sentry_sdk.capture_message(
+                f"trigger {trigger} stopped: {problem}; reset it and backfill", level="error"
+            )
+
     def commit_lost(self, job: Job, steps: tuple[str, ...]) -> None:
         import sentry_sdk
 
