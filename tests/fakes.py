@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from celery_ledger.errors import CommitLost, LeaseLost
 from celery_ledger.keys import derive_task_id
@@ -78,6 +78,10 @@ class Fault:
     times: int = 1
 
 
+T = TypeVar("T")
+_SESSION = object()  # what a transaction's callback gets from the in-memory store
+
+
 class MemoryLedger:
     """The store's protocol in memory (see the module docstring)."""
 
@@ -103,6 +107,7 @@ class MemoryLedger:
         self.faults: list[Fault] = []
         self.calls: list[str] = []
         self.cache: dict[tuple[str, str], tuple[str, datetime]] = {}
+        self.groups: dict[str, list[str]] = {}
         self.open_text: Callable[[str], str] = lambda text: text
         self._last_fence = 0
 
@@ -594,6 +599,26 @@ class MemoryLedger:
             lambda doc: doc.setdefault("steps", {}).update({name: step}),
         )
 
+    def run_transaction(self, callback: Callable[[Any], T]) -> T:
+        """The callback runs with a stand-in session: the in-memory store has one writer."""
+        self._enter("run_transaction")
+        return callback(_SESSION)
+
+    def save_step_in(
+        self, session: Any, record_id: str, fence: int, name: str, result_json: str
+    ) -> bool:
+        self._enter("save_step_in")
+        doc = self.docs.get(record_id)
+        if (
+            doc is None
+            or doc.get("fence") != fence
+            or doc.get("state") != State.RUNNING
+            or name in doc.get("steps", {})
+        ):
+            return False
+        doc.setdefault("steps", {})[name] = {"result": result_json, "atomic": True}
+        return True
+
     def add_artefact(self, record_id: str, fence: int, path: str) -> None:
         def add(doc: dict[str, Any]) -> None:
             artefacts = doc.setdefault("artefacts", [])
@@ -630,6 +655,7 @@ class MemoryLedger:
         message: KeptMessage,
         objective: dict[str, Any] | None = None,
         claimable_at: datetime | None = None,
+        session: Any = None,
     ) -> EnqueueOutcome:
         fault = self._enter("enqueue")
         doc = self.docs.get(record_id)
@@ -642,6 +668,10 @@ class MemoryLedger:
             }
             if claimable_at is not None:
                 self.docs[record_id]["claimable_at"] = claimable_at
+            if session is not None:  # an outbox write: unpublished until its publish
+                self.docs[record_id].update(
+                    claimable_at=UNPUBLISHED, unpublished_at=self.now(), outbox=True
+                )
             self._leave(fault)
             return EnqueueOutcome.NEW
         self._leave(fault)
@@ -817,6 +847,40 @@ class MemoryLedger:
                 purged.append(record_id)
         return purged
 
+    # -- results outside the ledger protocol, Celery's groups ----------------------------------
+
+    def store_plain(self, task_id: str, fields: dict[str, Any]) -> None:
+        self._enter("store_plain")
+        doc = self.docs.get(task_id)
+        if doc is not None and ("fence" in doc or "alias_of" in doc):
+            return  # a ledger record owns this id: its protocol records the outcome
+        now = self.now()
+        self.docs[task_id] = {
+            **(doc or {"_id": task_id}),
+            **fields,
+            "updated_at": now,
+            "expires_at": now + self.result_retention,
+        }
+
+    def forget_result(self, record_id: str) -> None:
+        self._enter("forget_result")
+        doc = self.docs.get(record_id)
+        if doc is not None:
+            doc.pop("result", None)
+
+    def save_group(self, group_id: str, member_ids: Sequence[str]) -> None:
+        self._enter("save_group")
+        self.groups[group_id] = [str(member) for member in member_ids]
+
+    def group_members(self, group_id: str) -> list[str] | None:
+        self._enter("group_members")
+        members = self.groups.get(group_id)
+        return None if members is None else list(members)
+
+    def delete_group(self, group_id: str) -> None:
+        self._enter("delete_group")
+        self.groups.pop(group_id, None)
+
     # -- the reconciler's view -------------------------------------------------------------------
 
     def expired_leases(self, *, grace_seconds: float, limit: int = 500) -> list[dict[str, Any]]:
@@ -860,30 +924,30 @@ class MemoryLedger:
         ]
         return [copy.deepcopy(d) for d in due[:limit]]
 
-    def mark_reconciled(self, expected: dict[str, Any]) -> bool:
+    def mark_reconciled(self, doc: Mapping[str, Any]) -> bool:
         self._enter("mark_reconciled")
-        doc = self.docs.get(expected["_id"])
+        held = self.docs.get(doc["_id"])
         if (
-            doc is None
-            or doc.get("updated_at") != expected.get("updated_at")
-            or doc.get("claimable_at") != expected.get("claimable_at")
+            held is None
+            or held.get("updated_at") != doc.get("updated_at")
+            or held.get("claimable_at") != doc.get("claimable_at")
         ):
             return False
-        doc.update(updated_at=self.now(), reconciled_at=self.now(), claimable_at=self.now())
-        doc["reconciled"] = doc.get("reconciled", 0) + 1
+        held.update(updated_at=self.now(), reconciled_at=self.now(), claimable_at=self.now())
+        held["reconciled"] = held.get("reconciled", 0) + 1
         return True
 
-    def leave_unpublished(self, expected: dict[str, Any]) -> bool:
+    def leave_unpublished(self, doc: Mapping[str, Any]) -> bool:
         self._enter("leave_unpublished")
-        doc = self.docs.get(expected["_id"])
+        held = self.docs.get(doc["_id"])
         if (
-            doc is None
-            or doc.get("state") != State.QUEUED
-            or doc.get("claimable_at") != UNPUBLISHED
-            or doc.get("updated_at") != expected.get("updated_at")
+            held is None
+            or held.get("state") != State.QUEUED
+            or held.get("claimable_at") != UNPUBLISHED
+            or held.get("updated_at") != doc.get("updated_at")
         ):
             return False
-        doc["updated_at"] = self.now()
+        held["updated_at"] = self.now()
         return True
 
 

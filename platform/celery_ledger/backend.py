@@ -25,8 +25,9 @@ from pymongo.errors import ConnectionFailure
 from .errors import LedgerUnavailable
 from .ledger.dead import DeadJob
 from .ledger.message import KeptMessage
+from .ledger.ports import BackendStore
 from .ledger.record import State, status_of
-from .ledger.store import Ledger, Unclaimed
+from .ledger.store import Unclaimed
 from .task import LedgerTask, refuse_clear_successors
 
 logger = logging.getLogger("celery_ledger.backend")
@@ -59,8 +60,8 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
     supports_native_join = False
 
     @property
-    def ledger(self) -> Ledger:
-        ledger: Ledger = self.app.ledger
+    def ledger(self) -> BackendStore:
+        ledger: BackendStore = self.app.ledger
         return ledger
 
     def apply_chord(self, header_result_args: Any, body: Any, **kwargs: Any) -> Any:

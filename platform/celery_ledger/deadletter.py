@@ -44,6 +44,7 @@ from .events import Job
 from .keys import Identity, identity_of
 from .ledger.dead import DeadJob, DeadLetter, Death
 from .ledger.message import KeptMessage, UnreplayableMessage
+from .ledger.ports import DeadLetterStore
 from .ledger.record import State
 from .ledger.store import Unclaimed
 from .untrusted import storable, storable_value
@@ -114,7 +115,7 @@ class DeadLetters:
 
     def __init__(self, runtime: Runtime, publish_raw: PublishRaw) -> None:
         self._runtime = runtime
-        self._ledger = runtime.ledger
+        self._ledger: DeadLetterStore = runtime.ledger
         self._publish_raw = publish_raw
         self.poison_key = poison_key(runtime.name)
 

@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 
 from .errors import LedgerError
 from .events import Job
+from .ledger.ports import EscalationStore
 from .ledger.record import TERMINAL, State
 from .runtime import Runtime
 
@@ -36,7 +37,7 @@ class Escalation:
 
     def check(self, *, limit: int = 200) -> int:
         """Report every job newly found late; returns how many this call reported."""
-        ledger = self.runtime.ledger
+        ledger: EscalationStore = self.runtime.ledger
         try:
             found = ledger.overdue(limit=limit)
         except LedgerError as exc:  # the next check looks again

@@ -56,6 +56,7 @@ from .fallbacks import Fallbacks
 from .keys import Identity
 from .ledger.dead import DeadJob, DeadLetter, error_entry, format_traceback
 from .ledger.message import KeptMessage
+from .ledger.ports import GuardStore
 from .ledger.record import ErrorEntry
 from .ledger.store import ClaimOutcome, Fenced, HeldBy, Unclaimed, new_op
 from .policies.backoff import backoff_seconds
@@ -237,7 +238,7 @@ class Guard:
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runtime = runtime
-        self.ledger = runtime.ledger
+        self.ledger: GuardStore = runtime.ledger
         self.dead_letters = dead_letters
         self.settings = runtime.settings
         self.observers = runtime.observers

@@ -41,6 +41,7 @@ from pymongo.read_concern import ReadConcern
 from .errors import Backpressure, ConfigurationError, StoreError
 from .ledger.dead import DeadJob
 from .ledger.message import KeptMessage, UnreplayableMessage
+from .ledger.ports import OutboxStore
 from .ledger.record import State
 from .ledger.store import UNPUBLISHED, Unchanged
 from .locks import ForkSafeLock
@@ -89,7 +90,7 @@ class Outbox:
         # The dead-letter flow's announcement of a record the relay recorded dead (its metric,
         # Sentry, and its copy to the dead letters' queue without waiting for housekeeping).
         self._announce_dead = announce_dead
-        self._ledger = runtime.ledger
+        self._ledger: OutboxStore = runtime.ledger
         self._publish_wake = publish_wake
         # Which of these workflows' state documents exist (committed), by id.
         self._workflow_states = workflow_states

@@ -31,7 +31,7 @@ from pymongo.client_session import ClientSession
 from . import tracecontext
 from .crypto import Sealer
 from .errors import CircuitOpen, ConfigurationError, Interrupted, LeaseLost, LedgerError
-from .ledger.store import Ledger
+from .ledger.ports import ProgressStore
 from .locks import ForkSafeLock, process_generation
 from .policies.retry import RETRYABLE_BY_DEFAULT
 
@@ -81,7 +81,7 @@ class Heartbeat:
 
     def __init__(
         self,
-        ledger: Ledger,
+        ledger: ProgressStore,
         record_id: str,
         fence: int,
         *,
@@ -204,7 +204,7 @@ class Execution:
 
     def __init__(
         self,
-        ledger: Ledger,
+        ledger: ProgressStore,
         record_id: str,
         fence: int,
         heartbeat: Heartbeat,

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from .broker import BrokerView, Stranded, SweepLock
 from .ledger.message import KeptMessage
+from .ledger.ports import ReconcilerStore
 from .ledger.record import State
 from .ledger.store import UNPUBLISHED
 
@@ -94,7 +95,7 @@ class Reconciler:
         idempotent_tasks: tuple[str, ...] = (),
     ) -> None:
         self._runtime = runtime
-        self._ledger = runtime.ledger
+        self._ledger: ReconcilerStore = runtime.ledger
         self._broker = broker
         self._lock = lock
         # Workflows whose wake-up was lost (their engine wakes them; it republishes lost steps).

@@ -1128,10 +1128,9 @@ def test_an_objective_write_that_fails_never_fails_the_claim_that_holds_the_leas
     try:
         # An earlier test's logging set-up (a worker's, a server's) may have disabled or
         # quietened the store's logger: what is asserted is what the store logs.
-        import celery_ledger.ledger.store as store_module
-
-        monkeypatch.setattr(store_module.logger, "disabled", False)
-        caplog.set_level(logging.ERROR, logger=store_module.logger.name)
+        store_logger = logging.getLogger("celery_ledger.ledger")
+        monkeypatch.setattr(store_logger, "disabled", False)
+        caplog.set_level(logging.ERROR, logger=store_logger.name)
         monkeypatch.setattr(Ledger, "_objectives", property(lambda self: Unreachable()))
         record_id = new_id()
         held = claim(store, record_id, slo_at=utcnow(), slo_seconds=1.0)

@@ -947,6 +947,10 @@ def test_every_documented_event_is_emitted_by_the_platform() -> None:
     # and the schedulers (tests/unit/test_schedules.py sees their sends)
     observers.scheduled("hourly-rollup", "shop.rollup", 1.8e9, 0.4)
     observers.schedule_skipped("hourly-rollup", "shop.rollup", 1.8e9, "paused")
+    # and the triggers' watchers (tests/unit/test_triggers.py sees a watcher's)
+    observers.trigger_change("shop.on_order")
+    observers.trigger_waited("shop.on_order", "bulk")
+    observers.trigger_problem("shop.on_order", "shop.orders", "history_lost", "gone")
     seen |= set(recorder.names())
     assert seen == set(EVENTS)
 

@@ -1,0 +1,208 @@
+"""The publish side: a job's ``queued`` record before its message (dedupe on publish, the
+outbox), its unpublished and deferred marks, and the outbox relay's view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from pymongo import UpdateOne
+from pymongo.client_session import ClientSession
+from pymongo.errors import (
+    BulkWriteError,
+)
+
+from ..errors import LedgerUnavailable, StoreError
+from .base import LedgerBase
+from .core import (
+    EPOCH,
+    UNPUBLISHED,
+    UNPUBLISHED_SCAN,
+    EnqueueOutcome,
+    _queued,
+    translate_errors,
+)
+from .message import KeptMessage
+from .record import State
+
+
+class Publishing(LedgerBase):
+    """A job's records on the publish side, and the outbox relay's view."""
+
+    def enqueue(
+        self,
+        record_id: str,
+        *,
+        task: str,
+        key: str,
+        tier: str,
+        message: KeptMessage,
+        objective: Mapping[str, Any] | None = None,
+        session: ClientSession | None = None,
+        claimable_at: datetime | None = None,
+    ) -> EnqueueOutcome:
+        """Write a ``queued`` record unless the job is known (one round trip).
+
+        ``claimable_at``: a job published for later, claimable when it is due (an early
+        message is told to come back then, and the reconciler looks for its message only once
+        it is due and stale).
+
+        ``message`` lets the reconciler republish the job if its message is lost before the
+        first claim. A known job whose first publish failed (:meth:`mark_unpublished`) says so,
+        so that the caller publishes it after all.
+
+        ``session``: in that session's transaction (the app's own: an outbox write), on the
+        session's client, which must reach the ledger's deployment. The record is written
+        unpublished (``UNPUBLISHED``): it exists only if the transaction commits, and then
+        whoever publishes it (the committing process, or the relay) marks it published.
+        """
+        now = self.now()
+        fields = _queued(task=task, key=key, tier=tier, now=now, fleet=self.fleet)
+        fields["message"] = message.document()
+        fields.update(objective or {})
+        if claimable_at is not None:
+            fields["claimable_at"] = claimable_at
+        collection = self.collection
+        if session is not None:
+            fields |= {"claimable_at": UNPUBLISHED, "unpublished_at": now, "outbox": True}
+            collection = self.collection_for(session)
+        ops = [
+            UpdateOne({"_id": record_id}, {"$setOnInsert": fields}, upsert=True),
+            UpdateOne(
+                {"_id": record_id, "state": State.QUEUED.value, "unpublished_at": {"$ne": None}},
+                {"$set": {"publish_retried_at": now}},
+            ),
+        ]
+        if session is not None:
+            # pymongo's own errors, untranslated: the app's ``with_transaction`` retries the
+            # whole transaction on those labelled transient (a write conflict, an election).
+            # A known job is left as it is: if its publish failed, the relay already has it.
+            inserted = collection.update_one(
+                {"_id": record_id}, {"$setOnInsert": fields}, upsert=True, session=session
+            )
+            if inserted.upserted_id is None:
+                return EnqueueOutcome.KNOWN
+            self._track_objective(record_id, objective, session=session)
+            return EnqueueOutcome.NEW
+        else:
+            with translate_errors("enqueue"):
+                try:
+                    result = collection.bulk_write(ops, ordered=False)
+                except BulkWriteError as exc:
+                    if exc.details.get("writeConcernErrors"):
+                        raise LedgerUnavailable(f"enqueue of {record_id}: outcome unknown") from exc
+                    raise StoreError(f"enqueue of {record_id} failed: {exc.details}") from exc
+        outcome = (
+            EnqueueOutcome.NEW
+            if result.upserted_count
+            else EnqueueOutcome.UNPUBLISHED
+            if result.modified_count
+            else EnqueueOutcome.KNOWN
+        )
+        # A known job's duplicate publish writes nothing more: its claims track it.
+        if outcome is not EnqueueOutcome.KNOWN:
+            self._track_objective(record_id, objective)
+        return outcome
+
+    def mark_unpublished(self, record_id: str, *, later: bool = False) -> None:
+        """The publish after :meth:`enqueue` failed: keep the record (another producer may have
+        skipped its own publish because of it) and make it due for the outbox relay (and the
+        reconciler) now. ``later``: a job for later, which stays claimable from its due time
+        (the reconciler's, then); either way the next :meth:`enqueue` of it says
+        ``UNPUBLISHED``, so a publish tried again goes out."""
+        fields: dict[str, Any] = {"unpublished_at": self.now(), "updated_at": EPOCH}
+        if not later:
+            fields["claimable_at"] = UNPUBLISHED
+        with translate_errors("unpublished mark"):
+            self.collection.update_one(
+                {"_id": record_id, "state": State.QUEUED.value, "fence": 0}, {"$set": fields}
+            )
+
+    def unpublished(
+        self,
+        *,
+        ids: Sequence[str] | None = None,
+        older_than_seconds: float = 0.0,
+        limit: int = 500,
+        skip: Callable[[Mapping[str, Any]], bool] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Queued records whose message is not sent yet (committed outbox writes, failed
+        publishes): those of ``ids``, or up to ``limit`` of those marked ``older_than_seconds``
+        ago or more that ``skip`` does not pass over (a tier held by backpressure, another
+        app's task), so that records left waiting never fill the window and hide the rest.
+
+        Read on the sweepers' index, equalities only: SecantusDB reads a range on a field
+        outside the index (``unpublished_at``) by scanning every queued record (436 ms at 10k
+        queued, against 2 ms, measured), so the time and ``skip`` are applied here, over at
+        most ``UNPUBLISHED_SCAN`` records."""
+        query: dict[str, Any] = {"state": State.QUEUED.value, "claimable_at": UNPUBLISHED}
+        if ids is not None:
+            # ``_id`` first: SecantusDB reads on the index of a query's first field, and with
+            # ``state`` first this read took 9 ms at 200 unpublished records, 72 ms in a
+            # benchmark's growing backlog, against 1 ms (measured)
+            with translate_errors("outbox read"):
+                return list(self.collection.find({"_id": {"$in": list(ids)}, **query}))
+        cutoff = self.now() - timedelta(seconds=older_than_seconds)
+        found: list[dict[str, Any]] = []
+        with translate_errors("outbox read"):
+            for doc in self.collection.find(query).limit(UNPUBLISHED_SCAN):
+                marked = doc.get("unpublished_at")
+                if not isinstance(marked, datetime) or marked > cutoff:
+                    continue  # within its committer's grace
+                if skip is not None and skip(doc):
+                    continue
+                found.append(doc)
+                if len(found) >= limit:
+                    break
+        return found
+
+    def mark_published(self, record_ids: Sequence[str]) -> int:
+        """Their messages are sent: out of the relay's view (one write for them all). A record
+        claimed meanwhile left the outbox with its claim and is not touched."""
+        if not record_ids:
+            return 0
+        now = self.now()
+        with translate_errors("outbox published mark"):
+            result = self.collection.update_many(
+                {
+                    "_id": {"$in": list(record_ids)},
+                    "state": State.QUEUED.value,
+                    "claimable_at": UNPUBLISHED,
+                },
+                {
+                    "$set": {"claimable_at": EPOCH, "updated_at": now, "published_at": now},
+                    "$unset": {"unpublished_at": ""},
+                },
+            )
+        return result.modified_count
+
+    def record_deferral(
+        self,
+        record_id: str,
+        *,
+        task: str,
+        key: str,
+        tier: str,
+        reason: str,
+        until: datetime,
+        objective: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Note that a delivery was put off (no attempt used), creating the record if needed
+        (with its latency ``objective``: ``slo_at``, ``slo_seconds``)."""
+        now = self.now()
+        with translate_errors("deferral record"):
+            self.collection.update_one(
+                {"_id": record_id},
+                {
+                    "$inc": {"deferrals": 1},
+                    "$set": {"last_deferral": {"reason": reason, "until": until, "at": now}},
+                    "$setOnInsert": {
+                        **_queued(task=task, key=key, tier=tier, now=now, fleet=self.fleet),
+                        **(objective or {}),
+                    },
+                },
+                upsert=True,
+            )
+        self._track_objective(record_id, objective)

@@ -1,0 +1,154 @@
+"""What the sweeps and the console read: the reconciler's expired leases, stale records and
+replacements due, and their marks; the console's finished jobs per minute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from .base import LedgerBase
+from .core import (
+    EPOCH,
+    UNPUBLISHED,
+    RecordState,
+    _replacement_pending,
+    translate_errors,
+)
+from .record import State
+
+
+class Views(LedgerBase):
+    """What the reconciler and the console read, and the reconciler's marks."""
+
+    def finished_per_minute(
+        self, *, minutes: int = 15, limit: int = 50_000
+    ) -> dict[str, dict[str, list[int]]]:
+        """Jobs that ended in each of the last ``minutes`` minutes, by tier and outcome
+        (``succeeded``, ``dead``), oldest minute first. Found through the retention index: a
+        finished record expires a fixed time after it ended (``result_retention`` for a
+        success, ``dead_retention`` for a death), so no index of its own is needed."""
+        now = self.now()
+        window = timedelta(minutes=minutes)
+        counts: dict[str, dict[str, list[int]]] = {}
+        for state, retention in (
+            (State.SUCCEEDED, self.result_retention),
+            (State.DEAD, self.dead_retention),
+        ):
+            low, high = now - window + retention, now + retention
+            with translate_errors("console query"):
+                docs = self.collection.find(
+                    {"expires_at": {"$gte": low, "$lte": high}, "state": state.value},
+                    {"tier": 1, "finished_at": 1},
+                ).limit(limit)
+                for doc in docs:
+                    ended = doc.get("finished_at")
+                    if not isinstance(ended, datetime):
+                        continue
+                    ended = ended if ended.tzinfo else ended.replace(tzinfo=UTC)
+                    age = int((now - ended).total_seconds() // 60)
+                    if not 0 <= age < minutes:
+                        continue
+                    tier = str(doc.get("tier") or "default")
+                    per_state = counts.setdefault(
+                        tier, {"succeeded": [0] * minutes, "dead": [0] * minutes}
+                    )
+                    per_state[state.value][minutes - 1 - age] += 1
+        return counts
+
+    def expired_leases(self, *, grace_seconds: float, limit: int = 500) -> list[dict[str, Any]]:
+        """Running records whose lease ended more than ``grace_seconds`` ago."""
+        cutoff = self.now() - timedelta(seconds=grace_seconds)
+        with translate_errors("reconcile query"):
+            return list(
+                self.collection.find(
+                    {"state": State.RUNNING.value, "claimable_at": {"$lt": cutoff}}
+                ).limit(limit)
+            )
+
+    def states_of(self, record_ids: Sequence[str]) -> dict[str, RecordState]:
+        """Each existing record's state and fleet, by id."""
+        if not record_ids:
+            return {}
+        with translate_errors("reconcile query"):
+            docs = self.collection.find(
+                {"_id": {"$in": list(record_ids)}}, {"state": 1, "fleet": 1}
+            )
+            return {str(doc["_id"]): RecordState.of(doc) for doc in docs}
+
+    def stale(
+        self, state: State, *, older_than_seconds: float, limit: int = 500
+    ) -> list[dict[str, Any]]:
+        """Queued or retrying records untouched for ``older_than_seconds`` (and queued records
+        whose publish failed, at once: see :meth:`mark_unpublished`)."""
+        cutoff = self.now() - timedelta(seconds=older_than_seconds)
+        with translate_errors("reconcile query"):
+            return list(
+                self.collection.find(
+                    {
+                        "state": state.value,
+                        "claimable_at": {"$lt": cutoff},
+                        "updated_at": {"$lt": cutoff},
+                    }
+                ).limit(limit)
+            )
+
+    def replacements_due(
+        self, *, older_than_seconds: float, limit: int = 500
+    ) -> list[dict[str, Any]]:
+        """Degraded results whose replacement is overdue by ``older_than_seconds`` and that
+        nothing claimed meanwhile (its message was lost)."""
+        cutoff = self.now() - timedelta(seconds=older_than_seconds)
+        # A success is claimable again (claimable_at short of FOREVER) only while a degraded
+        # result awaits its replacement: the sweepers' index finds them among all successes.
+        # Equalities and one range only (see unpublished): updated_at is checked here.
+        found: list[dict[str, Any]] = []
+        with translate_errors("reconcile query"):
+            for doc in self.collection.find(
+                {"state": State.SUCCEEDED.value, "claimable_at": {"$lt": cutoff}}
+            ):
+                if _replacement_pending(doc) and (doc.get("updated_at") or EPOCH) < cutoff:
+                    found.append(doc)
+                    if len(found) == limit:
+                        break
+        return found
+
+    def mark_reconciled(self, doc: Mapping[str, Any]) -> bool:
+        """Note that the reconciler brought the job back now, if nobody changed it since it
+        was read as ``doc`` (so two sweeps never both republish it, and a lease renewed since,
+        which moves ``claimable_at``, is never cut short). The job stays claimable, and out of
+        the reconciler's view until its grace (or stale time) has passed again, so a copy is
+        not republished at every sweep while it waits for a worker."""
+        now = self.now()
+        with translate_errors("reconcile mark"):
+            result = self.collection.update_one(
+                {
+                    "_id": doc["_id"],
+                    "updated_at": doc.get("updated_at"),
+                    "claimable_at": doc.get("claimable_at"),
+                },
+                {
+                    "$set": {"updated_at": now, "reconciled_at": now, "claimable_at": now},
+                    "$inc": {"reconciled": 1},
+                },
+            )
+        return result.matched_count == 1
+
+    def leave_unpublished(self, doc: Mapping[str, Any]) -> bool:
+        """A never-published record the reconciler leaves to the outbox relay (its tier held
+        by backpressure, or its message sealed with a key the sweeper lacks), as read in
+        ``doc``: untouched again for the reconciler's stale time (out of its stale view
+        meanwhile, so that such records never fill a sweep's window and hide the rest), still
+        in the relay's (``claimable_at`` and ``unpublished_at`` are left as they are)."""
+        with translate_errors("reconcile mark"):
+            result = self.collection.update_one(
+                {
+                    "_id": doc["_id"],
+                    "state": State.QUEUED.value,
+                    "claimable_at": UNPUBLISHED,
+                    "updated_at": doc.get("updated_at"),
+                },
+                {"$set": {"updated_at": self.now()}},
+            )
+        return result.matched_count == 1
