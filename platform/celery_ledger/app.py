@@ -47,6 +47,7 @@ from .deadletter import DeadLetters, poison_key
 from .errors import Backpressure, ConfigurationError, PayloadError, PermanentError
 from .escalation import Escalation
 from .events import Observers
+from .explain import exiting_on_mistakes, install_excepthook
 from .guard import Guard
 from .ledger.store import Ledger
 from .ledger.workflow_log import WorkflowLog
@@ -65,7 +66,7 @@ from .schedules import (
     FleetScheduler,
     LedgerScheduler,
 )
-from .settings import Settings
+from .settings import UNSET_BROKER_URL, Settings, describe_invalid
 from .task import KEY_SECRET_NEEDED, LedgerTask
 from .triggers import Argument, Trigger
 from .triggers import declare as declare_trigger
@@ -809,11 +810,12 @@ def settings_from_environment() -> Settings:
                 f"{name} (did you mean {hint[0]}?)" if hint else name
                 for name, hint in zip(unknown, hints, strict=True)
             )
+            + "\nRename or unset it: every LEDGER_* variable must name a setting."
         )
     try:
         return Settings()
     except (ValidationError, SettingsError) as exc:
-        raise ConfigurationError(f"invalid LEDGER_* settings: {exc}") from exc
+        raise ConfigurationError(describe_invalid(exc)) from None
 
 
 def create_app(
@@ -829,17 +831,32 @@ def create_app(
     time its round trips); ``celery_options`` go to :class:`celery.Celery`.
 
     Raises:
-        ConfigurationError: the settings are invalid (the message names the setting).
+        ConfigurationError: the settings are invalid (the message names the setting). On
+            Celery's command line (``celery -A APP ...``) the message is printed instead, and
+            the command exits 2 (see :mod:`celery_ledger.explain`).
     """
-    if settings is None:
-        settings = settings_from_environment()
+    with exiting_on_mistakes(settings):
+        if settings is None:
+            settings = settings_from_environment()
+        app = _create_app(name, settings, command_listeners, celery_options)
+    install_excepthook(settings)
+    return app
+
+
+def _create_app(
+    name: str,
+    settings: Settings,
+    command_listeners: Sequence[CommandListener],
+    celery_options: dict[str, Any],
+) -> LedgerCelery:
     namespace = name if settings.queue_namespace is None else settings.queue_namespace
     tiers = Tiers(
         TIERS, default=settings.default_tier, rules=settings.routing_rules, namespace=namespace
     )
     app = LedgerCelery(
         name,
-        broker=settings.broker_url,
+        # No broker named: one that cannot be reached, which the transport refuses by name
+        broker=settings.broker_url or UNSET_BROKER_URL,
         backend="celery_ledger.backend:LedgerBackend",
         task_cls=LedgerTask,
         set_as_current=celery_options.pop("set_as_current", True),

@@ -112,7 +112,7 @@ def _timed(name: str, check: Callable[[], tuple[Status, str, dict[str, Any]]]) -
 def _short_redis(app: Any, timeout: float) -> redis.Redis:
     """A broker client of the check's own, whose calls give up after ``timeout``."""
     return redis.Redis.from_url(
-        app.settings.broker_url,
+        app.settings.require_broker_url(),
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 0),  # one attempt: the timeout is the budget

@@ -128,7 +128,7 @@ class Runtime:
     def redis(self) -> redis.Redis:
         """A client of the broker's Redis, for the platform's shared state."""
         return redis.Redis.from_url(
-            self.settings.broker_url, socket_timeout=5, socket_connect_timeout=5
+            self.settings.require_broker_url(), socket_timeout=5, socket_connect_timeout=5
         )
 
     @cached_property
@@ -174,7 +174,7 @@ class Runtime:
     def breakers(self) -> Breakers:
         """Circuit breakers shared through Redis by every worker: ``breakers["payments"]``."""
         return Breakers(
-            self.settings.broker_url,
+            self.settings.require_broker_url(),
             configs=self.settings.breakers,
             on_transition=self._breaker_changed,
         )
@@ -222,7 +222,7 @@ class Runtime:
         shares it with their workers, which drain it."""
         namespace = self.tiers.namespace
         return DelayedDeliveries(
-            self.settings.broker_url,
+            self.settings.require_broker_url(),
             key=delayed_key(namespace),
             signer=self.signer,
             parked_key=parked_key(namespace),
@@ -246,7 +246,7 @@ class Runtime:
         old = f"{self.name}:ledger:delayed"
         if old == delayed_key(self.tiers.namespace):
             return None
-        return DelayedDeliveries(self.settings.broker_url, key=old, signer=self.signer)
+        return DelayedDeliveries(self.settings.require_broker_url(), key=old, signer=self.signer)
 
     def retry_policy_for(self, tier: str) -> RetryPolicy:
         """The tier's retry default: built-in, replaced by ``LEDGER_RETRY_POLICIES``."""

@@ -18,10 +18,11 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 from pymongo import uri_parser
 from pymongo.errors import InvalidURI, PyMongoError
 
+from .errors import ConfigurationError
 from .policies.backpressure import DEFAULT_TIER_LIMITS, TierLimit
 from .policies.breaker import BreakerConfig
 from .policies.rate_limit import RateLimit
@@ -42,6 +43,10 @@ class ConsoleUser(BaseModel):
     def _password(cls, value: SecretStr) -> SecretStr:
         text = value.get_secret_value()
         _not_a_placeholder(text)
+        if not text.strip(". …"):
+            raise ValueError(
+                'its password is a placeholder ("..."): set a real one, 12+ characters'
+            )
         if len(text) < 12:
             raise ValueError("a console password needs 12 or more characters")
         return value
@@ -60,10 +65,12 @@ class Settings(BaseSettings):
     )
 
     # URLs and DSNs carry passwords: left out of the settings' repr.
-    broker_url: str = Field(
-        "redis://127.0.0.1:6379/0",
+    broker_url: str | None = Field(
+        None,
         repr=False,
-        description="Celery broker URL (Redis: redis://, rediss:// or unix://).",
+        description="Celery broker URL (Redis: redis://, rediss:// or unix://). Required to"
+        " publish or run a worker: unset, nothing is sent anywhere (never a Redis that happens"
+        " to listen on localhost). The embedded stack sets it (`stack.env`).",
     )
     mongo_uri: str = Field(
         "mongodb://127.0.0.1:27017/", repr=False, description="MongoDB URI of the ledger."
@@ -403,16 +410,28 @@ class Settings(BaseSettings):
     # where (see _located), and is raised outside the ``except`` so no exception chain keeps
     # the parser's text either.
 
+    def require_broker_url(self) -> str:
+        """The broker URL; a clear :class:`ConfigurationError` when it is not set.
+
+        Raises:
+            ConfigurationError: ``LEDGER_BROKER_URL`` is not set.
+        """
+        if self.broker_url is None:
+            raise ConfigurationError(BROKER_URL_UNSET)
+        return self.broker_url
+
     @field_validator("broker_url")
     @classmethod
-    def _redis_url(cls, value: str) -> str:
+    def _redis_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
         try:
             parsed = redis.connection.parse_url(value)  # what breakers and shared state use
         except Exception:
             parsed = None
         if parsed is None:
             raise ValueError(
-                f"not a Redis URL ({_located(value)}): expected"
+                f"not a Redis URL ({located(value)}): expected"
                 " redis://[user:password@]host[:port][/db][?options] (rediss:// for TLS, or"
                 f" unix://path), {_ENCODED}"
             )
@@ -428,7 +447,7 @@ class Settings(BaseSettings):
             if host and ":" not in host:
                 return value
             raise ValueError(
-                f"not a MongoDB URI ({_located(value)}): a mongodb+srv:// URI names one host,"
+                f"not a MongoDB URI ({located(value)}): a mongodb+srv:// URI names one host,"
                 f" without a port, {_ENCODED}"
             )
         problem = None
@@ -444,7 +463,7 @@ class Settings(BaseSettings):
         except Exception:  # a port or an option's value (pymongo raises ValueError for them)
             problem = f"a port or an option's value is not valid, {_ENCODED}"
         if problem is not None:
-            raise ValueError(f"not a MongoDB URI ({_located(value)}): {problem}")
+            raise ValueError(f"not a MongoDB URI ({located(value)}): {problem}")
         _not_a_placeholder(parsed.get("password"))
         return value
 
@@ -584,10 +603,21 @@ class Settings(BaseSettings):
         else:
             return value
         raise ValueError(
-            f"not a Sentry DSN ({_located(value)}): expected https://PUBLIC_KEY@HOST/PROJECT_ID,"
+            f"not a Sentry DSN ({located(value)}): expected https://PUBLIC_KEY@HOST/PROJECT_ID,"
             " as the Sentry project's settings give it"
         )
 
+
+#: What a publish, a worker or a broker check says when no broker was named.
+BROKER_URL_UNSET = (
+    "LEDGER_BROKER_URL is not set: celery-ledger never guesses a broker, so nothing is sent"
+    " or consumed.\nSet it to your Redis (export LEDGER_BROKER_URL=redis://HOST:6379/0), or"
+    " run `celery -A APP ledger stack` and `source` the stack.env it writes."
+)
+#: What Celery is given when no broker was named: a host that never resolves (``.invalid``,
+#: RFC 2606), which celery-ledger's transport refuses with :data:`BROKER_URL_UNSET` first.
+UNSET_BROKER_HOST = "ledger-broker-url-not-set.invalid"
+UNSET_BROKER_URL = f"redis://{UNSET_BROKER_HOST}:6379/0"
 
 _SRV = "mongodb+srv://"
 _QUEUE_NAME = re.compile(r"[A-Za-z0-9._:-]{1,100}")
@@ -600,7 +630,7 @@ _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 _ADDRESS = re.compile(r"(?P<host>[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\])(?::[0-9]{1,5})?")
 
 
-def _located(url: str) -> str:
+def located(url: str) -> str:
     """Where a refused URL points (its scheme and hosts), and nothing of its credentials.
 
     The user name and password end at the URL's *last* ``@`` (a password that is not
@@ -688,3 +718,30 @@ def _built(kind: type[Options], base: Options, options: Any, *, what: str) -> Op
     if infinite:
         raise ValueError(f"{what}: {', '.join(infinite)} must be finite")
     return built
+
+
+def describe_invalid(exc: ValidationError | SettingsError) -> str:
+    """What is wrong with the ``LEDGER_*`` variables (``Settings()`` refused them): each
+    variable by its name, what it needs, and what to do; never a value (it may be a secret).
+    """
+    if isinstance(exc, SettingsError):  # a JSON setting that does not parse
+        field = re.search(r'field "(\w+)"', str(exc))
+        name = f"LEDGER_{field.group(1).upper()}" if field else "a LEDGER_* variable"
+        problems = [f"{name}: not valid JSON ({exc.__cause__ or exc})"]
+    else:
+        by_variable: dict[str, list[str]] = {}
+        for error in exc.errors(include_url=False, include_input=False):
+            location = [str(part) for part in error["loc"]]
+            name = f"LEDGER_{location[0].upper()}" if location else "a LEDGER_* variable"
+            message = _ERROR_TEXT.get(error["type"], error["msg"]).removeprefix("Value error, ")
+            where = ".".join(location[1:])
+            by_variable.setdefault(name, []).append(f"{where}: {message}" if where else message)
+        problems = [f"{name}: {'; '.join(found)}" for name, found in by_variable.items()]
+    names = ", ".join(sorted({problem.partition(":")[0] for problem in problems}))
+    return (
+        f"invalid setting {'; '.join(problems)}\n"
+        f"Fix {names} in the environment (or unset it for its default)."
+    )
+
+
+_ERROR_TEXT = {"missing": "required", "extra_forbidden": "unknown field"}

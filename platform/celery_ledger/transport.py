@@ -40,6 +40,8 @@ from redis import exceptions as redis_errors
 
 from .clock import ServerClock, redis_time
 from .envelope import envelope_problem
+from .errors import ConfigurationError
+from .settings import BROKER_URL_UNSET, UNSET_BROKER_HOST
 
 logger = logging.getLogger("celery_ledger.transport")
 
@@ -400,8 +402,12 @@ class MultiChannelPoller(kombu_redis.MultiChannelPoller):
 class Transport(kombu_redis.Transport):
     Channel = Channel
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, client: Any, *args: Any, **kwargs: Any) -> None:
+        # create_app gives Celery a host that never resolves when LEDGER_BROKER_URL is unset:
+        # refused here, by the setting's name, before any connection is tried
+        if getattr(client, "hostname", None) == UNSET_BROKER_HOST:
+            raise ConfigurationError(BROKER_URL_UNSET)
+        super().__init__(client, *args, **kwargs)
         # The poller all channels share, in place of the one kombu just made (kombu types the
         # attribute as the virtual transport's cycle; its Redis transport puts a poller there).
         self.cycle = MultiChannelPoller()  # type: ignore[assignment]

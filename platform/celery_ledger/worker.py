@@ -26,6 +26,7 @@ from .crypto import SealedKeyMissing, sealing
 from .delayed import DelayedPublisher
 from .envelope import body_problem
 from .errors import ConfigurationError, LedgerError
+from .explain import exiting_on_mistakes
 from .handoff import LOOK_EVERY_SECONDS, Handoff, Parked, inbox_of
 from .headers import PARKED, UNRUNNABLE_SINCE
 from .policies.unrunnable import unrunnable_delay
@@ -205,12 +206,15 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         # Its housekeeping reports this host's clocks (below), for its pool processes too:
         # they fork after this, and inherit the switch
         runtime.clock_reports.enabled = False
-        # Keys it lacks (it could open, seal or key none of those jobs), settings changed
-        # after create_app that break a guarantee: refuse to start, naming each
-        missing = app.missing_keys() + app.configuration_problems()
-        if missing:
-            raise ConfigurationError("; ".join(missing))
-        app.check_configuration()  # (checked: its pool processes inherit the answer)
+        # No broker named, keys it lacks (it could open, seal or key none of those jobs),
+        # settings changed after create_app that break a guarantee: refuse to start, naming
+        # each (on Celery's command line: the lines and exit 2, no traceback)
+        with exiting_on_mistakes(settings):
+            settings.require_broker_url()
+            missing = app.missing_keys() + app.configuration_problems()
+            if missing:
+                raise ConfigurationError("; ".join(missing))
+            app.check_configuration()  # (checked: its pool processes inherit the answer)
         flag = serve_shutdown_flag()
         flag.unlink(missing_ok=True)
         # On warm shutdown, tell running bodies (in the pool processes) to checkpoint and yield.

@@ -311,15 +311,16 @@ def test_broken_env_value_is_a_configuration_error_naming_the_setting(
 ) -> None:
     monkeypatch.setenv(var, value)
 
-    with pytest.raises(ConfigurationError, match="invalid LEDGER_\\* settings") as info:
+    with pytest.raises(ConfigurationError, match="invalid setting") as info:
         create_app("unit", set_as_current=False)
-    assert setting in str(info.value)
+    assert var in str(info.value)  # the variable, as the user set it
+    assert setting in str(info.value).lower()
 
 
 def test_unknown_default_tier_in_env_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LEDGER_DEFAULT_TIER", "urgent")
 
-    with pytest.raises(ConfigurationError, match="default_tier") as info:
+    with pytest.raises(ConfigurationError, match="LEDGER_DEFAULT_TIER") as info:
         create_app("unit", set_as_current=False)
     assert "known tiers: critical, default, bulk" in str(info.value)
 

@@ -138,7 +138,7 @@ def test_create_app_refuses_an_invalid_variable_naming_it(
 
     with pytest.raises(ConfigurationError) as refused:
         create_app("unit", set_as_current=False)
-    assert variable.removeprefix("LEDGER_").lower() in str(refused.value)
+    assert variable in str(refused.value)
 
 
 SECRET = "s3cr3t-never-shown"
@@ -170,7 +170,7 @@ def test_a_refused_setting_never_echoes_the_secret_it_carries(
         create_app("secrets", set_as_current=False)
     # The message names the setting, and no part of the error chain shows the secret
     shown = "".join(traceback.format_exception(info.value))
-    assert var.removeprefix("LEDGER_").lower() in str(info.value)
+    assert var in str(info.value)
     assert SECRET not in shown
 
     # The same for settings built in code

@@ -83,8 +83,9 @@ def create_console(app: Any) -> Starlette:
     users = dict(settings.console_users)
     if not users:
         raise ConfigurationError(
-            'the console needs at least one login: LEDGER_CONSOLE_USERS=\'{"alice":'
-            ' {"password": "...", "role": "operator"}}\' (roles: viewer, operator)'
+            "the console needs at least one login, and LEDGER_CONSOLE_USERS names none.\n"
+            'Set it: export LEDGER_CONSOLE_USERS=\'{"alice": {"password": "<12+ characters>",'
+            ' "role": "operator"}}\' (roles: viewer, operator)'
         )
     secret = (
         settings.console_secret.get_secret_value()
