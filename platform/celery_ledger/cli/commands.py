@@ -18,6 +18,7 @@ from .. import __version__
 from ..routing import TIER_WORKER_DEFAULTS, TIERS
 from .breakers import breakers
 from .dlq import dlq
+from .group import LedgerGroup
 from .health import health
 from .keys import keys
 from .schedules import schedules
@@ -40,7 +41,7 @@ def _app_path(ctx: click.Context) -> str:
     return str(value)
 
 
-@click.group(name="ledger", short_help="Exactly-once tasks with a MongoDB ledger.")
+@click.group(name="ledger", cls=LedgerGroup, short_help="Exactly-once tasks with a MongoDB ledger.")
 @click.version_option(__version__, prog_name="celery-ledger", message="%(prog)s %(version)s")
 @click.pass_context
 def ledger(ctx: click.Context) -> None:
@@ -161,10 +162,13 @@ def worker(
 @click.option("--flower-user", default=None, help="Flower basic-auth user (default: flower).")
 @click.option("--flower-password", default=None, help="Flower password (default: random).")
 @click.option(
-    "--web-console/--no-web-console",
+    "--console/--no-console",
     "web_console",
     default=None,
     help="Start the operator console (default: if installed).",
+)
+@click.option(  # the flag's name until 2026-11: kept, hidden, for one release
+    "--web-console/--no-web-console", "old_web_console", default=None, hidden=True
 )
 @click.option("--console-port", type=int, default=None, help="The console's port (default: free).")
 @click.pass_context
@@ -180,6 +184,7 @@ def stack(
     flower_user: str | None,
     flower_password: str | None,
     web_console: bool | None,
+    old_web_console: bool | None,
     console_port: int | None,
 ) -> None:
     """Run the embedded stack (broker, ledger, a worker per tier, Flower, the console) until
@@ -189,10 +194,17 @@ def stack(
     from ..embedded.stack import running_stack
 
     app_path = _app_path(ctx)
+    if web_console is None:
+        web_console = old_web_console
+    skipped = []  # what is not installed, so not started unless asked for by name
     if flower is None:
         flower = importlib.util.find_spec("flower") is not None
+        if not flower:
+            skipped.append(("Flower", "flower"))
     if web_console is None:
-        web_console = importlib.util.find_spec("starlette") is not None
+        web_console = all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn", "jinja2"))
+        if not web_console:
+            skipped.append(("the console", "console"))
     with running_stack(
         app_path,
         data_dir,
@@ -219,11 +231,19 @@ def stack(
         env_file = running.write_env_file()
         console.print(running.describe(), highlight=False, soft_wrap=True)
         console.print(
-            f"\nIn another shell: [bold]source {env_file}[/] (the URLs with their passwords,"
+            f"\nIn another shell: [bold]source {env_file}[/] (the URLs and the logins,"
             " readable by you only)",
             highlight=False,
             soft_wrap=True,
         )
+        for what, extra in skipped:
+            console.print(
+                f"{what} not started: its extra is not installed"
+                f" (pip install 'celery-ledger[{extra}]')",
+                markup=False,  # [extra] is no style
+                highlight=False,
+                soft_wrap=True,
+            )
         console.print("Ctrl-C stops every process listed above.")
         stop = {"now": False}
         signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
@@ -237,6 +257,19 @@ def stack(
         except KeyboardInterrupt:
             pass
         console.print("stopping...")
+
+
+def _task_named(app: Any, name: str) -> str:
+    """The full name of the app's task ``name`` names: itself, or the one task whose last
+    dotted part is ``name`` (``charge`` for ``myapp.tasks.charge``). A name the app does not
+    know is taken as it is (a task of another service)."""
+    if "." in name:
+        return name
+    app.loader.import_default_modules()  # the modules of its include=, as a worker imports
+    found = sorted(task for task in app.tasks if task.rpartition(".")[2] == name)
+    if len(found) > 1:
+        raise click.UsageError(f"{name} names several tasks: {', '.join(found)}; give one in full")
+    return found[0] if found else name
 
 
 @ledger.command(name="finish-upgrade", short_help="Retire what an earlier release needed.")
@@ -276,15 +309,27 @@ def reconcile_command(
 
 
 @ledger.command(short_help="Show a job's ledger record.")
-@click.argument("task_name")
-@click.argument("key")
+@click.argument("job")
+@click.argument("key", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the raw record as JSON.")
 @click.pass_context
-def show(ctx: click.Context, task_name: str, key: str, as_json: bool) -> None:
-    """Show the ledger record of TASK_NAME with idempotency KEY."""
-    record = _app(ctx).ledger.get(task_name, key)
-    if record is None:
-        raise click.ClickException(f"no ledger record for {task_name} / {key}")
+def show(ctx: click.Context, job: str, key: str | None, as_json: bool) -> None:
+    """Show a job's ledger record: ``show JOB_ID`` (the Celery task id, ``AsyncResult.id``)
+    or ``show TASK KEY`` (TASK: the task's full name, or its short name when only one task
+    of the app has it)."""
+    app = _app(ctx)
+    if key is None:
+        record = app.ledger.get_by_id(job)
+        if record is None:
+            raise click.ClickException(
+                f"no ledger record with the id {job}.\n"
+                "Give the job's Celery task id, or its task and key: ledger show TASK KEY"
+            )
+    else:
+        task_name = _task_named(app, job)
+        record = app.ledger.get(task_name, key)
+        if record is None:
+            raise click.ClickException(f"no ledger record for {task_name} / {key}")
     if as_json:
         click.echo(json.dumps(record.model_dump(mode="json"), indent=2))
         return

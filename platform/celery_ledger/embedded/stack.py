@@ -235,27 +235,42 @@ class EmbeddedStack:
         return self.data_dir / "stack.env"
 
     def write_env_file(self) -> Path:
-        """Write ``export`` lines of :attr:`env` (and Flower's credentials, as a comment) to
+        """Write ``export`` lines of :attr:`env`, and of Flower's and the console's logins, to
         ``<data dir>/stack.env``, readable by its owner only: the passwords never reach a
-        terminal or its scrollback. ``source`` it in another shell."""
+        terminal or its scrollback. ``source`` it in another shell, and the commands that
+        follow have every credential they need (see :meth:`credentials`)."""
         lines = ["# celery-ledger embedded stack: source this file to publish to it"]
-        lines += [f"export {name}={shlex.quote(value)}" for name, value in self.env.items()]
-        if self.flower is not None:
-            lines.append(
-                f"# flower {self.flower.url} user {self.flower.user}"
-                f" password {self.flower.password}"
-            )
-        if self.console is not None and self.console.user is not None:
-            lines.append(
-                f"# console {self.console.url} user {self.console.user}"
-                f" password {self.console.password}"
-            )
+        exported = {**self.env, **self.credentials()}
+        lines += [f"export {name}={shlex.quote(value)}" for name, value in exported.items()]
         path = self.env_file
         path.unlink(missing_ok=True)
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(descriptor, "w") as out:
             out.write("\n".join(lines) + "\n")
         return path
+
+    def credentials(self) -> dict[str, str]:
+        """The logins of Flower and the console, as variables: ``FLOWER_BASIC_AUTH``
+        (Flower's own, ``user:password``: ``curl -u "$FLOWER_BASIC_AUTH" "$STACK_FLOWER_URL"``)
+        and ``LEDGER_CONSOLE_USERS`` (the setting: a ``ledger console`` started in that shell
+        takes the same login), with ``STACK_*`` copies to read at a glance. Names outside
+        ``LEDGER_*`` are no settings (the app refuses unknown ``LEDGER_*`` names) and no
+        Flower options (Flower refuses unknown ``FLOWER_*`` names)."""
+        found: dict[str, str] = {}
+        if self.flower is not None:
+            found["FLOWER_BASIC_AUTH"] = f"{self.flower.user}:{self.flower.password}"
+            found["STACK_FLOWER_URL"] = self.flower.url
+            found["STACK_FLOWER_USER"] = self.flower.user
+            found["STACK_FLOWER_PASSWORD"] = self.flower.password
+        if self.console is not None:
+            found["STACK_CONSOLE_URL"] = self.console.url
+            if self.console.user is not None and self.console.password is not None:
+                found["LEDGER_CONSOLE_USERS"] = json.dumps(
+                    {self.console.user: {"password": self.console.password, "role": "operator"}}
+                )
+                found["STACK_CONSOLE_USER"] = self.console.user
+                found["STACK_CONSOLE_PASSWORD"] = self.console.password
+        return found
 
     def describe(self) -> str:
         """What runs where, without a password (they are in :meth:`write_env_file`'s file)."""

@@ -1,0 +1,32 @@
+"""The ``ledger`` group's one error handler: a mistake is one or two lines, never a traceback.
+
+Every ``celery -A APP ledger ...`` command, nested groups included, runs inside
+:meth:`LedgerGroup.invoke`; an exception :func:`celery_ledger.explain.explain` knows (a
+setting, an unreachable server, a missing extra, any :class:`~celery_ledger.errors.LedgerError`)
+becomes click's own error: ``Error: <what is wrong>`` and what to do, exit 1. Anything else is a
+bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ..explain import explain
+
+
+class LedgerGroup(click.Group):
+    """A click group whose commands' mistakes are shown as click errors (see the module)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException:
+            raise
+        except Exception as exc:
+            app = getattr(ctx.obj, "app", None)
+            message = explain(exc, getattr(app, "settings", None))
+            if message is None:
+                raise
+            raise click.ClickException(message) from exc
