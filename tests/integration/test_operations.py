@@ -302,3 +302,25 @@ def test_the_worker_removes_its_metrics_directory_when_it_stops(
     worker, _, metrics_base = observed_worker  # runs after the test above: same module worker
     worker.stop()
     assert list(metrics_base.iterdir()) == []
+
+
+def test_ledger_show_finds_a_keyless_job_by_its_id_and_by_a_short_task_name(app: Any) -> None:
+    from celery_ledger.cli import ledger
+    from tests.integration import ledger_app
+
+    # Given a keyless job (its key is a hash of its arguments: nobody can guess it), done
+    x = int.from_bytes(os.urandom(3), "big")
+    result = ledger_app.add.delay(x, 1)
+    assert result.get(timeout=60) == x + 1
+
+    def show(*args: str) -> dict[str, Any]:
+        shown = CliRunner().invoke(ledger, ["show", *args, "--json"], obj=Namespace(app=app))
+        assert shown.exit_code == 0, shown.output
+        found: dict[str, Any] = json.loads(shown.output)
+        return found
+
+    # When it is shown by the id the publish returned (AsyncResult.id, the Celery task id)
+    by_id = show(result.id)
+    # Then that is its record; and its short task name with its key finds the same one
+    assert by_id["task"] == ledger_app.add.name and by_id["result_json"] == str(x + 1)
+    assert show("add", by_id["key"])["id"] == by_id["id"]

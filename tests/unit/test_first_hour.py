@@ -1,0 +1,252 @@
+"""The first hour of a new user, walked as one: the wheel installed in a fresh virtualenv, an
+app of one's own (one module, one task), and each early mistake made once.
+
+Every mistake must end the command with one or two lines that say what is wrong and name the
+fix (the setting, or the command to run), a non-zero exit, and no traceback (issue 38). The
+servers are never started: unreachable ones are the point. No command may reach a server the
+user did not name (this machine may run a Redis on 6379: without LEDGER_BROKER_URL nothing is
+sent anywhere).
+
+Slow for a unit test (a wheel, a virtualenv, a dozen ``celery`` processes: about a minute on 2
+cores), and still part of ``./run test``: it is what a new user sees first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LIBRARY = ROOT / "platform" / "celery_ledger"
+_CACHES = shutil.ignore_patterns("__pycache__", "*.pyc")
+
+APP = textwrap.dedent(
+    """
+    from celery_ledger import create_app
+
+    app = create_app("firsthour")
+
+
+    @app.task
+    def add(x: int, y: int) -> int:
+        return x + y
+    """
+)
+
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(
+        subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode,
+        reason="pip is not available",
+    ),
+]
+
+
+@dataclass(frozen=True)
+class Newcomer:
+    """A fresh virtualenv with the wheel installed, and a directory holding the user's app."""
+
+    python: Path
+    home: Path
+
+    def run(self, *argv: str, env: Mapping[str, str] = {}, timeout: float = 90) -> Ran:
+        """``python -m celery -A firsthour_app ARGV`` (or ``python ARGV`` when the first is
+        ``-c``) in the app's directory, with no LEDGER_* variable but ``env``'s."""
+        clean = {
+            name: value
+            for name, value in os.environ.items()
+            if not name.startswith(("LEDGER_", "CELERY_", "FLOWER_", "PYTHON", "STACK_"))
+        }
+        command = [str(self.python), *argv]
+        if argv[0] != "-c":
+            command = [str(self.python), "-m", "celery", "-A", "firsthour_app", *argv]
+        done = subprocess.run(
+            command,
+            cwd=self.home,
+            env={**clean, "C_FORCE_ROOT": "1", **env},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        return Ran(done.returncode, done.stdout + done.stderr)
+
+
+@dataclass(frozen=True)
+class Ran:
+    code: int
+    output: str
+
+    def refused(self, *fixes: str) -> None:
+        """It failed, said so in a few lines naming each of ``fixes``, without a traceback."""
+        assert self.code != 0, self.output
+        assert "Traceback" not in self.output, self.output
+        for fix in fixes:
+            assert fix in self.output, self.output
+        said = [line for line in self.output.splitlines() if line.startswith("Error: ")]
+        assert len(said) == 1, self.output
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def newcomer(tmp_path_factory: pytest.TempPathFactory) -> Newcomer:
+    work = tmp_path_factory.mktemp("first-hour")
+    # The wheel, built from a copy of the sources (setuptools writes build/ beside them)
+    source = work / "source"
+    shutil.copytree(LIBRARY, source / "platform" / "celery_ledger", ignore=_CACHES)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    built = subprocess.run(
+        [
+            *(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"),
+            *("-w", str(work), str(source)),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = work.glob("celery_ledger-*.whl")
+    # A fresh virtualenv holding the wheel. Its dependencies come from this interpreter's
+    # site-packages, added as a plain path (no index here): its .pth files, among them the
+    # editable install of the sources, are not read, so the wheel is what is imported.
+    venv = work / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    Path(site, "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    installed = subprocess.run(
+        [
+            *(sys.executable, "-m", "pip", "--python", str(python), "install"),
+            *("--no-deps", "--no-index", "--quiet", str(wheel)),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    home = work / "myapp"
+    home.mkdir()
+    (home / "firsthour_app.py").write_text(APP)
+    found = Newcomer(python, home).run("-c", "import celery_ledger; print(celery_ledger.__file__)")
+    assert found.output.startswith(str(venv)), found.output  # the wheel, not the sources
+    return Newcomer(python, home)
+
+
+def test_a_publish_without_a_broker_url_names_the_setting(newcomer: Newcomer) -> None:
+    # Given a shell without the stack's variables (this machine may run a Redis on 6379)
+    # When the user publishes from the command line
+    ran = newcomer.run("call", "firsthour_app.add", "--args", "[1, 2]")
+    # Then nothing is sent, and the message names the setting and the stack's command
+    ran.refused("LEDGER_BROKER_URL", "ledger stack")
+
+
+def test_a_worker_without_a_broker_url_refuses_to_start(newcomer: Newcomer) -> None:
+    ran = newcomer.run("worker", "-P", "solo", "--without-mingle", "--without-gossip")
+    ran.refused("LEDGER_BROKER_URL")
+
+
+def test_show_with_the_ledger_unreachable_says_where_and_what_to_set(newcomer: Newcomer) -> None:
+    ran = newcomer.run(
+        "ledger",
+        "show",
+        "firsthour_app.add",
+        "some-key",
+        env={
+            "LEDGER_BROKER_URL": f"redis://127.0.0.1:{closed_port()}/0",
+            "LEDGER_MONGO_URI": f"mongodb://127.0.0.1:{closed_port()}/",
+            "LEDGER_MONGO_TIMEOUT_MS": "300",
+        },
+    )
+    ran.refused("LEDGER_MONGO_URI", "unreachable", "ledger stack")
+
+
+@pytest.mark.parametrize(
+    ("password", "says", "argv"),
+    [
+        ("...", "placeholder", ("ledger", "show", "some-id")),
+        ("hunter2", "12 or more characters", ("worker", "-P", "solo")),
+    ],
+    ids=["readme-placeholder-ledger-show", "too-short-worker"],
+)
+def test_a_bad_console_password_is_one_line_for_every_command(
+    newcomer: Newcomer, password: str, says: str, argv: tuple[str, ...]
+) -> None:
+    # Given the README's example login, its password left as "..." or too short
+    users = f'{{"alice": {{"password": "{password}", "role": "operator"}}}}'
+    # When any command loads the app (the console's setting is read for every one)
+    ran = newcomer.run(*argv, env={"LEDGER_CONSOLE_USERS": users})
+    # Then it names the setting and the rule, and never echoes the password
+    ran.refused("LEDGER_CONSOLE_USERS", says)
+    assert ran.code == 2
+    if password != "...":
+        assert password not in ran.output
+
+
+def test_the_console_without_users_says_how_to_add_one(newcomer: Newcomer) -> None:
+    ran = newcomer.run(
+        "ledger",
+        "console",
+        "--port",
+        str(closed_port()),
+        env={"LEDGER_BROKER_URL": f"redis://127.0.0.1:{closed_port()}/0"},
+    )
+    ran.refused("LEDGER_CONSOLE_USERS")
+
+
+def test_a_misspelt_setting_value_names_the_setting_and_the_choices(newcomer: Newcomer) -> None:
+    ran = newcomer.run("ledger", "show", "some-id", env={"LEDGER_DEFAULT_TIER": "critcal"})
+    ran.refused("LEDGER_DEFAULT_TIER", "critical, default, bulk")
+    assert ran.code == 2
+
+
+def test_a_misspelt_setting_name_suggests_the_right_one(newcomer: Newcomer) -> None:
+    ran = newcomer.run("ledger", "show", "some-id", env={"LEDGER_LEASE_SECOND": "30"})
+    ran.refused("LEDGER_LEASE_SECOND", "did you mean LEDGER_LEASE_SECONDS")
+
+
+def test_a_worker_with_a_bad_setting_exits_with_its_name(newcomer: Newcomer) -> None:
+    ran = newcomer.run(
+        "worker",
+        "-P",
+        "solo",
+        env={
+            "LEDGER_BROKER_URL": f"redis://127.0.0.1:{closed_port()}/0",
+            "LEDGER_LEASE_SECONDS": "-1",
+        },
+    )
+    ran.refused("LEDGER_LEASE_SECONDS")
+    assert ran.code == 2
+
+
+def test_a_missing_extra_names_the_pip_command(newcomer: Newcomer) -> None:
+    # A metrics port without prometheus-client: hidden from the app, as if never installed
+    hide = newcomer.home / "hide_prometheus"
+    hide.mkdir(exist_ok=True)
+    (hide / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['prometheus_client'] = None\n"  # import raises ImportError
+    )
+    ran = newcomer.run(
+        "ledger",
+        "show",
+        "some-id",
+        env={"LEDGER_METRICS_PORT": str(closed_port()), "PYTHONPATH": str(hide)},
+    )
+    ran.refused("pip install 'celery-ledger[metrics]'")
