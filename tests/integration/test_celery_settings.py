@@ -84,7 +84,12 @@ def launch(stack: EmbeddedStack, tmp_path: Path) -> Iterator[Start]:
 
 
 def refused_clearly(why: str) -> bool:
-    return "ConfigurationError" in why
+    """Refused by the producer (its ConfigurationError), or by the worker at its start: the
+    one ``Error:`` line a mistake is on the command line, without a traceback."""
+    if why.startswith("ConfigurationError: "):
+        return True
+    said = any(line.startswith("Error: ") for line in why.splitlines())
+    return said and "Traceback" not in why
 
 
 # -- per-task acks_late=False -------------------------------------------------------------------

@@ -171,8 +171,10 @@ def test_stack_names_the_flag_console_and_keeps_web_console_hidden(
 ) -> None:
     assert run(stack_app(), "stack", "--no-console", "--no-flower").exit_code == 0
     assert started["console"] is False
-    assert run(stack_app(), "stack", "--web-console", "--no-flower").exit_code == 0
+    old_name = run(stack_app(), "stack", "--web-console", "--no-flower")
+    assert old_name.exit_code == 0
     assert started["console"] is True
+    assert "now --console" in old_name.output
 
     shown = run(stack_app(), "stack", "--help").output
     assert "--console / --no-console" in shown

@@ -194,8 +194,9 @@ def stack(
     from ..embedded.stack import running_stack
 
     app_path = _app_path(ctx)
-    if web_console is None:
+    if web_console is None and old_web_console is not None:
         web_console = old_web_console
+        console.print("(--web-console is now --console; the old name goes in the next release)")
     skipped = []  # what is not installed, so not started unless asked for by name
     if flower is None:
         flower = importlib.util.find_spec("flower") is not None
