@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import math
-import re
-from dataclasses import asdict, fields
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 from urllib.parse import unquote_plus
 
 import redis.connection
@@ -14,11 +11,9 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
-    TypeAdapter,
-    ValidationError,
     field_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+from pydantic_settings import BaseSettings, SettingsConfigDict
 from pymongo import uri_parser
 from pymongo.errors import InvalidURI, PyMongoError
 
@@ -28,6 +23,23 @@ from .policies.breaker import BreakerConfig
 from .policies.rate_limit import RateLimit
 from .policies.retry import TIER_RETRY_DEFAULTS, RetryPolicy
 from .routing import TIERS
+from .settings_checks import (  # the validators' checks, and the names other modules import
+    _BAD_DATABASE_CHARS,
+    _ENCODED,
+    _QUEUE_NAME,
+    _SRV,
+    BROKER_URL_UNSET,
+    PLACEHOLDER_PREFIX,
+    UNSET_BROKER_HOST,
+    UNSET_BROKER_URL,
+    _built,
+    _check_tier,
+    _mapping,
+    _not_a_placeholder,
+    _random_secret,
+    describe_invalid,
+    located,
+)
 
 
 class ConsoleUser(BaseModel):
@@ -608,140 +620,14 @@ class Settings(BaseSettings):
         )
 
 
-#: What a publish, a worker or a broker check says when no broker was named.
-BROKER_URL_UNSET = (
-    "LEDGER_BROKER_URL is not set: celery-ledger never guesses a broker, so nothing is sent"
-    " or consumed.\nSet it to your Redis (export LEDGER_BROKER_URL=redis://HOST:6379/0), or"
-    " run `celery -A APP ledger stack` and `source` the stack.env it writes."
-)
-#: What Celery is given when no broker was named: a host that never resolves (``.invalid``,
-#: RFC 2606), which celery-ledger's transport refuses with :data:`BROKER_URL_UNSET` first.
-UNSET_BROKER_HOST = "ledger-broker-url-not-set.invalid"
-UNSET_BROKER_URL = f"redis://{UNSET_BROKER_HOST}:6379/0"
-
-_SRV = "mongodb+srv://"
-_QUEUE_NAME = re.compile(r"[A-Za-z0-9._:-]{1,100}")
-_BAD_DATABASE_CHARS = frozenset(' ./\\"$\x00')
-Options = TypeVar("Options", BreakerConfig, RetryPolicy, TierLimit, RateLimit)
-
-
-_ENCODED = "with / @ : % ? # percent-encoded in the user name and password"
-_URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-_ADDRESS = re.compile(r"(?P<host>[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\])(?::[0-9]{1,5})?")
-
-
-def located(url: str) -> str:
-    """Where a refused URL points (its scheme and hosts), and nothing of its credentials.
-
-    The user name and password end at the URL's *last* ``@`` (a password that is not
-    percent-encoded may hold ``@``, ``/`` or ``:`` itself). Hosts are shown only if what follows
-    reads as ``host[:digits][,host[:digits]...]``: when an ``@`` could be in the query or the
-    fragment, or an address does not read as one, no host is shown, as it could be a piece of
-    the password.
-    """
-    scheme = _URL_SCHEME.match(url)
-    if scheme is None:
-        return "no scheme://"
-    where = f"scheme {scheme.group(1).lower()}://"
-    userinfo, at, rest = url[scheme.end() :].rpartition("@")
-    if at and not {"?", "#"}.isdisjoint(userinfo):
-        return f"{where}, host not shown"
-    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
-    if not authority:
-        return f"{where}, no host"
-    addresses = [_ADDRESS.fullmatch(address) for address in authority.split(",")]
-    if not all(addresses):
-        return f"{where}, host not shown"
-    return f"{where}, host {','.join(a['host'] for a in addresses if a)}"
-
-
-# The prefix of every secret in .env.example: a deployment that kept one has no secret at all.
-PLACEHOLDER_PREFIX = "change-me"
-
-
-def _not_a_placeholder(password: str | None) -> None:
-    if password and password.startswith(PLACEHOLDER_PREFIX):
-        raise ValueError(
-            f"its password is a placeholder ({PLACEHOLDER_PREFIX}...) from .env.example:"
-            " set a real secret"
-        )
-
-
-def _random_secret(value: SecretStr, what: str) -> None:
-    """An HMAC key: not a placeholder, and long enough to be random (never echoed)."""
-    text = value.get_secret_value()
-    _not_a_placeholder(text)
-    if len(text) < 32:
-        raise ValueError(f"{what} needs 32 or more characters (random)")
-
-
-def _check_tier(tier: str) -> None:
-    if tier not in TIERS:
-        raise ValueError(f"unknown tier {tier!r}; known tiers: {', '.join(TIERS)}")
-
-
-def _mapping(value: Any, what: str) -> dict[str, Any]:
-    if isinstance(value, RetryPolicy | BreakerConfig | TierLimit | RateLimit):
-        return dict(asdict(value))
-    if not isinstance(value, dict):
-        raise ValueError(f"{what}: expected a JSON object, not {type(value).__name__}")
-    return value
-
-
-def _built(kind: type[Options], base: Options, options: Any, *, what: str) -> Options:
-    """``options`` over ``base``, built as ``kind`` (types, ranges and finite numbers checked).
-
-    An object of ``kind`` passes as it is.
-    """
-    if isinstance(options, kind):
-        return options
-    options = _mapping(options, what)
-    known = [field.name for field in fields(kind)]
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise ValueError(f"{what}: unknown option {', '.join(unknown)}; known: {', '.join(known)}")
-    try:
-        built = TypeAdapter(kind).validate_python({**asdict(base), **options})
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, error['loc']))}: {error['msg']}".lstrip(": ").replace(
-                "Value error, ", ""
-            )
-            for error in exc.errors()
-        )
-        raise ValueError(f"{what}: {problems}") from None
-    infinite = [
-        name
-        for name in options
-        if isinstance(getattr(built, name), float) and not math.isfinite(getattr(built, name))
-    ]
-    if infinite:
-        raise ValueError(f"{what}: {', '.join(infinite)} must be finite")
-    return built
-
-
-def describe_invalid(exc: ValidationError | SettingsError) -> str:
-    """What is wrong with the ``LEDGER_*`` variables (``Settings()`` refused them): each
-    variable by its name, what it needs, and what to do; never a value (it may be a secret).
-    """
-    if isinstance(exc, SettingsError):  # a JSON setting that does not parse
-        field = re.search(r'field "(\w+)"', str(exc))
-        name = f"LEDGER_{field.group(1).upper()}" if field else "a LEDGER_* variable"
-        problems = [f"{name}: not valid JSON ({exc.__cause__ or exc})"]
-    else:
-        by_variable: dict[str, list[str]] = {}
-        for error in exc.errors(include_url=False, include_input=False):
-            location = [str(part) for part in error["loc"]]
-            name = f"LEDGER_{location[0].upper()}" if location else "a LEDGER_* variable"
-            message = _ERROR_TEXT.get(error["type"], error["msg"]).removeprefix("Value error, ")
-            where = ".".join(location[1:])
-            by_variable.setdefault(name, []).append(f"{where}: {message}" if where else message)
-        problems = [f"{name}: {'; '.join(found)}" for name, found in by_variable.items()]
-    names = ", ".join(sorted({problem.partition(":")[0] for problem in problems}))
-    return (
-        f"invalid setting {'; '.join(problems)}\n"
-        f"Fix {names} in the environment (or unset it for its default)."
-    )
-
-
-_ERROR_TEXT = {"missing": "required", "extra_forbidden": "unknown field"}
+__all__ = [
+    "BROKER_URL_UNSET",
+    "PLACEHOLDER_PREFIX",
+    "TIERS",
+    "UNSET_BROKER_HOST",
+    "UNSET_BROKER_URL",
+    "ConsoleUser",
+    "Settings",
+    "describe_invalid",
+    "located",
+]
