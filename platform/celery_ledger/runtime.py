@@ -29,6 +29,7 @@ import redis
 from .clock import ClockBook, ClockReports, Reading, ServerClock, redis_time
 from .crypto import Sealer
 from .delayed import DelayedDeliveries
+from .depth_history import DepthHistory
 from .events import Observers
 from .handoff import Parking, parked_key
 from .ledger.message import Publish
@@ -59,6 +60,7 @@ PER_PROCESS = (
     "breakers",
     "rate_limits",
     "queue_depths",
+    "depth_history",
     "gate",
     "throttle",
     "delayed",
@@ -191,6 +193,15 @@ class Runtime:
         """Depths of the tiers' queues and the dead letters' queue, by tier name."""
         names = (*self.tiers.names, DEAD_LETTER)
         return QueueDepths(self.redis, {name: self.tiers.queue(name) for name in names})
+
+    @cached_property
+    def depth_history(self) -> DepthHistory:
+        """The tiers' queue depths per minute over the last hour (the console's chart)."""
+        return DepthHistory(self.redis, namespace=self.tiers.namespace)
+
+    def sample_depths(self) -> None:
+        """Sample every tier's queue depth now into :attr:`depth_history`."""
+        self.depth_history.record(self.queue_depths.refresh(), at=self.message_time())
 
     @cached_property
     def gate(self) -> BackpressureGate:

@@ -24,6 +24,7 @@ from kombu.utils import json as kombu_json
 from .clock import REPORT_EVERY_SECONDS
 from .crypto import SealedKeyMissing, sealing
 from .delayed import DelayedPublisher
+from .depth_history import SAMPLE_EVERY_SECONDS
 from .envelope import body_problem
 from .errors import ConfigurationError, LedgerError
 from .explain import exiting_on_mistakes
@@ -332,6 +333,8 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 "outbox": outbox,
                 "schedules": schedules,
                 "handoff": [Every(LOOK_EVERY_SECONDS, handoff.look)],
+                # the queue depths' history (the console's chart): broker-only, like deliveries
+                "depths": [Every(SAMPLE_EVERY_SECONDS, runtime.sample_depths)],
             },
             interval=settings.defer_poll_seconds,
             on_stop=stops,

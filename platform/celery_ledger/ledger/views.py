@@ -26,12 +26,33 @@ class Views(LedgerBase):
         self, *, minutes: int = 15, limit: int = 50_000
     ) -> dict[str, dict[str, list[int]]]:
         """Jobs that ended in each of the last ``minutes`` minutes, by tier and outcome
-        (``succeeded``, ``dead``), oldest minute first. Found through the retention index: a
-        finished record expires a fixed time after it ended (``result_retention`` for a
-        success, ``dead_retention`` for a death), so no index of its own is needed."""
+        (``succeeded``, ``dead``), oldest minute first (the rows of :meth:`finished_recently`)."""
         now = self.now()
-        window = timedelta(minutes=minutes)
         counts: dict[str, dict[str, list[int]]] = {}
+        for doc in self.finished_recently(minutes=minutes, limit=limit, now=now):
+            age = int((now - doc["finished_at"]).total_seconds() // 60)
+            if not 0 <= age < minutes:
+                continue
+            tier = str(doc.get("tier") or "default")
+            per_state = counts.setdefault(tier, {"succeeded": [0] * minutes, "dead": [0] * minutes})
+            per_state[str(doc["state"])][minutes - 1 - age] += 1
+        return counts
+
+    def finished_recently(
+        self, *, minutes: int = 60, limit: int = 50_000, now: datetime | None = None
+    ) -> list[dict[str, Any]]:
+        """The records that ended (succeeded or dead) in the last ``minutes`` minutes: their
+        ``state``, ``tier``, ``finished_at``, ``started_at`` (the last attempt's claim) and
+        ``created_at`` (the first claim), times made aware, at most ``limit`` of each outcome.
+
+        Found through the retention index, a range on ``expires_at``: a finished record expires
+        a fixed time after it ended (``result_retention`` for a success, ``dead_retention`` for
+        a death), so the window is one bounded range read per outcome and needs no index of
+        its own (each index costs every job's writes: see :meth:`ensure_indexes`)."""
+        now = self.now() if now is None else now
+        window = timedelta(minutes=minutes)
+        rows: list[dict[str, Any]] = []
+        fields = {"tier": 1, "state": 1, "finished_at": 1, "started_at": 1, "created_at": 1}
         for state, retention in (
             (State.SUCCEEDED, self.result_retention),
             (State.DEAD, self.dead_retention),
@@ -39,23 +60,17 @@ class Views(LedgerBase):
             low, high = now - window + retention, now + retention
             with translate_errors("console query"):
                 docs = self.collection.find(
-                    {"expires_at": {"$gte": low, "$lte": high}, "state": state.value},
-                    {"tier": 1, "finished_at": 1},
+                    {"expires_at": {"$gte": low, "$lte": high}, "state": state.value}, fields
                 ).limit(limit)
                 for doc in docs:
-                    ended = doc.get("finished_at")
-                    if not isinstance(ended, datetime):
+                    times = {
+                        name: _aware(doc.get(name))
+                        for name in ("finished_at", "started_at", "created_at")
+                    }
+                    if times["finished_at"] is None:
                         continue
-                    ended = ended if ended.tzinfo else ended.replace(tzinfo=UTC)
-                    age = int((now - ended).total_seconds() // 60)
-                    if not 0 <= age < minutes:
-                        continue
-                    tier = str(doc.get("tier") or "default")
-                    per_state = counts.setdefault(
-                        tier, {"succeeded": [0] * minutes, "dead": [0] * minutes}
-                    )
-                    per_state[state.value][minutes - 1 - age] += 1
-        return counts
+                    rows.append({**doc, **times, "state": state.value})
+        return rows
 
     def expired_leases(self, *, grace_seconds: float, limit: int = 500) -> list[dict[str, Any]]:
         """Running records whose lease ended more than ``grace_seconds`` ago."""
@@ -152,3 +167,10 @@ class Views(LedgerBase):
                 {"$set": {"updated_at": self.now()}},
             )
         return result.matched_count == 1
+
+
+def _aware(value: Any) -> datetime | None:
+    """A stored time as an aware datetime (None if it is not a time)."""
+    if not isinstance(value, datetime):
+        return None
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
