@@ -54,6 +54,7 @@ from ..keys import derive_task_id
 from ..ledger.record import LedgerRecord
 from ..policies.backpressure import DEFAULT_TIER_LIMITS
 from ..schedules import fleet_state
+from . import series, svg, timeline
 
 HERE = Path(__file__).parent
 SESSION_COOKIE = "ledger_console"
@@ -61,6 +62,9 @@ SESSION_SECONDS = 8 * 3600
 SPARK_MINUTES = 15
 HEALTH_CACHE_SECONDS = 10.0
 OVERVIEW_CACHE_SECONDS = 3.0
+HOUR_MINUTES = 60  # the overview's charts
+HOUR_CACHE_SECONDS = 10.0  # the hour's read of the ledger, at most once per this
+HOUR_LIMIT = 20_000  # records of each outcome the hour's read takes at most (said when reached)
 LIST_LIMIT = 1000
 MAX_FORM_FIELDS = PURGE_LIMIT + 20  # a purge's confirmation carries every id it lists
 SEALED = "[sealed: sensitive task]"
@@ -181,10 +185,12 @@ class _Console:
         self.templates.filters["when"] = _when
         self.templates.filters["ago"] = _ago
         self.templates.filters["spark"] = _spark
+        self.templates.filters["seconds"] = lambda v: "-" if v is None else svg.duration(v)
         self.templates.filters["as_json"] = lambda value: json.dumps(value, indent=2, default=str)
         self.templates.filters["brief"] = lambda value: json.dumps(value, default=str)[:300]
         self._health: tuple[float, list[Any]] | None = None
         self._overview: tuple[float, dict[str, Any]] | None = None
+        self._hour: tuple[float, list[dict[str, Any]], datetime] | None = None
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -332,27 +338,32 @@ class _Console:
         except Exception as exc:  # shown, never a broken page
             problems.append(f"broker: {type(exc).__name__}: {exc}")
         try:
-            finished = app.ledger.finished_per_minute(minutes=SPARK_MINUTES)
+            if depths:  # this sample joins the workers' in the depths' history
+                runtime.depth_history.record(depths, at=runtime.message_time())
+        except Exception as exc:
+            problems.append(f"broker: {type(exc).__name__}: {exc}")
+        try:
+            rows_of_hour, ledger_now = self.hour()
         except LedgerError as exc:
-            finished = {}
+            rows_of_hour, ledger_now = [], runtime.ledger.now()
             problems.append(f"ledger: {exc}")
+        recent = series.Window(now=ledger_now, minutes=SPARK_MINUTES)
+        finished = series.throughput(rows_of_hour, recent, tiers)
         throttle = runtime.throttle
         rows = []
         for tier in tiers:
             limit = settings.tier_limits.get(tier) or DEFAULT_TIER_LIMITS.get(tier)
             depth = depths.get(tier, depths.get(queues[tier], 0))
-            series = finished.get(
-                tier, {"succeeded": [0] * SPARK_MINUTES, "dead": [0] * SPARK_MINUTES}
-            )
-            done, dead = sum(series["succeeded"]), sum(series["dead"])
+            counts = finished[tier]  # (every tier is there)
+            done, dead = sum(counts["succeeded"]), sum(counts["dead"])
             rows.append(
                 {
                     "tier": tier,
                     "queue": queues[tier],
                     "depth": depth,
                     "oldest": ages.get(queues[tier]),
-                    "succeeded": series["succeeded"],
-                    "dead": series["dead"],
+                    "succeeded": counts["succeeded"],
+                    "dead": counts["dead"],
                     "per_minute": (done + dead) / SPARK_MINUTES,
                     "failure_rate": dead / (done + dead) if done + dead else 0.0,
                     "limit": limit,
@@ -362,15 +373,95 @@ class _Console:
                 }
             )
         breakers = _quietly(app.breakers.statuses, [])
+        open_breakers = [b for b in breakers if b.state.value != "closed"]
         return {
             "rows": rows,
+            "charts": self._charts(tiers, rows_of_hour, ledger_now, open_breakers, problems),
+            "capped": len(rows_of_hour) >= HOUR_LIMIT,
             "health": self.health(),
-            "open_breakers": [b for b in breakers if b.state.value != "closed"],
+            "open_breakers": open_breakers,
             "problems": problems,
             "delayed": _quietly(runtime.delayed.pending, None),
             "parked": _quietly(runtime.parking.count, None),
             "minutes": SPARK_MINUTES,
             "now": runtime.ledger.now(),  # (the records' clock)
+        }
+
+    def hour(self) -> tuple[list[dict[str, Any]], datetime]:
+        """The records that ended in the last hour (cached a few seconds: one bounded range
+        read of the retention index, however often the panels refresh), and the ledger's now."""
+        now = time.monotonic()
+        if self._hour is None or now - self._hour[0] > HOUR_CACHE_SECONDS:
+            ledger_now = self.app.ledger.now()
+            rows = self.app.ledger.finished_recently(
+                minutes=HOUR_MINUTES, limit=HOUR_LIMIT, now=ledger_now
+            )
+            self._hour = (now, rows, ledger_now)
+        return self._hour[1], self._hour[2]
+
+    def _charts(
+        self,
+        tiers: list[str],
+        rows: list[dict[str, Any]],
+        ledger_now: datetime,
+        open_breakers: list[Any],
+        problems: list[str],
+    ) -> dict[str, Any]:
+        """The overview's charts of the last hour (inline SVG: see ``svg``)."""
+        runtime = self.app.runtime
+        window = series.Window(now=ledger_now, minutes=HOUR_MINUTES)
+        per_tier = series.throughput(rows, window, tiers)
+        throughput = {
+            tier: svg.bars(
+                {"succeeded": counts["succeeded"], "dead": counts["dead"]},
+                window=window,
+                title=f"{tier}: jobs ended per minute",
+                chart_id=f"chart-throughput-{tier}",
+            )
+            for tier, counts in per_tier.items()
+        }
+        try:
+            history = runtime.depth_history.window(minutes=HOUR_MINUTES, now=runtime.message_time())
+        except Exception as exc:
+            history = {}
+            problems.append(f"broker (depth history): {type(exc).__name__}: {exc}")
+        depth = svg.lines(
+            {tier: history.get(tier, [None] * HOUR_MINUTES) for tier in tiers},
+            window=window,
+            title="queue depth (highest sample each minute)",
+            chart_id="chart-depth",
+        )
+        latency = svg.lines(
+            series.latency(rows, window),
+            window=window,
+            title="run time percentiles (all tiers)",
+            chart_id="chart-latency",
+            seconds=True,
+        )
+        start = window.start
+        breakers = svg.spans(
+            [
+                svg.Span(
+                    label=b.name,
+                    start=datetime.fromtimestamp(b.opened_at or start.timestamp(), UTC),
+                    end=None,
+                    outcome="forced" if b.forced else str(b.state.value),
+                    kind="breaker",
+                )
+                for b in open_breakers
+            ],
+            start=start,
+            end=window.end,
+            title="breakers open now, since they opened",
+            chart_id="chart-breakers",
+        )
+        return {
+            "throughput": throughput,
+            "depth": depth,
+            "latency": latency,
+            "latency_by_tier": series.latency_by_tier(rows, window, tiers),
+            "breakers": breakers,
+            "minutes": HOUR_MINUTES,
         }
 
     def health(self) -> list[Any]:
@@ -598,8 +689,30 @@ class _Console:
             return self.render(
                 request, "missing.html", status_code=404, what=f"workflow {workflow_id}"
             )
+        events = handle.history()
+        line = timeline.build(events, now=self.app.ledger.now())
+        chart = None
+        if line is not None:
+            chart = svg.spans(
+                [
+                    svg.Span(
+                        label=r.label, start=r.start, end=r.end, outcome=r.outcome, kind=r.kind
+                    )
+                    for r in line.rows
+                ],
+                start=line.start,
+                end=line.end,
+                title=f"{status.workflow}: {status.status}",
+                chart_id="workflow-timeline",
+            )
         return self.render(
-            request, "workflow.html", status=status, events=handle.history(), id=workflow_id
+            request,
+            "workflow.html",
+            status=status,
+            events=events,
+            id=workflow_id,
+            chart=chart,
+            marks=line.marks if line else [],
         )
 
     def workflow_action(self, request: Request, form: FormData) -> Response:
