@@ -469,3 +469,121 @@ def test_an_operator_pauses_resumes_and_triggers_a_schedule_from_its_page(
             assert (action, f"{OPERATOR[0]} [console]") in actions
     finally:
         app.conf.beat_schedule = saved
+
+
+def test_the_overview_charts_the_last_hour_and_a_workflow_page_draws_its_timeline(
+    app: Any, console: str, browser: Any, token: str, tmp_path: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as seen
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from celery_ledger.errors import WorkflowFailed
+    from tests.integration.ledger_app import WORKFLOWS, fails_until_fixed, record
+
+    wait = WebDriverWait(browser, 40)
+
+    def counted(chart: str, outcome: str) -> int:
+        bars = browser.find_elements(By.CSS_SELECTOR, f"#{chart} rect.bar.{outcome}")
+        return sum(int(bar.get_attribute("data-count")) for bar in bars)
+
+    # Given three jobs that succeeded and two that died, in this hour
+    done = [record.delay(f"{token}-ok{i}") for i in range(3)]
+    for result in done:
+        result.get(timeout=30)
+    doomed = [fails_until_fixed.delay(f"{token}-dead{i}") for i in range(2)]
+    for result in doomed:
+        wait_for(
+            lambda r=result: (
+                (d := app.ledger.get_by_id(r.id)) is not None and d.state is State.DEAD
+            ),
+            what="the job dead",
+        )
+    tier = app.ledger.get_by_id(done[0].id).tier
+    assert app.ledger.get_by_id(doomed[0].id).tier == tier
+    # and a workflow with steps, a timer, a signal, a failed step and its compensation
+    handle = WORKFLOWS["order"].start(
+        token, steps=1, sleep=1.0, signal="approved", fail_at_end=True
+    )
+    wait_for(lambda: "approved" in " ".join(handle.status().waiting), what="the signal wait")
+    handle.signal("approved", {"by": "olive"})
+    with pytest.raises(WorkflowFailed, match="compensated"):
+        handle.result(timeout=60)
+
+    # and a breaker held open
+    from celery_ledger.policies.breaker import BreakerState
+
+    breaker = f"charts-{token}"
+    app.breakers[breaker].force(BreakerState.OPEN)
+
+    # When the operator opens the overview
+    browser.set_window_size(1400, 2300)
+    browser.get(f"{console}/login")
+    browser.find_element(By.ID, "user").send_keys(OPERATOR[0])
+    browser.find_element(By.ID, "password").send_keys(OPERATOR[1])
+    browser.find_element(By.ID, "login").click()
+    wait.until(seen.presence_of_element_located((By.ID, "hour")))
+
+    # Then a throughput chart per tier, and the jobs' tier's counts them (the panels refresh
+    # every 5 s; the hour's read is cached for 10)
+    charts = [
+        figure.get_attribute("data-tier")
+        for figure in browser.find_elements(By.CSS_SELECTOR, "#throughput figure")
+    ]
+    assert charts == list(app.tiers.names)
+    chart = f"chart-throughput-{tier}"
+    wait.until(lambda _: counted(chart, "succeeded") >= 3 and counted(chart, "dead") >= 2)
+    ticks = [t.text for t in browser.find_elements(By.CSS_SELECTOR, f"#{chart} text.tick.x")]
+    assert len(ticks) == 4 and all(re.fullmatch(r"\d\d:(00|15|30|45)", t) for t in ticks)
+    # a line of queue depth per tier, each with a sample this minute (the page's, the workers')
+    depth_lines = browser.find_elements(By.CSS_SELECTOR, "#chart-depth g.line")
+    assert [g.get_attribute("data-series") for g in depth_lines] == list(app.tiers.names)
+    assert all(int(g.get_attribute("data-points")) >= 1 for g in depth_lines)
+    # run-time percentiles with a value, and the tier's row of the latency table
+    latency = {
+        g.get_attribute("data-series"): g.get_attribute("data-last")
+        for g in browser.find_elements(By.CSS_SELECTOR, "#chart-latency g.line")
+    }
+    assert set(latency) == {"p50", "p95", "p99"} and all(latency.values())
+    row = browser.find_element(By.CSS_SELECTOR, f'#latency tr[data-tier="{tier}"]')
+    assert int(row.find_elements(By.TAG_NAME, "td")[1].text) >= 5
+    # and the breaker, open since it was forced
+    opened = browser.find_elements(
+        By.CSS_SELECTOR, f'#chart-breakers g.span[data-label="{breaker}"]'
+    )
+    assert [g.get_attribute("data-outcome") for g in opened] == ["forced"]
+    shoot(browser, tmp_path, "console-overview-charts.png")
+    app.breakers[breaker].reset()
+
+    # And the workflow's page draws a row for each step, the timer, the signal wait and the
+    # compensation's run, coloured by outcome
+    browser.set_window_size(1400, 1400)
+    browser.get(f"{console}/workflows/{handle.id}")
+    wait.until(seen.presence_of_element_located((By.ID, "workflow-timeline")))
+    spans = browser.find_elements(By.CSS_SELECTOR, "#workflow-timeline g.span")
+    rows = [
+        (
+            s.get_attribute("data-kind"),
+            s.get_attribute("data-label"),
+            s.get_attribute("data-outcome"),
+        )
+        for s in spans
+    ]
+    kinds = [kind for kind, _, _ in rows]
+    assert kinds.count("timer") == 1 and kinds.count("signal") == 1
+    assert kinds.count("compensation") == 1 and kinds.count("step") == 4  # s0, g0, g1, last
+    assert [
+        (label.split(" ", 1)[1], outcome)
+        for kind, label, outcome in rows
+        if kind in ("timer", "signal")
+    ] == [("timer sleep", "done"), ("signal approved", "done")]
+    failed = [label for kind, label, outcome in rows if outcome == "failed"]
+    assert len(failed) == 1 and "wf_refuse" in failed[0]
+    assert all(outcome in ("done", "failed") for _, _, outcome in rows)
+    compensation = next(label for kind, label, _ in rows if kind == "compensation")
+    assert "wf_undo" in compensation
+    assert "code failed" in browser.find_element(By.CSS_SELECTOR, "figure.timeline-chart").text
+    assert "olive" not in browser.find_element(By.ID, "workflow-timeline").get_attribute(
+        "outerHTML"
+    )  # the signal's payload is not drawn
+    shoot(browser, tmp_path, "console-workflow-timeline.png")

@@ -149,6 +149,7 @@ def test_a_workflows_history_becomes_one_row_per_command_with_a_duration() -> No
         (5, "step", "tasks.ship", "failed"),
         (1, "compensation", "tasks.refund", "done"),
     ]
+    assert (line.rows[0].label, line.rows[0].detail) == ("0 step charge", "0 step tasks.charge")
     compensation = line.rows[-1]
     assert compensation.start == NOW + timedelta(seconds=7.2)
     assert compensation.end == NOW + timedelta(seconds=8)
@@ -255,3 +256,14 @@ def test_spans_place_each_row_on_a_time_axis_and_escape_labels() -> None:
     assert "to now" in drawn and 'data-outcome="running"' in drawn
     # ticks at a round step: 20 s gives 5 s steps, labelled to the second
     assert re.findall(r'class="tick x"[^>]*>([\d:]+)<', drawn)[:2] == ["12:30:40", "12:30:45"]
+
+
+def test_a_short_timeline_is_labelled_by_offsets_and_an_empty_one_says_none() -> None:
+    rows = [svg.Span("0 step a", NOW, NOW + timedelta(seconds=1), "done", "step", "0 step x.a")]
+    drawn = str(
+        svg.spans(rows, start=NOW, end=NOW + timedelta(seconds=1.5), title="w", chart_id="s")
+    )
+    assert re.findall(r'class="tick x"[^>]*>([^<]+)<', drawn)[:3] == ["+0.0s", "+0.2s", "+0.4s"]
+    assert "<title>0 step x.a: done," in drawn  # the tooltip names it whole
+    empty = str(svg.spans([], start=NOW, end=NOW + timedelta(hours=1), title="b", chart_id="e"))
+    assert 'data-rows="0"' in empty and ">none</text>" in empty

@@ -6,6 +6,9 @@ How it is built, and why:
   arrives, a form post is a plain HTTP POST, and nothing needs a JavaScript build step or
   fetches a library at run time. One small script of our own (``static/console.js``) refreshes
   the overview's panels and asks before destructive actions; the page works without it.
+- Charts (the overview's last hour, a workflow's timeline) are SVG drawn here (``svg``) from
+  numbers bucketed by pure functions (``series``, ``timeline``): no charting script, nothing
+  the Content-Security-Policy has to allow, and a test can count their bars.
 - It reads and acts through the library, never its own queries: ``operations`` (audited
   replay, purge, breaker force, the same as the CLI's), ``health``, ``DeadLetters``,
   ``Ledger``, the workflow handle (whose actions audit themselves).
@@ -696,7 +699,12 @@ class _Console:
             chart = svg.spans(
                 [
                     svg.Span(
-                        label=r.label, start=r.start, end=r.end, outcome=r.outcome, kind=r.kind
+                        label=r.label,
+                        start=r.start,
+                        end=r.end,
+                        outcome=r.outcome,
+                        kind=r.kind,
+                        detail=r.detail,
                     )
                     for r in line.rows
                 ],

@@ -32,7 +32,27 @@ HEIGHT = 150
 LEFT, RIGHT, TOP, BOTTOM = 48, 12, 22, 22
 LABELS = 210  # the spans' label column
 ROW = 18  # a span row's height
-TICK_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 86400)
+TICK_STEPS = (
+    0.1,
+    0.2,
+    0.5,
+    1,
+    2,
+    5,
+    10,
+    15,
+    30,
+    60,
+    120,
+    300,
+    600,
+    900,
+    1800,
+    3600,
+    7200,
+    21600,
+    86400,
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +64,7 @@ class Span:
     end: datetime | None
     outcome: str  # the bar's class: ``outcome-<outcome>``
     kind: str = ""
+    detail: str = ""  # the tooltip's name, when longer than the label
 
 
 def bars(
@@ -137,6 +158,8 @@ def spans(
         return LABELS + offset / total * plot_w
 
     parts = [_time_axis(start, end, x, plot_h)]
+    if not rows:
+        parts.append(f'<text class="empty" x="{LABELS - 6}" y="{TOP + ROW - 5}">none</text>')
     for n, row in enumerate(rows):
         y = TOP + n * ROW
         x0, x1 = x(row.start), x(row.end or end)
@@ -148,7 +171,7 @@ def spans(
             f'<text class="label" x="{LABELS - 6}" y="{y + ROW - 5}">{escape(_short(row.label))}'
             f"</text>"
             f'<rect x="{x0:.1f}" y="{y + 3}" width="{max(x1 - x0, 2):.1f}" height="{ROW - 6}">'
-            f"<title>{escape(row.label)}: {escape(row.outcome)},"
+            f"<title>{escape(row.detail or row.label)}: {escape(row.outcome)},"
             f" {row.start:%H:%M:%S} to {until} ({duration(took)})</title></rect></g>"
         )
     return _svg("spans", chart_id, title, parts, height, {"rows": len(rows)})
@@ -216,16 +239,21 @@ def _minute_axis(window: Window, plot_h: float) -> str:
 def _time_axis(
     start: datetime, end: datetime, place: Callable[[datetime], float], plot_h: float
 ) -> str:
-    """Ticks at a round step giving at most eight of them, labelled with the time of day."""
+    """Ticks at a round step giving at most eight of them, labelled with the time of day (or,
+    under a second apart, the offset from ``start``)."""
     total = (end - start).total_seconds()
     step = next((s for s in TICK_STEPS if total / s <= 8), TICK_STEPS[-1])
-    first = math.ceil(start.timestamp() / step) * step
+    relative = step < 1  # within a second or two: offsets from the start read better
+    first = start.timestamp() if relative else math.ceil(start.timestamp() / step) * step
     ticks = []
     moment = float(first)
-    while moment <= end.timestamp():
+    while moment <= end.timestamp() + 1e-9:
         when = datetime.fromtimestamp(moment, UTC)
         at = place(when)
-        label = f"{when:%H:%M:%S}" if step < 60 else f"{when:%H:%M}"
+        if relative:
+            label = f"+{moment - first:.1f}s"
+        else:
+            label = f"{when:%H:%M:%S}" if step < 60 else f"{when:%H:%M}"
         ticks.append(
             f'<line class="grid" x1="{at:.1f}" x2="{at:.1f}" y1="{TOP}" y2="{TOP + plot_h}"/>'
             f'<text class="tick x" x="{at:.1f}" y="{TOP + plot_h + 16}">{label}</text>'
@@ -239,7 +267,7 @@ def _legend(items: Sequence[tuple[str, str]]) -> str:
     out: list[str] = []
     x = float(WIDTH - RIGHT)
     for cls, text in reversed(items):
-        width = 14 + 6.5 * len(text)
+        width = 22 + 6.2 * len(text)  # (a system font at 11 px: about 6 px a character)
         x -= width
         out.append(
             f'<g class="key {_cls(cls)}"><rect x="{x:.1f}" y="5" width="9" height="9"/>'

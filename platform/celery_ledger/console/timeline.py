@@ -42,6 +42,12 @@ class Row:
 
     @property
     def label(self) -> str:
+        """Position, kind and the name's last part (``3 step charge``)."""
+        return f"{self.pos} {self.kind} {self.name.rsplit('.', 1)[-1]}"
+
+    @property
+    def detail(self) -> str:
+        """Position, kind and the whole name."""
         return f"{self.pos} {self.kind} {self.name}"
 
 
