@@ -587,3 +587,36 @@ def test_the_overview_charts_the_last_hour_and_a_workflow_page_draws_its_timelin
         "outerHTML"
     )  # the signal's payload is not drawn
     shoot(browser, tmp_path, "console-workflow-timeline.png")
+
+
+def test_the_depth_history_keeps_each_minutes_highest_sample_and_the_workers_sample_it(
+    app: Any, token: str
+) -> None:
+    from celery_ledger.depth_history import DepthHistory, depths_key
+
+    # Given samples of one minute from several samplers, in any order, and a minute with none
+    history = DepthHistory(app.runtime.redis, namespace=f"test-{token}")
+    minute = 29_000_000 * 60.0  # (a minute of its own: nothing else writes there)
+    history.record({"default": 3, "bulk": 0}, at=minute + 1)
+    history.record({"default": 7}, at=minute + 20)
+    history.record({"default": 5, "bulk": 2}, at=minute + 40)
+    history.record({"default": 1}, at=minute + 120)
+    # When the window is read
+    found = history.window(minutes=4, now=minute + 150)
+    # Then each minute keeps its highest depth, and a minute no one sampled is None, not 0
+    assert found == {"bulk": [None, 2, None, None], "default": [None, 7, None, 1]}
+    assert 0 < app.runtime.redis.ttl(depths_key(f"test-{token}", 29_000_000)) <= 65 * 60
+
+    # And the session's worker samples its app's tiers by itself (every 15 s)
+    runtime = app.runtime
+    ours = runtime.depth_history
+    now = runtime.message_time()
+    keys = [depths_key(ours.namespace, int(now // 60) + i) for i in (0, 1)]
+    app.runtime.redis.delete(*keys)
+    wait_for(
+        lambda: any(app.runtime.redis.exists(k) for k in keys),
+        timeout=40,
+        what="a worker's sample of the queue depths",
+    )
+    sampled = ours.window(minutes=2, now=runtime.message_time())
+    assert set(app.tiers.names) <= set(sampled)
