@@ -22,7 +22,7 @@ OVERSIZED = {
     "app.py": 985,
     "workflow/engine.py": 935,
     "triggers.py": 815,
-    "console/app.py": 715,
+    "console/app.py": 670,
     "settings.py": 690,
     "deadletter.py": 685,
 }
