@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from celery_ledger.errors import CommitLost, LeaseLost
-from celery_ledger.keys import derive_task_id
+from celery_ledger.identity import derive_task_id
 from celery_ledger.ledger.dead import DeadJob
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import LedgerRecord, State

@@ -22,7 +22,7 @@ from typing import Any, Protocol, cast
 import redis
 
 from . import headers
-from .keys import identity_of
+from .identity import identity_of
 from .untrusted import float_or_none
 
 logger = logging.getLogger("celery_ledger.broker")

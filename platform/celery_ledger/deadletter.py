@@ -41,7 +41,7 @@ from . import headers
 from .crypto import PREFIX
 from .errors import LedgerError, LedgerUnavailable, StoreError
 from .events import Job
-from .keys import Identity, identity_of
+from .identity import Identity, identity_of
 from .ledger.dead import DeadJob, DeadLetter, Death
 from .ledger.message import KeptMessage, UnreplayableMessage
 from .ledger.ports import DeadLetterStore

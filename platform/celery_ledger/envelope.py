@@ -47,7 +47,7 @@ from kombu.utils.json import loads
 
 from . import headers as ledger_headers
 from .errors import PayloadError
-from .keys import validate_key
+from .identity import validate_key
 from .untrusted import MAX_RETRIES_HEADER
 
 # A check says what is wrong with one value ("is of type list, not a string"), or None.

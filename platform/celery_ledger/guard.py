@@ -52,8 +52,8 @@ from .errors import (
 )
 from .events import Job
 from .exits import text_of, worker_stopping
-from .fallbacks import Fallbacks
-from .keys import Identity
+from .fallback_serving import Fallbacks
+from .identity import Identity
 from .ledger.dead import DeadJob, DeadLetter, error_entry, format_traceback
 from .ledger.message import KeptMessage
 from .ledger.ports import GuardStore
@@ -62,7 +62,7 @@ from .ledger.store import ClaimOutcome, Fenced, HeldBy, Unclaimed, new_op
 from .policies.backoff import backoff_seconds
 from .policies.breaker import Admission, CircuitBreaker
 from .policies.deadline import deadline
-from .policies.fallback import Call, Fallback, Trigger, trigger_of
+from .policies.fallback import Call, Cause, Fallback, cause_of
 from .policies.retry import RetryPolicy, classify, decide
 from .policies.unrunnable import unrunnable_delay
 from .progress import Execution, Heartbeat
@@ -259,7 +259,7 @@ class Guard:
         context = {"task_id": delivery.identity.message_id, "key": delivery.identity.key}
         breaker = self.runtime.breakers[policy.breaker] if policy.breaker else None
         admission = self._admit(breaker)
-        instead: tuple[Trigger, float | None] | None = None
+        instead: tuple[Cause, float | None] | None = None
         if admission is not None and not admission.allowed:
             fallback = policy.fallback
             if (
@@ -715,7 +715,7 @@ class Attempt:
     def record_id(self) -> str:
         return self.delivery.record_id
 
-    def run(self, *, instead: tuple[Trigger, float | None] | None = None) -> Verdict:
+    def run(self, *, instead: tuple[Cause, float | None] | None = None) -> Verdict:
         """Run the body; or with ``instead`` (a fallback's trigger that happened before the
         claim, and when the dependency may be called again) serve the fallback."""
         self.guard.observers.claimed(self.delivery.job, self.fence)
@@ -758,7 +758,7 @@ class Attempt:
         finally:
             heartbeat.stop()
 
-    def _serve_instead(self, trigger: Trigger, retry_at: float | None) -> Verdict:
+    def _serve_instead(self, trigger: Cause, retry_at: float | None) -> Verdict:
         """The task's breaker was open at the claim: serve its fallback, or (no option could
         serve) give the claim back and come back when the breaker lets calls through."""
         served = self.degrade(trigger, None, retry_at)
@@ -903,7 +903,7 @@ class Attempt:
     # -- fallbacks (policies/fallback.py) --------------------------------------------------------
 
     def degrade(
-        self, trigger: Trigger | None, cause: BaseException | None, retry_at: float | None
+        self, trigger: Cause | None, cause: BaseException | None, retry_at: float | None
     ) -> Verdict | None:
         """Serve the task's fallback instead of waiting: ``succeeded``, marked degraded (and the
         real job scheduled to replace it). None when the task has no fallback for ``trigger``,
@@ -1017,7 +1017,7 @@ class Attempt:
             retry_on=policy.retry_on,
             fail_on=policy.fail_on,
         )
-        trigger = trigger_of(
+        trigger = cause_of(
             exc,
             retryable=classify(exc, retry_on=policy.retry_on, fail_on=policy.fail_on),
             retry_left=decision.retry,

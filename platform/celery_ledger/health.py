@@ -29,7 +29,7 @@ from .clock import (
 )
 from .handoff import Parking, tally
 from .ledger.store import Ledger
-from .ledger.triggers import TriggerState, TriggerStore
+from .ledger.trigger_store import TriggerState, TriggerStore
 
 Status = Literal["ok", "warn", "down", "skipped"]
 

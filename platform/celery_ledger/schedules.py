@@ -49,7 +49,7 @@ from celery.schedules import schedule as interval_schedule
 from . import headers
 from .broker import SweepLock
 from .errors import ConfigurationError, LedgerError
-from .keys import slot_key
+from .identity import slot_key
 from .ledger.record import TERMINAL
 from .ledger.schedule_controls import ScheduleControls
 from .policies.schedule import (

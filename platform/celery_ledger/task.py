@@ -44,7 +44,7 @@ from .errors import (
     RetryNotPublished,
 )
 from .guard import Delivery, Replaced, TaskPolicy, Verdict, objective
-from .keys import (
+from .identity import (
     Identity,
     KeySpec,
     bind_arguments,
@@ -398,7 +398,7 @@ class LedgerTask(Task):  # type: ignore[misc]
 
     def key_of(self, args: Any, kwargs: Any) -> str:
         """The idempotency key of a call with these arguments (a sensitive task's derived key
-        is a keyed HMAC, see :func:`celery_ledger.keys.default_key`)."""
+        is a keyed HMAC, see :func:`celery_ledger.identity.default_key`)."""
         spec = self.key_spec()
         secret = None
         if self.sensitive and spec is None:
@@ -413,7 +413,7 @@ class LedgerTask(Task):  # type: ignore[misc]
     def identity_of_message(
         self, message_id: str, message_headers: Any, args: Any, kwargs: Any
     ) -> Identity:
-        """The job a message of this task names (see :func:`celery_ledger.keys.identity_of`)."""
+        """The job a message of this task names (see :func:`celery_ledger.identity.identity_of`)."""
         found = message_headers if isinstance(message_headers, dict) else {}
         return identity_of(
             self.name,

@@ -58,11 +58,11 @@ from .admission import ADMITTED, NEVER_SHED
 from .broker import SweepLock
 from .errors import Backpressure, ConfigurationError, LedgerUnavailable, PayloadError
 from .events import Observer
-from .keys import derive_task_id
+from .identity import derive_task_id
 from .ledger.dead import DeadJob
 from .ledger.record import State
 from .ledger.store import Ledger, Unclaimed
-from .ledger.triggers import TriggerStore
+from .ledger.trigger_store import TriggerStore
 
 if TYPE_CHECKING:
     from pymongo.collection import Collection

@@ -15,7 +15,7 @@ from typing import Any
 from celery.utils.time import maybe_iso8601
 
 from .errors import PayloadError
-from .keys import validate_key
+from .identity import validate_key
 
 logger = logging.getLogger("celery_ledger.guard")
 

@@ -50,7 +50,7 @@ from celery_ledger.envelope import (
     WORKER_SET_HEADERS,
     envelope_problem,
 )
-from celery_ledger.keys import derive_task_id
+from celery_ledger.identity import derive_task_id
 from celery_ledger.routing import TIERS
 from tests.conftest import examples
 

@@ -22,7 +22,7 @@ from pymongo import MongoClient
 from celery_ledger import ConfigurationError, IdentityError, State
 from celery_ledger.crypto import Sealer
 from celery_ledger.embedded.stack import EmbeddedStack
-from celery_ledger.keys import derive_task_id
+from celery_ledger.identity import derive_task_id
 from celery_ledger.ledger.message import KeptMessage
 
 from .conftest import make_isolated_stack, producer_app

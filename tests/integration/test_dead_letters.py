@@ -226,7 +226,7 @@ def test_filters_apply_before_the_limit_and_a_purge_is_audited_with_its_ids(
 
 def _bury_records(app: Any, token: str, count: int) -> list[str]:
     """``count`` dead jobs of ``record`` (keys ``<token>-<n>``), their messages kept."""
-    from celery_ledger.keys import derive_task_id
+    from celery_ledger.identity import derive_task_id
     from celery_ledger.ledger.dead import DeadJob
     from celery_ledger.ledger.message import KeptMessage
     from celery_ledger.ledger.store import Unclaimed

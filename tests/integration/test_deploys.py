@@ -14,7 +14,7 @@ import redis
 
 from celery_ledger import LedgerCelery, State
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
-from celery_ledger.keys import derive_task_id
+from celery_ledger.identity import derive_task_id
 from celery_ledger.ledger.message import KeptMessage
 
 from .conftest import producer_app

@@ -11,7 +11,7 @@ import pytest
 from celery import states
 
 from celery_ledger import PayloadError, State
-from celery_ledger.keys import derive_task_id
+from celery_ledger.identity import derive_task_id
 
 from .helpers import effect_count, wait_for
 

@@ -17,7 +17,7 @@ from pymongo.client_session import ClientSession
 from celery_ledger import Backpressure, ConfigurationError, State
 from celery_ledger.embedded.servers import app_env
 from celery_ledger.embedded.stack import EmbeddedStack
-from celery_ledger.keys import derive_task_id
+from celery_ledger.identity import derive_task_id
 from celery_ledger.ledger.store import EPOCH, UNPUBLISHED
 
 from .conftest import producer_app

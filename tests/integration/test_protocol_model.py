@@ -67,7 +67,7 @@ from celery_ledger.deadletter import DeadLetters
 from celery_ledger.errors import LeaseLost, LedgerError, LedgerUnavailable, PermanentError
 from celery_ledger.events import Observers
 from celery_ledger.guard import Delivery, Guard, TaskPolicy, Verdict
-from celery_ledger.keys import Identity, derive_task_id
+from celery_ledger.identity import Identity, derive_task_id
 from celery_ledger.ledger import ClaimOutcome, Ledger
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import State

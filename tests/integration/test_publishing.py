@@ -10,7 +10,7 @@ import redis
 from celery import chain, group
 
 from celery_ledger import State
-from celery_ledger.keys import derive_task_id
+from celery_ledger.identity import derive_task_id
 
 from .helpers import effect_count, wait_for
 

@@ -409,7 +409,7 @@ def test_a_mistaken_create_says_what_is_wrong_without_a_traceback(
 
 
 def test_a_workflow_on_a_schedule_starts_once_per_slot(fleet: Fleet) -> None:
-    from celery_ledger.keys import derive_task_id, slot_key
+    from celery_ledger.identity import derive_task_id, slot_key
 
     # Given a durable workflow declared with @app.periodic (every 2 s), on two workers
     for name in ("flow-1", "flow-2"):

@@ -208,7 +208,7 @@ def _tampered(name: str) -> Any:
 def test_changing_any_bound_header_dead_letters_the_copy_and_never_stops_its_job(
     tmp_path: Path, stack: Any, token: str
 ) -> None:
-    from celery_ledger.keys import derive_task_id
+    from celery_ledger.identity import derive_task_id
     from celery_ledger.signing import BOUND_HEADERS
 
     running = make_isolated_stack(tmp_path)

@@ -33,8 +33,8 @@ from celery_ledger import LedgerCelery, State
 from celery_ledger.cli.triggers import triggers as triggers_cli
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from celery_ledger.health import run_checks
-from celery_ledger.keys import derive_task_id
-from celery_ledger.ledger.triggers import TriggerStore
+from celery_ledger.identity import derive_task_id
+from celery_ledger.ledger.trigger_store import TriggerStore
 from celery_ledger.triggers import change_key, watchers_for
 from tests.integration.apps import dying_trigger as hooked
 from tests.integration.apps import triggers as trigger_app

@@ -525,7 +525,7 @@ def test_a_step_s_end_advances_its_workflow_without_a_wake_message(
 def test_cancelling_a_parent_cancels_the_child_it_waits_on(
     stack: EmbeddedStack, app: Any, token: str
 ) -> None:
-    from celery_ledger.keys import derive_task_id
+    from celery_ledger.identity import derive_task_id
     from tests.integration.ledger_app import WORKFLOWS
 
     parent = WORKFLOWS["nesting"].start(token)

@@ -24,7 +24,7 @@ from celery_ledger import create_app
 from celery_ledger.cli import ledger
 from celery_ledger.embedded.stack import EmbeddedStack
 from celery_ledger.errors import ConfigurationError, NotApplied
-from celery_ledger.keys import derive_task_id
+from celery_ledger.identity import derive_task_id
 from celery_ledger.ledger.record import LedgerRecord, State
 from celery_ledger.settings import Settings
 

@@ -12,7 +12,7 @@ import pytest
 from kombu.utils import json as kombu_json
 
 from celery_ledger.crypto import Sealer
-from celery_ledger.keys import derive_task_id
+from celery_ledger.identity import derive_task_id
 from celery_ledger.ledger.dead import DeadJob
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import State

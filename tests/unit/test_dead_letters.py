@@ -15,7 +15,7 @@ from celery_ledger import Settings
 from celery_ledger.crypto import Sealer
 from celery_ledger.deadletter import DeadLetters
 from celery_ledger.errors import LedgerUnavailable, StoreError
-from celery_ledger.keys import derive_task_id, identity_of
+from celery_ledger.identity import derive_task_id, identity_of
 from celery_ledger.ledger.dead import DeadJob
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import State

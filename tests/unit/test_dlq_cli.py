@@ -12,7 +12,7 @@ from typing import Any
 from click.testing import CliRunner, Result
 
 from celery_ledger.cli.dlq import dlq
-from celery_ledger.keys import derive_task_id
+from celery_ledger.identity import derive_task_id
 from celery_ledger.ledger.dead import DeadJob
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import State

@@ -19,7 +19,7 @@ from celery_ledger.errors import (
 )
 from celery_ledger.escalation import Escalation
 from celery_ledger.guard import Verdict
-from celery_ledger.keys import Identity
+from celery_ledger.identity import Identity
 from celery_ledger.ledger.record import LedgerRecord, State
 from celery_ledger.policies.breaker import Admission
 from celery_ledger.policies.fallback import (
@@ -28,7 +28,7 @@ from celery_ledger.policies.fallback import (
     Fallback,
     LastGood,
     Placeholder,
-    trigger_of,
+    cause_of,
 )
 from tests.unit.test_guard import KEY, RECORD, TASK, FakeBody, Harness, fails
 
@@ -127,7 +127,7 @@ def test_unknown_triggers_and_bad_replacement_delays_are_refused() -> None:
 def test_which_failures_are_a_fallbacks_trigger(
     exc: BaseException, retryable: bool, retry_left: bool, trigger: str | None
 ) -> None:
-    assert trigger_of(exc, retryable=retryable, retry_left=retry_left) == trigger
+    assert cause_of(exc, retryable=retryable, retry_left=retry_left) == trigger
 
 
 def test_a_cache_key_is_the_jobs_key_a_template_or_a_function() -> None:

@@ -31,7 +31,7 @@ from celery_ledger.errors import (
 )
 from celery_ledger.events import EVENTS, Job, Observer, Observers
 from celery_ledger.guard import Delivery, Guard, Replaced, TaskPolicy, Verdict
-from celery_ledger.keys import Identity, derive_task_id
+from celery_ledger.identity import Identity, derive_task_id
 from celery_ledger.ledger.record import State
 from celery_ledger.policies.fallback import Fallback, Placeholder
 from celery_ledger.policies.retry import RetryPolicy

@@ -1,4 +1,4 @@
-"""celery_ledger.keys: canonical JSON, default keys, derived task ids and key specs."""
+"""celery_ledger.identity: canonical JSON, default keys, derived task ids and key specs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from celery_ledger.errors import ConfigurationError, PayloadError
-from celery_ledger.keys import (
+from celery_ledger.identity import (
     canonical_json,
     compute_key,
     default_key,

@@ -15,7 +15,7 @@ from celery_ledger import Settings
 from celery_ledger.crypto import Sealer
 from celery_ledger.errors import Backpressure, ConfigurationError, LedgerUnavailable
 from celery_ledger.events import Observer, Observers
-from celery_ledger.keys import derive_task_id
+from celery_ledger.identity import derive_task_id
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import State
 from celery_ledger.ledger.store import EPOCH, UNPUBLISHED

@@ -13,7 +13,7 @@ from celery_ledger import Settings
 from celery_ledger.broker import Stranded, Unacked
 from celery_ledger.crypto import Sealer
 from celery_ledger.errors import StoreError
-from celery_ledger.keys import derive_task_id
+from celery_ledger.identity import derive_task_id
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import State
 from celery_ledger.reconciler import Reconciler

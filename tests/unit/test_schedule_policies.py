@@ -11,7 +11,7 @@ from celery.schedules import crontab, schedule
 
 from celery_ledger import headers
 from celery_ledger.errors import ConfigurationError
-from celery_ledger.keys import slot_key, slot_of_key
+from celery_ledger.identity import slot_key, slot_of_key
 from celery_ledger.ledger.record import State
 from celery_ledger.policies.schedule import (
     CatchUp,

@@ -13,7 +13,7 @@ from celery.schedules import crontab, schedule, solar
 
 from celery_ledger import headers
 from celery_ledger.events import Observer, Observers
-from celery_ledger.keys import slot_key, slot_of_key
+from celery_ledger.identity import slot_key, slot_of_key
 from celery_ledger.schedules import fleet_entries, marked_options, slot_of
 
 APP = Celery("schedules-unit", set_as_current=False)

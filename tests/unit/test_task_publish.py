@@ -30,7 +30,7 @@ from celery_ledger import (
     create_app,
 )
 from celery_ledger.admission import ADMITTED
-from celery_ledger.keys import default_key, derive_task_id
+from celery_ledger.identity import default_key, derive_task_id
 from celery_ledger.ledger.store import EnqueueOutcome
 
 SENTINEL = object()

@@ -16,7 +16,7 @@ from celery_ledger import Settings, create_app
 from celery_ledger.errors import Backpressure, ConfigurationError
 from celery_ledger.events import Observers
 from celery_ledger.health import trigger_report
-from celery_ledger.ledger.triggers import TriggerState
+from celery_ledger.ledger.trigger_store import TriggerState
 from celery_ledger.observability import metrics
 from celery_ledger.policies.backpressure import TierLimit
 from celery_ledger.triggers import (

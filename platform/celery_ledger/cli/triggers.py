@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import audit
-from ..ledger.triggers import TriggerStore
+from ..ledger.trigger_store import TriggerStore
 from .options import actor_option
 
 console = Console(soft_wrap=True)

@@ -51,7 +51,7 @@ from .. import audit, operations
 from ..crypto import Sealer
 from ..deadletter import PURGE_LIMIT, group_of, since_of
 from ..errors import ConfigurationError, LedgerError, LedgerUnavailable, WorkflowError
-from ..keys import derive_task_id
+from ..identity import derive_task_id
 from ..ledger.record import LedgerRecord
 from ..schedules import fleet_state
 from . import svg, timeline

@@ -33,7 +33,7 @@ class Claims(DeadRecords):
 
     def get(self, task_name: str, key: str) -> LedgerRecord | None:
         """The record of job ``(task_name, key)``, or ``None`` if the ledger has none."""
-        from ..keys import derive_task_id
+        from ..identity import derive_task_id
 
         return self.get_by_id(derive_task_id(task_name, key))
 

@@ -29,7 +29,7 @@ from ..clock import last_known_time
 from ..events import Job, Observer
 from ..locks import ForkSafeLock
 from ..policies.breaker import BreakerState
-from ..policies.fallback import TRIGGERS
+from ..policies.fallback import CAUSES
 from ..routing import TIERS
 from ..untrusted import float_or_none
 from ..workflow.history import TERMINAL
@@ -263,7 +263,7 @@ DEFERRAL_REASONS = frozenset(
 )
 UNAVAILABLE_WHERE = frozenset({"claim", "body"})
 SKIP_REASONS = frozenset({"dependency down", "time budget"})
-FALLBACK_TRIGGERS = frozenset(TRIGGERS)
+FALLBACK_TRIGGERS = frozenset(CAUSES)
 BREAKER_STATES = frozenset(state.value for state in BreakerState)
 WORKFLOW_ENDS = frozenset(TERMINAL)
 CLOCK_SERVERS = frozenset({"ledger", "broker"})

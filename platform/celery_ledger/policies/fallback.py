@@ -22,7 +22,8 @@ key when the breaker lets calls through again (or ``replace_after_seconds`` afte
 an exhausted budget); its result replaces the degraded one, exactly once. Until then, readers
 get the degraded result.
 
-This module is the vocabulary and the decision (pure); serving is :mod:`celery_ledger.fallbacks`.
+This module is the vocabulary and the decision (pure); serving is
+:mod:`celery_ledger.fallback_serving`.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from typing import Any, Literal, TypeAlias
 
 from ..errors import CircuitOpen, ConfigurationError
 
-Trigger: TypeAlias = Literal["circuit-open", "timeout", "retries-exhausted"]
-TRIGGERS: tuple[Trigger, ...] = ("circuit-open", "timeout", "retries-exhausted")
+# Why a fallback was served instead of waiting (its cause; a metric label)
+Cause: TypeAlias = Literal["circuit-open", "timeout", "retries-exhausted"]
+CAUSES: tuple[Cause, ...] = ("circuit-open", "timeout", "retries-exhausted")
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class Fallback:
     """A task's fallback: its options in order, when they apply, and the replacement."""
 
     options: tuple[Option, ...]
-    on: frozenset[str] = field(default_factory=lambda: frozenset(TRIGGERS))
+    on: frozenset[str] = field(default_factory=lambda: frozenset(CAUSES))
     replace: bool = True
     replace_after_seconds: float = 60.0
 
@@ -132,10 +134,10 @@ class Fallback:
                 raise ConfigurationError(
                     f"fallback option {option!r} is not LastGood, Alternate or Placeholder"
                 )
-        unknown = set(self.on) - set(TRIGGERS)
+        unknown = set(self.on) - set(CAUSES)
         if unknown:
             raise ConfigurationError(
-                f"unknown fallback triggers {sorted(unknown)}; known: {', '.join(TRIGGERS)}"
+                f"unknown fallback triggers {sorted(unknown)}; known: {', '.join(CAUSES)}"
             )
         if not math.isfinite(self.replace_after_seconds) or self.replace_after_seconds < 0:
             raise ConfigurationError("replace_after_seconds must be a finite number >= 0")
@@ -159,11 +161,11 @@ class Fallback:
         """Whether the task's good results are kept for a :class:`LastGood` option."""
         return any(isinstance(option, LastGood) for option in self.options)
 
-    def applies(self, trigger: Trigger | None) -> bool:
+    def applies(self, trigger: Cause | None) -> bool:
         return trigger is not None and trigger in self.on
 
 
-def trigger_of(exc: BaseException, *, retryable: bool, retry_left: bool) -> Trigger | None:
+def cause_of(exc: BaseException, *, retryable: bool, retry_left: bool) -> Cause | None:
     """Which fallback trigger a failure of the body is, or None (a failure a fallback must not
     hide: a permanent error, or one the retry budget still covers)."""
     if isinstance(exc, CircuitOpen):
@@ -173,3 +175,9 @@ def trigger_of(exc: BaseException, *, retryable: bool, retry_left: bool) -> Trig
     if retryable and not retry_left:
         return "retries-exhausted"
     return None
+
+
+# The names before 0.1.0's change-stream triggers took the word, kept for one release
+Trigger = Cause
+TRIGGERS = CAUSES
+trigger_of = cause_of

@@ -27,7 +27,7 @@ from ..errors import (
     StepFailed,
     WorkflowCancelled,
 )
-from ..keys import canonical_json
+from ..identity import canonical_json
 from .history import JOB_KINDS, Command, WorkflowState
 
 

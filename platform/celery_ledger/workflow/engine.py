@@ -46,7 +46,7 @@ from ..errors import (
 )
 from ..events import Observer
 from ..exits import described, worker_stopping
-from ..keys import KeySpec, canonical_json, compute_key, derive_task_id
+from ..identity import KeySpec, canonical_json, compute_key, derive_task_id
 from ..ledger.record import State
 from ..ledger.workflow_log import (
     ACTIVE,
