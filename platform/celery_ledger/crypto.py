@@ -20,8 +20,8 @@ from typing import Any
 
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from kombu.serialization import register
-from kombu.utils import json as kombu_json
 
+from . import wire
 from .errors import ConfigurationError, StoreError
 
 PREFIX = "fernet:"
@@ -164,7 +164,7 @@ def _encode(body: Any) -> str:
             f"the {SEALED_SERIALIZER} serializer seals only inside a ledger task's publish"
             " (publish sensitive tasks through the task, not with serializer= by hand)"
         )
-    return sealer.seal(kombu_json.dumps(body))
+    return sealer.seal(wire.dumps(body))
 
 
 def _decode(text: str | bytes) -> Any:
@@ -177,7 +177,7 @@ def _decode(text: str | bytes) -> Any:
         )
     for opener in _openers:
         try:
-            return kombu_json.loads(opener.open(token))
+            return wire.loads(opener.open(token))
         except StoreError:
             continue
     raise SealedKeyMissing(

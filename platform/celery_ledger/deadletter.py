@@ -35,9 +35,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from kombu.utils import json as kombu_json
-
-from . import headers
+from . import headers, wire
 from .crypto import PREFIX
 from .errors import LedgerError, LedgerUnavailable, StoreError
 from .events import Job
@@ -665,7 +663,7 @@ def _task_body(message: KeptMessage, sealer: Sealer) -> Any:
         raw = body if isinstance(body, bytes) else str(body).encode()
     if raw.startswith(PREFIX.encode()):  # a sensitive task's sealed body
         raw = sealer.open(raw.decode()).encode()
-    return kombu_json.loads(raw)
+    return wire.loads(raw)
 
 
 def _jsonable(value: Any) -> Any:

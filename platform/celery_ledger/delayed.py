@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-from kombu.utils.json import dumps, loads
 
 from . import tracecontext
 from .crypto import Sealer
@@ -33,6 +32,7 @@ from .errors import ConfigurationError, PublishError, StoreError
 from .headers import SIGNATURE
 from .reseal import Reseal, Tally, reseal_tree, resealed_queue_item
 from .signing import Signer
+from .wire import dumps, loads
 
 # KEYS[1] = the sorted set; ARGV = now ("" for the server's clock), hand-out lease seconds,
 # batch limit. Due is judged on the broker's clock, whichever worker's clock is off: scores are

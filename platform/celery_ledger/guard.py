@@ -33,9 +33,8 @@ from typing import Any, Literal, Protocol, TypeVar
 
 import redis
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
-from kombu.utils import json as kombu_json
 
-from . import headers, tracecontext
+from . import headers, tracecontext, wire
 from .deadletter import DeadLetters
 from .errors import (
     CircuitOpen,
@@ -374,7 +373,7 @@ class Guard:
     def oversized(self, delivery: Delivery) -> str | None:
         """Why the message's arguments are over the limit (published around our API), or None."""
         limit = self.settings.max_payload_bytes
-        size = len(kombu_json.dumps([list(delivery.args), delivery.kwargs]))
+        size = len(wire.dumps([list(delivery.args), delivery.kwargs]))
         if size > limit:
             return f"oversized message: arguments are {size} bytes, the limit is {limit}"
         return None

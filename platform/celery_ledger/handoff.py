@@ -46,10 +46,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from kombu.utils.json import dumps, loads
 
 from .headers import PARKED
 from .untrusted import float_or_none
+from .wire import dumps, loads
 
 logger = logging.getLogger(__name__)
 

@@ -40,9 +40,8 @@ import hmac
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kombu.utils import json as kombu_json
-
 from . import headers as ledger_headers
+from . import wire
 from .errors import ConfigurationError
 
 HEADER = ledger_headers.SIGNATURE
@@ -138,8 +137,8 @@ def signed_text(message_headers: Mapping[str, Any], body: Any, *, version: str =
         fields: list[Any] = [{name: message_headers.get(name) for name in V1_BOUND_HEADERS}, body]
     else:
         fields = [version, {name: message_headers.get(name) for name in BOUND_HEADERS}, body]
-    decoded = kombu_json.loads(kombu_json.dumps(fields))
-    text: str = kombu_json.dumps(decoded, sort_keys=True, separators=(",", ":"))
+    decoded = wire.loads(wire.dumps(fields))
+    text: str = wire.dumps(decoded, sort_keys=True, separators=(",", ":"))
     return text.encode()
 
 

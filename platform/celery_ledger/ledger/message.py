@@ -19,9 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from kombu.utils import json as kombu_json
-
-from .. import headers, tracecontext
+from .. import headers, tracecontext, wire
 from ..crypto import PREFIX, Sealer
 from ..errors import StoreError
 from ..untrusted import storable_value
@@ -83,8 +81,8 @@ class KeptMessage:
         Raises:
             TypeError: an argument kombu's JSON cannot encode.
         """
-        args_json = kombu_json.dumps(list(args or ()))
-        kwargs_json = kombu_json.dumps(dict(kwargs or {}))
+        args_json = wire.dumps(list(args or ()))
+        kwargs_json = wire.dumps(dict(kwargs or {}))
         if sealer is not None:
             args_json, kwargs_json = sealer.seal(args_json), sealer.seal(kwargs_json)
         return cls(args_json, kwargs_json, carried_headers(message_headers))
@@ -175,7 +173,7 @@ class KeptMessage:
                 sealer.open(self.kwargs_json or "{}"),
             )
             try:
-                args, kwargs = kombu_json.loads(args_text), kombu_json.loads(kwargs_text)
+                args, kwargs = wire.loads(args_text), wire.loads(kwargs_text)
             except (ValueError, TypeError) as exc:  # a damaged record: never a worker's crash
                 raise UnreplayableMessage(f"the kept arguments are not JSON: {exc}") from exc
         elif self.raw_base64 is not None:
@@ -207,7 +205,7 @@ class KeptMessage:
             assert raw is not None
             if raw.startswith(PREFIX.encode()):  # a sensitive task's sealed body
                 raw = sealer.open(raw.decode()).encode()
-            triple = kombu_json.loads(raw)
+            triple = wire.loads(raw)
             return triple[0], triple[1]
         except (ValueError, TypeError, KeyError, IndexError, AttributeError, binascii.Error) as exc:
             raise UnreplayableMessage(f"the raw message has no usable arguments: {exc}") from exc
