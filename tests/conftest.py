@@ -99,6 +99,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.props)
             if wide:  # the per-test timeout grows with the number of examples
                 item.add_marker(pytest.mark.timeout(float(config.getini("timeout")) * WIDE_FACTOR))
+    # The tests that run for minutes come first (the rest keep their order): xdist's loadgroup
+    # hands tests out in collection order, so a long test collected late (the workflow models,
+    # the unit tests after them) ran on alone at the end while the other processes sat idle.
+    # Longest first leaves the many short tests to even out the processes' ends.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
 # The suite mostly waits on servers and workers (about one core of 2 busy with 4 processes): on 2
