@@ -190,6 +190,10 @@ def _session_log_offsets() -> dict[Path, int]:
 def _dump_session_stacks() -> str:
     """Have the session worker's processes write their threads' stacks to its log, one after
     another; says which processes, in the order their stacks appear."""
+    if not _session:
+        # (no session stack yet, as after a first test that needs none: importing the test app
+        # now would bind it to no servers, and every later test of this process would fail)
+        return "no stacks"
     from tests.integration.ledger_app import DUMP_STACKS
 
     asked = []
