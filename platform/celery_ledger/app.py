@@ -30,7 +30,7 @@ from pydantic_settings import SettingsError
 from pymongo.client_session import ClientSession
 from pymongo.monitoring import CommandListener
 
-from . import headers, tracecontext
+from . import headers, tracecontext, transport
 from .admission import WORKFLOW_STEP
 from .broker import RedisBroker, SweepLock
 from .conf_check import conf_problems, pinned, task_problems
@@ -116,6 +116,8 @@ class LedgerAMQP(AMQP):  # type: ignore[misc]
     retries, Celery's own chord tasks) once its headers are final, so each is signed once,
     and (tracing on) a publish with no span current continues the trace its message carries.
     """
+
+    Connection = transport.Connection  # (keeps its transport through a failover)
 
     @cached_property
     def send_task_message(self) -> Callable[..., Any]:
@@ -887,6 +889,7 @@ def _create_app(
         ledger=ledger,
         publish=app._publish,
         tier_of=app.tier_of,
+        transport_options=lambda: app.conf.broker_transport_options,
     )
     # The reconciler and the outbox hold the broker's Redis client and a sweep lock owned by
     # this process:
@@ -904,7 +907,7 @@ def _create_app(
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=settings.worker_prefetch_multiplier,
         worker_cancel_long_running_tasks_on_connection_loss=False,
-        broker_transport="celery_ledger.transport:Transport",
+        broker_transport=transport.path_for(settings.broker_url),  # (through Sentinel or not)
         worker_consumer="celery_ledger.worker:LedgerConsumer",
         broker_transport_options={
             "visibility_timeout": settings.visibility_timeout_seconds,
@@ -912,6 +915,7 @@ def _create_app(
             **unacked_keys(namespace),
             "ledger_poison_key": poison_key(name),
             "ledger_restore_visible": settings.restore_unacked,
+            **transport.sentinel_options(settings),  # (master_name, sentinel_kwargs)
         },
         broker_connection_retry_on_startup=True,
         # Reconnect for as long as the broker is away: Celery's default (100 attempts, about

@@ -31,6 +31,7 @@ from .crypto import Sealer
 from .errors import ConfigurationError, PublishError, StoreError
 from .headers import SIGNATURE
 from .reseal import Reseal, Tally, reseal_tree, resealed_queue_item
+from .sentinel import RedisTarget, redis_client
 from .signing import Signer
 from .wire import dumps, loads
 
@@ -79,7 +80,7 @@ class DelayedDeliveries:
 
     def __init__(
         self,
-        redis_url: str,
+        redis_url: str | RedisTarget,
         *,
         key: str = "celery_ledger:delayed",
         handout_seconds: float = 30.0,
@@ -90,7 +91,7 @@ class DelayedDeliveries:
         self.parked_key = parked_key  # the index of the parked among these (the handoff)
         self.handout_seconds = handout_seconds
         self._signer = signer
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
+        self._redis = redis_client(redis_url, socket_timeout=10, socket_connect_timeout=5)
         self._take_due = self._redis.register_script(_TAKE_DUE)
         self._replace = self._redis.register_script(_REPLACE)
         self._push_back = self._redis.register_script(_PUSH_BACK)

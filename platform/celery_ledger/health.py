@@ -1,6 +1,7 @@
 """Is the platform up? The checks behind ``celery -A APP ledger health`` and the console.
 
-Each with a short timeout: the broker (PING), the ledger (ping and a read), workers per tier
+Each with a short timeout: the broker (PING, and which server answered it: through Sentinel,
+the primary the sentinels name), the ledger (ping and a read), workers per tier
 (``inspect active_queues``: which tiers have a worker consuming), open breakers (reported, never
 failing). A required tier without a worker is down.
 """
@@ -30,6 +31,7 @@ from .clock import (
 from .handoff import Parking, tally
 from .ledger.store import Ledger
 from .ledger.trigger_store import TriggerState, TriggerStore
+from .sentinel import redis_client
 
 Status = Literal["ok", "warn", "down", "skipped"]
 
@@ -111,8 +113,8 @@ def _timed(name: str, check: Callable[[], tuple[Status, str, dict[str, Any]]]) -
 
 def _short_redis(app: Any, timeout: float) -> redis.Redis:
     """A broker client of the check's own, whose calls give up after ``timeout``."""
-    return redis.Redis.from_url(
-        app.settings.require_broker_url(),
+    return redis_client(
+        app.runtime.broker_target,  # (through Sentinel: the primary it names)
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 0),  # one attempt: the timeout is the budget
@@ -123,9 +125,10 @@ def _broker(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
     client = _short_redis(app, timeout)
     try:
         client.ping()
+        primary = app.runtime.broker_target.primary(client)
     finally:
         client.close()
-    return "ok", "PING answered", {}
+    return "ok", f"PING answered by {primary}", {"primary": primary}
 
 
 @contextlib.contextmanager

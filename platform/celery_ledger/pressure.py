@@ -22,6 +22,13 @@ import redis
 
 from .errors import ConfigurationError
 from .locks import ForkSafeLock, keep_inherited
+from .sentinel import (
+    RedisTarget,
+    SentinelSettings,
+    fresh_client,
+    redis_client,
+    sentinel_transport_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +74,7 @@ class Pressure:
         if self._client_pid != os.getpid():
             inherited = self.client
             keep_inherited(inherited)
-            pool = inherited.connection_pool
-            self.client = redis.Redis(
-                connection_pool=type(pool)(
-                    connection_class=pool.connection_class,
-                    max_connections=pool.max_connections,
-                    **pool.connection_kwargs,
-                )
-            )
+            self.client = fresh_client(inherited)
             self._client_pid = os.getpid()
 
     def server_now(self) -> float:
@@ -162,13 +162,16 @@ _default: Pressure | None = None
 _default_lock = ForkSafeLock()
 
 
-def _build(redis_url: str, window_seconds: float) -> Pressure:
-    client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+def _build(redis_url: str | RedisTarget, window_seconds: float) -> Pressure:
+    client = redis_client(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
     return Pressure(client, window_seconds=window_seconds)
 
 
-def configure(redis_url: str, *, window_seconds: float = 30.0) -> Pressure:
-    """Set the :class:`Pressure` that :func:`report_latency` uses (closing any previous one)."""
+def configure(redis_url: str | RedisTarget, *, window_seconds: float = 30.0) -> Pressure:
+    """Set the :class:`Pressure` that :func:`report_latency` uses (closing any previous one).
+
+    ``redis_url``: the broker's URL, or (through Sentinel) a :class:`RedisTarget` of it, as
+    ``app.runtime.broker_target``."""
     global _default
     pressure = _build(redis_url, window_seconds)
     with _default_lock:
@@ -188,8 +191,13 @@ def _configured() -> Pressure:
                     "celery_ledger.pressure is not configured: call configure(redis_url) "
                     "or set LEDGER_BROKER_URL"
                 )
-            _default = _build(url, 30.0)
+            _default = _build(_target_from_environment(url), 30.0)
         return _default
+
+
+def _target_from_environment(url: str) -> RedisTarget:
+    """``LEDGER_BROKER_URL`` with, for a list of sentinels, the ``LEDGER_SENTINEL_*`` options."""
+    return RedisTarget(url, sentinel_transport_options(SentinelSettings(broker_url=url)))
 
 
 def report_latency(ms: float) -> None:

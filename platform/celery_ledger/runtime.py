@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -42,6 +42,7 @@ from .policies.retry import TIER_RETRY_DEFAULTS, RetryPolicy
 from .policies.throttle import Throttle, ThrottleRule
 from .pressure import Pressure
 from .routing import DEAD_LETTER, Tiers
+from .sentinel import RedisTarget, redis_client, sentinel_transport_options
 from .signing import Signer
 from .wakes import PendingWakes
 
@@ -99,6 +100,7 @@ class Runtime:
         publish: Publish,
         tier_of: Callable[[str], str | None],
         observers: Observers | None = None,
+        transport_options: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         self.settings = settings
         self.name = name  # the app's name: it namespaces the platform's keys in Redis
@@ -108,6 +110,11 @@ class Runtime:
         # The tier a task (by name) is routed to, or None if no such task is registered here.
         self.tier_of = tier_of
         self.observers = observers or Observers()
+        # The broker's transport options (master_name, sentinel_kwargs: create_app's reads the
+        # app's configuration), read at the first use of a Redis client
+        self._transport_options = transport_options or (
+            lambda: sentinel_transport_options(settings)
+        )
         ledger.open_text = self.sealer.open
         ledger.clock.on_reading = self._clock_read
         ledger.clock.warn_offset_seconds = settings.clock_warn_seconds
@@ -127,11 +134,16 @@ class Runtime:
         )
 
     @cached_property
+    def broker_target(self) -> RedisTarget:
+        """Where the broker's Redis is: its URL and, through Sentinel, its primary's name and
+        the sentinels' options (see sentinel.py). Every Redis client here is made from it."""
+        return RedisTarget(self.settings.require_broker_url(), dict(self._transport_options()))
+
+    @cached_property
     def redis(self) -> redis.Redis:
-        """A client of the broker's Redis, for the platform's shared state."""
-        return redis.Redis.from_url(
-            self.settings.require_broker_url(), socket_timeout=5, socket_connect_timeout=5
-        )
+        """A client of the broker's Redis (its primary, through Sentinel), for the platform's
+        shared state."""
+        return redis_client(self.broker_target, socket_timeout=5, socket_connect_timeout=5)
 
     @cached_property
     def broker_clock(self) -> ServerClock:
@@ -176,7 +188,7 @@ class Runtime:
     def breakers(self) -> Breakers:
         """Circuit breakers shared through Redis by every worker: ``breakers["payments"]``."""
         return Breakers(
-            self.settings.require_broker_url(),
+            self.broker_target,
             configs=self.settings.breakers,
             on_transition=self._breaker_changed,
         )
@@ -233,7 +245,7 @@ class Runtime:
         shares it with their workers, which drain it."""
         namespace = self.tiers.namespace
         return DelayedDeliveries(
-            self.settings.require_broker_url(),
+            self.broker_target,
             key=delayed_key(namespace),
             signer=self.signer,
             parked_key=parked_key(namespace),
@@ -257,7 +269,7 @@ class Runtime:
         old = f"{self.name}:ledger:delayed"
         if old == delayed_key(self.tiers.namespace):
             return None
-        return DelayedDeliveries(self.settings.require_broker_url(), key=old, signer=self.signer)
+        return DelayedDeliveries(self.broker_target, key=old, signer=self.signer)
 
     def retry_policy_for(self, tier: str) -> RetryPolicy:
         """The tier's retry default: built-in, replaced by ``LEDGER_RETRY_POLICIES``."""

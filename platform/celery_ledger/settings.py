@@ -13,7 +13,7 @@ from pydantic import (
     SecretStr,
     field_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 from pymongo import uri_parser
 from pymongo.errors import InvalidURI, PyMongoError
 
@@ -40,6 +40,7 @@ from .settings_checks import (  # the validators' checks, and the names other mo
     describe_invalid,
     located,
 )
+from .sentinel import SentinelSettings, check_sentinel_url, is_sentinel_url
 
 
 class ConsoleUser(BaseModel):
@@ -64,7 +65,7 @@ class ConsoleUser(BaseModel):
         return value
 
 
-class Settings(BaseSettings):
+class Settings(SentinelSettings):
     """Everything ``create_app`` needs; every default is safe for production.
 
     Read from the environment with the ``LEDGER_`` prefix, for example ``LEDGER_BROKER_URL``.
@@ -76,14 +77,7 @@ class Settings(BaseSettings):
         env_prefix="LEDGER_", extra="forbid", allow_inf_nan=False, hide_input_in_errors=True
     )
 
-    # URLs and DSNs carry passwords: left out of the settings' repr.
-    broker_url: str | None = Field(
-        None,
-        repr=False,
-        description="Celery broker URL (Redis: redis://, rediss:// or unix://). Required to"
-        " publish or run a worker: unset, nothing is sent anywhere (never a Redis that happens"
-        " to listen on localhost). The embedded stack sets it (`stack.env`).",
-    )
+    # URLs and DSNs carry passwords: left out of the settings' repr. (broker_url: sentinel.py)
     mongo_uri: str = Field(
         "mongodb://127.0.0.1:27017/", repr=False, description="MongoDB URI of the ledger."
     )
@@ -437,6 +431,8 @@ class Settings(BaseSettings):
     def _redis_url(cls, value: str | None) -> str | None:
         if value is None:
             return value
+        if is_sentinel_url(value):  # (a list of sentinels: Celery's form)
+            return check_sentinel_url(value, _not_a_placeholder)
         try:
             parsed = redis.connection.parse_url(value)  # what breakers and shared state use
         except Exception:

@@ -18,6 +18,10 @@ reuses its Redis client for the commands it sends outside the event loop (see
 :meth:`Channel.conn_or_acquire`); and one repair: a worker without an event loop (the gevent
 and eventlet pools) sees credit its tasks return while it waits for messages (see
 :func:`poll_timeout`).
+
+For a Redis behind Sentinel (``sentinel://`` broker URLs), :class:`SentinelTransport` is the
+same transport over kombu's Sentinel channel, and :class:`Connection` keeps it when kombu would
+move to another URL of the list (see there).
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from contextlib import contextmanager
 from queue import Empty
 from typing import Any
 
+from kombu.connection import Connection as KombuConnection
+from kombu.transport import get_transport_cls, virtual
 from kombu.transport import redis as kombu_redis
-from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 from redis import exceptions as redis_errors
@@ -42,6 +47,7 @@ from .clock import ServerClock, redis_time
 from .envelope import envelope_problem
 from .errors import ConfigurationError
 from .settings import BROKER_URL_UNSET, UNSET_BROKER_HOST
+from .sentinel import SentinelSettings, is_sentinel_url, sentinel_transport_options
 
 logger = logging.getLogger("celery_ledger.transport")
 
@@ -411,3 +417,61 @@ class Transport(kombu_redis.Transport):
         # The poller all channels share, in place of the one kombu just made (kombu types the
         # attribute as the virtual transport's cycle; its Redis transport puts a poller there).
         self.cycle = MultiChannelPoller()  # type: ignore[assignment]
+
+
+class SentinelChannel(Channel, kombu_redis.SentinelChannel):
+    """This module's channel over kombu's Sentinel channel: its pool asks the sentinels
+    (``master_name`` in the transport options) for the primary at every new connection, and
+    drops a connection to one that is gone or demoted, so a failover is a lost connection that
+    Celery restores, as for a broker restart, on the new primary."""
+
+    from_transport_options = (  # type: ignore[assignment]
+        *Channel.from_transport_options,
+        "master_name",
+        "min_other_sentinels",
+        "sentinel_kwargs",
+        "sentinel_fanout_compat",
+    )
+
+
+class SentinelTransport(Transport):
+    """:class:`Transport` through Sentinel (what ``create_app`` sets for ``sentinel://`` URLs)."""
+
+    Channel = SentinelChannel
+    default_port = kombu_redis.SentinelTransport.default_port  # type: ignore[assignment]
+    asks_every_sentinel = True  # (see Connection)
+
+
+class Connection(KombuConnection):
+    """kombu's connection (Celery's, through ``LedgerAMQP``), which keeps the transport it was
+    given.
+
+    A broker URL that lists several servers (``sentinel://a;sentinel://b``, Celery's form for
+    Sentinel) makes kombu move to the next entry after a connection error, and its ``switch``
+    took the transport from that entry's scheme: a worker whose broker failed over went on with
+    kombu's own transport (losing what this module adds) and without the first entry's user and
+    password (the data nodes'). A Sentinel channel asks every sentinel of the list whichever
+    entry is current, so such a connection does not move at all; any other keeps its transport.
+    """
+
+    def maybe_switch_next(self) -> None:
+        if getattr(get_transport_cls(self.transport_cls), "asks_every_sentinel", False):
+            return
+        super().maybe_switch_next()
+
+    def switch(self, conn_str: str) -> None:
+        given = self._initial_params.get("transport")
+        super().switch(conn_str)
+        if given:
+            self.transport_cls = given
+
+
+def path_for(broker_url: str) -> str:
+    """The transport ``create_app`` sets for ``broker_url`` (Celery's ``broker_transport``)."""
+    name = "SentinelTransport" if is_sentinel_url(broker_url) else "Transport"
+    return f"{__name__}:{name}"
+
+
+def sentinel_options(settings: SentinelSettings) -> dict[str, Any]:
+    """The transport options of the ``LEDGER_SENTINEL_*`` settings (see sentinel.py)."""
+    return sentinel_transport_options(settings)

@@ -33,6 +33,9 @@ URLS = [
     ("broker_url", "amqp://ledger:{pw}@rabbit//", "rabbit"),
     ("broker_url", "redis://ledger:{pw}", None),
     ("broker_url", "{pw}@redis:6379/0", None),
+    ("broker_url", "sentinel://ledger:{pw}@s1:26379/x;sentinel://s2:26379", None),
+    ("broker_url", "sentinel://ledger:{pw}@s1:26379/0;redis://s2:6379", None),
+    ("broker_url", "sentinel://ledger:{pw}@s1:port/0", None),
     ("mongo_uri", "mongodb://ledger:{pw}@mongo:27017/?authSource=admin&tls=perhaps", "mongo"),
     ("mongo_uri", "mongodb://ledger:{pw}@mongo:99999/", None),
     ("mongo_uri", "mongodb://ledger:{pw}@mongo/?noSuchOption=1", "mongo"),
@@ -53,6 +56,7 @@ SECRETS = [
     ("signing_keys", [SIGNING_KEY, "change-me-{pw}"]),
     ("signing_keys", ["{short}"]),
     ("metrics_auth", ":{pw}"),
+    ("sentinel_password", "change-me-{pw}"),
     ("console_secret", "change-me-{pw}"),
     ("console_secret", "{short}"),
 ]

@@ -130,12 +130,14 @@ def start_valkey(
     password: str | None = None,
     acl_file: Path | None = None,
     ready_timeout: float = 15.0,
+    replica_of: int | None = None,
 ) -> ServerProcess:
     """valkey-server with AOF persistence (``appendfsync everysec``) in ``data_dir``.
 
     ``password``: the default user's password (``requirepass``). ``acl_file``: the server's
     users come from that file instead (``ops/redis/write-acl.sh`` writes one); the URL then
-    names no user, and each client brings its own."""
+    names no user, and each client brings its own. ``replica_of``: the port of the primary it
+    replicates (on loopback; with ``password``, the primary's too: see embedded/sentinel.py)."""
     if password and acl_file:
         raise ValueError("a password or an ACL file, not both")
     private_dir(data_dir)
@@ -158,6 +160,7 @@ def start_valkey(
         "yes",
         "--daemonize",
         "no",
+        *(("--replicaof", LOOPBACK, str(replica_of)) if replica_of else ()),
     ]
     auth = ""
     if password or acl_file:
@@ -165,7 +168,8 @@ def start_valkey(
         config.touch(mode=0o600)
         config.chmod(0o600)
         if password:
-            config.write_text(f"requirepass {_config_string(password)}\n")
+            secret = _config_string(password)  # (masterauth: as a replica, after a failover)
+            config.write_text(f"requirepass {secret}\nmasterauth {secret}\n")
             auth = f":{quote_plus(password)}@"
         else:
             config.write_text(f"aclfile {_config_string(str(acl_file))}\n")

@@ -24,6 +24,7 @@ from celery import Celery
 from cryptography.fernet import Fernet
 
 from ..routing import TIERS, queue_name
+from ..sentinel import SentinelSettings, sentinel_transport_options
 from .console import ConsoleProcess, start_console
 from .flower import FlowerProcess, start_flower
 from .servers import (
@@ -199,7 +200,15 @@ class EmbeddedStack:
 
     def wait_ready(self, worker: WorkerProcess, timeout: float = 60.0) -> None:
         assert self.broker is not None
-        probe = Celery(broker=self.env["LEDGER_BROKER_URL"], set_as_current=False)
+        env = self.env
+        probe = Celery(broker=env["LEDGER_BROKER_URL"], set_as_current=False)
+        probe.conf.broker_transport_options = sentinel_transport_options(  # (through Sentinel)
+            SentinelSettings(
+                broker_url=env["LEDGER_BROKER_URL"],
+                sentinel_master=env.get("LEDGER_SENTINEL_MASTER"),
+                sentinel_password=env.get("LEDGER_SENTINEL_PASSWORD"),
+            )
+        )
         try:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:

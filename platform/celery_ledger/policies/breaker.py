@@ -30,6 +30,7 @@ import redis
 
 from ..errors import CircuitOpen, ConfigurationError
 from ..locks import ForkSafeLock
+from ..sentinel import RedisTarget, redis_client
 
 logger = logging.getLogger("celery_ledger.breaker")
 
@@ -448,7 +449,7 @@ class Breakers:
 
     def __init__(
         self,
-        redis_url: str,
+        redis_url: str | RedisTarget,
         *,
         configs: Mapping[str, BreakerConfig] | None = None,
         default: BreakerConfig = BreakerConfig(),
@@ -459,7 +460,7 @@ class Breakers:
         self.default = default
         self.key_prefix = key_prefix
         self.on_transition = on_transition
-        self._redis = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
+        self._redis = redis_client(redis_url, socket_timeout=10, socket_connect_timeout=5)
         self._breakers: dict[str, CircuitBreaker] = {}
         self._lock = ForkSafeLock()
 
