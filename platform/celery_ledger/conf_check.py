@@ -16,6 +16,8 @@ from kombu.serialization import prepare_accept_content
 from kombu.transport import resolve_transport
 from kombu.utils.imports import symbol_by_name
 
+from .sentinel import is_sentinel_url
+
 # Celery settings create_app pins, and why each matters. (Results are not Celery's to encode:
 # the ledger's backend keeps them as JSON whatever result_serializer says.)
 PINNED_SETTINGS: dict[str, str] = {
@@ -91,6 +93,12 @@ def conf_problems(conf: Mapping[str, Any], expected: Mapping[str, Any]) -> list[
             " reconciler and the poison drain use: set an option of your own on it"
             " (app.conf.broker_transport_options['visibility_timeout'] = 600) instead of"
             " replacing it"
+        )
+    url = conf.get("broker_url")
+    if isinstance(url, str) and is_sentinel_url(url) and not options.get("master_name"):
+        problems.append(
+            "broker_url lists sentinels but broker_transport_options has no master_name (the"
+            " primary's name): set LEDGER_SENTINEL_MASTER"
         )
     protocol = conf.get("task_protocol")
     if protocol not in (None, 2):

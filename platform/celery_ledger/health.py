@@ -85,6 +85,7 @@ def run_checks(app: Any, *, required: Iterable[str], timeout: float) -> list[Che
             checks.append(Check("workers", "down", f"inspect failed: {exc}"))
         else:
             checks.extend(tier_checks(active, tiers, required, app.tiers.queue))
+            checks.append(_timed("primary", lambda: _workers_primary(app, timeout)))
         checks.append(_timed("breakers", lambda: _breakers(app)))
         checks.append(_timed("parked", lambda: _parked(app, timeout)))
     else:
@@ -129,6 +130,33 @@ def _broker(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
     finally:
         client.close()
     return "ok", f"PING answered by {primary}", {"primary": primary}
+
+
+def _workers_primary(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
+    """Which broker server each worker's consumer uses (``ledger_broker``, worker.py), against
+    the primary (through Sentinel, the one the sentinels name now): a worker on another is
+    reported (it reconnects at its next connection error), never failing the check."""
+    client = _short_redis(app, timeout)
+    try:
+        primary = app.runtime.broker_target.primary(client)
+    finally:
+        client.close()
+    workers: dict[str, Any] = {}
+    try:
+        replies = app.control.broadcast("ledger_broker", reply=True, timeout=timeout) or []
+    except Exception as exc:  # (reported; the workers check says whether any consume)
+        return "warn", f"primary {primary}; workers not asked: {exc}", {"primary": primary}
+    for reply in replies:
+        for worker, answer in reply.items():
+            workers[worker] = (answer or {}).get("broker") if isinstance(answer, dict) else None
+    elsewhere = {worker: address for worker, address in workers.items() if address != primary}
+    data = {"primary": primary, "workers": workers}
+    if not workers:
+        return "skipped", f"no worker answered (primary {primary})", data
+    if elsewhere:
+        on = ", ".join(f"{worker} on {address}" for worker, address in sorted(elsewhere.items()))
+        return "warn", f"primary {primary}; not on it: {on}", data
+    return "ok", f"{len(workers)} worker(s) on the primary {primary}", data
 
 
 @contextlib.contextmanager

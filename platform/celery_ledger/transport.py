@@ -475,3 +475,21 @@ def path_for(broker_url: str) -> str:
 def sentinel_options(settings: SentinelSettings) -> dict[str, Any]:
     """The transport options of the ``LEDGER_SENTINEL_*`` settings (see sentinel.py)."""
     return sentinel_transport_options(settings)
+
+
+def broker_address(connection: Any) -> str | None:
+    """The Redis server the channels of ``connection`` (a kombu connection of this transport)
+    use now: through Sentinel, the primary their pool found at its last connection; otherwise
+    the URL's server. None before a channel has connected."""
+    transport = getattr(connection, "transport", None)  # (its channels are the transport's)
+    for channel in list(getattr(transport, "channels", None) or ()):
+        for pool in (getattr(channel, "_async_pool", None), getattr(channel, "_pool", None)):
+            if pool is None:
+                continue
+            address = getattr(pool, "master_address", None)  # (a Sentinel pool)
+            if address:
+                return f"{address[0]}:{address[1]}"
+            kwargs = pool.connection_kwargs
+            if "host" in kwargs:
+                return f"{kwargs['host']}:{kwargs.get('port')}"
+    return None

@@ -16,6 +16,7 @@ from celery import bootsteps, signals
 from celery.exceptions import InvalidTaskError
 from celery.worker import state as worker_state
 from celery.worker.consumer import Consumer
+from celery.worker.control import inspect_command
 from kombu import serialization
 from kombu.entity import Exchange, Queue
 from kombu.exceptions import ContentDisallowed, DecodeError
@@ -32,6 +33,7 @@ from .handoff import LOOK_EVERY_SECONDS, Handoff, Parked, inbox_of
 from .headers import PARKED, UNRUNNABLE_SINCE
 from .policies.unrunnable import unrunnable_delay
 from .progress import serve_shutdown_flag
+from .transport import broker_address
 from .triggers import TriggerRunner, watchers_for
 
 logger = logging.getLogger("celery_ledger.worker")
@@ -339,6 +341,12 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             interval=settings.defer_poll_seconds,
             on_stop=stops,
         )
+
+
+@inspect_command()  # type: ignore[untyped-decorator]
+def ledger_broker(state: Any) -> dict[str, str | None]:
+    """The broker server this worker's consumer uses (through Sentinel: the primary)."""
+    return {"broker": broker_address(state.consumer.connection)}
 
 
 class LedgerConsumer(Consumer):  # type: ignore[misc]

@@ -29,6 +29,7 @@ from pymongo.errors import PyMongoError
 
 from celery_ledger.embedded.sentinel import SentinelGroup, start_sentinel_group
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
+from celery_ledger.health import run_checks
 from tasks.effects import effects
 
 from .conftest import APP_MODULE, HEALING, producer_app
@@ -122,6 +123,13 @@ def first_run_after(load: Load, killed_at: float, killed_wall: float) -> float:
     return float(found["at"].timestamp() - killed_wall)
 
 
+def workers_primary(producer: Any, port: int) -> str | None:
+    """The health check's finding once it names ``port`` the primary and the worker on it."""
+    check = next(c for c in run_checks(producer, required=(), timeout=2) if c.name == "primary")
+    on_it = check.status == "ok" and check.data["primary"] == f"127.0.0.1:{port}"
+    return check.detail if on_it else None
+
+
 def ran(tokens: list[str]) -> set[str]:
     """The tokens whose job ran (an unanswered read, the ledger busy: none yet)."""
     try:
@@ -162,7 +170,8 @@ def test_jobs_run_once_and_the_worker_stays_through_two_failovers(
     worker_pid = worker.pid
     report: list[str] = []
     try:
-        time.sleep(3)
+        first = group.primary().port
+        report.append(f"health before: {wait_for(lambda: workers_primary(producer, first))}")
         for round_ in (1, 2):
             # When the primary is killed (SIGKILL) while jobs are published and run
             old = group.primary()
@@ -178,6 +187,13 @@ def test_jobs_run_once_and_the_worker_stays_through_two_failovers(
                 f" {promoted:.1f} s, first job published after the kill ran after"
                 f" {recovered:.1f} s, publishes refused meanwhile: {load.refusals - refused_before}"
             )
+            # And the health check names the new primary, and the worker on it
+            on_new = wait_for(
+                lambda port=new.port: workers_primary(producer, port),
+                timeout=30,
+                what="the worker on it",
+            )
+            report.append(f"  health: {on_new}")
             if round_ == 1:  # the remaining replica follows the new primary before the next kill
                 wait_for(lambda: replica_online(group), timeout=60, what="a replica in sync")
             time.sleep(3)

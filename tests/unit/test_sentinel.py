@@ -76,8 +76,8 @@ def test_the_settings_fill_kombus_transport_options() -> None:
 
 def test_a_master_name_set_in_the_apps_transport_options_is_the_platforms_too() -> None:
     app = create_app("sentinel-conf", settings=Settings(broker_url=URL), set_as_current=False)
-    assert conf_problems(app.conf, app.pinned_conf) == []
     app.conf.broker_transport_options["master_name"] = "from-conf"
+    assert conf_problems(app.conf, app.pinned_conf) == []
     assert app.runtime.redis.connection_pool.service_name == "from-conf"
 
 
@@ -121,3 +121,10 @@ def test_a_switch_keeps_the_transport_the_connection_was_given() -> None:
         connection.maybe_switch_next()
         assert connection.hostname == "b"
         assert connection.transport_cls == "celery_ledger.transport:Transport"
+
+
+def test_a_worker_refuses_a_sentinel_url_without_the_primarys_name() -> None:
+    app = create_app("nameless", settings=Settings(broker_url=URL), set_as_current=False)
+    app.conf.broker_transport_options.pop("master_name", None)
+    problems = conf_problems(app.conf, app.pinned_conf)
+    assert any("LEDGER_SENTINEL_MASTER" in problem for problem in problems)
