@@ -7,6 +7,8 @@
 #   REDIS_FLOWER_PASSWORD   user "flower": Flower (events, inspect/control; reads any key)
 #   REDIS_HEALTH_PASSWORD   user "health": the healthcheck (PING only)
 #   REDIS_ADMIN_PASSWORD    optional user "admin": an operator's redis-cli (every command)
+#   REDIS_REPLICA_PASSWORD  optional user "replica": a replica's link to its primary (Sentinel)
+#   REDIS_SENTINEL_PASSWORD optional user "sentinel": the sentinels' watch and failover commands
 #
 # usage: write-acl.sh OUTPUT_FILE
 # A password is stored as its SHA-256 (Redis's "#<hash>" form), never in clear; a missing one
@@ -28,6 +30,10 @@ flower=$(secret REDIS_FLOWER_PASSWORD)
 health=$(secret REDIS_HEALTH_PASSWORD)
 admin=""
 if [ -n "${REDIS_ADMIN_PASSWORD:-}" ]; then admin=$(secret REDIS_ADMIN_PASSWORD); fi
+replica=""
+if [ -n "${REDIS_REPLICA_PASSWORD:-}" ]; then replica=$(secret REDIS_REPLICA_PASSWORD); fi
+sentinel=""
+if [ -n "${REDIS_SENTINEL_PASSWORD:-}" ]; then sentinel=$(secret REDIS_SENTINEL_PASSWORD); fi
 
 umask 077
 tmp="$out.tmp.$$"
@@ -47,5 +53,9 @@ tmp="$out.tmp.$$"
   echo "user flower on #$flower resetkeys %R~* ~_kombu.* ~*.reply.celery.pidbox* ~celeryev* &* +@all -@dangerous -@admin"
   echo "user health on #$health resetkeys resetchannels -@all +ping"
   if [ -n "$admin" ]; then echo "user admin on #$admin ~* &* +@all"; fi
+  # A failover group (docker-compose.sentinel.yml): a replica replicates and nothing else; a
+  # sentinel runs the commands Redis's Sentinel documentation lists for it, and reads no key.
+  if [ -n "$replica" ]; then echo "user replica on #$replica resetkeys resetchannels -@all +psync +replconf +ping"; fi
+  if [ -n "$sentinel" ]; then echo "user sentinel on #$sentinel resetkeys allchannels -@all +multi +slaveof +replicaof +ping +exec +subscribe +config|rewrite +role +publish +info +client|setname +client|kill +script|kill"; fi
 } > "$tmp"
 mv "$tmp" "$out"

@@ -15,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -496,3 +497,91 @@ def test_the_trace_collector_forwards_to_the_trace_viewer(services: dict[str, An
     assert services["jaeger"]["profiles"] == ["monitoring"]
     endpoint = services["worker-default"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
     assert endpoint.startswith("http://otel-collector:4318")
+
+
+SENTINEL_FILE = ROOT / "docker-compose.sentinel.yml"  # the failover override
+SENTINEL_ENV = {
+    "REDIS_REPLICA_PASSWORD": "dummy-redis-replica-password",
+    "REDIS_SENTINEL_PASSWORD": "dummy-redis-sentinel-password",
+    "SENTINEL_PEER_PASSWORD": "dummy-sentinel-peer-password",
+    "SENTINEL_CLIENT_PASSWORD": "dummy-sentinel-client-password",
+}
+
+
+@pytest.fixture(scope="module")
+def sentinel_services(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch_module: pytest.MonkeyPatch
+) -> dict[str, Any]:
+    """The configuration with the Sentinel override applied (as its runbook runs it)."""
+    for name, value in SENTINEL_ENV.items():
+        monkeypatch_module.setenv(name, value)
+    config = _resolved_config(
+        tmp_path_factory.mktemp("compose-sentinel"), files=(COMPOSE_FILE, SENTINEL_FILE)
+    )
+    found: dict[str, Any] = config["services"]
+    return found
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def test_with_the_sentinel_override_every_client_finds_the_primary_through_three_sentinels(
+    sentinel_services: dict[str, Any],
+) -> None:
+    # A primary, two replicas of it, three sentinels watching it with a majority quorum
+    for replica in ("redis-replica-1", "redis-replica-2"):
+        assert _environment(sentinel_services[replica])["REPLICA_OF"] == "redis"
+    for index in (1, 2, 3):
+        env = _environment(sentinel_services[f"sentinel-{index}"])
+        assert (env["MASTER_NAME"], env["PRIMARY_HOST"], env["QUORUM"]) == ("ledger", "redis", "2")
+    # Every client lists the three sentinels, as its own least-privilege broker user
+    for name in (*WORKERS, "console", "flower", "mongo-init"):
+        env = _environment(sentinel_services[name])
+        url = env["LEDGER_BROKER_URL"]
+        assert url.count("sentinel://") == 3, name
+        user = "flower" if name == "flower" else "ledger"
+        assert url.startswith(f"sentinel://{user}:"), name
+        assert (env["LEDGER_SENTINEL_MASTER"], env["LEDGER_SENTINEL_USERNAME"]) == (
+            "ledger",
+            "ledger",
+        )
+    # And no password of the group is on a command line
+    secrets = [*(DUMMY_ENV[name] for name in PASSWORDS), *SENTINEL_ENV.values()]
+    for name, service in sentinel_services.items():
+        probe = (service.get("healthcheck") or {}).get("test")
+        lines = [*_command(service), *_command({"command": probe})]
+        for secret in secrets:
+            assert not any(secret in line for line in lines), f"{name}: a secret in its argv"
+
+
+def test_env_example_lists_every_variable_of_the_sentinel_override() -> None:
+    used = set(re.findall(r"(?<!\$)\$\{([A-Z_][A-Z0-9_]*)", SENTINEL_FILE.read_text()))
+    listed = set(re.findall(r"^#?\s*([A-Z_][A-Z0-9_]*)=", ENV_EXAMPLE.read_text(), re.M))
+    assert used - listed == set()
+
+
+def test_the_sentinel_scripts_refuse_placeholders_and_give_least_privilege(
+    tmp_path: Path,
+) -> None:
+    env = {
+        **os.environ,
+        "REDIS_SENTINEL_PASSWORD": "s" * 20,
+        "SENTINEL_PEER_PASSWORD": "p" * 20,
+        "SENTINEL_CLIENT_PASSWORD": "change-me-sentinel-client-password",
+    }
+    script = ROOT / "ops" / "redis" / "write-sentinel-conf.sh"
+    refused = subprocess.run(
+        ["sh", str(script), str(tmp_path / "refused.conf")], env=env, capture_output=True
+    )
+    assert refused.returncode == 78
+    env["SENTINEL_CLIENT_PASSWORD"] = "c" * 20
+    written = subprocess.run(["sh", str(script), str(tmp_path / "s.conf")], env=env, check=True)
+    assert written.returncode == 0
+    conf = (tmp_path / "s.conf").read_text()
+    assert "user default off" in conf
+    client = next(line for line in conf.splitlines() if line.startswith("user ledger "))
+    assert "-@all" in client and "+sentinel|get-master-addr-by-name" in client
+    assert "c" * 20 not in conf  # (kept as its SHA-256)
