@@ -9,12 +9,19 @@ Redis replicates asynchronously: a message the old primary took just before it d
 reach the replica promoted in its place. The ledger brings such a job back only if a record was
 written at its publish (``LEDGER_DEDUPE_ON_PUBLISH=true``, off by default) and once it is
 ``LEDGER_RECONCILE_STALE_AFTER_SECONDS`` old (900 by default): this test turns the first on and
-shortens the second to 3 s, so what it shows is what a deployment with those settings gets.
+shortens the second to 5 s, so what it shows is what a deployment with those settings gets.
+
+And the least-privilege users of the compose override (``ops/redis/write-acl.sh``,
+``ops/redis/write-sentinel-conf.sh``) are enough for a producer's every Redis use (queues, the
+delayed set, a breaker's scripts) through a failover, and the sentinels' client user cannot
+move the primary.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import threading
 import time
 import uuid
@@ -28,6 +35,14 @@ import redis
 from pymongo.errors import PyMongoError
 
 from celery_ledger.embedded.sentinel import SentinelGroup, start_sentinel_group
+from celery_ledger.embedded.servers import (
+    ServerProcess,
+    _spawn,
+    _wait_ready,
+    free_port,
+    start_valkey,
+    valkey_binary,
+)
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from celery_ledger.health import run_checks
 from tasks.effects import effects
@@ -237,3 +252,140 @@ def test_jobs_run_once_and_the_worker_stays_through_two_failovers(
     )
     print("\n".join(["", *report]))
     producer.close()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+ACL_SECRETS = {
+    "REDIS_WORKER_PASSWORD": "ledger-" + uuid.uuid4().hex,
+    "REDIS_FLOWER_PASSWORD": "flower-" + uuid.uuid4().hex,
+    "REDIS_HEALTH_PASSWORD": "health-" + uuid.uuid4().hex,
+    "REDIS_ADMIN_PASSWORD": "admin-" + uuid.uuid4().hex,
+    "REDIS_REPLICA_PASSWORD": "replica-" + uuid.uuid4().hex,
+    "REDIS_SENTINEL_PASSWORD": "sentinel-" + uuid.uuid4().hex,
+    "SENTINEL_PEER_PASSWORD": "peer-" + uuid.uuid4().hex,
+    "SENTINEL_CLIENT_PASSWORD": "client-" + uuid.uuid4().hex,
+}
+
+
+@pytest.fixture
+def acl_group(tmp_path: Path) -> Iterator[tuple[list[ServerProcess], list[ServerProcess]]]:
+    """A failover group whose users are the compose override's: the data nodes' from
+    ops/redis/write-acl.sh, the sentinels' from ops/redis/write-sentinel-conf.sh."""
+    env = {**os.environ, **ACL_SECRETS}
+    acl = tmp_path / "users.acl"
+    subprocess.run(["sh", str(ROOT / "ops/redis/write-acl.sh"), str(acl)], env=env, check=True)
+    nodes: list[ServerProcess] = []
+    sentinels: list[ServerProcess] = []
+    try:
+        nodes.append(start_valkey(tmp_path / "node-0", acl_file=acl))
+        for index in (1, 2):
+            node = start_valkey(tmp_path / f"node-{index}", acl_file=acl, replica_of=nodes[0].port)
+            nodes.append(node)
+        for node in nodes:  # (as the compose file's replication.conf: any node may replicate)
+            admin = redis.Redis(
+                port=node.port, username="admin", password=ACL_SECRETS["REDIS_ADMIN_PASSWORD"]
+            )
+            with admin:
+                admin.config_set("masteruser", "replica")
+                admin.config_set("masterauth", ACL_SECRETS["REDIS_REPLICA_PASSWORD"])
+        for index in range(3):
+            directory = tmp_path / f"sentinel-{index}"
+            directory.mkdir(mode=0o700)
+            conf = directory / "sentinel.conf"
+            script = str(ROOT / "ops/redis/write-sentinel-conf.sh")
+            settings = {"PRIMARY_HOST": "127.0.0.1", "PRIMARY_PORT": str(nodes[0].port)}
+            settings |= {"DOWN_AFTER_MS": "1000", "FAILOVER_TIMEOUT_MS": "5000"}
+            subprocess.run(["sh", script, str(conf)], env={**env, **settings}, check=True)
+            port = free_port()
+            argv = [str(valkey_binary()), str(conf), "--sentinel", "--port", str(port)]
+            argv += ["--bind", "127.0.0.1"]
+            password = ACL_SECRETS["SENTINEL_CLIENT_PASSWORD"]
+            url = f"redis://ledger:{password}@127.0.0.1:{port}/0"
+            log = directory / "sentinel.log"
+            server = ServerProcess("valkey", port, url, directory, argv, log, _spawn(argv, log))
+            sentinels.append(server)
+            _wait_ready(server, 15)
+        yield nodes, sentinels
+    finally:
+        for server in (*sentinels, *nodes):
+            server.stop()
+
+
+def test_the_compose_files_least_privilege_users_publish_and_fail_over(
+    stack: EmbeddedStack, acl_group: tuple[list[ServerProcess], list[ServerProcess]]
+) -> None:
+    nodes, sentinels = acl_group
+    worker_password = ACL_SECRETS["REDIS_WORKER_PASSWORD"]
+    url = ";".join(
+        f"sentinel://{f'ledger:{worker_password}@' if index == 0 else ''}127.0.0.1:{s.port}/0"
+        for index, s in enumerate(sentinels)
+    )
+    # Given an app that reaches the group as the data nodes' "ledger" user and the sentinels'
+    producer = producer_app(
+        EmbeddedStack(APP_MODULE, Path("."), broker=nodes[0], ledger=stack.ledger),
+        "sentinel-acl",
+        broker_url=url,
+        sentinel_master="ledger",
+        sentinel_username="ledger",
+        sentinel_password=ACL_SECRETS["SENTINEL_CLIENT_PASSWORD"],
+        queue_namespace="sentinel_acl",
+    )
+    queue = "sentinel_acl.default"
+    record = shared_task(producer, RECORD)
+    client = producer.runtime.redis
+    wait_for(lambda: sentinels_watch(sentinels), timeout=30, what="the sentinels to find all")
+    # When it publishes, and uses a breaker (Lua scripts) and the delayed set
+    record.delay(token=f"acl-{uuid.uuid4().hex[:8]}")
+    record.apply_async(kwargs={"token": f"acl-{uuid.uuid4().hex[:8]}"}, countdown=3600)
+    producer.breakers["acl"].status()
+    assert client.llen(queue) == 1
+    assert client.zcard("sentinel_acl:ledger:delayed") == 1
+    # And the primary dies
+    time.sleep(1)  # (replicated)
+    nodes[0].kill()
+    # Then the same clients go on, on the promoted replica
+    wait_for(lambda: promoted(client, nodes[0].port), timeout=30, what="a replica promoted")
+    wait_for(lambda: publishes(record), timeout=30, what="a publish on the new primary")
+    assert client.llen(queue) == 2
+    assert client.zcard("sentinel_acl:ledger:delayed") == 1
+    producer.breakers["acl"].status()
+    # And the sentinels' client user finds the primary but cannot move it
+    watcher = redis.Redis(
+        port=sentinels[0].port,
+        username="ledger",
+        password=ACL_SECRETS["SENTINEL_CLIENT_PASSWORD"],
+    )
+    with watcher, pytest.raises(redis.exceptions.NoPermissionError):
+        watcher.execute_command("SENTINEL", "FAILOVER", "ledger")
+    producer.close()
+
+
+def sentinels_watch(sentinels: list[ServerProcess]) -> bool:
+    for sentinel in sentinels:
+        client = redis.Redis(
+            port=sentinel.port,
+            username="ledger",
+            password=ACL_SECRETS["SENTINEL_CLIENT_PASSWORD"],
+        )
+        with client:
+            master: Any = client.sentinel_master("ledger")
+        if int(master["num-other-sentinels"]) < 2 or int(master["num-slaves"]) < 2:
+            return False
+    return True
+
+
+def promoted(client: redis.Redis, old_port: int) -> bool:
+    try:
+        client.ping()
+    except redis.RedisError:
+        return False
+    pool: Any = client.connection_pool
+    return bool(pool.master_address and pool.master_address[1] != old_port)
+
+
+def publishes(task: Any) -> bool:
+    try:
+        task.delay(token=f"acl-{uuid.uuid4().hex[:8]}")
+    except Exception:
+        return False
+    return True
