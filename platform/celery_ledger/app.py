@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import os
 import random
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -25,8 +24,6 @@ from celery.app.amqp import AMQP
 from celery.canvas import Signature
 from celery.exceptions import Reject
 from kombu.entity import Queue
-from pydantic import ValidationError
-from pydantic_settings import SettingsError
 from pymongo.client_session import ClientSession
 from pymongo.monitoring import CommandListener
 
@@ -66,7 +63,7 @@ from .schedules import (
     FleetScheduler,
     LedgerScheduler,
 )
-from .settings import UNSET_BROKER_URL, Settings, describe_invalid
+from .settings import UNSET_BROKER_URL, Settings, settings_from_environment
 from .task import KEY_SECRET_NEEDED, LedgerTask
 from .triggers import Argument, Trigger
 from .triggers import declare as declare_trigger
@@ -792,32 +789,6 @@ def unacked_keys(namespace: str) -> dict[str, str]:
         "unacked_index_key": f"{namespace}.unacked_index",
         "unacked_mutex_key": f"{namespace}.unacked_mutex",
     }
-
-
-def settings_from_environment() -> Settings:
-    """``Settings()`` from ``LEDGER_*``; a bad value or an unknown ``LEDGER_*`` name is refused.
-
-    Raises:
-        ConfigurationError: naming the variable (and the closest known one for a misspelling).
-    """
-    known = {f"LEDGER_{name.upper()}" for name in Settings.model_fields}
-    unknown = sorted(
-        name for name in os.environ if name.startswith("LEDGER_") and name not in known
-    )
-    if unknown:
-        hints = [difflib.get_close_matches(name, known, n=1) for name in unknown]
-        raise ConfigurationError(
-            "unknown setting "
-            + "; ".join(
-                f"{name} (did you mean {hint[0]}?)" if hint else name
-                for name, hint in zip(unknown, hints, strict=True)
-            )
-            + "\nRename or unset it: every LEDGER_* variable must name a setting."
-        )
-    try:
-        return Settings()
-    except (ValidationError, SettingsError) as exc:
-        raise ConfigurationError(describe_invalid(exc)) from None
 
 
 def create_app(

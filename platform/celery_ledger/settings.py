@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import os
 from typing import Any, Literal
 from urllib.parse import unquote_plus
 
@@ -11,9 +13,10 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    ValidationError,
     field_validator,
 )
-from pydantic_settings import SettingsConfigDict
+from pydantic_settings import SettingsConfigDict, SettingsError
 from pymongo import uri_parser
 from pymongo.errors import InvalidURI, PyMongoError
 
@@ -23,6 +26,7 @@ from .policies.breaker import BreakerConfig
 from .policies.rate_limit import RateLimit
 from .policies.retry import TIER_RETRY_DEFAULTS, RetryPolicy
 from .routing import TIERS
+from .sentinel import SentinelSettings, check_sentinel_url, is_sentinel_url
 from .settings_checks import (  # the validators' checks, and the names other modules import
     _BAD_DATABASE_CHARS,
     _ENCODED,
@@ -40,7 +44,6 @@ from .settings_checks import (  # the validators' checks, and the names other mo
     describe_invalid,
     located,
 )
-from .sentinel import SentinelSettings, check_sentinel_url, is_sentinel_url
 
 
 class ConsoleUser(BaseModel):
@@ -616,6 +619,32 @@ class Settings(SentinelSettings):
         )
 
 
+def settings_from_environment() -> Settings:
+    """``Settings()`` from ``LEDGER_*``; a bad value or an unknown ``LEDGER_*`` name is refused.
+
+    Raises:
+        ConfigurationError: naming the variable (and the closest known one for a misspelling).
+    """
+    known = {f"LEDGER_{name.upper()}" for name in Settings.model_fields}
+    unknown = sorted(
+        name for name in os.environ if name.startswith("LEDGER_") and name not in known
+    )
+    if unknown:
+        hints = [difflib.get_close_matches(name, known, n=1) for name in unknown]
+        raise ConfigurationError(
+            "unknown setting "
+            + "; ".join(
+                f"{name} (did you mean {hint[0]}?)" if hint else name
+                for name, hint in zip(unknown, hints, strict=True)
+            )
+            + "\nRename or unset it: every LEDGER_* variable must name a setting."
+        )
+    try:
+        return Settings()
+    except (ValidationError, SettingsError) as exc:
+        raise ConfigurationError(describe_invalid(exc)) from None
+
+
 __all__ = [
     "BROKER_URL_UNSET",
     "PLACEHOLDER_PREFIX",
@@ -626,4 +655,5 @@ __all__ = [
     "Settings",
     "describe_invalid",
     "located",
+    "settings_from_environment",
 ]

@@ -46,8 +46,8 @@ from redis import exceptions as redis_errors
 from .clock import ServerClock, redis_time
 from .envelope import envelope_problem
 from .errors import ConfigurationError
-from .settings import BROKER_URL_UNSET, UNSET_BROKER_HOST
 from .sentinel import SentinelSettings, is_sentinel_url, sentinel_transport_options
+from .settings import BROKER_URL_UNSET, UNSET_BROKER_HOST
 
 logger = logging.getLogger("celery_ledger.transport")
 
@@ -466,7 +466,7 @@ class Connection(KombuConnection):
             self.transport_cls = given
 
 
-def path_for(broker_url: str) -> str:
+def path_for(broker_url: str | None) -> str:
     """The transport ``create_app`` sets for ``broker_url`` (Celery's ``broker_transport``)."""
     name = "SentinelTransport" if is_sentinel_url(broker_url) else "Transport"
     return f"{__name__}:{name}"

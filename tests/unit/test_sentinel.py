@@ -87,7 +87,9 @@ def test_a_sentinel_url_without_a_master_name_says_which_setting_is_missing() ->
 
 
 def test_a_plain_url_keeps_the_plain_transport_and_client() -> None:
-    app = create_app("plain", settings=Settings(), set_as_current=False)
+    app = create_app(
+        "plain", settings=Settings(broker_url="redis://127.0.0.1:6379/0"), set_as_current=False
+    )
     assert app.conf.broker_transport == "celery_ledger.transport:Transport"
     assert not isinstance(app.runtime.redis.connection_pool, SentinelConnectionPool)
     assert app.runtime.broker_target.primary(app.runtime.redis) == "127.0.0.1:6379"
