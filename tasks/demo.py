@@ -222,7 +222,7 @@ def checkout_in_a_transaction(run: int, n: int = 3) -> bool:
     """The outbox example (``tasks.checkout``): orders whose fulfilment and email are made in
     the order's own transaction; the last order's checkout is refused inside its transaction,
     so it leaves no order, no workflow and no email."""
-    from celery_ledger.keys import derive_task_id
+    from celery_ledger.identity import derive_task_id
     from tasks import app
     from tasks.checkout import SHOP_DB, OutOfStock, place_order
     from tasks.effects import effects

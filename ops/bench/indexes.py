@@ -39,7 +39,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from celery_ledger.keys import derive_task_id
+from celery_ledger.identity import derive_task_id
 from celery_ledger.ledger import Ledger, claims, dead_records, long_jobs
 from celery_ledger.ledger import base as ledger_base
 from celery_ledger.ledger import store as ledger_store

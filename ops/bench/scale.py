@@ -27,7 +27,7 @@ from typing import Any
 from pymongo import MongoClient, WriteConcern
 from pymongo.errors import AutoReconnect, BulkWriteError, NetworkTimeout
 
-from celery_ledger.keys import derive_task_id
+from celery_ledger.identity import derive_task_id
 from celery_ledger.ledger import Ledger
 from celery_ledger.ledger.store import FOREVER, ClaimOutcome
 

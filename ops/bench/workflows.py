@@ -50,7 +50,7 @@ from celery import chain
 from pymongo import monitoring
 
 from celery_ledger import LedgerCelery, LedgerUnavailable
-from celery_ledger.keys import derive_task_id
+from celery_ledger.identity import derive_task_id
 from celery_ledger.workflow.engine import Call, WorkflowEngine
 
 from .apps.workflows import build
