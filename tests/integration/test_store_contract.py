@@ -968,7 +968,7 @@ def test_settled_objectives_are_removed_page_by_page_and_open_ones_read_once(
     world: tuple[Any, Clock], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ledger, clock = world
-    monkeypatch.setattr("celery_ledger.ledger.store.OBJECTIVE_PAGE", 4)
+    monkeypatch.setattr("celery_ledger.ledger.objectives.OBJECTIVE_PAGE", 4)
     finished, open_ = [new_id() for _ in range(11)], [new_id() for _ in range(3)]
     for record_id in finished + open_:
         # The open ones come due last: every page before them holds settled ones only.
