@@ -30,7 +30,6 @@ from hypothesis.database import (
 EXAMPLES_DIR = Path(__file__).parent / "hypothesis-examples"
 CI_MAX_EXAMPLES = 100  # hypothesis' own default; tests ask for a share of it with examples()
 WIDE_FACTOR = 10
-LONG_GAP = 4  # short tests collected between two long ones (pytest_collection_modifyitems)
 
 
 class KeepFailures(ExampleDatabase):
@@ -103,19 +102,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # The tests that run for minutes come first (the rest keep their order): xdist's loadgroup
     # hands tests out in collection order, so a long test collected late (the workflow models,
     # the unit tests after them) ran on alone at the end while the other processes sat idle.
-    # Longest first leaves the many short tests to even out the processes' ends. A process
-    # holds up to three tests (the one it runs, two queued), so LONG_GAP short tests go between
-    # two long ones: else a process takes two long ones and runs them one after the other.
-    long = [item for item in items if item.get_closest_marker("long")]
-    rest = [item for item in items if not item.get_closest_marker("long")]
-    items[:] = [
-        *(
-            t
-            for i, test in enumerate(long)
-            for t in (test, *rest[i * LONG_GAP : (i + 1) * LONG_GAP])
-        ),
-        *rest[len(long) * LONG_GAP :],
-    ]
+    # Longest first leaves the many short tests to even out the processes' ends.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
     if getattr(config.option, "loadgroup", False):  # set in xdist's worker processes
         for item in items:
             _join_xdist_group(item)
