@@ -297,7 +297,6 @@ def start_worker(isolated: EmbeddedStack, name: str, code: str = "v1") -> Any:
     )
 
 
-@pytest.mark.long
 def test_a_workflow_whose_worker_is_killed_after_each_step_runs_every_step_once(
     isolated: EmbeddedStack,
 ) -> None:

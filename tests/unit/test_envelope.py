@@ -788,7 +788,6 @@ def worker() -> Worker:
     return Worker()
 
 
-@pytest.mark.long
 @settings(max_examples=examples(1000))
 @given(task=st.sampled_from(TASKS), edits=st.lists(changes, max_size=4), item=json_values)
 def test_an_item_passes_the_checks_only_if_a_worker_handles_it_without_raising(
@@ -821,7 +820,6 @@ PLACES = [
 ]
 
 
-@pytest.mark.long
 @settings(max_examples=examples(2000))
 @given(task=st.sampled_from(TASKS), place=st.sampled_from(PLACES), value=json_values)
 def test_any_value_in_any_one_place_is_refused_or_handled_without_raising(
