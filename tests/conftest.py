@@ -99,35 +99,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.props)
             if wide:  # the per-test timeout grows with the number of examples
                 item.add_marker(pytest.mark.timeout(float(config.getini("timeout")) * WIDE_FACTOR))
-    # The tests that run for minutes come first (the rest keep their order): xdist's loadgroup
-    # hands tests out in collection order, so a long test collected late (the workflow models,
-    # the unit tests after them) ran on alone at the end while the other processes sat idle.
-    # Longest first leaves the many short tests to even out the processes' ends.
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
-    if getattr(config.option, "loadgroup", False):  # set in xdist's worker processes
-        for item in items:
-            _join_xdist_group(item)
-
-
-def _join_xdist_group(item: pytest.Item) -> None:
-    """Give ``item`` the ``@group`` suffix of its ``xdist_group`` mark, which loadgroup reads
-    from the node id. pytest 9.2 keeps node ids structured (``item._id``) while xdist 3.8
-    still writes the old ``item._nodeid``, so every group was silently ignored and each test
-    of a group scheduled on its own (pytest-dev/pytest-xdist#1386, fix pending in #1388).
-    A no-op once xdist adds the suffix itself, or on a pytest without structured ids."""
-    names = sorted(
-        str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
-        for mark in item.iter_markers("xdist_group")
-    )
-    suffix = "@" + "_".join(dict.fromkeys(names))
-    if suffix == "@" or item.nodeid.endswith(suffix) or not hasattr(item, "_id"):
-        return
-    from _pytest.nodeid import NodeId
-
-    before = item._id
-    item._id = NodeId.parse(item.nodeid + suffix)
-    if item.nodeid != str(before) + suffix:  # (a form it cannot carry: leave it ungrouped)
-        item._id = before
 
 
 # The suite mostly waits on servers and workers (about one core of 2 busy with 4 processes): on 2

@@ -26,7 +26,7 @@ import pytest
 
 from ops.chaos.soak import PROFILES, run
 
-pytestmark = [pytest.mark.chaos, pytest.mark.long]
+pytestmark = pytest.mark.chaos
 
 
 @pytest.mark.timeout(600)

@@ -893,7 +893,6 @@ class ProtocolModel(RuleBasedStateMachine):
 
 
 @pytest.mark.props
-@pytest.mark.long
 def test_the_protocol_keeps_its_promises_under_faults(stack: Any) -> None:
     ProtocolModel.ledger_url = stack.ledger.url
     SEEN.clear()

@@ -276,7 +276,6 @@ def iso(moment: float) -> str:
     return datetime.fromtimestamp(moment, UTC).isoformat()
 
 
-@pytest.mark.long
 def test_an_operator_pauses_resumes_triggers_and_backfills_a_schedule(fleet: Fleet) -> None:
     from celery_ledger.schedules import PAUSED_READ_SECONDS
 
@@ -345,7 +344,6 @@ def test_an_overlap_policy_holds_slots_back_while_the_previous_run_runs(
         assert all(b - a == PERIOD for a, b in itertools.pairwise(slots)), slots
 
 
-@pytest.mark.long
 def test_an_entry_created_at_run_time_runs_each_slot_once_until_deleted(fleet: Fleet) -> None:
     from celery_ledger.schedules import PAUSED_READ_SECONDS
 

@@ -174,7 +174,6 @@ def order(world: TriggerWorld, number: int) -> dict[str, Any]:
     }
 
 
-@pytest.mark.long
 def test_each_inserted_order_runs_once_while_the_watcher_is_killed_twice(
     world: Callable[..., TriggerWorld],
 ) -> None:
@@ -567,7 +566,6 @@ def test_a_watchers_stop_during_a_ledger_outage_keeps_to_its_time(
         own.stop()
 
 
-@pytest.mark.long
 def test_workers_with_triggers_off_never_watch_and_the_watch_resumes_where_they_are_on(
     world: Callable[..., TriggerWorld],
 ) -> None:

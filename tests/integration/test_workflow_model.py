@@ -450,7 +450,6 @@ class WorkflowModel(RuleBasedStateMachine):
 
 
 @pytest.mark.props
-@pytest.mark.long
 def test_workflows_keep_their_promises_whatever_dies(stack: Any) -> None:
     WorkflowModel.ledger_url = stack.ledger.url
     SEEN.clear()

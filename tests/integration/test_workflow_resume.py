@@ -9,8 +9,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import pytest
-
 from celery_ledger.errors import WorkflowError
 from celery_ledger.ledger.workflow_log import WorkflowLog
 from celery_ledger.workflow.engine import WorkflowEngine
@@ -20,7 +18,6 @@ from ops.bench.workflows import ThreadCommands, at_marks, drive_long_workflow
 STEPS = 1000
 
 
-@pytest.mark.long
 def test_a_thousand_step_workflow_reads_as_little_per_resume_at_the_end_as_at_the_start(
     stack: Any,
 ) -> None:
