@@ -499,10 +499,6 @@ class Isolated:
         return verdict(self.ledger, item, self.broker)
 
 
-# One process runs the module (the module's isolated stack is started once, not in each process)
-pytestmark = pytest.mark.xdist_group("bad-input")
-
-
 @pytest.fixture(scope="module")
 def isolated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Isolated]:
     running = make_isolated_stack(tmp_path_factory.mktemp("bad-input"))

@@ -229,17 +229,7 @@ def run_one(bench: Bench, mode: str) -> Seen:
     )
 
 
-# A pool's cases run in one process, on one bench: spread over the parallel run's processes
-# (loadgroup), each process started a bench of every pool (about 20 s each, 18 in all).
-@pytest.mark.parametrize(
-    ("pool", "mode"),
-    [
-        pytest.param(
-            pool, mode, id=f"{pool}-{mode}", marks=pytest.mark.xdist_group(f"endings-{pool}")
-        )
-        for pool, mode in CASES
-    ],
-)
+@pytest.mark.parametrize(("pool", "mode"), CASES, ids=[f"{p}-{m}" for p, m in CASES])
 def test_a_body_ending_this_way_ends_recorded_and_the_worker_lives_on(
     bench_of: Any, pool: str, mode: str
 ) -> None:

@@ -30,10 +30,6 @@ TRACING_ENV = {
 }
 
 
-# One process runs the module (the module's traced stack is started once, not in each process)
-pytestmark = pytest.mark.xdist_group("tracing")
-
-
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory: pytest.TempPathFactory, stack: Any) -> Iterator[dict[str, Any]]:
     """A stack of its own with one 2-process worker tracing into a directory."""
