@@ -140,8 +140,11 @@ def first_run_after(load: Load, killed_at: float, killed_wall: float) -> float:
 
 def workers_primary(producer: Any, port: int) -> str | None:
     """The health check's finding once it names ``port`` the primary and the worker on it."""
-    check = next(c for c in run_checks(producer, required=(), timeout=2) if c.name == "primary")
-    on_it = check.status == "ok" and check.data["primary"] == f"127.0.0.1:{port}"
+    checks = run_checks(producer, required=(), timeout=2)
+    check = next((c for c in checks if c.name == "primary"), None)
+    if check is None:  # (not reported this time: the broker's check did not answer in time)
+        return None
+    on_it = check.status == "ok" and check.data.get("primary") == f"127.0.0.1:{port}"
     return check.detail if on_it else None
 
 
