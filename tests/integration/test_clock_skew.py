@@ -480,16 +480,19 @@ def test_a_running_jobs_message_is_not_put_back_early_whatever_the_clocks(
     record = shared_task(producer, RECORD)
     token = f"vis-{uuid.uuid4().hex[:8]}"
     skewed_worker(isolated, "holder", clocks("holder", holder_offset))
-    record.apply_async((token,), {"sleep_seconds": 8.0})
+    # (a body of 30 s: the sweep below runs while it does, even on a loaded machine, where the
+    # sweeper's own start once took longer than a shorter body)
+    record.apply_async((token,), {"sleep_seconds": 30.0})
     wait_for(lambda: holder_of(producer, record, token) == "holder", what="the holder running")
-    # When a sweeper with a visibility timeout of 30 s sweeps soon after the take (seconds;
+    # When a sweeper with a visibility timeout of 60 s sweeps soon after the take (seconds;
     # a loaded machine's parallel suite once took over 5 s to get there: the timeout is far
-    # above that, and far below the clocks' offsets of 5 minutes and an hour)
-    sweep_unacked_on(isolated, clocks("sweeper", sweeper_offset), visibility_timeout=30)
-    # Then the message stays taken (not back on the queue for another worker)
+    # above that and the body, and far below the clocks' offsets of 5 minutes and an hour)
+    sweep_unacked_on(isolated, clocks("sweeper", sweeper_offset), visibility_timeout=60)
+    # Then the message stays taken (not back on the queue for another worker) while the job runs
+    assert holder_of(producer, record, token) == "holder", "the body ended before the sweep"
     assert taken_messages(isolated) == 1
     assert broker_client(isolated).llen(DEFAULT_QUEUE) == 0
-    wait_for(lambda: effects_of(isolated, "record", token), timeout=30, what="the job ending")
+    wait_for(lambda: effects_of(isolated, "record", token), timeout=60, what="the job ending")
     assert len(effects_of(isolated, "record", token)) == 1
     producer.close()
 
