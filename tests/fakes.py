@@ -896,6 +896,22 @@ class MemoryLedger:
         self._enter("states_of")
         return {i: RecordState.of(d) for i in record_ids if (d := self.docs.get(i)) is not None}
 
+    def quiet_ids(self, *, older_than_seconds: float, limit: int) -> list[str]:
+        self._enter("quiet_ids")
+        cutoff = self.now() - timedelta(seconds=older_than_seconds)
+        return [
+            i
+            for i, d in self.docs.items()
+            if d.get("state") in (State.QUEUED.value, State.RETRYING.value)
+            and d["claimable_at"] < cutoff
+            and d["claimable_at"] != UNPUBLISHED
+            and d["updated_at"] < cutoff
+        ][:limit]
+
+    def records(self, record_ids: Sequence[str]) -> list[dict[str, Any]]:
+        self._enter("records")
+        return [copy.deepcopy(d) for i in record_ids if (d := self.docs.get(i)) is not None]
+
     def stale(
         self, state: State, *, older_than_seconds: float, limit: int = 500
     ) -> list[dict[str, Any]]:

@@ -63,6 +63,7 @@ from .schedules import (
     FleetScheduler,
     LedgerScheduler,
 )
+from .sentinel import primary_of
 from .settings import UNSET_BROKER_URL, Settings, settings_from_environment
 from .task import KEY_SECRET_NEEDED, LedgerTask
 from .triggers import Argument, Trigger
@@ -208,6 +209,8 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             unacked_key=keys.get("unacked_key", "unacked"),
             unacked_index_key=keys.get("unacked_index_key", "unacked_index"),
             now=runtime.message_time,
+            marker_key=f"{runtime.name}:ledger:broker-marker",
+            primary=primary_of(runtime.broker_target, runtime.redis),
         )
         ttl = runtime.settings.reconcile_every_seconds * 2.5
         lock = SweepLock(runtime.redis, f"{runtime.name}:ledger:reconciler", ttl_seconds=ttl)
@@ -217,6 +220,7 @@ class LedgerCelery(Celery):  # type: ignore[misc]
             lock,
             wake_overdue_workflows=lambda held: self.workflow_engine.wake_overdue(held=held),
             idempotent_tasks=(WAKE_TASK,),
+            declare_queues=lambda: transport.declare_queues(self),
         )
 
     @cached_property
@@ -863,8 +867,7 @@ def _create_app(
         transport_options=lambda: app.conf.broker_transport_options,
     )
     # The reconciler and the outbox hold the broker's Redis client and a sweep lock owned by
-    # this process:
-    # a pool process that runs a sweep (the beat task) builds its own (see runtime.py).
+    # this process: a pool process that runs a sweep (the beat task) builds its own (runtime.py).
     forget_after_fork(app, ("reconciler", "outbox"))
     register_sealed_codec(app.runtime.sealer)
     app.conf.update(

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -27,6 +28,18 @@ from .untrusted import float_or_none
 
 logger = logging.getLogger("celery_ledger.broker")
 _PAGE = 500  # unacknowledged messages read per command
+
+# kombu's Redis transport keeps priority n of queue q in the list "q\x06\x16n" (priority 0 in
+# q itself), for these steps: restated here, kombu staying above this layer (a unit test holds
+# them equal to kombu's).
+PRIORITY_STEPS = (0, 3, 6, 9)
+_PRIORITY_SEPARATOR = "\x06\x16"
+
+
+def queue_lists(queue: str) -> list[str]:
+    """The Redis lists that hold ``queue``'s messages, one per priority step."""
+    return [queue if p == 0 else f"{queue}{_PRIORITY_SEPARATOR}{p}" for p in PRIORITY_STEPS]
+
 
 # Move one unacked message back to the front of its queue, atomically.
 _RESTORE = """
@@ -87,6 +100,32 @@ class Stranded:
     since: float
 
 
+@dataclass(frozen=True)
+class Continuity:
+    """What tells that the broker still holds what it held: a marker the platform keeps in it
+    (gone: a new broker, one restarted without its data, a wiped database) and the primary
+    serving it (another one: a failover, whose new primary may lack the last writes)."""
+
+    marker: str
+    primary: str | None
+    created: bool  # this read wrote the marker: the broker had none
+
+
+def data_lost(before: Continuity | None, now: Continuity) -> str | None:
+    """Why the broker may have lost data since ``before`` (this process's previous look), or
+    None. A marker this look had to write means the broker had none: a new broker (its first
+    look costs one short sweep) or one that lost everything."""
+    if now.created:
+        return "its marker was missing (a new broker, a restart without its data, or a wipe)"
+    if before is None:
+        return None
+    if before.marker != now.marker:
+        return "its marker changed (a restart without its data, or a wipe)"
+    if before.primary and now.primary and before.primary != now.primary:
+        return f"its primary moved from {before.primary} to {now.primary} (a failover)"
+    return None
+
+
 class BrokerView(Protocol):
     """The reconciler's view of the broker (a fake one in unit tests)."""
 
@@ -102,6 +141,12 @@ class BrokerView(Protocol):
     def stranded(self, *, older_than_seconds: float, limit: int) -> list[Stranded]:
         """Messages unacknowledged for longer than that, oldest first (at most ``limit``)."""
 
+    def depth(self) -> int:
+        """Messages waiting in the tiers' queues and the delayed set."""
+
+    def continuity(self) -> Continuity | None:
+        """The broker's marker and primary now (None if it cannot be read)."""
+
 
 class RedisBroker:
     """:class:`BrokerView` over kombu's Redis transport and the delayed set."""
@@ -115,8 +160,12 @@ class RedisBroker:
         unacked_key: str = "unacked",
         unacked_index_key: str = "unacked_index",
         now: Callable[[], float] = time.time,
+        marker_key: str = "ledger:broker-marker",
+        primary: Callable[[], str] | None = None,
     ) -> None:
         self._client = client
+        self._marker_key = marker_key
+        self._primary = primary
         # The broker's clock: the index's scores are the broker's (the transport books with it)
         self._now = now
         self._queues = tuple(queues)
@@ -145,25 +194,29 @@ class RedisBroker:
     def waiting(self) -> set[str]:
         found: set[str] = set()
         for queue in self._queues:
-            for raw in self._client.lrange(queue, 0, -1):
-                try:
-                    record_id = record_id_of(json.loads(raw)["headers"])
-                except (ValueError, KeyError, TypeError):
-                    continue
-                if record_id is not None:
-                    found.add(record_id)
+            for name in queue_lists(queue):
+                for raw in self._client.lrange(name, 0, -1):
+                    try:
+                        record_id = record_id_of(json.loads(raw)["headers"])
+                    except (ValueError, KeyError, TypeError):
+                        continue
+                    if record_id is not None:
+                        found.add(record_id)
         members = cast("list[bytes]", self._client.zrange(self._delayed_key, 0, -1))
         for member in members:
             try:
                 entry = json.loads(member)
-                options = entry["options"]
-                record_id = record_id_of(
-                    {
-                        **(options.get("headers") or {}),
-                        "task": entry["task"],
-                        "id": options["task_id"],
-                    }
-                )
+                if "raw" in entry:  # a message as the transport held it (parked, put off)
+                    record_id = record_id_of(entry["raw"]["headers"])
+                else:
+                    options = entry["options"]
+                    record_id = record_id_of(
+                        {
+                            **(options.get("headers") or {}),
+                            "task": entry["task"],
+                            "id": options["task_id"],
+                        }
+                    )
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue
             if record_id is not None:
@@ -222,6 +275,35 @@ class RedisBroker:
                 )
             )
         return found
+
+    def depth(self) -> int:
+        pipe = self._client.pipeline(transaction=False)
+        for queue in self._queues:
+            for name in queue_lists(queue):
+                pipe.llen(name)
+        pipe.zcard(self._delayed_key)
+        return sum(int(n or 0) for n in pipe.execute())
+
+    def continuity(self) -> Continuity | None:
+        mine = uuid.uuid4().hex
+        try:
+            # Never expires: its absence is the news (SET NX: the first look writes it)
+            created = bool(self._client.set(self._marker_key, mine, nx=True))
+            marker = mine if created else self._client.get(self._marker_key)
+        except redis.ResponseError as exc:  # a full broker refuses the write: no news
+            logger.debug("broker marker not written: %s", exc)
+            return None
+        if marker is None:  # wiped between the two commands: the next look writes it
+            return None
+        primary = None
+        if self._primary is not None:
+            try:
+                primary = self._primary()
+            except (redis.RedisError, OSError) as exc:  # the sentinels are away: no news
+                logger.debug("broker primary not read: %s", exc)
+        return Continuity(
+            marker if isinstance(marker, str) else bytes(marker).decode(), primary, created
+        )
 
     def restore(self, message: Unacked) -> bool:
         return bool(

@@ -9,7 +9,14 @@ the mark); (3) degraded results whose replacement is as overdue (its message was
 policies/fallback.py); (4) this app's jobs' messages a worker took and holds unacknowledged,
 without a running claim, for a lease and the grace (it died before its claim, or after a claim
 it released for a requeue it never sent), and workflow wakes held a minute: these are put back
-on their queue. For each of (1) to (3), a job
+on their queue; (5) queued or retrying jobs whose message is nowhere in the broker (not in its
+queue, the delayed set or a worker's hands, in two looks a second apart), untouched for
+``LEDGER_RECONCILE_MISSING_AFTER_SECONDS``, long before the stale time of (2): a worker killed
+between kombu's pop of a message and its booking as taken, a broker that lost data. That look
+reads the queues, so it runs while they are short (:data:`MISSING_SCAN_MAX_MESSAGES`), and at
+once, whatever their depth, when the broker may have lost data (its marker gone or changed, its
+primary moved: :func:`celery_ledger.broker.data_lost`); the queues' bindings are declared
+again then, since a wiped broker forgot them too. For each of (1) to (3), a job
 whose message still waits in its tier's queue or the delayed set is only slow and is left alone
 (under a deep backlog, copies would cost a claim each). Else it puts the job's unacknowledged
 message back on its queue, so it comes back as sent (marked redelivered, as kombu marks the copies
@@ -27,11 +34,12 @@ sealed with a key that was rotated out) is counted and skipped, never stopping t
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .broker import BrokerView, Stranded, SweepLock
+from .broker import BrokerView, Continuity, Stranded, SweepLock, Unacked, data_lost
 from .ledger.message import KeptMessage
 from .ledger.ports import ReconcilerStore
 from .ledger.record import State
@@ -48,6 +56,18 @@ STRANDED_AFTER_SECONDS = 60.0
 # Unacknowledged messages one sweep looks at, oldest first (long jobs' stay first for their
 # whole run: the rest must be reached behind them).
 STRANDED_PER_SWEEP = 5_000
+# Looking for missing messages reads every queue (an LRANGE of each tier): while the queues and
+# the delayed set hold at most this many messages (a few MB read a sweep). Deeper, a job waiting
+# is most likely only slow, and the stale time (2) covers the rest.
+MISSING_SCAN_MAX_MESSAGES = 20_000
+# Queued jobs the look considers per sweep (ids only; the few not found are read whole).
+MISSING_PER_SWEEP = 5_000
+# A message between two places (popped by a worker and not booked yet; its record written and
+# the message not yet sent) is in one of them a moment later: a job is missing only if it is
+# absent from both looks, this far apart.
+MISSING_CONFIRM_SECONDS = 1.0
+# Right after the broker may have lost data, jobs untouched this long are looked for.
+AFTER_DATA_LOSS_SECONDS = 2.0
 
 
 @dataclass
@@ -65,6 +85,9 @@ class ReconcileReport:
     # jobs' messages a worker took and died holding before its claim, or after its claim
     # ended without an outcome (released for a requeue it never sent), put back on their queue
     stranded_restored: int = 0
+    # jobs whose message was nowhere in the broker (brought back: republished or restored)
+    missing: int = 0
+    broker_data_lost: str | None = None  # why the broker may have lost data, if it may have
     failed: int = 0  # a record that raised: counted and skipped
     skipped: list[str] = field(default_factory=list)  # nothing to republish it from (or no task)
 
@@ -79,6 +102,8 @@ class ReconcileReport:
             or self.stale_retrying
             or self.stale_replacements
             or self.stranded_restored
+            or self.missing
+            or self.broker_data_lost
         )
 
 
@@ -93,6 +118,8 @@ class Reconciler:
         *,
         wake_overdue_workflows: Callable[[frozenset[str]], int] | None = None,
         idempotent_tasks: tuple[str, ...] = (),
+        declare_queues: Callable[[], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self._runtime = runtime
         self._ledger: ReconcilerStore = runtime.ledger
@@ -102,6 +129,13 @@ class Reconciler:
         self._wake_overdue_workflows = wake_overdue_workflows
         # Tasks without a ledger record whose messages a dead worker strands (workflow wakes).
         self._idempotent_tasks = idempotent_tasks
+        # Declares the tiers' queues (their bindings) again, after the broker lost data.
+        self._declare_queues = declare_queues
+        self._sleep = sleep
+        # The broker as this process last saw it, and why it may have lost data since, until a
+        # sweep has looked for the missing jobs.
+        self._continuity: Continuity | None = None
+        self._data_lost: str | None = None
 
     def sweep_if_leader(self) -> ReconcileReport | None:
         """Sweep if this process holds (or takes) the fleet's sweep lock; else None."""
@@ -155,6 +189,9 @@ class Reconciler:
                 logger.warning("reconcile: waking overdue workflows failed: %s", exc)
         if dry_run:
             return report
+        self._notice_data_loss(report)
+        unacked: dict[str, Unacked] | None = None
+        waiting: set[str] | None = None
         if candidates:
             unacked = self._broker.unacked()
             waiting = self._broker.waiting()
@@ -165,14 +202,94 @@ class Reconciler:
                     report.failed += 1
                     logger.warning("reconcile: %s failed: %s", doc.get("_id"), exc)
                     self._set_aside(doc)
+        handled = {d["_id"] for _, d in candidates}
+        try:
+            self._bring_back_missing(report, handled, unacked, waiting, limit=limit)
+        except Exception as exc:  # the ledger or the broker is away: the next sweep's
+            report.failed += 1
+            logger.warning("reconcile: looking for missing messages failed: %s", exc)
         try:  # after the records' part: what it brought back is not stranded
-            self._restore_stranded(report, grace=grace, handled={d["_id"] for _, d in candidates})
+            self._restore_stranded(report, grace=grace, handled=handled)
         except Exception as exc:  # the ledger or the broker is away: the next sweep's
             report.failed += 1
             logger.warning("reconcile: restoring stranded messages failed: %s", exc)
         if report.found_any:
             logger.warning("reconcile: %s", report.as_dict())
         return report
+
+    def _notice_data_loss(self, report: ReconcileReport) -> None:
+        """Compare the broker with this process's last look (see :func:`data_lost`)."""
+        try:
+            now = self._broker.continuity()
+        except Exception as exc:  # the broker is away: the next sweep looks again
+            logger.warning("reconcile: the broker's marker could not be read: %s", exc)
+            return
+        if now is None:
+            return
+        why = data_lost(self._continuity, now)
+        self._continuity = now
+        if why is None:
+            return
+        self._data_lost = report.broker_data_lost = why
+        logger.warning("reconcile: the broker may have lost data: %s", why)
+        if self._declare_queues is not None:
+            try:
+                self._declare_queues()
+            except Exception as exc:  # the next sweep after another loss tries again
+                logger.warning("reconcile: declaring the queues again failed: %s", exc)
+
+    def _bring_back_missing(
+        self,
+        report: ReconcileReport,
+        handled: set[Any],
+        unacked: dict[str, Unacked] | None,
+        waiting: set[str] | None,
+        *,
+        limit: int,
+    ) -> None:
+        """(5) of the module docstring: jobs whose message is nowhere in the broker."""
+        lost = self._data_lost
+        if lost is None and self._broker.depth() > MISSING_SCAN_MAX_MESSAGES:
+            return
+        settings = self._runtime.settings
+        after = AFTER_DATA_LOSS_SECONDS if lost else settings.reconcile_missing_after_seconds
+        quiet = [
+            i
+            for i in self._ledger.quiet_ids(older_than_seconds=after, limit=MISSING_PER_SWEEP)
+            if i not in handled
+        ]
+        if quiet:
+            if unacked is None or waiting is None:
+                unacked, waiting = self._broker.unacked(), self._broker.waiting()
+            absent = [i for i in quiet if i not in waiting and i not in unacked]
+            if absent:
+                self._sleep(MISSING_CONFIRM_SECONDS)
+                unacked, waiting = self._broker.unacked(), self._broker.waiting()
+                absent = [i for i in absent if i not in waiting and i not in unacked]
+            runtime = self._runtime
+            for doc in self._ledger.records(absent[:limit]):
+                if doc.get("state") not in (State.QUEUED.value, State.RETRYING.value):
+                    continue  # claimed or ended since
+                if runtime.tiers.for_record(doc, runtime.tier_of(str(doc.get("task")))) is None:
+                    continue  # another app's job: its queues are not read here
+                try:
+                    republished = report.republished + report.restored_from_broker
+                    self._bring_back(doc, unacked, waiting, report)
+                    if report.republished + report.restored_from_broker > republished:
+                        report.missing += 1
+                        logger.warning(
+                            "reconcile: %s (%s) brought back: its message was nowhere in the"
+                            " broker",
+                            doc["_id"],
+                            doc.get("task"),
+                        )
+                except Exception as exc:  # one bad record never stops the sweep
+                    report.failed += 1
+                    logger.warning("reconcile: %s failed: %s", doc.get("_id"), exc)
+                    self._set_aside(doc)
+        # Looked with the data loss in view: later sweeps are ordinary ones
+        if lost is not None and self._data_lost == lost:
+            self._data_lost = None
 
     def _restore_stranded(
         self, report: ReconcileReport, *, grace: float, handled: set[Any]

@@ -29,15 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from kombu.transport.redis import PRIORITY_STEPS
 
+from .broker import queue_lists
 from .crypto import Sealer
 from .delayed import DelayedDeliveries
 from .ledger.store import Ledger
 from .reseal import Reseal, Tally, reseal_tree, resealed_queue_item
-
-# kombu's Redis transport keeps priority n of queue q in the list "q\x06\x16n" (0: q itself).
-_PRIORITY_SEPARATOR = "\x06\x16"
 
 
 @dataclass
@@ -81,10 +78,9 @@ def rotate_keys(
         report.places[f"delayed {deliveries.key}"] = deliveries.reseal(sealer.reseal, apply=apply)
     lists = _BrokerLists(broker)
     for queue in queues:
-        for priority in PRIORITY_STEPS:
-            name = queue if priority == 0 else f"{queue}{_PRIORITY_SEPARATOR}{priority}"
+        for name in queue_lists(queue):
             tally = lists.reseal_list(name, sealer, apply=apply)
-            if tally != Tally() or priority == 0:
+            if tally != Tally() or name == queue:
                 report.places[f"queue {name}"] = tally
     report.places[f"unacked {unacked_key}"] = lists.reseal_unacked(unacked_key, sealer, apply=apply)
     # Poison kept by the transport, not drained into the ledger yet (its raw message may be a

@@ -284,3 +284,8 @@ def fresh_client(client: redis.Redis) -> redis.Redis:
 def _address(node: redis.Redis) -> tuple[str, int]:
     kwargs = node.connection_pool.connection_kwargs
     return (kwargs["host"], kwargs["port"])
+
+
+def primary_of(target: RedisTarget, client: redis.Redis) -> Callable[[], str] | None:
+    """How to read the primary's address behind Sentinel (None for a plain URL: one server)."""
+    return (lambda: target.primary(client)) if target.sentinel else None

@@ -180,6 +180,9 @@ class Settings(SentinelSettings):
     reconcile_stale_after_seconds: float = Field(
         900.0, gt=0, description="...and queued or retrying jobs untouched for this long."
     )
+    reconcile_missing_after_seconds: float = Field(
+        30.0, gt=0, description="...and, sooner, those untouched this long whose message is gone."
+    )
     reconcile_every_seconds: float = Field(
         30.0, gt=0, description="How often the workers (one at a time) run the reconciler."
     )
@@ -413,11 +416,9 @@ class Settings(SentinelSettings):
             )
         return value
 
-    # A parser's own message quotes the part it could not read, and in a URL whose password is
-    # not percent-encoded that part is the password's ("Port could not be cast to integer value
-    # as 's3cr3t'"). So no parser's message is ever shown: each refusal says what is expected,
-    # where (see _located), and is raised outside the ``except`` so no exception chain keeps
-    # the parser's text either.
+    # A parser's message quotes what it could not read: in a URL whose password is not
+    # percent-encoded, the password ("...cast to integer value as 's3cr3t'"). None is shown: each
+    # refusal says what is expected, where (_located), raised outside the ``except`` (no chain).
 
     def require_broker_url(self) -> str:
         """The broker URL; a clear :class:`ConfigurationError` when it is not set.

@@ -493,3 +493,14 @@ def broker_address(connection: Any) -> str | None:
             if "host" in kwargs:
                 return f"{kwargs['host']}:{kwargs.get('port')}"
     return None
+
+
+def declare_queues(app: Any) -> None:
+    """Declare ``app``'s queues again. kombu keeps each exchange's bindings in the broker, and a
+    publish to an exchange without them goes nowhere; Celery declares a queue once per process,
+    so after the broker lost its data (which held them) its producers publish into the void
+    until this (the reconciler calls it when it notices the loss)."""
+    with app.connection_for_write() as connection:
+        channel = connection.default_channel
+        for queue in app.amqp.queues.values():
+            queue(channel).declare()

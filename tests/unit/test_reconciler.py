@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from celery_ledger import Settings
-from celery_ledger.broker import Stranded, Unacked
+from celery_ledger.broker import Continuity, Stranded, Unacked, data_lost
 from celery_ledger.crypto import Sealer
 from celery_ledger.errors import StoreError
 from celery_ledger.identity import derive_task_id
@@ -33,6 +33,8 @@ class FakeBroker:
     waiting_ids: set[str] = field(default_factory=set)
     restored: list[str] = field(default_factory=list)
     taken: list[Stranded] = field(default_factory=list)  # unacknowledged, by time taken
+    queued_messages: int = 0  # in the queues and the delayed set
+    marker: Continuity | None = field(default_factory=lambda: Continuity("m1", None, False))
 
     def stranded(self, *, older_than_seconds: float, limit: int) -> list[Stranded]:
         return list(self.taken)[:limit]
@@ -46,6 +48,12 @@ class FakeBroker:
     def restore(self, message: Unacked) -> bool:
         self.restored.append(message.tag)
         return True
+
+    def depth(self) -> int:
+        return self.queued_messages
+
+    def continuity(self) -> Continuity | None:
+        return self.marker
 
 
 @dataclass
@@ -75,6 +83,9 @@ class World:
         self.lock = FakeLock()
         self.sealer = Sealer([NEW_KEY])
         self.gate = FakeGate()
+        self.declared: list[int] = []
+        # the broker's view between the missing-message look's two reads
+        self.between_looks: Any = None
         self.runtime = SimpleNamespace(
             **server_clocks(self.clock, lambda: self.clock().timestamp()),
             ledger=self.ledger,
@@ -90,7 +101,21 @@ class World:
             self.broker,
             self.lock,  # type: ignore[arg-type]
             idempotent_tasks=(WAKE,),
+            declare_queues=lambda: self.declared.append(1),
+            sleep=self.sleep,
         )
+
+    def sleep(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        if self.between_looks is not None:
+            self.between_looks()
+
+    def queued_job(self, key: str) -> str:
+        """A job published with dedupe on publish: its record is queued before its message."""
+        record_id = derive_task_id(TASK, key)
+        message = KeptMessage.of_call([7], {}, message_headers={"ledger_key": key})
+        self.ledger.enqueue(record_id, task=TASK, key=key, tier="critical", message=message)
+        return record_id
 
     def taken(self, tag: str, *, record_id: str | None, task: str = TASK, ago: float) -> None:
         """A message a worker took ``ago`` seconds ago and has not acknowledged."""
@@ -494,3 +519,114 @@ def test_a_dry_run_puts_nothing_back(world: World) -> None:
     world.taken("no-claim", record_id=derive_task_id(TASK, "k1"), ago=999)
     world.reconciler.sweep(dry_run=True)
     assert world.broker.restored == []
+
+
+# -- jobs whose message is nowhere in the broker -------------------------------------------------
+
+
+def test_a_queued_job_whose_message_is_nowhere_is_republished_after_the_short_wait(
+    world: World,
+) -> None:
+    # Given a job whose record was written at publish, and whose message a worker popped and
+    # died with before booking it (in no queue, not delayed, not taken)
+    record_id = world.queued_job("lost")
+    world.clock.advance(29)
+    # When the reconciler sweeps before the wait: nothing yet
+    assert world.reconciler.sweep().missing == 0 and world.outbox.tasks == []
+    world.clock.advance(2)
+    report = world.reconciler.sweep()
+    # Then after it (30 s, not the stale time of 900 s) the job is published again, once
+    assert report.missing == 1 and report.republished == 1
+    assert [t.options["task_id"] for t in world.outbox.tasks] == [record_id]
+    # and a sweep right after leaves its new copy alone
+    assert world.reconciler.sweep().missing == 0 and len(world.outbox.tasks) == 1
+
+
+@pytest.mark.parametrize("where", ["waiting", "taken"])
+def test_a_job_whose_message_is_in_the_broker_is_left_alone(world: World, where: str) -> None:
+    record_id = world.queued_job("slow")
+    if where == "waiting":
+        world.broker.waiting_ids.add(record_id)
+    else:
+        world.broker.unacked_messages[record_id] = Unacked("t1", "critical", b"{}")
+    world.clock.advance(120)
+    report = world.reconciler.sweep()
+    assert report.missing == 0 and world.outbox.tasks == [] and world.broker.restored == []
+
+
+def test_a_message_seen_in_the_second_look_is_not_copied(world: World) -> None:
+    # A message between two places at the first look (popped, not booked yet) is booked by the
+    # second, a second later
+    record_id = world.queued_job("moving")
+    world.clock.advance(60)
+    world.between_looks = lambda: world.broker.unacked_messages.update(
+        {record_id: Unacked("t2", "critical", b"{}")}
+    )
+    report = world.reconciler.sweep()
+    assert report.missing == 0 and world.outbox.tasks == []
+
+
+def test_deep_queues_are_not_read_for_missing_messages_until_the_stale_time(
+    world: World,
+) -> None:
+    world.queued_job("deep")
+    world.broker.queued_messages = 20_001
+    world.clock.advance(60)
+    assert world.reconciler.sweep().missing == 0 and world.outbox.tasks == []
+    world.clock.advance(900)
+    report = world.reconciler.sweep()  # the stale part's, as before
+    assert report.stale_queued == 1 and report.republished == 1
+
+
+def test_a_broker_that_lost_its_data_has_its_jobs_back_at_once_whatever_the_depth(
+    world: World,
+) -> None:
+    # Given a sweep that saw the broker's marker, and a job published 3 s ago
+    world.reconciler.sweep()
+    record_id = world.queued_job("wiped")
+    world.clock.advance(3)
+    world.broker.queued_messages = 50_000
+    # When the broker comes back without its data (its marker written anew by this look)
+    world.broker.marker = Continuity("m2", None, True)
+    report = world.reconciler.sweep()
+    # Then it says so, declares the queues again and publishes the job again, not 30 s later
+    assert report.broker_data_lost is not None and "marker" in report.broker_data_lost
+    assert world.declared == [1]
+    assert report.missing == 1 and [t.options["task_id"] for t in world.outbox.tasks] == [record_id]
+    # and the next sweep is an ordinary one
+    world.broker.marker = Continuity("m2", None, False)
+    assert world.reconciler.sweep().broker_data_lost is None and world.declared == [1]
+
+
+def test_a_job_another_app_published_is_never_touched_by_this_ones_look(world: World) -> None:
+    record_id = derive_task_id("other.task", "k")
+    world.ledger.enqueue(
+        record_id,
+        task="other.task",
+        key="k",
+        tier="default",
+        message=KeptMessage.of_call([], {}, message_headers={"ledger_key": "k"}),
+    )
+    before = dict(world.ledger.docs[record_id])
+    world.clock.advance(60)
+    report = world.reconciler.sweep()
+    assert report.missing == 0 and report.skipped == [] and world.outbox.tasks == []
+    assert world.ledger.docs[record_id]["updated_at"] == before["updated_at"]
+
+
+@pytest.mark.parametrize(
+    ("before", "now", "lost"),
+    [
+        (None, Continuity("a", None, False), None),
+        (None, Continuity("a", None, True), "missing"),
+        (Continuity("a", None, False), Continuity("a", None, False), None),
+        (Continuity("a", None, False), Continuity("b", None, False), "changed"),
+        (Continuity("a", "h1:1", False), Continuity("a", "h2:1", False), "failover"),
+        (Continuity("a", "h1:1", False), Continuity("a", None, False), None),
+    ],
+)
+def test_what_says_the_broker_lost_data(
+    before: Continuity | None, now: Continuity, lost: str | None
+) -> None:
+    why = data_lost(before, now)
+    assert (why is None) if lost is None else (why is not None and lost in why)

@@ -109,6 +109,45 @@ class Views(LedgerBase):
                 ).limit(limit)
             )
 
+    def quiet_ids(self, *, older_than_seconds: float, limit: int) -> list[str]:
+        """Ids of the published jobs waiting for a claim (queued, or retrying and due) and
+        untouched for ``older_than_seconds``: those whose message the broker may have lost.
+        Ids only: the reconciler looks for their messages in the broker, and reads the few it
+        does not find with :meth:`records`. Never-published records are the outbox relay's."""
+        cutoff = self.now() - timedelta(seconds=older_than_seconds)
+        found: list[str] = []
+        with translate_errors("reconcile query"):
+            # One state at a time: an equality and one range on the sweepers' index, the shape
+            # :meth:`stale` reads (SecantusDB scans for other shapes: see unpublished)
+            # (either side of UNPUBLISHED: a queued record is claimable from EPOCH, a delayed
+            # or retrying one from its due time)
+            for state, claimable in (
+                (State.QUEUED, {"$lt": UNPUBLISHED}),
+                (State.QUEUED, {"$gt": UNPUBLISHED, "$lt": cutoff}),
+                (State.RETRYING, {"$lt": cutoff}),
+            ):
+                found += [
+                    str(doc["_id"])
+                    for doc in self.collection.find(
+                        {
+                            "state": state.value,
+                            "claimable_at": claimable,
+                            "updated_at": {"$lt": cutoff},
+                        },
+                        {"_id": 1},
+                    ).limit(limit - len(found))
+                ]
+                if len(found) >= limit:
+                    break
+        return found
+
+    def records(self, record_ids: Sequence[str]) -> list[dict[str, Any]]:
+        """The records of these ids that exist, whole."""
+        if not record_ids:
+            return []
+        with translate_errors("reconcile query"):
+            return list(self.collection.find({"_id": {"$in": list(record_ids)}}))
+
     def replacements_due(
         self, *, older_than_seconds: float, limit: int = 500
     ) -> list[dict[str, Any]]:
