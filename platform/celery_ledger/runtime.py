@@ -18,6 +18,7 @@ child forgets every such service (:data:`PER_PROCESS`) and builds its own on fir
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
@@ -87,6 +88,28 @@ def forget_after_fork(owner: object, names: tuple[str, ...]) -> None:
     os.register_at_fork(after_in_child=forget)
 
 
+# A producer that found the ledger away publishes without the jobs' records this long before it
+# tries again (each try costs a timeout, LEDGER_MONGO_TIMEOUT_MS): through a ledger outage a
+# publish stays a broker write, and its claim still runs the job once.
+LEDGER_AWAY_SECONDS = 10.0
+
+
+class Absence:
+    """When a server was last seen away, on this process's monotonic clock."""
+
+    def __init__(self, hold_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._hold = hold_seconds
+        self._clock = clock
+        self._until = 0.0
+
+    def away(self) -> bool:
+        """Whether it was seen away within the hold."""
+        return self._clock() < self._until
+
+    def seen_away(self) -> None:
+        self._until = self._clock() + self._hold
+
+
 class Runtime:
     """The services of one app (see the module docstring)."""
 
@@ -118,6 +141,7 @@ class Runtime:
         ledger.open_text = self.sealer.open
         ledger.clock.on_reading = self._clock_read
         ledger.clock.warn_offset_seconds = settings.clock_warn_seconds
+        self.ledger_absence = Absence(LEDGER_AWAY_SECONDS)  # (see LEDGER_AWAY_SECONDS)
         forget_after_fork(self, PER_PROCESS)
 
     @cached_property

@@ -278,7 +278,7 @@ class Settings(SentinelSettings):
         " dead record stays in the ledger); older copies are dropped from the queue.",
     )
     dedupe_on_publish: bool = Field(
-        False, description="Write a queued record at publish and skip publishing known keys."
+        True, description="Write a queued record at publish (what a lost message comes back from)."
     )
     max_payload_bytes: int = Field(
         1_000_000, ge=1024, description="Largest serialised arguments a publish accepts."

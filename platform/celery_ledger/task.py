@@ -747,9 +747,9 @@ class LedgerTask(Task):  # type: ignore[misc]
             and self._shed(tier, record_id, key, args, kwargs, message_headers, never=never_shed)
         ):
             return self.AsyncResult(task_id)
-        dedupe = not is_retry and (
-            settings.dedupe_on_publish if self.dedupe_on_publish is None else self.dedupe_on_publish
-        )
+        own = self.dedupe_on_publish
+        dedupe = settings.dedupe_on_publish if own is None else own
+        dedupe = dedupe and not is_retry and not self.app.runtime.ledger_absence.away()
         if dedupe:
             try:
                 outcome = self.app.ledger.enqueue(
@@ -766,10 +766,12 @@ class LedgerTask(Task):  # type: ignore[misc]
                 )
             except LedgerUnavailable as exc:
                 # Publishing never needs the ledger: the claim still runs the job once; only the
-                # reconciler's republish of a lost message is missing for this one.
+                # reconciler's republish of a lost message is missing for this one (and the next
+                # ones while it is seen away: see LEDGER_AWAY_SECONDS).
                 logger.warning(
                     "ledger unreachable; %s published without its queued record: %s", task_id, exc
                 )
+                self.app.runtime.ledger_absence.seen_away()
                 dedupe = False
             else:
                 if outcome is EnqueueOutcome.KNOWN:

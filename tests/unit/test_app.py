@@ -259,7 +259,7 @@ def test_defaults_without_environment() -> None:
     assert settings.lease_seconds == 60.0
     assert settings.default_tier == "default"
     assert settings.routing_rules == {}
-    assert settings.dedupe_on_publish is False
+    assert settings.dedupe_on_publish is True
     assert settings.max_payload_bytes == 1_000_000
 
 

@@ -77,11 +77,13 @@ class FakeLedger:
     down: bool = False
     enqueued: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     unpublished: list[str] = field(default_factory=list)
+    tries: int = 0
 
     def now(self) -> datetime:
         return datetime.now(UTC)
 
     def enqueue(self, record_id: str, **fields: Any) -> EnqueueOutcome:
+        self.tries += 1
         if self.down:
             raise LedgerUnavailable("ledger unreachable during enqueue: timed out")
         self.enqueued.append((record_id, fields))
@@ -121,6 +123,7 @@ def app() -> LedgerCelery:
         mongo_uri="mongodb://127.0.0.1:1/",
         max_payload_bytes=2048,
         routing_rules={"reports.*": "bulk"},
+        dedupe_on_publish=False,  # (the publish's own mechanics; dedupe's tests turn it on)
     )
     return create_app("unit", settings=settings, set_as_current=False)
 
@@ -842,7 +845,24 @@ def test_dedupe_of_a_job_for_later_whose_schedule_failed_lets_a_publish_tried_ag
     assert ledger.unpublished == [f"{ledger.enqueued[0][0]} (later)"]
 
 
-def test_no_dedupe_by_default(
+def test_dedupe_by_default(published: list[Published]) -> None:
+    # A default app writes the job's record at publish (what the reconciler brings a message
+    # the broker lost back from) and skips a key it knows
+    app = create_app(
+        "defaults", settings=Settings(broker_url="redis://127.0.0.1:1/0"), set_as_current=False
+    )
+    app.runtime.ledger = ledger = FakeLedger(outcome=EnqueueOutcome.KNOWN)  # type: ignore[assignment]
+
+    @app.task(name="math.add", shared=False)
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    add.apply_async((1, 2))
+
+    assert len(ledger.enqueued) == 1 and published == []
+
+
+def test_no_dedupe_when_turned_off(
     app: LedgerCelery, add: LedgerTask, published: list[Published]
 ) -> None:
     app.runtime.ledger = ledger = FakeLedger(outcome=EnqueueOutcome.KNOWN)  # type: ignore[assignment]
@@ -851,6 +871,20 @@ def test_no_dedupe_by_default(
 
     assert ledger.enqueued == []
     assert len(published) == 1
+
+
+def test_a_ledger_away_at_publish_costs_one_timeout_not_one_per_publish(
+    app: LedgerCelery, add: LedgerTask, published: list[Published]
+) -> None:
+    app.runtime.ledger = ledger = FakeLedger(down=True)  # type: ignore[assignment]
+    add.dedupe_on_publish = True
+
+    for n in range(3):
+        add.apply_async((1, n))
+
+    # the first publish tried the ledger and went out without the record; the next ones did not
+    # wait on it again, and every message went out
+    assert ledger.tries == 1 and len(published) == 3
 
 
 # -- the first claim's hint ---------------------------------------------------------------------

@@ -1,0 +1,78 @@
+"""A broker that loses its data, under default settings: wiped while it runs (``FLUSHALL``),
+or restarted without its data (its append-only file gone). Jobs published before, waiting in
+their queue when it happened, and jobs published right after (their producer had declared its
+queues' bindings before, and the broker forgot them): each runs once, soon (the workers'
+reconciler notices the broker's marker gone and looks for the jobs whose message is nowhere at
+once, not after the stale time meant for deep queues), and no worker ends.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+
+import pytest
+
+from celery_ledger import State
+from celery_ledger.embedded.stack import EmbeddedStack
+
+from .conftest import broker_client, producer_app, start_healing_worker
+from .helpers import effect_count, shared_task, wait_for
+
+RECORD = "tests.integration.ledger_app.record"
+BEFORE, AFTER = 30, 10
+# The bound this test holds the platform to, from the loss to the last job's end: the
+# reconciler's sweep (every second here) and the jobs' own run time, well under a minute.
+RECOVERY_SECONDS = 60.0
+
+
+def lose_data(stack: EmbeddedStack, how: str) -> None:
+    assert stack.broker is not None
+    if how == "wiped":
+        broker_client(stack).flushall()
+        return
+    stack.broker.stop()
+    for path in stack.broker.data_dir.iterdir():  # the append-only file and any snapshot
+        if path.name.startswith("appendonly") or path.suffix in (".aof", ".rdb"):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    stack.broker.restart()
+
+
+@pytest.mark.parametrize("how", ["wiped", "restarted empty"])
+def test_jobs_a_broker_lost_run_once_under_default_settings(own: EmbeddedStack, how: str) -> None:
+    # Given a worker (its reconciler sweeps every second) and a producer with default settings
+    worker = start_healing_worker(own, f"loss-{how.replace(' ', '-')}", concurrency=2)
+    producer = producer_app(own, f"loss_{uuid.uuid4().hex[:6]}")
+    task = shared_task(producer, RECORD)
+    run = uuid.uuid4().hex[:8]
+    before = [f"{run}-b{n}" for n in range(BEFORE)]
+    after = [f"{run}-a{n}" for n in range(AFTER)]
+    for token in before:
+        task.apply_async((token,), {"sleep_seconds": 0.3})
+    wait_for(
+        lambda: sum(effect_count("record", t) for t in before) >= 4,
+        timeout=60,
+        what="the first jobs running",
+    )
+    # When the broker loses its data with most of them still waiting in their queue
+    lost_at = time.monotonic()
+    lose_data(own, how)
+    # ...and the producer publishes more right after
+    for token in after:
+        task.apply_async((token,), {"sleep_seconds": 0.3})
+
+    # Then every job ends succeeded, its body run once, within the bound
+    def ended() -> bool:
+        return all(
+            (r := producer.ledger.get(task.name, t)) is not None and r.state is State.SUCCEEDED
+            for t in before + after
+        )
+
+    wait_for(ended, timeout=RECOVERY_SECONDS, interval=0.5, what="every job succeeded")
+    recovered = time.monotonic() - lost_at
+    time.sleep(2.0)  # (a second copy, had one been run, would show)
+    assert [t for t in before + after if effect_count("record", t) != 1] == []
+    assert worker.alive()
+    print(f"{how}: {BEFORE + AFTER} jobs ended {recovered:.1f}s after the loss")
+    producer.close()
