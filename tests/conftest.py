@@ -98,7 +98,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if is_hypothesis_test(getattr(item, "obj", None)) or item.get_closest_marker("props"):
             item.add_marker(pytest.mark.props)
             if wide:  # the per-test timeout grows with the number of examples
-                item.add_marker(pytest.mark.timeout(float(config.getini("timeout")) * WIDE_FACTOR))
+                own = item.get_closest_marker("timeout")
+                base = float(own.args[0]) if own and own.args else float(config.getini("timeout"))
+                item.add_marker(pytest.mark.timeout(base * WIDE_FACTOR), append=False)
 
 
 # The suite mostly waits on servers and workers (about one core of 2 busy with 4 processes): on 2

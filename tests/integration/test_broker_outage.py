@@ -1,8 +1,8 @@
 """The broker away for a while (paused: it does not answer; or stopped and restarted on its port
 with its data) at the points of a job's life that need it: a job's acknowledgement after its
 success, and a producer's publish with dedupe on. Each job ends succeeded with its effect once,
-and no worker ends. (A broker at its memory limit: test_broker_full.py; one that loses its data
-is the README's stated limit, covered for deduplicated jobs by the reconciler's tests.)
+and no worker ends. (A broker at its memory limit: test_broker_full.py; one that loses its data:
+test_broker_data_loss.py.)
 """
 
 from __future__ import annotations

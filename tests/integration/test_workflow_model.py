@@ -450,6 +450,9 @@ class WorkflowModel(RuleBasedStateMachine):
 
 
 @pytest.mark.props
+# About a minute alone; a loaded machine's parallel suite once took it past the default 300 s
+# (CPU, not waiting: every step is a ledger round trip and a fold of the workflow's history)
+@pytest.mark.timeout(900)
 def test_workflows_keep_their_promises_whatever_dies(stack: Any) -> None:
     WorkflowModel.ledger_url = stack.ledger.url
     SEEN.clear()
