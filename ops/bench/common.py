@@ -211,6 +211,7 @@ def write_results(name: str, data: Mapping[str, Any], figure: Any) -> tuple[Path
         console.print(
             f"wrote {json_path}\nno figure: matplotlib is missing (pip install -e '.[bench]')",
             highlight=False,
+            markup=False,
             soft_wrap=True,
         )
         return json_path, png_path

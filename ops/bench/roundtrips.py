@@ -180,7 +180,13 @@ def measure(app: LedgerCelery, listener: DeliveryCommands) -> dict[str, list[str
     wait_for(lambda: len(listener.attempts[result.id]) == 1 and listener._current is None)
     seen["happy path"] = listener.attempts[result.id][0].commands
 
-    happy.apply_async((token,), queue=QUEUE)
+    # A second message of the job (a duplicate publish, a redelivery): with dedupe on publish
+    # (the default) a producer would skip it, its record known; sent all the same
+    happy.dedupe_on_publish = False
+    try:
+        happy.apply_async((token,), queue=QUEUE)
+    finally:
+        happy.dedupe_on_publish = None
     wait_for(lambda: len(listener.attempts[result.id]) == 2 and listener._current is None)
     seen["suppressed duplicate"] = listener.attempts[result.id][1].commands
 
