@@ -13,7 +13,8 @@ on their queue; (5) queued or retrying jobs whose message is nowhere in the brok
 queue, the delayed set or a worker's hands, in two looks a second apart), untouched for
 ``LEDGER_RECONCILE_MISSING_AFTER_SECONDS``, long before the stale time of (2): a worker killed
 between kombu's pop of a message and its booking as taken, a broker that lost data. That look
-reads the queues, so it runs while they are short (:data:`MISSING_SCAN_MAX_MESSAGES`), and at
+reads the queues, so it runs at most once in that time and while they are short
+(:data:`MISSING_SCAN_MAX_MESSAGES`), and at
 once, whatever their depth, when the broker may have lost data (its marker gone or changed, its
 primary moved: :func:`celery_ledger.broker.data_lost`); the queues' bindings are declared
 again then, since a wiped broker forgot them too. For each of (1) to (3), a job
@@ -120,6 +121,7 @@ class Reconciler:
         idempotent_tasks: tuple[str, ...] = (),
         declare_queues: Callable[[], None] | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._runtime = runtime
         self._ledger: ReconcilerStore = runtime.ledger
@@ -132,6 +134,8 @@ class Reconciler:
         # Declares the tiers' queues (their bindings) again, after the broker lost data.
         self._declare_queues = declare_queues
         self._sleep = sleep
+        self._monotonic = monotonic
+        self._looked_at: float | None = None  # when this process last looked for missing jobs
         # The broker as this process last saw it, and why it may have lost data since, until a
         # sweep has looked for the missing jobs.
         self._continuity: Continuity | None = None
@@ -249,10 +253,18 @@ class Reconciler:
     ) -> None:
         """(5) of the module docstring: jobs whose message is nowhere in the broker."""
         lost = self._data_lost
-        if lost is None and self._broker.depth() > MISSING_SCAN_MAX_MESSAGES:
-            return
         settings = self._runtime.settings
         after = AFTER_DATA_LOSS_SECONDS if lost else settings.reconcile_missing_after_seconds
+        now = self._monotonic()
+        if lost is None:
+            # At most once a wait (the look reads the queues and asks the ledger for every quiet
+            # job: once per sweep, every few seconds, it slowed a soak's whole fleet); a job
+            # missing is then brought back within twice the wait
+            if self._looked_at is not None and now - self._looked_at < after:
+                return
+            if self._broker.depth() > MISSING_SCAN_MAX_MESSAGES:
+                return
+        self._looked_at = now
         quiet = [
             i
             for i in self._ledger.quiet_ids(older_than_seconds=after, limit=MISSING_PER_SWEEP)
