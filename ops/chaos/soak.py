@@ -48,9 +48,10 @@ from pymongo import MongoClient
 from redis import Redis
 
 from celery_ledger import LedgerCelery, Settings
-from celery_ledger.app import WAKE_TASK, unacked_keys
+from celery_ledger.app import WAKE_TASK
 from celery_ledger.embedded.servers import ServerProcess, start_secantus, start_valkey
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
+from celery_ledger.transport import unacked_keys
 
 from ..bench.common import REPO, RESULTS, console, machine, print_table
 from .apps import plain_soak

@@ -30,6 +30,7 @@ from pymongo.monitoring import CommandListener
 from . import headers, tracecontext, transport
 from .admission import WORKFLOW_STEP
 from .broker import RedisBroker, SweepLock
+from .bulk_publish import BulkPublishing
 from .conf_check import conf_problems, pinned, task_problems
 from .crypto import (
     REDACTED,
@@ -66,6 +67,7 @@ from .schedules import (
 from .sentinel import primary_of
 from .settings import UNSET_BROKER_URL, Settings, settings_from_environment
 from .task import KEY_SECRET_NEEDED, LedgerTask
+from .transport import unacked_keys
 from .triggers import Argument, Trigger
 from .triggers import declare as declare_trigger
 from .worker import LedgerWorkerStep
@@ -136,7 +138,7 @@ class LedgerAMQP(AMQP):  # type: ignore[misc]
         return send_ledger
 
 
-class LedgerCelery(Celery):  # type: ignore[misc]
+class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
     """A :class:`celery.Celery` with the ledger attached (``app.ledger``)."""
 
     amqp_cls = "celery_ledger.app:LedgerAMQP"
@@ -781,18 +783,6 @@ class _WorkflowPorts:
                 pending.withdraw(workflow_id)
             raise
         return True
-
-
-def unacked_keys(namespace: str) -> dict[str, str]:
-    """kombu's keys for delivered, unacknowledged messages, in the app's namespace (so one
-    app's reconciler and restore sweep only ever see its own messages)."""
-    if not namespace:
-        return {}
-    return {
-        "unacked_key": f"{namespace}.unacked",
-        "unacked_index_key": f"{namespace}.unacked_index",
-        "unacked_mutex_key": f"{namespace}.unacked_mutex",
-    }
 
 
 def create_app(

@@ -17,7 +17,7 @@ import os
 import socket
 import uuid
 from collections.abc import Iterable, Iterator
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeAlias
 
 import redis
@@ -27,9 +27,8 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.result import AsyncResult
 from celery.worker.request import Request
 from kombu.exceptions import EncodeError
-from kombu.utils import json as kombu_json
 
-from . import headers
+from . import bulk_publish, headers
 from .admission import ADMITTED, NEVER_SHED, WORKFLOW_STEP
 from .conf_check import task_problems
 from .crypto import REDACTED, SEALED_SERIALIZER, sealing
@@ -48,7 +47,6 @@ from .identity import (
     Identity,
     KeySpec,
     bind_arguments,
-    canonical_json,
     compute_key,
     derive_task_id,
     identity_of,
@@ -57,11 +55,12 @@ from .identity import (
 )
 from .ledger.dead import DeadJob
 from .ledger.message import KeptMessage
-from .ledger.store import EnqueueOutcome, Unclaimed
+from .ledger.store import EnqueueOutcome, QueuedJob, Unclaimed
 from .policies.backoff import Jitter
 from .policies.fallback import Fallback
 from .policies.retry import RetryPolicy
 from .progress import Execution, Step, batches
+from .publish_checks import due_time, payload_json
 from .schedules import BEAT_HEADER, note_foreign_beat
 from .untrusted import (
     expiry_of,
@@ -646,7 +645,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         if isinstance(handed_back, int) and handed_back > 0:
             options[headers.HANDED_BACK] = min(handed_back, headers.MAX_HANDED_BACK)
 
-        payload = _payload_json(args, kwargs, republish=bool(options.pop(_REPUBLISH, False)))
+        payload = payload_json(args, kwargs, republish=bool(options.pop(_REPUBLISH, False)))
         if len(payload) > settings.max_payload_bytes:
             raise PayloadError(
                 f"arguments of {self.name} are {len(payload)} bytes of JSON;"
@@ -681,7 +680,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         # first enqueue, in its headers).
         # Every time on a message is the broker's (a producer's host clock may be off)
         now = self.app.runtime.message_time()
-        due_at = _due_time(options.get("countdown"), options.get("eta"), now=now)
+        due_at = due_time(options.get("countdown"), options.get("eta"), now=now)
         message_headers.setdefault(headers.ENQUEUED_AT, max(now, due_at or 0.0))
         options.setdefault("queue", self.app.tiers.queue(tier))
         # The body sealed here, before it leaves the process: a sensitive task's, and any body
@@ -716,7 +715,9 @@ class LedgerTask(Task):  # type: ignore[misc]
                 },
             )
 
-        def publish_now() -> _Result:
+        def publish_now(new: bool = False) -> _Result:
+            if new:  # a first publish with no record written: its claim may insert the record
+                options[headers.NEW] = True
             with sealing(self.app.runtime.sealer):
                 return super(LedgerTask, self).apply_async(
                     args,
@@ -751,19 +752,24 @@ class LedgerTask(Task):  # type: ignore[misc]
         dedupe = settings.dedupe_on_publish if own is None else own
         dedupe = dedupe and not is_retry and not self.app.runtime.ledger_absence.away()
         if dedupe:
+            job = QueuedJob(
+                record_id,
+                task=self.name,
+                key=key,
+                tier=tier,
+                message=self._kept(args, kwargs, message_headers),
+                objective=self._objective(
+                    tier, float_or_none(message_headers.get(headers.ENQUEUED_AT))
+                ),
+                # A job for later: claimable (and looked after by the reconciler) once due
+                claimable_at=None if later is None else self.app.runtime.on_ledger_clock(later),
+            )
+            # In a bulk publish (bulk_publish.py) its record and message go with the batch's
+            bulk = bulk_publish.joining(producer, options) if later is None else None
+            if bulk is not None:
+                return bulk.hold(job, publish_now, self.AsyncResult(task_id))
             try:
-                outcome = self.app.ledger.enqueue(
-                    record_id,
-                    task=self.name,
-                    key=key,
-                    tier=tier,
-                    message=self._kept(args, kwargs, message_headers),
-                    objective=self._objective(
-                        tier, float_or_none(message_headers.get(headers.ENQUEUED_AT))
-                    ),
-                    # A job for later: claimable (and looked after by the reconciler) once due
-                    claimable_at=None if later is None else self.app.runtime.on_ledger_clock(later),
-                )
+                outcome = self.app.ledger.enqueue(record_id, **job.arguments())
             except LedgerUnavailable as exc:
                 # Publishing never needs the ledger: the claim still runs the job once; only the
                 # reconciler's republish of a lost message is missing for this one (and the next
@@ -776,9 +782,6 @@ class LedgerTask(Task):  # type: ignore[misc]
             else:
                 if outcome is EnqueueOutcome.KNOWN:
                     return self.AsyncResult(task_id)
-        if later is None and not is_retry and not dedupe:
-            # A first publish with no record written: its claim may insert the record.
-            options[headers.NEW] = True
         try:
             if later is not None:
                 # With dedupe, a message the delayed set loses (a broker that loses its data)
@@ -796,7 +799,7 @@ class LedgerTask(Task):  # type: ignore[misc]
                     headers=message_headers,
                     **options,
                 )
-            return publish_now()
+            return publish_now(new=not is_retry and not dedupe)
         except Exception:
             if dedupe:
                 # Keep the record: another producer may have skipped its publish because of it.
@@ -1039,10 +1042,6 @@ class _Body:
         return bind_arguments(self._task.run, self._delivery.args, self._delivery.kwargs)
 
 
-# The latest time a publish may be due: every due time is kept as a date (in the ledger and
-# its records' leases, which add to it), and a countdown that is no time (infinite, or of
-# billions of years) must be a clear error, not a date that overflows later.
-LATEST_DUE = datetime(9000, 1, 1, tzinfo=UTC).timestamp()
 # What a retry's publish raised that publishing again can never mend (a countdown or eta that
 # is no time, arguments the serializer refuses).
 _NEVER_PUBLISHABLE = (ValueError, TypeError, OverflowError, EncodeError)
@@ -1092,47 +1091,4 @@ def _no_direct_runs(task: str, how: str) -> ConfigurationError:
     )
 
 
-def _due_time(countdown: Any, eta: Any, *, now: float) -> float | None:
-    """When a publish with ``countdown`` (seconds) or ``eta`` (a datetime, or its ISO text) is
-    due, in seconds since the epoch; None: now.
-
-    Raises:
-        PayloadError: neither is a time (not a number, not finite, not a date), or it is
-            later than ``LATEST_DUE``: the ledger keeps every due time as a date.
-    """
-    if countdown is not None:
-        try:
-            due = now + float(countdown)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise PayloadError(f"countdown={countdown!r} is not a number of seconds") from exc
-    elif eta is not None:
-        try:
-            when = datetime.fromisoformat(eta) if isinstance(eta, str) else eta
-            if not isinstance(when, datetime):
-                raise TypeError(type(eta).__name__)
-            # A naive eta is UTC, as Celery reads it (the app's timezone is UTC).
-            due = (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise PayloadError(f"eta={eta!r} is not a date ({exc})") from exc
-    else:
-        return None
-    if not due <= LATEST_DUE:  # (NaN and infinity included)
-        raise PayloadError(
-            f"a publish due at {countdown=}, {eta=} is later than the ledger can keep (the"
-            " year 9000)"
-        )
-    return due
-
-
 __all__ = ["LedgerRequest", "LedgerTask"]
-
-
-def _payload_json(args: tuple[Any, ...], kwargs: dict[str, Any], *, republish: bool) -> str:
-    """The arguments' JSON, for the size limit: strict JSON for a new publish (the README's
-    rule), kombu's JSON (with its type markers) for a delivery's arguments published again."""
-    if not republish:
-        return canonical_json([list(args), kwargs])
-    try:
-        return str(kombu_json.dumps([list(args), kwargs]))
-    except (TypeError, ValueError) as exc:
-        raise PayloadError(f"not JSON-serialisable: {exc}") from exc

@@ -466,6 +466,18 @@ class Connection(KombuConnection):
             self.transport_cls = given
 
 
+def unacked_keys(namespace: str) -> dict[str, str]:
+    """kombu's keys for delivered, unacknowledged messages, in the app's namespace (so one
+    app's reconciler and restore sweep only ever see its own messages)."""
+    if not namespace:
+        return {}
+    return {
+        "unacked_key": f"{namespace}.unacked",
+        "unacked_index_key": f"{namespace}.unacked_index",
+        "unacked_mutex_key": f"{namespace}.unacked_mutex",
+    }
+
+
 def path_for(broker_url: str | None) -> str:
     """The transport ``create_app`` sets for ``broker_url`` (Celery's ``broker_transport``)."""
     name = "SentinelTransport" if is_sentinel_url(broker_url) else "Transport"

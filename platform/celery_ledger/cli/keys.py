@@ -11,10 +11,10 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import audit
-from ..app import unacked_keys
 from ..errors import ConfigurationError
 from ..rotation import RotationReport, rotate_keys
 from ..routing import DEAD_LETTER
+from ..transport import unacked_keys
 from .options import actor_option
 
 console = Console(soft_wrap=True)

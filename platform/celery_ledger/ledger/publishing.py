@@ -1,10 +1,13 @@
 """The publish side: a job's ``queued`` record before its message (dedupe on publish, the
-outbox), its unpublished and deferred marks, and the outbox relay's view.
+outbox; one job at a time or a bulk publish's batch), its unpublished and deferred marks, and
+the outbox relay's view.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -17,15 +20,49 @@ from pymongo.errors import (
 from ..errors import LedgerUnavailable, StoreError
 from .base import LedgerBase
 from .core import (
+    DUPLICATE_KEY,
     EPOCH,
     UNPUBLISHED,
     UNPUBLISHED_SCAN,
     EnqueueOutcome,
+    _objective_update,
     _queued,
     translate_errors,
 )
 from .message import KeptMessage
 from .record import State
+
+logger = logging.getLogger("celery_ledger.ledger")
+
+
+# The most jobs one bulk enqueue writes: two statements each, one round trip (a server's write
+# batch holds 100,000 statements; this keeps a failed batch's redo small).
+ENQUEUE_BATCH = 100
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedJob:
+    """One job of a bulk enqueue: what :meth:`Publishing.enqueue` takes, but the session (an
+    outbox write is one job in the app's own transaction)."""
+
+    record_id: str
+    task: str
+    key: str
+    tier: str
+    message: KeptMessage
+    objective: Mapping[str, Any] | None = None
+    claimable_at: datetime | None = None
+
+    def arguments(self) -> dict[str, Any]:
+        """:meth:`Publishing.enqueue`'s keyword arguments for this job."""
+        return {
+            "task": self.task,
+            "key": self.key,
+            "tier": self.tier,
+            "message": self.message,
+            "objective": self.objective,
+            "claimable_at": self.claimable_at,
+        }
 
 
 class Publishing(LedgerBase):
@@ -105,6 +142,133 @@ class Publishing(LedgerBase):
         if outcome is not EnqueueOutcome.KNOWN:
             self._track_objective(record_id, objective)
         return outcome
+
+    def enqueue_many(self, jobs: Sequence[QueuedJob]) -> list[EnqueueOutcome]:
+        """:meth:`enqueue` for up to ``ENQUEUE_BATCH`` jobs: their outcomes, in order.
+
+        One unordered bulk write of each job's two statements (the same as :meth:`enqueue`'s),
+        and a second round trip only when it found a known job whose first publish failed: the
+        bulk write counts the records it marked (``publish_retried_at``) but does not say which,
+        so they are read back by that mark, this call's own time. A concurrent upsert of the
+        same new job that loses the race (duplicate key) finds it known, as a later one would.
+        Jobs with a latency objective add one write for their objectives.
+
+        Raises:
+            LedgerUnavailable: the write's outcome is unknown (a write concern error): any of
+                the records may have been written.
+            StoreError: a record could not be written; those this call wrote are marked
+                unpublished (the relay publishes them), and no job's message may be sent.
+            ValueError: more than ``ENQUEUE_BATCH`` jobs.
+        """
+        if len(jobs) > ENQUEUE_BATCH:
+            raise ValueError(f"{len(jobs)} jobs; a bulk enqueue writes {ENQUEUE_BATCH} at most")
+        if not jobs:
+            return []
+        now = self.now()
+        ops: list[UpdateOne] = []
+        for job in jobs:
+            fields = _queued(task=job.task, key=job.key, tier=job.tier, now=now, fleet=self.fleet)
+            fields["message"] = job.message.document()
+            fields.update(job.objective or {})
+            if job.claimable_at is not None:
+                fields["claimable_at"] = job.claimable_at
+            ops.append(UpdateOne({"_id": job.record_id}, {"$setOnInsert": fields}, upsert=True))
+            ops.append(
+                UpdateOne(
+                    {
+                        "_id": job.record_id,
+                        "state": State.QUEUED.value,
+                        "unpublished_at": {"$ne": None},
+                    },
+                    {"$set": {"publish_retried_at": now}},
+                )
+            )
+        with translate_errors("bulk enqueue"):
+            try:
+                result = self.collection.bulk_write(ops, ordered=False)
+                upserted = {index // 2 for index in result.upserted_ids or {}}
+                retried = result.modified_count
+            except BulkWriteError as exc:
+                upserted, retried = self._partial_enqueue(jobs, exc)
+            outcomes = [
+                EnqueueOutcome.NEW if i in upserted else EnqueueOutcome.KNOWN
+                for i in range(len(jobs))
+            ]
+            if retried:
+                known = [job.record_id for i, job in enumerate(jobs) if i not in upserted]
+                # ``_id`` first: SecantusDB reads on the index of a query's first field
+                marked = {
+                    doc["_id"]
+                    for doc in self.collection.find(
+                        {"_id": {"$in": known}, "publish_retried_at": now}, {"_id": 1}
+                    )
+                }
+                outcomes = [
+                    EnqueueOutcome.UNPUBLISHED
+                    if outcome is EnqueueOutcome.KNOWN and job.record_id in marked
+                    else outcome
+                    for job, outcome in zip(jobs, outcomes, strict=True)
+                ]
+        tracked = [
+            (job.record_id, job.objective)
+            for job, outcome in zip(jobs, outcomes, strict=True)
+            if outcome is not EnqueueOutcome.KNOWN and (job.objective or {}).get("slo_at")
+        ]
+        self._track_objectives(tracked)
+        return outcomes
+
+    def _partial_enqueue(
+        self, jobs: Sequence[QueuedJob], exc: BulkWriteError
+    ) -> tuple[set[int], int]:
+        """A bulk enqueue's partial failure: the jobs it wrote and the count it marked, when
+        every failed statement is a lost race to insert a job (it is known); else raises."""
+        details = exc.details
+        if details.get("writeConcernErrors"):
+            raise LedgerUnavailable(f"bulk enqueue of {len(jobs)} jobs: outcome unknown") from exc
+        upserted = {entry["index"] // 2 for entry in details.get("upserted", [])}
+        failed = [e for e in details.get("writeErrors", []) if e.get("code") != DUPLICATE_KEY]
+        if failed:
+            # The records written stay, made due for the relay: another producer may skip its
+            # publish because of them, and this caller's error sends none of their messages.
+            self.mark_unpublished_many([jobs[i].record_id for i in sorted(upserted)])
+            raise StoreError(f"bulk enqueue failed: {failed[:3]}") from exc
+        return upserted, int(details.get("nModified", 0))
+
+    def _track_objectives(self, tracked: Sequence[tuple[str, Mapping[str, Any] | None]]) -> None:
+        """:meth:`_track_objective` of several jobs in one write; a failure is logged (see
+        there: the next claim covers for it)."""
+        if not tracked:
+            return
+        ops = [
+            UpdateOne(
+                {"_id": record_id},
+                _objective_update(objective["slo_at"], objective.get("slo_seconds")),
+                upsert=True,
+            )
+            for record_id, objective in tracked
+            if objective
+        ]
+        try:
+            with translate_errors("objectives"):
+                self._objectives.bulk_write(ops, ordered=False)
+        except (BulkWriteError, StoreError) as exc:
+            for record_id, objective in tracked:  # one at a time: each has its own retry
+                self._track_objective(record_id, objective)
+            logger.debug("objectives tracked one by one after %s", exc)
+
+    def mark_unpublished_many(self, record_ids: Sequence[str], *, later: bool = False) -> None:
+        """:meth:`mark_unpublished` of several jobs in one write (a bulk publish's failed
+        batch)."""
+        if not record_ids:
+            return
+        fields: dict[str, Any] = {"unpublished_at": self.now(), "updated_at": EPOCH}
+        if not later:
+            fields["claimable_at"] = UNPUBLISHED
+        with translate_errors("unpublished mark"):
+            self.collection.update_many(
+                {"_id": {"$in": list(record_ids)}, "state": State.QUEUED.value, "fence": 0},
+                {"$set": fields},
+            )
 
     def mark_unpublished(self, record_id: str, *, later: bool = False) -> None:
         """The publish after :meth:`enqueue` failed: keep the record (another producer may have

@@ -80,7 +80,7 @@ from .indexes import Indexes
 from .last_good import LastGood
 from .long_jobs import LongJobs
 from .objectives import Objectives
-from .publishing import Publishing
+from .publishing import ENQUEUE_BATCH, Publishing, QueuedJob
 from .resealing import Resealing
 from .results import Results
 from .views import Views
@@ -92,6 +92,7 @@ __all__ = [
     "COPY_GRACE",
     "DUPLICATE_KEY",
     "ENDED_AS_WRITTEN",
+    "ENQUEUE_BATCH",
     "EPOCH",
     "FOREVER",
     "INDEX_NOT_FOUND",
@@ -108,6 +109,7 @@ __all__ = [
     "HeldBy",
     "Ledger",
     "LedgerBase",
+    "QueuedJob",
     "RecordState",
     "Unchanged",
     "Unclaimed",

@@ -1,0 +1,62 @@
+"""The checks a publish makes of its call before anything leaves the process: the arguments'
+JSON (for the size limit) and when the job is due (a countdown or an eta that is no time is
+the caller's error, not a date that overflows later in the ledger or a worker).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from kombu.utils import json as kombu_json
+
+from .errors import PayloadError
+from .identity import canonical_json
+
+# The latest time a publish may be due: every due time is kept as a date (in the ledger and
+# its records' leases, which add to it), and a countdown that is no time (infinite, or of
+# billions of years) must be a clear error, not a date that overflows later.
+LATEST_DUE = datetime(9000, 1, 1, tzinfo=UTC).timestamp()
+
+
+def due_time(countdown: Any, eta: Any, *, now: float) -> float | None:
+    """When a publish with ``countdown`` (seconds) or ``eta`` (a datetime, or its ISO text) is
+    due, in seconds since the epoch; None: now.
+
+    Raises:
+        PayloadError: neither is a time (not a number, not finite, not a date), or it is
+            later than ``LATEST_DUE``: the ledger keeps every due time as a date.
+    """
+    if countdown is not None:
+        try:
+            due = now + float(countdown)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise PayloadError(f"countdown={countdown!r} is not a number of seconds") from exc
+    elif eta is not None:
+        try:
+            when = datetime.fromisoformat(eta) if isinstance(eta, str) else eta
+            if not isinstance(when, datetime):
+                raise TypeError(type(eta).__name__)
+            # A naive eta is UTC, as Celery reads it (the app's timezone is UTC).
+            due = (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise PayloadError(f"eta={eta!r} is not a date ({exc})") from exc
+    else:
+        return None
+    if not due <= LATEST_DUE:  # (NaN and infinity included)
+        raise PayloadError(
+            f"a publish due at {countdown=}, {eta=} is later than the ledger can keep (the"
+            " year 9000)"
+        )
+    return due
+
+
+def payload_json(args: tuple[Any, ...], kwargs: dict[str, Any], *, republish: bool) -> str:
+    """The arguments' JSON, for the size limit: strict JSON for a new publish (the README's
+    rule), kombu's JSON (with its type markers) for a delivery's arguments published again."""
+    if not republish:
+        return canonical_json([list(args), kwargs])
+    try:
+        return str(kombu_json.dumps([list(args), kwargs]))
+    except (TypeError, ValueError) as exc:
+        raise PayloadError(f"not JSON-serialisable: {exc}") from exc
