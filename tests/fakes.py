@@ -25,6 +25,7 @@ from celery_ledger.ledger.store import (
     COPY_DUE_SHIFT,
     COPY_GRACE,
     ENDED_AS_WRITTEN,
+    ENQUEUE_BATCH,
     EPOCH,
     FOREVER,
     UNPUBLISHED,
@@ -34,6 +35,7 @@ from celery_ledger.ledger.store import (
     EnqueueOutcome,
     Fenced,
     HeldBy,
+    QueuedJob,
     RecordState,
     Unchanged,
     Unclaimed,
@@ -678,6 +680,41 @@ class MemoryLedger:
         if doc.get("state") == State.QUEUED and doc.get("unpublished_at") is not None:
             return EnqueueOutcome.UNPUBLISHED
         return EnqueueOutcome.KNOWN
+
+    def enqueue_many(self, jobs: Sequence[QueuedJob]) -> list[EnqueueOutcome]:
+        """The store's one bulk write (and its read back of the unpublished ones): one call."""
+        if len(jobs) > ENQUEUE_BATCH:
+            raise ValueError(f"{len(jobs)} jobs; a bulk enqueue writes {ENQUEUE_BATCH} at most")
+        fault = self._enter("enqueue_many")
+        outcomes = [self._enqueue_one(job) for job in jobs]
+        self._leave(fault)
+        return outcomes
+
+    def _enqueue_one(self, job: QueuedJob) -> EnqueueOutcome:
+        doc = self.docs.get(job.record_id)
+        if doc is None:
+            self.docs[job.record_id] = {
+                "_id": job.record_id,
+                **self._queued(job.task, job.key, job.tier),
+                "message": job.message.document(),
+                **(job.objective or {}),
+            }
+            if job.claimable_at is not None:
+                self.docs[job.record_id]["claimable_at"] = job.claimable_at
+            return EnqueueOutcome.NEW
+        if doc.get("state") == State.QUEUED and doc.get("unpublished_at") is not None:
+            return EnqueueOutcome.UNPUBLISHED
+        return EnqueueOutcome.KNOWN
+
+    def mark_unpublished_many(self, record_ids: Sequence[str], *, later: bool = False) -> None:
+        fault = self._enter("mark_unpublished_many")
+        for record_id in record_ids:
+            doc = self.docs.get(record_id)
+            if doc is not None and doc.get("state") == State.QUEUED and doc.get("fence") == 0:
+                doc.update(unpublished_at=self.now(), updated_at=EPOCH)
+                if not later:
+                    doc.update(claimable_at=UNPUBLISHED)
+        self._leave(fault)
 
     def mark_unpublished(self, record_id: str, *, later: bool = False) -> None:
         self._enter("mark_unpublished")

@@ -25,10 +25,12 @@ from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.record import ErrorEntry
 from celery_ledger.ledger.store import (
     COPY_GRACE,
+    ENQUEUE_BATCH,
     UNPUBLISHED,
     EnqueueOutcome,
     Fenced,
     HeldBy,
+    QueuedJob,
     Unchanged,
     Unclaimed,
     new_op,
@@ -435,6 +437,45 @@ def test_enqueue_tells_new_known_and_unpublished_jobs_apart(world: tuple[Any, Cl
     clock.advance(1)
     assert record_id in [d["_id"] for d in ledger.stale(State.QUEUED, older_than_seconds=0.5)]
     assert claim(ledger, record_id).outcome is ClaimOutcome.CLAIMED
+
+
+def test_a_bulk_enqueue_tells_new_known_and_unpublished_jobs_apart_as_one_by_one(
+    world: tuple[Any, Clock],
+) -> None:
+    ledger, clock = world
+    ids = [new_id() for _ in range(5)]
+    message = KeptMessage.of_call([1], {}, message_headers={})
+
+    def job(record_id: str, **options: Any) -> QueuedJob:
+        return QueuedJob(
+            record_id, task=TASK, key=record_id, tier="bulk", message=message, **options
+        )
+
+    # Given two jobs known (one whose first publish failed) and one claimed
+    for record_id in ids[:3]:
+        ledger.enqueue(record_id, task=TASK, key=record_id, tier="bulk", message=message)
+    ledger.mark_unpublished(ids[1])
+    assert claim(ledger, ids[2]).outcome is ClaimOutcome.CLAIMED
+    due = clock() + timedelta(minutes=5)
+    # When they are enqueued again in one batch with two new ones, one of them for later,
+    # and a new one twice
+    jobs = [job(ids[0]), job(ids[1]), job(ids[2]), job(ids[3])]
+    outcomes = ledger.enqueue_many([*jobs, job(ids[4], claimable_at=due), job(ids[3])])
+    # Then each is told as a single enqueue tells it (the job twice: new once), and the new
+    # ones are queued
+    assert outcomes[:3] == [EnqueueOutcome.KNOWN, EnqueueOutcome.UNPUBLISHED, EnqueueOutcome.KNOWN]
+    assert outcomes[4] is EnqueueOutcome.NEW
+    assert sorted([outcomes[3], outcomes[5]]) == [EnqueueOutcome.KNOWN, EnqueueOutcome.NEW]
+    assert ledger.enqueue_many([]) == []
+    assert ledger.find_raw(ids[3])["state"] == State.QUEUED
+    kept = ledger.find_raw(ids[4])["claimable_at"].replace(tzinfo=UTC)
+    assert abs(kept - due) < timedelta(milliseconds=1)
+    # And a batch marked unpublished is in the relay's view, but for a claimed job
+    ledger.mark_unpublished_many([ids[0], ids[2], ids[3]])
+    waiting = {d["_id"] for d in ledger.unpublished(ids=ids)}
+    assert waiting == {ids[0], ids[1], ids[3]}
+    with pytest.raises(ValueError, match="at most"):
+        ledger.enqueue_many([job(new_id()) for _ in range(ENQUEUE_BATCH + 1)])
 
 
 def test_a_job_for_later_is_claimable_and_stale_only_from_its_due_time(
