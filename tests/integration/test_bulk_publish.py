@@ -4,7 +4,6 @@ run once by a real worker, also when its pipeline failed after its records were 
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 import uuid
@@ -14,11 +13,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-import redis.connection
 from celery import group
 from pymongo import monitoring
 
 from celery_ledger import Settings, State, create_app
+from ops.bench.bulk_publish import broker_round_trips
 from tasks.effects import effects
 
 from .conftest import NAMESPACE
@@ -46,28 +45,6 @@ class LedgerCommands(monitoring.CommandListener):
 
     def failed(self, event: monitoring.CommandFailedEvent) -> None:
         pass
-
-
-@contextmanager
-def broker_round_trips() -> Iterator[Counter[str]]:
-    """Redis round trips this thread makes in the block, by their first command (a pipeline
-    is one send of all its commands: one round trip)."""
-    counts: Counter[str] = Counter()
-    thread = threading.get_ident()
-    original = redis.connection.AbstractConnection.send_packed_command
-
-    def counting(self: Any, command: Any, check_health: bool = True) -> None:
-        if threading.get_ident() == thread:
-            first = command[0] if isinstance(command, list | tuple) else command
-            found = re.search(rb"\$\d+\r\n([A-Za-z]+)", bytes(first)[:64])
-            counts[found.group(1).decode().upper() if found else "?"] += 1
-        original(self, command, check_health)
-
-    redis.connection.AbstractConnection.send_packed_command = counting  # type: ignore[method-assign]
-    try:
-        yield counts
-    finally:
-        redis.connection.AbstractConnection.send_packed_command = original  # type: ignore[method-assign]
 
 
 def counting_producer(stack: Any, name: str, **settings: Any) -> tuple[Any, LedgerCommands]:
