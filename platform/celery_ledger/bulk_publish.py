@@ -132,8 +132,11 @@ class BulkPublish:
     def _send(self, held: list[HeldJob], *, new: bool) -> None:
         if not held:
             return
+        # kombu before 5.7 has no producer batch: the messages go one by one, the records still
+        # in one write (kombu's batch does the same on a transport set to retry its writes)
+        batch = getattr(self.producer, "batch", None)
         try:
-            with self.producer.batch(max_size=_PIPELINE_COMMANDS):
+            with batch(max_size=_PIPELINE_COMMANDS) if batch else contextlib.nullcontext():
                 for entry in held:
                     entry.send(new)
         except Exception:

@@ -75,7 +75,7 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[Sent]:
     ) -> object:
         assert task_id is not None
         producer = options.get("producer")
-        if isinstance(producer, FakeProducer):
+        if hasattr(producer, "send"):
             producer.send(task_id)
         messages.append(Sent(task_id, options))
         return self.AsyncResult(task_id)
@@ -282,3 +282,18 @@ def test_a_sensitive_jobs_message_is_sealed_in_a_bulk_publish(sent: list[Sent]) 
     assert all(s.options["argsrepr"] == REDACTED for s in sent)
     # the kept message (for a republish) is sealed too
     assert all("4111" not in repr(doc["message"]) for doc in ledger.docs.values())
+
+
+def test_a_producer_without_batches_sends_one_by_one_and_still_writes_in_bulk(
+    app: LedgerCelery, add: LedgerTask, ledger: MemoryLedger, sent: list[Sent]
+) -> None:
+    @dataclass
+    class OldProducer:  # kombu before 5.7: no Producer.batch
+        alone: list[str] = field(default_factory=list)
+
+        def send(self, task_id: str) -> None:
+            self.alone.append(task_id)
+
+    producer = OldProducer()
+    app.publish_many([add.s(i, 11) for i in range(5)], producer=producer)
+    assert ledger.calls == ["enqueue_many"] and len(producer.alone) == 5
