@@ -16,10 +16,14 @@ from celery_ledger.identity import derive_task_id
 from .helpers import effect_count, wait_for
 
 
-def test_same_key_delivered_twice_runs_the_body_once(app: Any, token: str) -> None:
+def test_same_key_delivered_twice_runs_the_body_once(
+    app: Any, token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tests.integration.ledger_app import record
 
-    # Given the same logical job published twice
+    # Given the same logical job delivered twice (published twice without dedupe on publish,
+    # which would skip the second: a redelivery, a producer with it off)
+    monkeypatch.setattr(record, "dedupe_on_publish", False)
     first = record.delay(token)
     second = record.delay(token)
 
@@ -32,10 +36,14 @@ def test_same_key_delivered_twice_runs_the_body_once(app: Any, token: str) -> No
     assert app.ledger.get(record.name, token).attempts == 1
 
 
-def test_twenty_concurrent_deliveries_of_one_key_run_the_body_once(app: Any, token: str) -> None:
+def test_twenty_concurrent_deliveries_of_one_key_run_the_body_once(
+    app: Any, token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tests.integration.ledger_app import record
 
-    # Given 20 deliveries of one key published at once, the body taking a second
+    # Given 20 deliveries of one key published at once (dedupe on publish off: each is sent),
+    # the body taking a second
+    monkeypatch.setattr(record, "dedupe_on_publish", False)
     threads = [threading.Thread(target=record.apply_async, args=((token, 1.0),)) for _ in range(20)]
     for thread in threads:
         thread.start()
@@ -54,6 +62,20 @@ def test_twenty_concurrent_deliveries_of_one_key_run_the_body_once(app: Any, tok
     record_after = app.ledger.get(record.name, token)
     assert record_after.state is State.SUCCEEDED
     assert record_after.attempts == 1
+    assert effect_count("record", token) == 1
+
+
+def test_a_default_producer_sends_a_known_job_once(app: Any, token: str) -> None:
+    from tests.integration.ledger_app import record
+
+    # Given dedupe on publish (the default): the second publish of a known key is skipped
+    first = record.delay(token)
+    second = record.delay(token)
+    assert first.id == second.id
+    assert first.get(timeout=30)["token"] == token
+    # Then one delivery, one attempt, no duplicate to suppress
+    record_after = app.ledger.get(record.name, token)
+    assert record_after.attempts == 1 and record_after.duplicates == 0
     assert effect_count("record", token) == 1
 
 
