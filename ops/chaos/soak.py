@@ -67,6 +67,9 @@ SYSTEMS = ("ledger", "plain")
 RECONCILE_EVERY_SECONDS = 3.0
 # A queued job untouched this long is republished (the ledger dedupes a second copy).
 RECONCILE_STALE_AFTER_SECONDS = 12.0
+# The drain goes on past its timeout while jobs still end (see Soak.drain), to this many times it.
+DRAIN_CAP = 3.0
+PROGRESS_SECONDS = 60.0
 LEDGER_DELAYED_KEY = "soak_ledger:ledger:delayed"
 # The reconciler wakes an active workflow nothing woke for this long (a lost wake is found
 # within the drain, not after the 120 s default).
@@ -646,8 +649,24 @@ class Soak:
         holds nothing more, per system."""
         drained: dict[str, float | None] = dict.fromkeys(self.systems)
         quiet: dict[str, bool] = dict.fromkeys(self.systems, False)
-        deadline = time.monotonic() + self.profile.drain_timeout
-        while time.monotonic() < deadline and not all(quiet.values()):
+        started = time.monotonic()
+        deadline = started + self.profile.drain_timeout
+        cap = started + self.profile.drain_timeout * DRAIN_CAP
+        # A drain still ending jobs at its deadline is slow, not lost: past the deadline it goes
+        # on while the count left falls from one look to the next (PROGRESS_SECONDS apart), up
+        # to DRAIN_CAP times the timeout. The report gives the drain's time.
+        looked_at, left_then = started, None
+        while not all(quiet.values()):
+            now = time.monotonic()
+            if now >= cap:
+                break
+            if left_then is None or now - looked_at >= PROGRESS_SECONDS:
+                left = sum(self.left(s) for s in self.systems if drained[s] is None)
+                if now >= deadline and left_then is not None:
+                    if left >= left_then:
+                        break  # no job ended in a whole look: stuck, not slow
+                    self.log(f"still draining {now - started:.0f}s on: {left} left, going on")
+                looked_at, left_then = now, left
             for system in self.systems:
                 if quiet[system]:
                     continue
@@ -665,6 +684,11 @@ class Soak:
                     quiet[system] = True
             time.sleep(0.5)
         return {s: (drained[s], quiet[s]) for s in self.systems}
+
+    def left(self, system: str) -> int:
+        """Jobs (and celery-ledger's workflows) not ended yet."""
+        pending = sum(s == "pending" for s in self.outcomes(system).values())
+        return pending + (self.flows_pending() if system == "ledger" and self.flows else 0)
 
     def account_schedule(self, report: SystemReport) -> None:
         """The periodic task's slots: each from its first run until half a minute before now
