@@ -191,8 +191,9 @@ class DeadLetters:
         raw: bytes,
         kind: str = "body",
         message_headers: Any = None,
+        final: bool = False,
     ) -> None:
-        """Keep a poison message in Redis (cheap, from the consumer's event loop)."""
+        """Keep a poison message in Redis (cheap, from the event loop); ``final``: given up."""
         entry = {
             "queue": queue,
             "reason": reason,
@@ -200,6 +201,7 @@ class DeadLetters:
             "raw_base64": base64.b64encode(raw).decode(),
             "raw_kind": kind,
             "headers": _jsonable(message_headers),
+            **({"final": True} if final else {}),
         }
         self._runtime.redis.lpush(self.poison_key, json.dumps(entry))
 
@@ -309,8 +311,9 @@ class DeadLetters:
             dead = DeadJob.of_reason(death, reason, task=task, message=message)
         if alias is not None:  # the message's own id finds the job (AsyncResult, dlq show)
             self._ledger.alias(alias, record_id=record_id, task=task, key=key)
+        final = entry.get("final") is True and claimed is not None and distrust is None
         inserted = self._ledger.bury(
-            record_id, dead, match=Unclaimed(), task=task, key=key, tier=tier
+            record_id, dead, match=Unclaimed(kill_waiting=final), task=task, key=key, tier=tier
         )
         return record_id, inserted
 

@@ -381,8 +381,10 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
             if verdict == "park":
                 if self._park(message, str(why), str(problem)):
                     return None
-                # its window is over: a dead letter, by the path its kind takes
+                # its window is over: a dead letter, by the path its kind takes, and its job's
+                # waiting record with it (see _keep_or_requeue)
                 verdict = {"arguments": "run", "signature": "refuse"}.get(str(why), "pass")
+                message.ledger_given_up = True
             if verdict == "refuse":
                 return self.on_invalid_task(None, message, InvalidTaskError(problem))
             if verdict == "run":
@@ -465,6 +467,7 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
             self._keep_or_requeue(message, f"unknown task {name!r}: not a task name")
             return
         if not self._park(message, "unknown-task", f"unknown task {name!r}: not registered here"):
+            message.ledger_given_up = True
             window = self.app.runtime.settings.unrunnable_window_seconds
             self._keep_or_requeue(
                 message, f"unknown task {name!r}: no worker ran it within {window:.0f}s"
@@ -472,7 +475,9 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
 
     def _keep_or_requeue(self, message: Any, reason: str) -> None:
         """Quarantine the message as poison and acknowledge it; if it cannot be kept, hand it
-        back to the queue instead (it is never dropped)."""
+        back to the queue instead (it is never dropped). One no worker could run within the
+        window (``ledger_given_up``) ends its job: a record written at its publish, still
+        waiting, is dead with it (else the reconciler would publish it again, for ever)."""
         try:
             body = message.body
             raw = body if isinstance(body, bytes) else str(body).encode("utf-8", "backslashreplace")
@@ -483,6 +488,7 @@ class LedgerConsumer(Consumer):  # type: ignore[misc]
                 raw=raw,
                 kind="body",
                 message_headers=message.headers,
+                final=getattr(message, "ledger_given_up", False),
             )
         except Exception:
             logger.exception("could not quarantine a poison message (%s); requeued", reason)

@@ -146,23 +146,34 @@ def test_a_rolling_deploy_runs_a_new_task_once_and_dead_letters_nothing(
     app.close()
 
 
+@pytest.mark.parametrize("publish", ["plain message", "record at publish"])
 def test_a_task_no_worker_ever_knows_is_dead_after_the_window(
-    stack: EmbeddedStack, start_worker: StartWorker
+    stack: EmbeddedStack, start_worker: StartWorker, publish: str
 ) -> None:
     start_worker(
         "tests.integration.apps.deploy_v1",
         "deploys",
-        "window-1",
+        f"window-{publish.replace(' ', '-')}",
         LEDGER_UNRUNNABLE_WINDOW_SECONDS="4",
     )
     app = producer(stack, "deploys")
     token = uuid.uuid4().hex[:10]
-    result = app.send_task(
-        "deploys.never_deployed",
-        (token,),
-        queue=app.tiers.queue("default"),
-        headers={"ledger_key": token},
-    )
+    if publish == "plain message":  # no record until a worker claims it
+        result = app.send_task(
+            "deploys.never_deployed",
+            (token,),
+            queue=app.tiers.queue("default"),
+            headers={"ledger_key": token},
+        )
+    else:
+        # A producer of a release no worker runs: its publish writes the job's queued record
+        # (dedupe on publish, the default), which must die with the message, not wait for ever
+
+        @app.task(name="deploys.never_deployed", idempotency_key="{token}", shared=False)
+        def never_deployed(token: str) -> str:
+            return token
+
+        result = never_deployed.delay(token)
     record_id = derive_task_id("deploys.never_deployed", token)
     record = wait_for(
         lambda: (
