@@ -132,9 +132,12 @@ def victim_workers(stack: Any) -> Iterator[list[Any]]:
 
 
 def test_the_reconciler_restores_the_message_of_a_killed_worker(
-    stack: Any, app: Any, token: str, victim_workers: list[Any]
+    stack: Any, app: Any, token: str, victim_workers: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tests.integration.ledger_app import long_sleeper
+
+    # A first publish that wrote no record (dedupe on publish off): its message says so
+    monkeypatch.setattr(long_sleeper, "dedupe_on_publish", False)
 
     queue = f"victim-{uuid.uuid4().hex[:6]}"
     victim = stack.start_worker(queue, concurrency=1, name=f"{queue}@127.0.0.1")

@@ -246,7 +246,12 @@ def test_worker_metrics_and_json_logs(
     worker, port, metrics_base = observed_worker
     # Given jobs on the observed worker: one succeeds (then a duplicate), one dies
     ledger_app.record.apply_async((token,), queue=OPS_QUEUE).get(timeout=30)
-    ledger_app.record.apply_async((token,), queue=OPS_QUEUE)
+    # (sent with dedupe on publish off: a default producer skips a known key)
+    ledger_app.record.dedupe_on_publish = False
+    try:
+        ledger_app.record.apply_async((token,), queue=OPS_QUEUE)
+    finally:
+        ledger_app.record.dedupe_on_publish = None
     dead = ledger_app.boom.apply_async((f"{token}-dead",), queue=OPS_QUEUE)
     dead.get(timeout=30, propagate=False)
 

@@ -253,7 +253,10 @@ def test_changing_any_bound_header_dead_letters_the_copy_and_never_stops_its_job
         for name, job_token in tokens.items():
             assert _effects(running, "record", job_token) == 0, name
         assert _effects(running, "record", future) == 0
-        # And no job was stopped: each one published now runs, once
+        # And no job was stopped: each one published now runs, once (published again as sent:
+        # its record, queued at its first publish, would have a default producer skip it, and
+        # the reconciler, off here, bring it back from the record)
+        record.dedupe_on_publish = False
         for name, job_token in [*tokens.items(), ("future", future)]:
             job_id = derive_task_id(TASKS + "record", job_token)
             job = producer.ledger.find_raw(job_id)

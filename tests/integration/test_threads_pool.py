@@ -31,7 +31,8 @@ def test_duplicates_on_a_threads_or_gevent_pool_run_each_body_once(
     isolated.start_worker(
         isolated.queues_of("default"), concurrency=16, pool=pool, name=f"{pool}@127.0.0.1"
     )
-    producer = producer_app(isolated, "threads_producer")
+    # (dedupe on publish off: every copy reaches the worker, whose claims suppress them)
+    producer = producer_app(isolated, "threads_producer", dedupe_on_publish=False)
     record = shared_task(producer, "tests.integration.ledger_app.record")
     flaky = shared_task(producer, "tests.integration.ledger_app.flaky")
     run = uuid.uuid4().hex[:8]

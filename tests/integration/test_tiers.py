@@ -47,7 +47,10 @@ def producer(broker: ServerProcess, stack: Any, **settings: Any) -> Any:
 def test_routing_precedence_call_then_rule_then_task_then_default(
     lonely_broker: ServerProcess, stack: Any
 ) -> None:
-    app = producer(lonely_broker, stack, routing_rules={"reports.*": "bulk"})
+    # (dedupe on publish off: the same call is published twice, to two tiers)
+    app = producer(
+        lonely_broker, stack, routing_rules={"reports.*": "bulk"}, dedupe_on_publish=False
+    )
 
     @app.task(name="reports.daily", tier="critical", shared=False)
     def daily() -> None: ...
