@@ -47,6 +47,7 @@ from .escalation import Escalation
 from .events import Observers
 from .explain import exiting_on_mistakes, install_excepthook
 from .guard import Guard
+from .headers import TENANT
 from .ledger.store import Ledger
 from .ledger.workflow_log import WorkflowLog
 from .observability import install as install_observability
@@ -624,6 +625,10 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
         if sealed:
             options["argsrepr"] = options["kwargsrepr"] = REDACTED
             options["serializer"] = SEALED_SERIALIZER
+        headers = dict(headers)
+        tenant = headers.pop(TENANT, None)  # kept with the headers, sent as a property
+        if isinstance(tenant, str):
+            options[TENANT] = tenant
         with sealing(self.sealer):
             self.send_task(
                 task,
@@ -879,6 +884,8 @@ def _create_app(
             **unacked_keys(namespace),
             "ledger_poison_key": poison_key(name),
             "ledger_restore_visible": settings.restore_unacked,
+            "ledger_fair_depth": settings.fair_queue_depth,
+            "ledger_fair_lease": settings.lease_seconds,
             **transport.sentinel_options(settings),  # (master_name, sentinel_kwargs)
         },
         broker_connection_retry_on_startup=True,

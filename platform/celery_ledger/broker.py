@@ -23,6 +23,7 @@ from typing import Any, Protocol, cast
 import redis
 
 from . import headers
+from .fairness import PRIORITY_STEPS_TEXT, WAITING_TOTAL_SCRIPT, lane_lists
 from .identity import identity_of
 from .untrusted import float_or_none
 
@@ -193,15 +194,16 @@ class RedisBroker:
 
     def waiting(self) -> set[str]:
         found: set[str] = set()
-        for queue in self._queues:
-            for name in queue_lists(queue):
-                for raw in self._client.lrange(name, 0, -1):
-                    try:
-                        record_id = record_id_of(json.loads(raw)["headers"])
-                    except (ValueError, KeyError, TypeError):
-                        continue
-                    if record_id is not None:
-                        found.add(record_id)
+        # (a tenant's message waits in its lane until fed to the queue: fairness.py)
+        lists = [name for queue in self._queues for name in queue_lists(queue)]
+        for name in lists + lane_lists(self._client, self._queues):
+            for raw in self._client.lrange(name, 0, -1):
+                try:
+                    record_id = record_id_of(json.loads(raw)["headers"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if record_id is not None:
+                    found.add(record_id)
         members = cast("list[bytes]", self._client.zrange(self._delayed_key, 0, -1))
         for member in members:
             try:
@@ -281,6 +283,7 @@ class RedisBroker:
         for queue in self._queues:
             for name in queue_lists(queue):
                 pipe.llen(name)
+            pipe.eval(WAITING_TOTAL_SCRIPT, 0, queue, PRIORITY_STEPS_TEXT)  # (its lanes)
         pipe.zcard(self._delayed_key)
         return sum(int(n or 0) for n in pipe.execute())
 

@@ -298,6 +298,7 @@ PROPERTY_CHECKS: dict[str, Check] = {
     "reply_to": _optional(_text),
     ledger_headers.NEW: _optional(_flag),
     ledger_headers.HANDED_BACK: _optional(_ledger_number),
+    ledger_headers.TENANT: _optional(_text),
     ledger_headers.PARKED: _optional(_non_empty_text),
 }
 _REQUIRED_PROPERTIES = ("delivery_tag", "delivery_info")

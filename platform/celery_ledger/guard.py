@@ -63,6 +63,7 @@ from .policies.breaker import Admission, CircuitBreaker
 from .policies.deadline import deadline
 from .policies.fallback import Call, Cause, Fallback, cause_of
 from .policies.retry import RetryPolicy, classify, decide
+from .policies.tenants import slot_keeper
 from .policies.unrunnable import unrunnable_delay
 from .progress import Execution, Heartbeat
 from .runtime import Runtime
@@ -121,6 +122,8 @@ class Delivery:
     wants_result: bool = False  # a chain or callbacks follow: a duplicate returns the result
     new: bool = False  # the message's ``ledger_new`` property (see headers.NEW)
     redelivered: bool = False  # a copy kombu restored (its worker died, or it was handed back)
+    tenant: str | None = None  # its ``ledger_tenant`` property, and the queue it came from
+    queue: str | None = None
 
     @property
     def record_id(self) -> str:
@@ -726,12 +729,14 @@ class Attempt:
         interval = (
             lease / 3 if self.policy.heartbeat_seconds is None else self.policy.heartbeat_seconds
         )
+        keep_slot = slot_keeper(self.guard.runtime, self.delivery, lease)  # (a tenant's)
         heartbeat = Heartbeat(
             self.ledger,
             self.record_id,
             self.fence,
             lease_seconds=lease,
             interval_seconds=interval or lease,
+            also=keep_slot,
         )
         if interval:
             heartbeat.start()

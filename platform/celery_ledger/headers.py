@@ -54,10 +54,19 @@ MAX_HANDED_BACK = 100
 # arrives. Unsigned: a forged id only removes a parked entry early, whose message still
 # returns to its queue from the delayed set.
 PARKED = "ledger_parked"
-PROPERTIES = (NEW, HANDED_BACK, PARKED)
+# A message *property*: the job's tenant (celery_ledger.tenancy), which fair dispatch reads in
+# the transport. A property, so that a worker of an earlier release takes the message; set again
+# at every publish (from the call, the task's option, the delivery or the kept message, which
+# keeps it with the headers it carries). Unsigned: a forged tenant only changes whose turn the
+# job waits for. (fairness.TENANT_PROPERTY: the same name, held equal by a unit test.)
+TENANT = "ledger_tenant"
+PROPERTIES = (NEW, HANDED_BACK, PARKED, TENANT)
 
-# Headers a republish copies from the original message (see KeptMessage).
+
+# Headers a republish copies from the original message (see KeptMessage); TENANT is kept with
+# them, and sent as the property it is.
 CARRIED = (
+    TENANT,
     KEY,
     TIER,
     ENQUEUED_AT,

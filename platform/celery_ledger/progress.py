@@ -87,7 +87,9 @@ class Heartbeat:
         *,
         lease_seconds: float,
         interval_seconds: float,
+        also: Callable[[], None] | None = None,
     ) -> None:
+        self._also = also  # beats with the lease (a tenant's slot): must not raise
         self._ledger = ledger
         self._record_id = record_id
         self._fence = fence
@@ -111,6 +113,8 @@ class Heartbeat:
             self._stopped = True
 
     def beat(self) -> None:
+        if self._also is not None:
+            self._also()
         try:
             self._ledger.heartbeat(self._record_id, self._fence, self._lease_seconds)
         except LeaseLost:

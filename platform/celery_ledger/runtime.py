@@ -32,6 +32,7 @@ from .crypto import Sealer
 from .delayed import DelayedDeliveries
 from .depth_history import DepthHistory
 from .events import Observers
+from .fairness import FairDispatch
 from .handoff import Parking, parked_key
 from .ledger.message import Publish
 from .ledger.store import Ledger
@@ -40,6 +41,7 @@ from .policies.backpressure import BackpressureGate, QueueDepths
 from .policies.breaker import Breakers, BreakerState
 from .policies.rate_limit import RateLimits
 from .policies.retry import TIER_RETRY_DEFAULTS, RetryPolicy
+from .policies.tenants import TenantGate
 from .policies.throttle import Throttle, ThrottleRule
 from .pressure import Pressure
 from .routing import DEAD_LETTER, Tiers
@@ -70,6 +72,8 @@ PER_PROCESS = (
     "pending_wakes",
     "clock_book",
     "parking",
+    "fair",
+    "tenant_gate",
 )
 
 
@@ -223,6 +227,23 @@ class Runtime:
     @cached_property
     def rate_limits(self) -> RateLimits:
         return RateLimits(self.redis, self.settings.rate_limits)
+
+    @cached_property
+    def fair(self) -> FairDispatch | None:
+        """The tiers' fair lanes (fairness.py), or None with ``LEDGER_FAIR_QUEUE_DEPTH=0``."""
+        depth = self.settings.fair_queue_depth
+        if not depth:
+            return None
+        return FairDispatch(self.redis, depth=depth, lease_seconds=self.settings.lease_seconds)
+
+    @cached_property
+    def tenant_gate(self) -> TenantGate | None:
+        """Per-tenant backpressure (``max_waiting``), or None when no tenant has a limit."""
+        fair = self.fair
+        if fair is None:
+            return None
+        gate = TenantGate(fair, self.settings.tenants)
+        return gate if gate.limited() else None
 
     @cached_property
     def queue_depths(self) -> QueueDepths:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
-import os
 from typing import Any, Literal
 from urllib.parse import unquote_plus
 
@@ -21,6 +19,7 @@ from pymongo import uri_parser
 from pymongo.errors import InvalidURI, PyMongoError
 
 from .errors import ConfigurationError
+from .fairness import TenantPolicy
 from .policies.backpressure import DEFAULT_TIER_LIMITS, TierLimit
 from .policies.breaker import BreakerConfig
 from .policies.rate_limit import RateLimit
@@ -41,8 +40,11 @@ from .settings_checks import (  # the validators' checks, and the names other mo
     _mapping,
     _not_a_placeholder,
     _random_secret,
+    check_sentry_dsn,
     describe_invalid,
     located,
+    tenant_policies,
+    unknown_settings,
 )
 
 
@@ -139,6 +141,17 @@ class Settings(SentinelSettings):
         default_factory=dict,
         description="Backpressure per tier over the defaults (JSON), e.g."
         ' {"bulk": {"high_water": 20000, "policy": "shed"}}; policies: block, reject, shed.',
+    )
+    tenants: dict[str, TenantPolicy] = Field(
+        default_factory=dict,
+        description='How tenants share each tier (JSON, `*`: the others), e.g. {"acme":'
+        ' {"weight": 3, "concurrency": 20, "max_waiting": 10000}} (docs/guide/tenants.md).',
+    )
+    fair_queue_depth: int = Field(
+        4,
+        ge=0,
+        description="Fair dispatch: the most messages a tier"
+        " queue holds while tenants' jobs wait in lanes (0: off, queued as any other job).",
     )
     rate_limits: dict[str, RateLimit] = Field(
         default_factory=dict,
@@ -602,22 +615,12 @@ class Settings(SentinelSettings):
     @field_validator("sentry_dsn")
     @classmethod
     def _sentry_dsn(cls, value: str | None) -> str | None:
-        if not value:
-            return value
-        try:
-            from sentry_sdk.utils import Dsn
-        except ImportError:  # create_app says that the sentry extra is missing
-            return value
-        try:
-            Dsn(value)
-        except Exception:  # BadDsn, or urllib's ValueError about its port (which quotes it)
-            pass
-        else:
-            return value
-        raise ValueError(
-            f"not a Sentry DSN ({located(value)}): expected https://PUBLIC_KEY@HOST/PROJECT_ID,"
-            " as the Sentry project's settings give it"
-        )
+        return check_sentry_dsn(value)
+
+    @field_validator("tenants", mode="before")
+    @classmethod
+    def _tenants(cls, value: Any) -> dict[str, TenantPolicy]:
+        return tenant_policies(value)
 
 
 def settings_from_environment() -> Settings:
@@ -626,20 +629,9 @@ def settings_from_environment() -> Settings:
     Raises:
         ConfigurationError: naming the variable (and the closest known one for a misspelling).
     """
-    known = {f"LEDGER_{name.upper()}" for name in Settings.model_fields}
-    unknown = sorted(
-        name for name in os.environ if name.startswith("LEDGER_") and name not in known
-    )
-    if unknown:
-        hints = [difflib.get_close_matches(name, known, n=1) for name in unknown]
-        raise ConfigurationError(
-            "unknown setting "
-            + "; ".join(
-                f"{name} (did you mean {hint[0]}?)" if hint else name
-                for name, hint in zip(unknown, hints, strict=True)
-            )
-            + "\nRename or unset it: every LEDGER_* variable must name a setting."
-        )
+    problem = unknown_settings({f"LEDGER_{name.upper()}" for name in Settings.model_fields})
+    if problem is not None:
+        raise ConfigurationError(problem)
     try:
         return Settings()
     except (ValidationError, SettingsError) as exc:

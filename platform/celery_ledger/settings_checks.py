@@ -4,7 +4,10 @@ refused ``LEDGER_*`` variable."""
 
 from __future__ import annotations
 
+import difflib
+import json
 import math
+import os
 import re
 from dataclasses import asdict, fields
 from typing import Any, TypeVar
@@ -16,6 +19,7 @@ from pydantic import (
 )
 from pydantic_settings import SettingsError
 
+from .fairness import DEFAULT_TENANT, TenantPolicy, check_tenant
 from .policies.backpressure import TierLimit
 from .policies.breaker import BreakerConfig
 from .policies.rate_limit import RateLimit
@@ -159,3 +163,66 @@ def describe_invalid(exc: ValidationError | SettingsError) -> str:
 
 
 _ERROR_TEXT = {"missing": "required", "extra_forbidden": "unknown field"}
+
+
+def check_sentry_dsn(value: str | None) -> str | None:
+    """``value`` if it reads as a Sentry DSN (or is unset), else :class:`ValueError`."""
+    if not value:
+        return value
+    try:
+        from sentry_sdk.utils import Dsn
+    except ImportError:  # create_app says that the sentry extra is missing
+        return value
+    try:
+        Dsn(value)
+    except Exception:  # BadDsn, or urllib's ValueError about its port (which quotes it)
+        pass
+    else:
+        return value
+    raise ValueError(
+        f"not a Sentry DSN ({located(value)}): expected https://PUBLIC_KEY@HOST/PROJECT_ID,"
+        " as the Sentry project's settings give it"
+    )
+
+
+def tenant_policies(value: Any) -> dict[str, TenantPolicy]:
+    """``LEDGER_TENANTS``: each tenant's policy (``*``: every other tenant's)."""
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else {}
+    checked: dict[str, TenantPolicy] = {}
+    for name, options in _mapping(value, "tenants").items():
+        if name != DEFAULT_TENANT:
+            check_tenant(name)
+        if isinstance(options, TenantPolicy):
+            checked[name] = options
+            continue
+        options = _mapping(options, f"tenant {name!r}")
+        known = [field.name for field in fields(TenantPolicy)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(
+                f"tenant {name!r}: unknown option {', '.join(unknown)}; known: {', '.join(known)}"
+            )
+        try:
+            checked[name] = TenantPolicy(**options)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"tenant {name!r}: {exc}") from None
+    return checked
+
+
+def unknown_settings(known: set[str]) -> str | None:
+    """What is wrong with the environment's ``LEDGER_*`` names not in ``known``, if any."""
+    unknown = sorted(
+        name for name in os.environ if name.startswith("LEDGER_") and name not in known
+    )
+    if not unknown:
+        return None
+    hints = [difflib.get_close_matches(name, known, n=1) for name in unknown]
+    return (
+        "unknown setting "
+        + "; ".join(
+            f"{name} (did you mean {hint[0]}?)" if hint else name
+            for name, hint in zip(unknown, hints, strict=True)
+        )
+        + "\nRename or unset it: every LEDGER_* variable must name a setting."
+    )

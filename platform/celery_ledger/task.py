@@ -62,6 +62,7 @@ from .policies.retry import RetryPolicy
 from .progress import Execution, Step, batches
 from .publish_checks import due_time, payload_json
 from .schedules import BEAT_HEADER, note_foreign_beat
+from .tenancy import TenantSpec, tenant_of_call
 from .untrusted import (
     expiry_of,
     float_or_none,
@@ -69,6 +70,7 @@ from .untrusted import (
     request_header,
     request_property,
     retries_done,
+    text_or_none,
 )
 
 if TYPE_CHECKING:
@@ -185,6 +187,8 @@ class LedgerTask(Task):  # type: ignore[misc]
         tier: ``critical``, ``default`` or ``bulk``: the queue the task is routed to.
         lease_seconds: how long a claim is exclusive (default: the ``lease_seconds`` setting).
         dedupe_on_publish: write a ``queued`` record at publish and skip known keys.
+        tenant: whose job a call is (a callable or template, as ``idempotency_key``): its
+            jobs share their tier fairly with other tenants' (celery_ledger.tenancy).
     """
 
     app: LedgerCelery
@@ -192,6 +196,7 @@ class LedgerTask(Task):  # type: ignore[misc]
     tier: str | None = None
     lease_seconds: float | None = None
     dedupe_on_publish: bool | None = None
+    tenant: TenantSpec = None
     # Retries (None: the tier's default, see policies/retry.py).
     max_retries: int | None = None
     retry_base_seconds: float | None = None
@@ -230,6 +235,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             "tier",
             "lease_seconds",
             "dedupe_on_publish",
+            "tenant",
             "retry_base_seconds",
             "retry_cap_seconds",
             "retry_jitter",
@@ -390,6 +396,12 @@ class LedgerTask(Task):  # type: ignore[misc]
         return objective(slo_seconds, self.app.runtime.on_ledger_clock(enqueued_at))
 
     @classmethod
+    def tenant_spec(cls) -> TenantSpec:
+        """The ``tenant`` option as given (a function stored on the class unbound)."""
+        spec = inspect.getattr_static(cls, "tenant")
+        return spec.__func__ if isinstance(spec, staticmethod) else spec
+
+    @classmethod
     def key_spec(cls) -> KeySpec:
         """The ``idempotency_key`` option as given (a function stored on the class unbound)."""
         spec = inspect.getattr_static(cls, "idempotency_key")
@@ -505,6 +517,8 @@ class LedgerTask(Task):  # type: ignore[misc]
             wants_result=bool(request.callbacks or request.chain),
             new=request_property(request, headers.NEW) is True,
             redelivered=redelivered(request),
+            tenant=text_or_none(request_property(request, headers.TENANT)),
+            queue=text_or_none((request.delivery_info or {}).get("routing_key")),
         )
 
     def signature_from_request(
@@ -519,6 +533,9 @@ class LedgerTask(Task):  # type: ignore[misc]
         as a republish: the delivery's arguments go out as the worker decoded them, kombu's
         JSON types (bytes, datetimes, decimals, UUIDs) included, so the publish checks them as
         kombu encodes them instead of refusing what the message itself carried."""
+        tenant = request_property(request or self.request, headers.TENANT)
+        if isinstance(tenant, str):  # (a property: Celery copies the headers only)
+            extra_options.setdefault("tenant", tenant)
         signature: Signature = super().signature_from_request(
             request, args, kwargs, queue, **{_REPUBLISH: True}, **extra_options
         )
@@ -636,6 +653,8 @@ class LedgerTask(Task):  # type: ignore[misc]
         session = options.pop("session", None)
         explicit_key = options.pop("idempotency_key", None)
         call_tier = options.pop("tier", None)
+        # (a republish from a kept message carries its tenant with its headers: never sent)
+        call_tenant = options.pop("tenant", None) or message_headers.pop(headers.TENANT, None)
         admitted = bool(options.pop(ADMITTED, False))
         step = bool(options.pop(WORKFLOW_STEP, False))
         never_shed = bool(options.pop(NEVER_SHED, False))
@@ -673,6 +692,12 @@ class LedgerTask(Task):  # type: ignore[misc]
                 " (pass idempotency_key=..., or leave task_id out)"
             )
         task_id = task_id or record_id
+        tenant = tenant_of_call(
+            self.tenant_spec(), task_name=self.name, run=self.run, args=args, kwargs=kwargs,
+            given=call_tenant,
+        )  # fmt: skip
+        if tenant is not None:
+            options[headers.TENANT] = tenant
         message_headers[headers.KEY] = key
         message_headers[headers.TIER] = tier
         # A job published for later is enqueued when it is due: its age (max_age_seconds) and
@@ -745,7 +770,9 @@ class LedgerTask(Task):  # type: ignore[misc]
             not is_retry
             and not step
             and later is None
-            and self._shed(tier, record_id, key, args, kwargs, message_headers, never=never_shed)
+            and self._shed(
+                tier, record_id, key, args, kwargs, message_headers, never=never_shed, tenant=tenant
+            )
         ):
             return self.AsyncResult(task_id)
         own = self.dedupe_on_publish
@@ -757,7 +784,7 @@ class LedgerTask(Task):  # type: ignore[misc]
                 task=self.name,
                 key=key,
                 tier=tier,
-                message=self._kept(args, kwargs, message_headers),
+                message=self._kept(args, kwargs, message_headers, tenant),
                 objective=self._objective(
                     tier, float_or_none(message_headers.get(headers.ENQUEUED_AT))
                 ),
@@ -862,27 +889,39 @@ class LedgerTask(Task):  # type: ignore[misc]
         message_headers: dict[str, Any],
         *,
         never: bool = False,
+        tenant: str | None = None,
     ) -> bool:
-        """Apply the tier's backpressure; True if the job was shed (recorded, not published).
+        """Apply the tier's backpressure, then the tenant's (``max_waiting``: the tier's
+        policy, for that tenant only); True if the job was shed (recorded, not published).
 
         Raises:
-            Backpressure: the tier is above its mark and its policy is reject, or block timed
-                out, or its policy is shed and the caller asked ``never`` to be shed.
+            Backpressure: the tier (or the tenant) is above its mark and its policy is reject,
+                or block timed out, or its policy is shed and the caller asked ``never``.
         """
+        runtime = self.app.runtime
         try:
-            decision = self.app.runtime.gate.check(tier)
+            decision = runtime.gate.check(tier)
         except redis.RedisError as exc:  # the publish itself will say if the broker is down
             logger.warning("backpressure check on %s skipped: %s", tier, exc)
             return False
+        why = f"tier {tier} above its high-water mark"
         if decision == "publish":
-            return False
-        depth = self.app.runtime.queue_depths.depth(tier)
+            gate, limit = runtime.tenant_gate, runtime.gate.limits[tier]
+            if gate is None or tenant is None:
+                return False
+            queue = self.app.tiers.queue(tier)
+            policy = "reject" if never and limit.policy == "shed" else limit.policy
+            block = limit.block_timeout_seconds
+            if gate.check(tier, queue, tenant, policy=policy, block_seconds=block):
+                return False
+            why = f"tenant {tenant} above its max_waiting on tier {tier}"
+        depth = runtime.queue_depths.depth(tier)
         if never:
-            limit = self.app.runtime.gate.limits[tier]
+            limit = runtime.gate.limits[tier]
             raise Backpressure(tier, depth, limit.high_water or depth)
         dead = DeadJob.of_reason(
             "shed",
-            f"shed: tier {tier} above its high-water mark (depth {depth})",
+            f"shed: {why} (depth {depth})",
             task=self.name,
             message=self._kept(args, kwargs, message_headers),
             group="shed",
@@ -897,9 +936,14 @@ class LedgerTask(Task):  # type: ignore[misc]
             getattr(tasks.get(name), "sensitive", False) for name in _signature_tasks(canvases)
         )
 
-    def _kept(self, args: Any, kwargs: Any, message_headers: dict[str, Any]) -> KeptMessage:
-        """The message as the ledger keeps it to republish it (sealed if sensitive)."""
+    def _kept(
+        self, args: Any, kwargs: Any, message_headers: dict[str, Any], tenant: str | None = None
+    ) -> KeptMessage:
+        """The message as the ledger keeps it to republish it (sealed if sensitive), with its
+        tenant (a property, kept with the headers)."""
         sealer = self.app.runtime.sealer if self.sensitive else None
+        if tenant is not None:
+            message_headers = {**message_headers, headers.TENANT: tenant}
         return KeptMessage.of_call(args, kwargs, message_headers=message_headers, sealer=sealer)
 
     def _publish_later(

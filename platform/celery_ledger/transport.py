@@ -46,6 +46,8 @@ from redis import exceptions as redis_errors
 from .clock import ServerClock, redis_time
 from .envelope import envelope_problem
 from .errors import ConfigurationError
+from .fairness import SCRIPT as FAIR_SCRIPT
+from .fairness import TENANT_PROPERTY, FairDispatch, check_tenant, put_arguments
 from .sentinel import SentinelSettings, is_sentinel_url, sentinel_transport_options
 from .settings import BROKER_URL_UNSET, UNSET_BROKER_HOST
 
@@ -90,13 +92,25 @@ class QoS(kombu_redis.QoS):
                 pass
 
     def _book(self, message: Any, delivery_tag: str) -> None:
-        """kombu's booking of a take (``QoS.append``), scored on the broker's clock."""
+        """kombu's booking of a take (``QoS.append``), scored on the broker's clock; with it,
+        in the same round trip, the refill of the queue it came from (fairness.py)."""
         delivery = message.delivery_info
         exchange, routing_key = delivery["exchange"], delivery["routing_key"]
+        taken_from = self.channel.taken_from()
         with self.pipe_or_acquire() as pipe:
             pipe.zadd(self.unacked_index_key, {delivery_tag: self.channel.broker_clock.now()}).hset(
                 self.unacked_key, delivery_tag, dumps([message._raw, exchange, routing_key])
-            ).execute()
+            )
+            fair = self.channel.fair
+            if taken_from is not None and fair is not None:
+                fair.refill(taken_from, pipe)
+            results = pipe.execute(raise_on_error=False)
+            for result in results[:2]:  # the booking's own
+                if isinstance(result, Exception):
+                    raise result
+            if len(results) > 2 and isinstance(results[2], Exception):
+                # The lanes are fed again by the next take, publish or the workers' refill
+                logger.warning("refill of %s after a take failed: %s", taken_from, results[2])
             virtual.QoS.append(self, message, delivery_tag)
 
     # A broker at its memory limit (``maxmemory`` with ``noeviction``) still answers reads and
@@ -201,10 +215,17 @@ class Channel(kombu_redis.Channel):
     QoS = QoS
     ledger_poison_key = "celery_ledger:poison"
     ledger_restore_visible = True
+    # Fair dispatch (fairness.py): the most messages a tier queue holds while tenants' lanes
+    # wait (0: off, a tenant's message goes to the queue as any other), and how long a moved
+    # message counts against its tenant's concurrency limit before a worker renews it.
+    ledger_fair_depth = 0
+    ledger_fair_lease = 60.0
     from_transport_options = (  # type: ignore[assignment]
         *kombu_redis.Channel.from_transport_options,
         "ledger_poison_key",
         "ledger_restore_visible",
+        "ledger_fair_depth",
+        "ledger_fair_lease",
     )
 
     _ledger_client: tuple[Any, Any] | None = None  # (the pool, a client of it)
@@ -215,6 +236,40 @@ class Channel(kombu_redis.Channel):
         self._held_poison: list[str] = []
         # Takes are booked, and their visibility judged, on the broker's clock (see QoS)
         self.broker_clock = ServerClock("broker", self._broker_time)
+        self._taken_from: str | None = None  # the queue of the take being booked
+
+    @property
+    def fair(self) -> FairDispatch | None:
+        """The fair lanes on this channel's client, or None when fair dispatch is off."""
+        if not self.ledger_fair_depth:
+            return None
+        with self.conn_or_acquire() as client:
+            return FairDispatch(
+                client, depth=int(self.ledger_fair_depth), lease_seconds=self.ledger_fair_lease
+            )
+
+    def taken_from(self) -> str | None:
+        """The queue the take now being booked came from (once: then forgotten)."""
+        queue, self._taken_from = self._taken_from, None
+        return queue
+
+    def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        """kombu's, but for a message that names a tenant while fair dispatch is on: to its
+        tenant's lane, from which the queue is fed (fairness.py)."""
+        tenant = _tenant_of(message) if self.ledger_fair_depth else None
+        if tenant is None:
+            super()._put(queue, message, **kwargs)
+            return
+        step = self.priority(self._get_message_priority(message, reverse=False))
+        args = put_arguments(
+            queue, tenant, step, dumps(message), int(self.ledger_fair_depth), self.ledger_fair_lease
+        )
+        batch = kwargs.pop("_publish_batch", None)
+        if batch is not None:  # kombu's producer batch (bulk_publish.py): one pipeline
+            batch.add("eval", FAIR_SCRIPT, 0, *args)
+            return
+        with self.conn_or_acquire() as client:
+            client.eval(FAIR_SCRIPT, 0, *args)
 
     def _broker_time(self) -> float:
         with self.conn_or_acquire() as client:
@@ -264,6 +319,7 @@ class Channel(kombu_redis.Channel):
             self._queue_cycle.rotate(dest)
             message = self._decode_or_quarantine(item, dest)
             if message is not None:
+                self._taken_from = dest  # (its booking refills the queue: see QoS._book)
                 self.connection._deliver(message, dest)
             return True
         finally:
@@ -403,6 +459,16 @@ class MultiChannelPoller(kombu_redis.MultiChannelPoller):
                 return None
             self._restore_called_at = now
         return super().maybe_restore_messages()
+
+
+def _tenant_of(message: Any) -> str | None:
+    """The tenant a message names (its ``ledger_tenant`` property), if it names a usable one."""
+    properties = message.get("properties") if isinstance(message, dict) else None
+    tenant = properties.get(TENANT_PROPERTY) if isinstance(properties, dict) else None
+    try:
+        return check_tenant(tenant) if tenant is not None else None
+    except ValueError:
+        return None  # (refused at publish; one made otherwise is dispatched as any other)
 
 
 class Transport(kombu_redis.Transport):

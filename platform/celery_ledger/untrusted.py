@@ -45,6 +45,11 @@ def redelivered(request: Any) -> bool:
     return marked or request_header(request, "redelivered") is True
 
 
+def text_or_none(value: Any) -> str | None:
+    """``value`` if it is a string, else None."""
+    return value if isinstance(value, str) else None
+
+
 def float_or_none(value: Any) -> float | None:
     """A finite number from a header, or None (raw messages may carry anything)."""
     try:

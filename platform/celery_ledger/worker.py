@@ -33,6 +33,7 @@ from .handoff import LOOK_EVERY_SECONDS, Handoff, Parked, inbox_of
 from .headers import PARKED, UNRUNNABLE_SINCE
 from .policies.unrunnable import unrunnable_delay
 from .progress import serve_shutdown_flag
+from .tenancy import worker_jobs
 from .transport import broker_address
 from .triggers import TriggerRunner, watchers_for
 
@@ -328,7 +329,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         return Housekeeping(
             {
                 "triggers": triggers,
-                "deliveries": deliveries,
+                "deliveries": deliveries + worker_jobs(app, serving),  # (tenancy.py)
                 "upkeep": upkeep,
                 "throttle": throttle,
                 "reconcile": reconcile,

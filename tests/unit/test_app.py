@@ -81,6 +81,9 @@ def test_conf_is_json_only_and_acks_late(app: LedgerCelery) -> None:
         "ledger_poison_key": "unit:ledger:poison",
         # workers put back messages abandoned past the visibility timeout (Flower does not)
         "ledger_restore_visible": True,
+        # fair dispatch of tenants' jobs: a tier queue fed from their lanes, 4 deep
+        "ledger_fair_depth": 4,
+        "ledger_fair_lease": 60.0,
     }
     assert conf.enable_utc is True
     # a worker reconnects to a broker away for however long (Celery's 100 attempts, then exit)

@@ -17,6 +17,7 @@ from pymongo.errors import (
     BulkWriteError,
 )
 
+from .. import headers
 from ..errors import LedgerUnavailable, StoreError
 from .base import LedgerBase
 from .core import (
@@ -98,6 +99,7 @@ class Publishing(LedgerBase):
         now = self.now()
         fields = _queued(task=task, key=key, tier=tier, now=now, fleet=self.fleet)
         fields["message"] = message.document()
+        fields.update(_tenant_field(message))
         fields.update(objective or {})
         if claimable_at is not None:
             fields["claimable_at"] = claimable_at
@@ -169,6 +171,7 @@ class Publishing(LedgerBase):
         for job in jobs:
             fields = _queued(task=job.task, key=job.key, tier=job.tier, now=now, fleet=self.fleet)
             fields["message"] = job.message.document()
+            fields.update(_tenant_field(job.message))
             fields.update(job.objective or {})
             if job.claimable_at is not None:
                 fields["claimable_at"] = job.claimable_at
@@ -370,3 +373,9 @@ class Publishing(LedgerBase):
                 upsert=True,
             )
         self._track_objective(record_id, objective)
+
+
+def _tenant_field(message: KeptMessage) -> dict[str, Any]:
+    """The record's ``tenant`` (its kept message carries it with its headers), if any."""
+    tenant = message.headers.get(headers.TENANT)
+    return {"tenant": tenant} if isinstance(tenant, str) else {}

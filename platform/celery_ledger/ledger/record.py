@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .. import headers
 from ..tracecontext import trace_id_of
 
 SCHEMA_VERSION = 2
@@ -69,6 +70,7 @@ class LedgerRecord(BaseModel):
     task: str
     key: str
     tier: str = "default"
+    tenant: str | None = None  # whose job (celery_ledger.tenancy): its own field or its message's
     state: State
     attempts: int = 0
     fence: int = 0
@@ -103,9 +105,13 @@ class LedgerRecord(BaseModel):
     def _trace_of_kept_message(cls, data: Any) -> Any:
         if isinstance(data, dict) and "trace_id" not in data:
             message = data.get("message")
-            trace_id = trace_id_of(message.get("headers")) if isinstance(message, dict) else None
+            kept = message.get("headers") if isinstance(message, dict) else None
+            trace_id = trace_id_of(kept)
             if trace_id is not None:
                 data = {**data, "trace_id": trace_id}
+            tenant = kept.get(headers.TENANT) if isinstance(kept, dict) else None
+            if "tenant" not in data and isinstance(tenant, str):
+                data = {**data, "tenant": tenant}
         return data
 
     @property

@@ -18,6 +18,7 @@ import redis
 
 from .. import errors
 from ..errors import ConfigurationError
+from ..fairness import PRIORITY_STEPS_TEXT, WAITING_TOTAL_SCRIPT
 from ..locks import ForkSafeLock
 
 Policy = Literal["block", "reject", "shed"]
@@ -76,7 +77,11 @@ class QueueDepths:
         pipe = self._client.pipeline(transaction=False)
         for queue in self.queues:
             pipe.llen(self._names[queue])
-        self._depths = {queue: int(n) for queue, n in zip(self.queues, pipe.execute(), strict=True)}
+            # and its tenants' lanes (fairness.py), whose messages wait for it as much
+            pipe.eval(WAITING_TOTAL_SCRIPT, 0, self._names[queue], PRIORITY_STEPS_TEXT)
+        counts = pipe.execute()
+        totals = [int(n) + int(lanes) for n, lanes in zip(counts[::2], counts[1::2], strict=True)]
+        self._depths = dict(zip(self.queues, totals, strict=True))
         self._sampled_at = self._clock()
         return dict(self._depths)
 

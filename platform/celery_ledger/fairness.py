@@ -1,0 +1,347 @@
+"""Fair dispatch inside a tier: each tenant's jobs wait in a lane of their own, and the tier's
+queue is fed from the lanes round-robin, so one tenant's backlog never delays another's few.
+
+Workers consume each tier's queue as before (kombu's BRPOP, acks_late, the visibility sweep,
+poison handling: all unchanged); only what enters the queue is decided here. A message that
+names a tenant (the ``ledger_tenant`` property) is pushed to its tenant's lane instead of the
+queue, and the queue is kept at most ``depth`` messages deep from the lanes: a tenant arriving
+behind another's backlog of 50,000 jobs finds ``depth`` messages ahead of it, not 50,000.
+
+One Lua script owns every change, so a lane, the ring of tenants with work and the queue never
+disagree, whoever runs it (a producer, a worker, a crashed one's successor):
+
+- ``put``: the message to its lane (one list per priority step, so kombu's priorities hold
+  inside a tenant), the tenant to the ring if it had no work, then a refill;
+- ``refill``: while the queue is shallower than ``depth``, the tenant at the ring's head gives
+  its oldest message of its highest priority to the queue's list of that priority; after
+  ``weight`` messages in a row (its policy) it goes to the ring's tail; a tenant with nothing
+  left leaves the ring; a tenant at its concurrency limit is passed over;
+- ``release``: a job of a tenant with a concurrency limit ended: its slot is freed, then a refill.
+
+A refill runs with every publish of a tenant's job, with every take from a tier queue (in the
+same pipeline as kombu's booking of the take: no round trip more) and every second in each
+worker (what a crashed process left unfed). Order inside a tenant is its lane's: first in,
+first out, per priority.
+
+Concurrency limits count a tenant's jobs from their move to the queue until they end, in a
+sorted set per tenant scored by when each entry lapses (the broker's clock): moved, an entry
+lives for the visibility timeout (a message cannot wait longer unrestored); running, the body's
+heartbeats keep it a lease ahead; ended, the worker removes it. A worker that dies frees its
+tenant's slots within a lease.
+
+Redis only holds the policies as the workers last wrote them (``<queue>:fair:policy``, a field
+per tenant and ``*`` for the others): every worker writes the app's at start.
+
+This module imports nothing of the library (the broker view, the transport and the runtime all
+use it); bad policies raise :class:`ValueError`, which the settings turn into their errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# A message's tenant: a message *property* (a worker of an earlier release refuses an unknown
+# ``ledger_`` header, and ignores an unknown property), set again at each publish.
+TENANT_PROPERTY = "ledger_tenant"
+MAX_TENANT_LENGTH = 128
+DEFAULT_TENANT = "*"  # the policy field of every tenant not named
+
+# kombu's priority steps and list naming (restated: kombu stays above this layer; a unit test
+# holds them equal to kombu's)
+PRIORITY_STEPS = (0, 3, 6, 9)
+_PRIORITY_SEPARATOR = "\x06\x16"
+
+# How many messages one refill moves at most (a script holds the broker while it runs).
+REFILL_BATCH = 100
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """How a tenant shares its tier (``LEDGER_TENANTS``).
+
+    ``weight``: messages it gives the queue per turn (a tenant of weight 3 gets three jobs
+    started for another's one while both have work). ``concurrency``: at most this many of its
+    jobs moved to the queue and not ended, fleet-wide (None: no limit). ``max_waiting``: at
+    most this many of its jobs waiting in its lanes per tier; past it, its publishes get the
+    tier's backpressure policy (block, reject or shed), others' are unaffected.
+    """
+
+    weight: int = 1
+    concurrency: int | None = None
+    max_waiting: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weight, int) or not 1 <= self.weight <= 1000:
+            raise ValueError("weight must be a whole number from 1 to 1000")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency must be at least 1 (or null: no limit)")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError("max_waiting must not be negative (or null: no limit)")
+
+    def encoded(self) -> str:
+        """The policy as the script reads it: ``weight,concurrency`` (0: none)."""
+        return f"{self.weight},{self.concurrency or 0}"
+
+
+def check_tenant(tenant: Any) -> str:
+    """``tenant`` if it is a usable tenant name, else :class:`ValueError` saying why."""
+    if not isinstance(tenant, str):
+        raise ValueError(f"a tenant is a string, not {type(tenant).__name__}")
+    if not tenant or len(tenant) > MAX_TENANT_LENGTH:
+        raise ValueError(f"a tenant is 1 to {MAX_TENANT_LENGTH} characters, not {len(tenant)}")
+    if tenant == DEFAULT_TENANT or not tenant.isprintable():
+        raise ValueError(f"tenant {tenant!r}: printable characters, not {DEFAULT_TENANT!r}")
+    return tenant
+
+
+def queue_list(queue: str, step: int) -> str:
+    """kombu's list of ``queue``'s messages of priority step ``step``."""
+    return queue if step == 0 else f"{queue}{_PRIORITY_SEPARATOR}{step}"
+
+
+def prefix(queue: str) -> str:
+    return f"{queue}:fair:"
+
+
+def lane(queue: str, tenant: str, step: int) -> str:
+    """The list of ``tenant``'s messages of priority step ``step`` waiting for ``queue``."""
+    return f"{prefix(queue)}lane:{step}:{tenant}"
+
+
+def ring_key(queue: str) -> str:
+    return f"{prefix(queue)}ring"
+
+
+def policy_key(queue: str) -> str:
+    return f"{prefix(queue)}policy"
+
+
+def running_key(queue: str, tenant: str) -> str:
+    return f"{prefix(queue)}running:{tenant}"
+
+
+# ARGV[1] op: put | refill | release; ARGV[2] queue; ARGV[3] depth; ARGV[4] batch; ARGV[5] the
+# priority steps, comma-separated; ARGV[6] the lease of a moved message's concurrency entry (s);
+# put: ARGV[7] tenant, ARGV[8] step, ARGV[9] message; release: ARGV[7] tenant, ARGV[8] job id.
+# Keys are made here from the queue's name: kombu's transport runs on one Redis (or a Sentinel
+# primary), never a cluster. Returns the messages moved to the queue.
+SCRIPT = r"""
+local op, q = ARGV[1], ARGV[2]
+local p = q .. ':fair:'
+local ring, active, credit, policy = p .. 'ring', p .. 'active', p .. 'credit', p .. 'policy'
+local steps = {}
+for s in string.gmatch(ARGV[5], '[^,]+') do steps[#steps + 1] = s end
+local function qlist(s) if s == '0' then return q end return q .. '\6\22' .. s end
+local function lane(t, s) return p .. 'lane:' .. s .. ':' .. t end
+local function running(t) return p .. 'running:' .. t end
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+if op == 'put' then
+  redis.call('LPUSH', lane(ARGV[7], ARGV[8]), ARGV[9])
+  if redis.call('SADD', active, ARGV[7]) == 1 then redis.call('RPUSH', ring, ARGV[7]) end
+elseif op == 'release' then
+  redis.call('ZREM', running(ARGV[7]), ARGV[8])
+end
+if redis.call('SCARD', active) == 0 then return 0 end
+local depth = 0
+for _, s in ipairs(steps) do depth = depth + redis.call('LLEN', qlist(s)) end
+local target, budget, lease = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[6])
+local moved, passed = 0, 0
+while depth < target and moved < budget do
+  local n = redis.call('LLEN', ring)
+  if n == 0 or passed >= n then break end
+  local tenant = redis.call('LINDEX', ring, 0)
+  local rule = redis.call('HGET', policy, tenant) or redis.call('HGET', policy, '*') or '1,0'
+  local comma = string.find(rule, ',', 1, true)
+  local weight = tonumber(string.sub(rule, 1, comma - 1)) or 1
+  local limit = tonumber(string.sub(rule, comma + 1)) or 0
+  local full = false
+  if limit > 0 then
+    redis.call('ZREMRANGEBYSCORE', running(tenant), '-inf', now)
+    full = redis.call('ZCARD', running(tenant)) >= limit
+  end
+  if full then
+    redis.call('RPUSH', ring, redis.call('LPOP', ring))
+    passed = passed + 1
+  else
+    local item, from = nil, nil
+    for _, s in ipairs(steps) do
+      item = redis.call('RPOP', lane(tenant, s))
+      if item then from = s break end
+    end
+    if item then
+      redis.call('LPUSH', qlist(from), item)
+      depth, moved, passed = depth + 1, moved + 1, 0
+      if limit > 0 then
+        local ok, envelope = pcall(cjson.decode, item)
+        if ok and type(envelope) == 'table' and type(envelope['headers']) == 'table' then
+          local id = envelope['headers']['id']
+          if type(id) == 'string' then redis.call('ZADD', running(tenant), now + lease, id) end
+        end
+      end
+    end
+    local left = false
+    for _, s in ipairs(steps) do
+      if redis.call('LLEN', lane(tenant, s)) > 0 then left = true break end
+    end
+    if not left then
+      redis.call('LPOP', ring)
+      redis.call('SREM', active, tenant)
+      redis.call('HDEL', credit, tenant)
+    elseif redis.call('HINCRBY', credit, tenant, 1) >= weight then
+      redis.call('HDEL', credit, tenant)
+      redis.call('RPUSH', ring, redis.call('LPOP', ring))
+    end
+  end
+end
+return moved
+"""
+
+# ARGV[1] queue, ARGV[2] steps. Returns {tenant, waiting, ...} for every tenant with work.
+WAITING_SCRIPT = r"""
+local p = ARGV[1] .. ':fair:'
+local out = {}
+for _, tenant in ipairs(redis.call('SMEMBERS', p .. 'active')) do
+  local n = 0
+  for s in string.gmatch(ARGV[2], '[^,]+') do
+    n = n + redis.call('LLEN', p .. 'lane:' .. s .. ':' .. tenant)
+  end
+  out[#out + 1] = tenant
+  out[#out + 1] = n
+end
+return out
+"""
+
+# ARGV[1] queue, ARGV[2] steps. Returns how many messages wait in the queue's lanes.
+WAITING_TOTAL_SCRIPT = r"""
+local p = ARGV[1] .. ':fair:'
+local n = 0
+for _, tenant in ipairs(redis.call('SMEMBERS', p .. 'active')) do
+  for s in string.gmatch(ARGV[2], '[^,]+') do
+    n = n + redis.call('LLEN', p .. 'lane:' .. s .. ':' .. tenant)
+  end
+end
+return n
+"""
+
+# ARGV[1] queue, ARGV[2] lease (s), ARGV[3] tenant, ARGV[4] job id: keep a running job's
+# concurrency entry a lease ahead (on the broker's clock, as the script's).
+RENEW_SCRIPT = r"""
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+redis.call('ZADD', ARGV[1] .. ':fair:running:' .. ARGV[3], now + tonumber(ARGV[2]), ARGV[4])
+return 1
+"""
+
+_STEPS = PRIORITY_STEPS_TEXT = ",".join(str(step) for step in PRIORITY_STEPS)
+
+
+def _args(op: str, queue: str, depth: int, lease_seconds: float, *rest: Any) -> list[Any]:
+    return [op, queue, depth, REFILL_BATCH, _STEPS, lease_seconds, *rest]
+
+
+def put_arguments(
+    queue: str, tenant: str, step: int, payload: str | bytes, depth: int, lease_seconds: float
+) -> list[Any]:
+    """The script's arguments that push ``payload`` to its tenant's lane (and refill)."""
+    return _args("put", queue, depth, lease_seconds, tenant, step, payload)
+
+
+class FairDispatch:
+    """The fair lanes of some queues on one Redis client (the script's callers)."""
+
+    def __init__(self, client: Any, *, depth: int, lease_seconds: float) -> None:
+        if depth < 1:
+            raise ValueError("the fair queue depth must be at least 1")
+        self.client = client
+        self.depth = depth
+        self.lease_seconds = lease_seconds
+
+    def put(self, queue: str, tenant: str, step: int, payload: str | bytes) -> int:
+        """Push a message to its tenant's lane (and refill): see the module docstring."""
+        args = put_arguments(queue, tenant, step, payload, self.depth, self.lease_seconds)
+        return int(self.client.eval(SCRIPT, 0, *args))
+
+    def refill(self, queue: str, pipe: Any = None) -> Any:
+        """Feed ``queue`` from its lanes; into ``pipe`` (queued with it) when given."""
+        args = _args("refill", queue, self.depth, self.lease_seconds)
+        if pipe is not None:
+            return pipe.eval(SCRIPT, 0, *args)
+        return int(self.client.eval(SCRIPT, 0, *args))
+
+    def release(self, queue: str, tenant: str, job_id: str) -> int:
+        """A job of ``tenant`` ended: free its concurrency slot, then refill."""
+        args = _args("release", queue, self.depth, self.lease_seconds, tenant, job_id)
+        return int(self.client.eval(SCRIPT, 0, *args))
+
+    def renew(self, queue: str, tenant: str, job_id: str, lease_seconds: float) -> bool:
+        """Keep a running job's concurrency entry ``lease_seconds`` ahead."""
+        return bool(self.client.eval(RENEW_SCRIPT, 0, queue, lease_seconds, tenant, job_id))
+
+    def write_policies(self, queues: Iterable[str], policies: Mapping[str, TenantPolicy]) -> None:
+        """Write the app's tenant policies where the script reads them (each queue's hash)."""
+        pipe = self.client.pipeline(transaction=False)
+        for queue in queues:
+            key = policy_key(queue)
+            pipe.delete(key)
+            fields = {name: policy.encoded() for name, policy in policies.items()}
+            if fields:
+                pipe.hset(key, mapping=fields)
+        pipe.execute()
+
+    def waiting(self, queue: str) -> dict[str, int]:
+        """Each tenant with work and how many of its messages wait in its lanes."""
+        found = self.client.eval(WAITING_SCRIPT, 0, queue, _STEPS)
+        pairs = iter(found or ())
+        return {_text(tenant): int(n) for tenant, n in zip(pairs, pairs, strict=True)}
+
+    def waiting_of(self, queue: str, tenant: str) -> int:
+        """How many of ``tenant``'s messages wait in its lanes of ``queue``."""
+        pipe = self.client.pipeline(transaction=False)
+        for step in PRIORITY_STEPS:
+            pipe.llen(lane(queue, tenant, step))
+        return sum(int(n or 0) for n in pipe.execute())
+
+    def running(self, queue: str) -> dict[str, int]:
+        """Each limited tenant's jobs moved and not ended (lapsed entries not counted)."""
+        now = _server_now(self.client)
+        counts: dict[str, int] = {}
+        for key in self.client.scan_iter(match=f"{_glob(prefix(queue))}running:*", count=500):
+            name = _text(key)[len(prefix(queue)) + len("running:") :]
+            n = int(self.client.zcount(key, now, "+inf"))
+            if n:
+                counts[name] = n
+        return counts
+
+    def lanes(self, queue: str) -> list[str]:
+        """Every lane of ``queue`` that holds messages (the reconciler reads them as the
+        queue's own lists: a message there is in the broker)."""
+        tenants = self.client.smembers(f"{prefix(queue)}active") or ()
+        return [lane(queue, _text(t), step) for t in tenants for step in PRIORITY_STEPS]
+
+
+def lane_lists(client: Any, queues: Sequence[str]) -> list[str]:
+    """The lanes of every tenant with work in ``queues`` (see :meth:`FairDispatch.lanes`)."""
+    pipe = client.pipeline(transaction=False)
+    for queue in queues:
+        pipe.smembers(f"{prefix(queue)}active")
+    found: list[str] = []
+    for queue, tenants in zip(queues, pipe.execute(), strict=True):
+        found += [lane(queue, _text(t), step) for t in tenants or () for step in PRIORITY_STEPS]
+    return found
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _glob(text: str) -> str:
+    """``text`` with Redis's glob characters escaped (a queue's name may hold any)."""
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
+
+
+def _server_now(client: Any) -> float:
+    seconds, micros = client.time()
+    return float(seconds) + float(micros) / 1_000_000

@@ -1,0 +1,127 @@
+"""Per-tenant policies at publish: whose policy applies, and a tenant's backpressure
+(``max_waiting`` of its jobs in its lanes, fairness.py). The dispatch itself is fairness.py's."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import redis
+
+from ..errors import Backpressure
+from ..fairness import DEFAULT_TENANT, FairDispatch, TenantPolicy
+
+logger = logging.getLogger("celery_ledger.tenancy")
+
+# A tenant's waiting count is read at most this often per process (a producer publishing
+# thousands of a tenant's jobs a second costs the broker one read a second per tenant).
+WAITING_TTL_SECONDS = 1.0
+BLOCK_POLL_SECONDS = 0.05
+
+
+def policy_of(policies: Mapping[str, TenantPolicy], tenant: str) -> TenantPolicy:
+    """``tenant``'s policy: its own, else the ``*`` one, else the default."""
+    return policies.get(tenant) or policies.get(DEFAULT_TENANT) or TenantPolicy()
+
+
+class TenantGate:
+    """Per-tenant backpressure at publish: ``max_waiting`` of a tenant's jobs in its lanes."""
+
+    def __init__(
+        self,
+        fair: FairDispatch,
+        policies: Mapping[str, TenantPolicy],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._fair = fair
+        self._policies = policies
+        self._clock = clock
+        self._sleep = sleep
+        self._seen: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def limited(self) -> bool:
+        return any(policy.max_waiting is not None for policy in self._policies.values())
+
+    def over(self, queue: str, tenant: str, *, fresh: bool = False) -> int | None:
+        """The tenant's waiting count if it is at or past its ``max_waiting``, else None."""
+        most = policy_of(self._policies, tenant).max_waiting
+        if most is None:
+            return None
+        now = self._clock()
+        seen = self._seen.get((queue, tenant))
+        if fresh or seen is None or now - seen[0] >= WAITING_TTL_SECONDS:
+            seen = (now, self._fair.waiting_of(queue, tenant))
+            if len(self._seen) > 10_000:  # (tenants are many: keep the memory bounded)
+                self._seen.clear()
+            self._seen[(queue, tenant)] = seen
+        return seen[1] if seen[1] >= most else None
+
+    def check(
+        self, tier: str, queue: str, tenant: str, *, policy: str, block_seconds: float
+    ) -> bool:
+        """True: publish. False: shed (the tier's policy is shed). Raises
+        :class:`Backpressure` for reject, and for block once ``block_seconds`` pass."""
+        try:
+            waiting = self.over(queue, tenant)
+        except redis.RedisError as exc:  # the publish itself says if the broker is down
+            logger.warning("tenant backpressure check of %s skipped: %s", tenant, exc)
+            return True
+        if waiting is None:
+            return True
+        most = policy_of(self._policies, tenant).max_waiting or 0
+        if policy == "shed":
+            return False
+        if policy == "block":
+            deadline = self._clock() + block_seconds
+            while self._clock() < deadline:
+                self._sleep(BLOCK_POLL_SECONDS)
+                if self.over(queue, tenant, fresh=True) is None:
+                    return True
+        raise Backpressure(f"{tier} (tenant {tenant!r})", waiting, most)
+
+
+def slot_keeper(runtime: Any, delivery: Any, lease_seconds: float) -> Callable[[], None] | None:
+    """For a ``delivery`` (the guard's) of a tenant with a concurrency limit, whose body starts:
+    its slot (fairness.py) kept ``lease_seconds`` ahead now, and a callable that keeps it so
+    (its heartbeat calls it); else None."""
+    queue, tenant, job_id = delivery.queue, delivery.tenant, delivery.identity.message_id
+    if not queue or not tenant:
+        return None
+    fair, policies = runtime.fair, runtime.settings.tenants
+    if fair is None:
+        return None
+    if policy_of(policies, tenant).concurrency is None:
+        return None
+
+    def keep() -> None:
+        try:
+            fair.renew(queue, tenant, job_id, lease_seconds)
+        except redis.RedisError as exc:  # lapses after a lease at worst
+            logger.warning("could not renew %s's slot of tenant %s: %s", job_id, tenant, exc)
+
+    keep()
+    return keep
+
+
+def release_slot(
+    fair: FairDispatch | None,
+    policies: Mapping[str, TenantPolicy],
+    *,
+    queue: str | None,
+    tenant: Any,
+    job_id: str | None,
+) -> None:
+    """A delivery of a tenant's job ended: free its concurrency slot (if its tenant has a
+    limit) and feed the queue. A failure leaves the slot to lapse within a lease."""
+    if fair is None or not queue or not isinstance(tenant, str) or not job_id:
+        return
+    if policy_of(policies, tenant).concurrency is None:
+        return
+    try:
+        fair.release(queue, tenant, job_id)
+    except redis.RedisError as exc:
+        logger.warning("could not free %s's slot of tenant %s: %s", job_id, tenant, exc)

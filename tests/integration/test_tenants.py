@@ -1,0 +1,177 @@
+"""Tenants: fair dispatch inside a tier, weights, concurrency limits and a tenant's backpressure.
+
+The dispatch script is driven on a real valkey as workers drive it (a take, then a refill in the
+same round trip), and end to end with a real worker: a small tenant's jobs arriving behind a big
+tenant's backlog start within a few jobs, not after the backlog; every job runs once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import Counter
+from typing import Any
+
+import pytest
+import redis
+
+from celery_ledger import Backpressure, State
+from celery_ledger.broker import RedisBroker
+from celery_ledger.embedded.stack import EmbeddedStack
+from celery_ledger.fairness import FairDispatch, TenantPolicy, queue_list
+from tasks.effects import effects
+
+from .conftest import producer_app, start_healing_worker
+from .helpers import effect_count, shared_task, wait_for
+
+RECORD = "tests.integration.ledger_app.record"
+
+
+def envelope(job_id: str, tenant: str) -> str:
+    return json.dumps({"headers": {"id": job_id, "task": "t"}, "properties": {"tenant": tenant}})
+
+
+def take(client: redis.Redis, fair: FairDispatch, queue: str) -> dict[str, Any] | None:
+    """What a worker does: pop the queue (highest priority first), then refill it."""
+    for step in (0, 3, 6, 9):
+        item = client.rpop(queue_list(queue, step))
+        if item is not None:
+            fair.refill(queue)
+            return json.loads(item)
+    return None
+
+
+def queue_name() -> str:
+    return f"fair-{uuid.uuid4().hex[:8]}.default"
+
+
+def test_a_small_tenant_behind_a_big_backlog_waits_a_few_jobs(client: redis.Redis) -> None:
+    fair = FairDispatch(client, depth=2, lease_seconds=60)
+    queue = queue_name()
+    for n in range(500):
+        fair.put(queue, "big", 0, envelope(f"big-{n}", "big"))
+    for n in range(5):
+        fair.put(queue, "small", 0, envelope(f"small-{n}", "small"))
+    assert client.llen(queue) == 2  # the queue is kept shallow; the rest waits in lanes
+    order = [take(client, fair, queue)["headers"]["id"] for _ in range(505)]  # type: ignore[index]
+    small_at = [i for i, job in enumerate(order) if job.startswith("small")]
+    # Round robin: each small job within a turn of the queue's depth, not behind 500
+    assert small_at == sorted(small_at) and small_at[-1] <= 2 + 2 * 5
+    # ...and each tenant's own order is kept
+    assert [j for j in order if j.startswith("big")] == [f"big-{n}" for n in range(500)]
+    assert take(client, fair, queue) is None
+    assert client.scard(f"{queue}:fair:active") == 0 and client.llen(f"{queue}:fair:ring") == 0
+
+
+def test_weights_are_honoured_while_both_have_work(client: redis.Redis) -> None:
+    fair = FairDispatch(client, depth=1, lease_seconds=60)
+    queue = queue_name()
+    fair.write_policies([queue], {"gold": TenantPolicy(weight=3)})
+    for n in range(400):
+        fair.put(queue, "gold", 0, envelope(f"gold-{n}", "gold"))
+        fair.put(queue, "basic", 0, envelope(f"basic-{n}", "basic"))
+    first = Counter(take(client, fair, queue)["headers"]["id"].split("-")[0] for _ in range(400))  # type: ignore[index]
+    assert abs(first["gold"] / first["basic"] - 3.0) <= 0.3, first
+
+
+def test_a_concurrency_limit_holds_a_tenant_back_and_a_release_lets_the_next_go(
+    client: redis.Redis,
+) -> None:
+    fair = FairDispatch(client, depth=10, lease_seconds=60)
+    queue = queue_name()
+    fair.write_policies([queue], {"capped": TenantPolicy(concurrency=2)})
+    for n in range(6):
+        fair.put(queue, "capped", 0, envelope(f"capped-{n}", "capped"))
+    fair.put(queue, "other", 0, envelope("other-0", "other"))
+    moved = [json.loads(item)["headers"]["id"] for item in client.lrange(queue, 0, -1)]
+    assert sorted(moved) == ["capped-0", "capped-1", "other-0"]  # two of the capped, not six
+    assert fair.running(queue) == {"capped": 2}
+    fair.refill(queue)
+    assert client.llen(queue) == 3  # still held: nothing ended
+    fair.release(queue, "capped", "capped-0")
+    assert client.llen(queue) == 4 and fair.running(queue) == {"capped": 2}
+    assert fair.waiting(queue) == {"capped": 3}
+
+
+def test_a_slot_lapses_when_its_worker_is_gone(client: redis.Redis) -> None:
+    fair = FairDispatch(client, depth=10, lease_seconds=0.3)
+    queue = queue_name()
+    fair.write_policies([queue], {"*": TenantPolicy(concurrency=1)})
+    for n in range(2):
+        fair.put(queue, "t", 0, envelope(f"t-{n}", "t"))
+    assert client.llen(queue) == 1
+    wait_for(lambda: fair.refill(queue) == 1, timeout=5, what="the lapsed slot freed")
+
+
+def test_priorities_hold_inside_a_tenant(client: redis.Redis) -> None:
+    fair = FairDispatch(client, depth=1, lease_seconds=60)
+    queue = queue_name()
+    fair.put(queue, "t", 0, envelope("filler", "t"))  # (moved at once: the queue was empty)
+    fair.put(queue, "t", 9, envelope("low", "t"))
+    fair.put(queue, "t", 0, envelope("high", "t"))
+    order = [take(client, fair, queue)["headers"]["id"] for _ in range(3)]  # type: ignore[index]
+    assert order == ["filler", "high", "low"]
+
+
+def test_the_reconciler_sees_a_message_in_a_lane(client: redis.Redis) -> None:
+    fair = FairDispatch(client, depth=1, lease_seconds=60)
+    queue = queue_name()
+    for n in range(3):
+        fair.put(queue, "t", 0, envelope(f"id-{n}", "t"))
+    broker = RedisBroker(client, queues=[queue], delayed_key=f"{queue}:delayed")
+    assert broker.depth() == 3
+    assert len(broker.waiting()) == 3  # in the queue and in the lane alike
+
+
+def test_fair_dispatch_end_to_end_runs_each_job_once(own: EmbeddedStack) -> None:
+    # Given one worker slot and a big tenant's backlog of 150 jobs (20 ms each)
+    worker = start_healing_worker(own, "tenants", concurrency=1)
+    producer = producer_app(own, f"tenants_{uuid.uuid4().hex[:6]}")
+    task = shared_task(producer, RECORD)
+    run = uuid.uuid4().hex[:8]
+    big = [f"{run}-big-{n}" for n in range(150)]
+    small = [f"{run}-small-{n}" for n in range(3)]
+    for token in big:
+        task.apply_async((token,), {"sleep_seconds": 0.02}, tenant="big")
+    wait_for(lambda: effect_count("record", big[0]) == 1, timeout=60, what="the backlog running")
+    # When a small tenant's jobs arrive behind it
+    for token in small:
+        task.apply_async((token,), {"sleep_seconds": 0.02}, tenant="small")
+
+    # Then they run within a few of the big tenant's jobs, and every job runs once
+    def ended() -> bool:
+        return all(
+            (r := producer.ledger.get(task.name, t)) is not None and r.state is State.SUCCEEDED
+            for t in big + small
+        )
+
+    wait_for(ended, timeout=120, interval=0.5, what="every job succeeded")
+    found = effects().find({"kind": "record", "key": {"$regex": f"^{run}"}}).sort("at", 1)
+    done = [effect["key"] for effect in found]
+    big_before = sum(1 for key in done[: done.index(small[-1])] if "-big-" in key)
+    assert big_before < 40, f"the small tenant waited behind {big_before} of the big one's jobs"
+    assert [t for t in big + small if effect_count("record", t) != 1] == []
+    record = producer.ledger.get(task.name, small[0])
+    assert record is not None and record.tenant == "small"
+    assert worker.alive()
+    producer.close()
+
+
+def test_a_tenant_over_its_max_waiting_is_refused_and_others_are_not(own: EmbeddedStack) -> None:
+    producer = producer_app(
+        own,
+        f"tenants_{uuid.uuid4().hex[:6]}",
+        tenants={"*": {"max_waiting": 5}},
+        tier_limits={"default": {"policy": "reject", "high_water": 100000}},
+        fair_queue_depth=1,
+    )
+    task = shared_task(producer, RECORD)
+    run = uuid.uuid4().hex[:8]
+    for n in range(6):  # no worker: 1 in the queue, 5 in the lane
+        task.apply_async((f"{run}-flood-{n}",), tenant="flood")
+    time.sleep(1.1)  # (a producer reads a tenant's count at most once a second)
+    with pytest.raises(Backpressure):
+        task.apply_async((f"{run}-flood-over",), tenant="flood")
+    task.apply_async((f"{run}-calm-0",), tenant="calm")  # another tenant: published
+    producer.close()
