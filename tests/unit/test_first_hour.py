@@ -13,22 +13,12 @@ cores), and still part of ``./run test``: it is what a new user sees first.
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
-import subprocess
-import sys
-import sysconfig
 import textwrap
-from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-LIBRARY = ROOT / "platform" / "celery_ledger"
-_CACHES = shutil.ignore_patterns("__pycache__", "*.pyc")
+from tests.newcomer import PIP_MISSING, Newcomer, imported_from, make_newcomer
 
 APP = textwrap.dedent(
     """
@@ -45,55 +35,8 @@ APP = textwrap.dedent(
 
 pytestmark = [
     pytest.mark.timeout(600),
-    pytest.mark.skipif(
-        subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode,
-        reason="pip is not available",
-    ),
+    pytest.mark.skipif(PIP_MISSING, reason="pip is not available"),
 ]
-
-
-@dataclass(frozen=True)
-class Newcomer:
-    """A fresh virtualenv with the wheel installed, and a directory holding the user's app."""
-
-    python: Path
-    home: Path
-
-    def run(self, *argv: str, env: Mapping[str, str] = {}, timeout: float = 90) -> Ran:
-        """``python -m celery -A firsthour_app ARGV`` (or ``python ARGV`` when the first is
-        ``-c``) in the app's directory, with no LEDGER_* variable but ``env``'s."""
-        clean = {
-            name: value
-            for name, value in os.environ.items()
-            if not name.startswith(("LEDGER_", "CELERY_", "FLOWER_", "PYTHON", "STACK_"))
-        }
-        command = [str(self.python), *argv]
-        if argv[0] != "-c":
-            command = [str(self.python), "-m", "celery", "-A", "firsthour_app", *argv]
-        done = subprocess.run(
-            command,
-            cwd=self.home,
-            env={**clean, "C_FORCE_ROOT": "1", **env},
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        return Ran(done.returncode, done.stdout + done.stderr)
-
-
-@dataclass(frozen=True)
-class Ran:
-    code: int
-    output: str
-
-    def refused(self, *fixes: str) -> None:
-        """It failed, said so in a few lines naming each of ``fixes``, without a traceback."""
-        assert self.code != 0, self.output
-        assert "Traceback" not in self.output, self.output
-        for fix in fixes:
-            assert fix in self.output, self.output
-        said = [line for line in self.output.splitlines() if line.startswith("Error: ")]
-        assert len(said) == 1, self.output
 
 
 def closed_port() -> int:
@@ -104,50 +47,10 @@ def closed_port() -> int:
 
 @pytest.fixture(scope="module")
 def newcomer(tmp_path_factory: pytest.TempPathFactory) -> Newcomer:
-    work = tmp_path_factory.mktemp("first-hour")
-    # The wheel, built from a copy of the sources (setuptools writes build/ beside them)
-    source = work / "source"
-    shutil.copytree(LIBRARY, source / "platform" / "celery_ledger", ignore=_CACHES)
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, source / name)
-    built = subprocess.run(
-        [
-            *(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"),
-            *("-w", str(work), str(source)),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert built.returncode == 0, built.stderr[-2000:]
-    (wheel,) = work.glob("celery_ledger-*.whl")
-    # A fresh virtualenv holding the wheel. Its dependencies come from this interpreter's
-    # site-packages, added as a plain path (no index here): its .pth files, among them the
-    # editable install of the sources, are not read, so the wheel is what is imported.
-    venv = work / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    Path(site, "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    installed = subprocess.run(
-        [
-            *(sys.executable, "-m", "pip", "--python", str(python), "install"),
-            *("--no-deps", "--no-index", "--quiet", str(wheel)),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert installed.returncode == 0, installed.stderr[-2000:]
-    home = work / "myapp"
-    home.mkdir()
-    (home / "firsthour_app.py").write_text(APP)
-    found = Newcomer(python, home).run("-c", "import celery_ledger; print(celery_ledger.__file__)")
-    assert found.output.startswith(str(venv)), found.output  # the wheel, not the sources
-    return Newcomer(python, home)
+    found = make_newcomer(tmp_path_factory.mktemp("first-hour"))
+    (found.home / "firsthour_app.py").write_text(APP)
+    assert imported_from(found).startswith(str(found.python.parents[1]))  # the wheel's
+    return found
 
 
 def test_a_publish_without_a_broker_url_names_the_setting(newcomer: Newcomer) -> None:
