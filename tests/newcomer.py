@@ -65,7 +65,8 @@ def wheel_of(source: Path, out: Path) -> Path:
 @dataclass(frozen=True)
 class Ran:
     code: int
-    output: str
+    output: str  # stdout and stderr
+    stdout: str = ""
 
     def refused(self, *fixes: str) -> None:
         """It failed, said so in a few lines naming each of ``fixes``, without a traceback."""
@@ -76,11 +77,11 @@ class Ran:
         said = [line for line in self.output.splitlines() if line.startswith("Error: ")]
         assert len(said) == 1, self.output
 
-    def worked(self) -> str:
-        """It succeeded without a traceback; its output."""
+    def worked(self) -> Ran:
+        """It succeeded without a traceback."""
         assert self.code == 0, self.output
         assert "Traceback" not in self.output, self.output
-        return self.output
+        return self
 
 
 @dataclass(frozen=True)
@@ -113,28 +114,31 @@ class Newcomer:
             text=True,
             timeout=timeout,
         )
-        return Ran(done.returncode, done.stdout + done.stderr)
+        return Ran(done.returncode, done.stdout + done.stderr, done.stdout)
 
-    def shell(self, script: str, *, timeout: float = 90) -> Ran:
+    def shell(self, script: str, *, env: Mapping[str, str] = {}, timeout: float = 90) -> Ran:
         """``script`` typed into bash in the app's directory (the virtualenv activated)."""
         done = subprocess.run(
             ["bash", "-c", script],
             cwd=self.home,
-            env=self.env,
+            env={**self.env, **env},
             capture_output=True,
             text=True,
             timeout=timeout,
         )
-        return Ran(done.returncode, done.stdout + done.stderr)
+        return Ran(done.returncode, done.stdout + done.stderr, done.stdout)
 
-    def start(self, script: str, output: Path) -> subprocess.Popen[bytes]:
-        """``script`` in bash, left running (as in a terminal of its own), its output written
-        to ``output``. ``exec``: the command is the process, and Ctrl-C (SIGINT) reaches it."""
+    def start(
+        self, command: str, output: Path, *, setup: str = "", env: Mapping[str, str] = {}
+    ) -> subprocess.Popen[bytes]:
+        """``command`` typed into bash after ``setup`` (``source ...``), left running as in a
+        terminal of its own, its output written to ``output``. The shell execs it: the
+        command is the process, and Ctrl-C (SIGINT to it) reaches it."""
         with output.open("wb") as out:
             return subprocess.Popen(
-                ["bash", "-c", f"exec {script}"],
+                ["bash", "-c", f"{setup}\nexec {command}"],
                 cwd=self.home,
-                env=self.env,
+                env={**self.env, **env},
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -192,4 +196,4 @@ def _write_commands(python: Path) -> None:
 def imported_from(newcomer: Newcomer) -> str:
     """Where the virtualenv's ``celery_ledger`` comes from (its wheel, not the sources)."""
     found = newcomer.run("-c", "import celery_ledger; print(celery_ledger.__file__)")
-    return found.worked().strip()
+    return found.worked().stdout.strip()
