@@ -1,11 +1,13 @@
-"""What ``pip install celery-ledger`` ships: every module of the library, importable, its license
-and its version; and what its CLI says about itself."""
+"""What ``pip install celery-ledger`` ships: every module and data file of the library,
+importable, its license and its version, in the wheel and in the sdist (and in a wheel built
+from that sdist, as pip builds one where no wheel fits); and what its CLI says about itself."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 import zipfile
 from pathlib import Path
@@ -16,10 +18,20 @@ from click.testing import CliRunner
 
 import celery_ledger
 from celery_ledger.cli import ledger
+from tests.newcomer import PIP_MISSING, build_wheel, wheel_of
 
 LIBRARY = Path(__file__).resolve().parents[2] / "platform" / "celery_ledger"
-_CACHES = shutil.ignore_patterns("__pycache__", "*.pyc")
-PROJECT = tomllib.loads((LIBRARY.parents[1] / "pyproject.toml").read_text())["project"]
+ROOT = LIBRARY.parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PROJECT = PYPROJECT["project"]
+# Every file the library is made of, as a path inside a wheel: its modules, py.typed, the
+# console's templates and static files (pyproject's package-data).
+SHIPPED = {
+    str(path.relative_to(LIBRARY.parent))
+    for path in LIBRARY.rglob("*")
+    if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"
+}
+needs_pip = pytest.mark.skipif(PIP_MISSING, reason="pip is not available")
 
 
 def test_every_directory_of_the_library_is_a_package() -> None:
@@ -36,30 +48,17 @@ def test_every_directory_of_the_library_is_a_package() -> None:
     assert missing == []
 
 
-@pytest.mark.skipif(
-    subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode,
-    reason="pip is not available",
-)
+@needs_pip
 def test_the_wheel_holds_every_module(tmp_path: Path) -> None:
-    # Built from a copy: setuptools writes its build/ directory beside the sources.
-    source = tmp_path / "source"
-    root = LIBRARY.parents[1]
-    shutil.copytree(LIBRARY, source / "platform" / "celery_ledger", ignore=_CACHES)
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(root / name, source / name)
-    built = subprocess.run(
-        [
-            *(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"),
-            *("-w", str(tmp_path), str(source)),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert built.returncode == 0, built.stderr[-2000:]
-    (wheel,) = tmp_path.glob("celery_ledger-*.whl")
+    wheel = build_wheel(tmp_path)
+    _holds_the_library_and_its_license(wheel)
+    assert wheel.name.startswith(f"celery_ledger-{PROJECT['version']}-")
+
+
+def _holds_the_library_and_its_license(wheel: Path) -> None:
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    modules = {str(path.relative_to(LIBRARY.parent)) for path in LIBRARY.rglob("*.py")}
-    assert modules - shipped == set()
+    assert SHIPPED - shipped == set()
+    assert "celery_ledger/py.typed" in shipped
     # The license travels with the wheel, in its metadata (PEP 639: .dist-info/licenses/)
     licenses = [name for name in shipped if name.endswith(".dist-info/licenses/LICENSE")]
     assert len(licenses) == 1, sorted(shipped)
@@ -67,7 +66,45 @@ def test_the_wheel_holds_every_module(tmp_path: Path) -> None:
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     metadata = next(name for name in shipped if name.endswith(".dist-info/METADATA"))
     assert "License-Expression: Apache-2.0" in zipfile.ZipFile(wheel).read(metadata).decode()
-    assert wheel.name.startswith(f"celery_ledger-{PROJECT['version']}-")
+
+
+@needs_pip
+def test_the_sdist_holds_the_project_and_builds_a_whole_wheel(tmp_path: Path) -> None:
+    # Given what a clone of the repository holds (git's files, new ones too; nothing ignored)
+    checkout = tmp_path / "checkout"
+    listed = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        if (ROOT / name).is_file():  # (a file deleted but not yet committed is listed)
+            (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, checkout / name)
+    # When pyproject's build backend builds the sdist (what `python -m build --sdist
+    # --no-isolation` calls: the backend's hook, with this interpreter's setuptools)
+    backend = PYPROJECT["build-system"]["build-backend"]
+    built = subprocess.run(
+        [
+            *(sys.executable, "-c"),
+            f"import sys, {backend} as backend; print(backend.build_sdist(sys.argv[1]))",
+            str(tmp_path / "sdist"),
+        ],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+    )
+    assert built.returncode == 0, built.stderr[-2000:]
+    sdist = tmp_path / "sdist" / built.stdout.split()[-1]
+    assert sdist.name == f"celery_ledger-{PROJECT['version']}.tar.gz"
+    # Then it holds the license, the README, pyproject.toml and the whole library
+    top = f"celery_ledger-{PROJECT['version']}/"
+    with tarfile.open(sdist) as archive:
+        names = {name.removeprefix(top) for name in archive.getnames()}
+    assert {"LICENSE", "README.md", "pyproject.toml", "PKG-INFO"} <= names
+    assert {f"platform/{name}" for name in SHIPPED} - names == set()
+    # ...and the wheel pip builds from it (where no wheel fits) holds all of it too
+    _holds_the_library_and_its_license(wheel_of(sdist, tmp_path / "from-sdist"))
 
 
 def test_the_version_is_the_projects() -> None:
