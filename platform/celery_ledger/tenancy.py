@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import redis
 from celery import signals
 
 from .errors import ConfigurationError, PayloadError
@@ -98,6 +99,11 @@ def worker_jobs(app: Any, queues: Callable[[], Iterable[str]]) -> list[Callable[
     policies = runtime.settings.tenants
     tier_queues = [runtime.tiers.queue(tier) for tier in runtime.tiers.names]
     written = [float("-inf")]
+    try:  # before this worker takes a message (its housekeeping's first tick may come later)
+        fair.write_policies(tier_queues, policies)
+        written[0] = time.monotonic()
+    except redis.RedisError as exc:  # the broker may come up later: the ticks write them
+        logger.warning("could not write the tenant policies at start: %s", exc)
 
     def tick() -> None:
         now = time.monotonic()
