@@ -21,7 +21,8 @@ disagree, whoever runs it (a producer, a worker, a crashed one's successor):
 A refill runs with every publish of a tenant's job, with every take from a tier queue (in the
 same pipeline as kombu's booking of the take: no round trip more) and every second in each
 worker (what a crashed process left unfed). Order inside a tenant is its lane's: first in,
-first out, per priority.
+first out, per priority. Lanes are used only while a worker that feeds them is up (see
+:data:`FEEDER_SECONDS`); ``drain`` moves them all to the queue (a rollback).
 
 Concurrency limits count a tenant's jobs from their move to the queue until they end, in a
 sorted set per tenant scored by when each entry lapses (the broker's clock): moved, an entry
@@ -55,6 +56,12 @@ _PRIORITY_SEPARATOR = "\x06\x16"
 
 # How many messages one refill moves at most (a script holds the broker while it runs).
 REFILL_BATCH = 100
+# Only a worker of a release with fair dispatch feeds a queue from its lanes. Each marks the
+# queues it consumes as fed, for this long, at each housekeeping tick (about every second); a
+# put onto a queue that no such worker marked goes straight to the queue, as before fair
+# dispatch. So a producer upgraded before the workers (a rolling deploy) strands nothing in
+# lanes that no worker would feed.
+FEEDER_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -122,9 +129,10 @@ def running_key(queue: str, tenant: str) -> str:
     return f"{prefix(queue)}running:{tenant}"
 
 
-# ARGV[1] op: put | refill | release; ARGV[2] queue; ARGV[3] depth; ARGV[4] batch; ARGV[5] the
-# priority steps, comma-separated; ARGV[6] the lease of a moved message's concurrency entry (s);
-# put: ARGV[7] tenant, ARGV[8] step, ARGV[9] message; release: ARGV[7] tenant, ARGV[8] job id.
+# ARGV[1] op: put | refill | release | feed | drain; ARGV[2] queue; ARGV[3] depth; ARGV[4] batch;
+# ARGV[5] the priority steps, comma-separated; ARGV[6] the lease of a moved message's concurrency
+# entry (s); put: ARGV[7] tenant, ARGV[8] step, ARGV[9] message; release: ARGV[7] tenant, ARGV[8]
+# job id; feed: ARGV[7] how long the queue's feeder mark lasts (ms).
 # Keys are made here from the queue's name: kombu's transport runs on one Redis (or a Sentinel
 # primary), never a cluster. Returns the messages moved to the queue.
 SCRIPT = r"""
@@ -139,10 +147,25 @@ local function running(t) return p .. 'running:' .. t end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
 if op == 'put' then
+  if redis.call('EXISTS', p .. 'feeder') == 0 then
+    redis.call('LPUSH', qlist(ARGV[8]), ARGV[9])
+    return 0
+  end
   redis.call('LPUSH', lane(ARGV[7], ARGV[8]), ARGV[9])
   if redis.call('SADD', active, ARGV[7]) == 1 then redis.call('RPUSH', ring, ARGV[7]) end
 elseif op == 'release' then
   redis.call('ZREM', running(ARGV[7]), ARGV[8])
+elseif op == 'feed' then
+  redis.call('SET', p .. 'feeder', '1', 'PX', ARGV[7])
+elseif op == 'drain' then
+  local drained = 0
+  for _, tenant in ipairs(redis.call('SMEMBERS', active)) do
+    for _, s in ipairs(steps) do
+      while redis.call('RPOPLPUSH', lane(tenant, s), qlist(s)) do drained = drained + 1 end
+    end
+  end
+  redis.call('DEL', ring, active, credit)
+  return drained
 end
 if redis.call('SCARD', active) == 0 then return 0 end
 local depth = 0
@@ -270,6 +293,17 @@ class FairDispatch:
         if pipe is not None:
             return pipe.eval(SCRIPT, 0, *args)
         return int(self.client.eval(SCRIPT, 0, *args))
+
+    def feed(self, queue: str, seconds: float = FEEDER_SECONDS) -> int:
+        """Mark ``queue`` as fed by a worker that knows the lanes (for ``seconds``), then
+        refill it. Without the mark a put goes straight to the queue (see FEEDER_SECONDS)."""
+        args = _args("feed", queue, self.depth, self.lease_seconds, int(seconds * 1000))
+        return int(self.client.eval(SCRIPT, 0, *args))
+
+    def drain(self, queue: str) -> int:
+        """Move every lane's messages to ``queue`` as they are (fairness given up: before a
+        rollback to a release without fair dispatch). Returns how many moved."""
+        return int(self.client.eval(SCRIPT, 0, *_args("drain", queue, self.depth, 0)))
 
     def release(self, queue: str, tenant: str, job_id: str) -> int:
         """A job of ``tenant`` ended: free its concurrency slot, then refill."""

@@ -148,7 +148,7 @@ class Settings(SentinelSettings):
         ' {"weight": 3, "concurrency": 20, "max_waiting": 10000}} (docs/guide/tenants.md).',
     )
     fair_queue_depth: int = Field(
-        4,
+        2,
         ge=0,
         description="Fair dispatch: the most messages a tier"
         " queue holds while tenants' jobs wait in lanes (0: off, queued as any other job).",

@@ -78,9 +78,9 @@ def checked(tenant: Any, *, task_name: str) -> str | None:
 
 
 def refill_all(fair: FairDispatch, queues: Callable[[], Iterable[str]]) -> int:
-    """Feed every queue this worker consumes from its lanes (what a crashed producer or worker
-    left unfed, and slots that lapsed). Returns the messages moved."""
-    return sum(fair.refill(queue) for queue in queues())
+    """Mark every queue this worker consumes as fed, and feed it from its lanes (what a crashed
+    producer or worker left unfed, and slots that lapsed). Returns the messages moved."""
+    return sum(fair.feed(queue) for queue in queues())
 
 
 # How often a worker writes the app's tenant policies where the dispatch reads them (a broker
@@ -102,6 +102,7 @@ def worker_jobs(app: Any, queues: Callable[[], Iterable[str]]) -> list[Callable[
     try:  # before this worker takes a message (its housekeeping's first tick may come later)
         fair.write_policies(tier_queues, policies)
         written[0] = time.monotonic()
+        refill_all(fair, queues)
     except redis.RedisError as exc:  # the broker may come up later: the ticks write them
         logger.warning("could not write the tenant policies at start: %s", exc)
 

@@ -42,13 +42,16 @@ def take(client: redis.Redis, fair: FairDispatch, queue: str) -> dict[str, Any] 
     return None
 
 
-def queue_name() -> str:
-    return f"fair-{uuid.uuid4().hex[:8]}.default"
+def fed(client: redis.Redis, *, depth: int, lease_seconds: float = 60) -> tuple[FairDispatch, str]:
+    """Lanes on a new queue that a worker of this release feeds (its mark set)."""
+    fair = FairDispatch(client, depth=depth, lease_seconds=lease_seconds)
+    queue = f"fair-{uuid.uuid4().hex[:8]}.default"
+    fair.feed(queue)
+    return fair, queue
 
 
 def test_a_small_tenant_behind_a_big_backlog_waits_a_few_jobs(client: redis.Redis) -> None:
-    fair = FairDispatch(client, depth=2, lease_seconds=60)
-    queue = queue_name()
+    fair, queue = fed(client, depth=2, lease_seconds=60)
     for n in range(500):
         fair.put(queue, "big", 0, envelope(f"big-{n}", "big"))
     for n in range(5):
@@ -65,8 +68,7 @@ def test_a_small_tenant_behind_a_big_backlog_waits_a_few_jobs(client: redis.Redi
 
 
 def test_weights_are_honoured_while_both_have_work(client: redis.Redis) -> None:
-    fair = FairDispatch(client, depth=1, lease_seconds=60)
-    queue = queue_name()
+    fair, queue = fed(client, depth=1, lease_seconds=60)
     fair.write_policies([queue], {"gold": TenantPolicy(weight=3)})
     for n in range(400):
         fair.put(queue, "gold", 0, envelope(f"gold-{n}", "gold"))
@@ -78,8 +80,7 @@ def test_weights_are_honoured_while_both_have_work(client: redis.Redis) -> None:
 def test_a_concurrency_limit_holds_a_tenant_back_and_a_release_lets_the_next_go(
     client: redis.Redis,
 ) -> None:
-    fair = FairDispatch(client, depth=10, lease_seconds=60)
-    queue = queue_name()
+    fair, queue = fed(client, depth=10, lease_seconds=60)
     fair.write_policies([queue], {"capped": TenantPolicy(concurrency=2)})
     for n in range(6):
         fair.put(queue, "capped", 0, envelope(f"capped-{n}", "capped"))
@@ -95,8 +96,7 @@ def test_a_concurrency_limit_holds_a_tenant_back_and_a_release_lets_the_next_go(
 
 
 def test_a_slot_lapses_when_its_worker_is_gone(client: redis.Redis) -> None:
-    fair = FairDispatch(client, depth=10, lease_seconds=0.3)
-    queue = queue_name()
+    fair, queue = fed(client, depth=10, lease_seconds=0.3)
     fair.write_policies([queue], {"*": TenantPolicy(concurrency=1)})
     for n in range(2):
         fair.put(queue, "t", 0, envelope(f"t-{n}", "t"))
@@ -105,8 +105,7 @@ def test_a_slot_lapses_when_its_worker_is_gone(client: redis.Redis) -> None:
 
 
 def test_priorities_hold_inside_a_tenant(client: redis.Redis) -> None:
-    fair = FairDispatch(client, depth=1, lease_seconds=60)
-    queue = queue_name()
+    fair, queue = fed(client, depth=1, lease_seconds=60)
     fair.put(queue, "t", 0, envelope("filler", "t"))  # (moved at once: the queue was empty)
     fair.put(queue, "t", 9, envelope("low", "t"))
     fair.put(queue, "t", 0, envelope("high", "t"))
@@ -115,8 +114,7 @@ def test_priorities_hold_inside_a_tenant(client: redis.Redis) -> None:
 
 
 def test_the_reconciler_sees_a_message_in_a_lane(client: redis.Redis) -> None:
-    fair = FairDispatch(client, depth=1, lease_seconds=60)
-    queue = queue_name()
+    fair, queue = fed(client, depth=1, lease_seconds=60)
     for n in range(3):
         fair.put(queue, "t", 0, envelope(f"id-{n}", "t"))
     broker = RedisBroker(client, queues=[queue], delayed_key=f"{queue}:delayed")
@@ -168,10 +166,40 @@ def test_a_tenant_over_its_max_waiting_is_refused_and_others_are_not(own: Embedd
     )
     task = shared_task(producer, RECORD)
     run = uuid.uuid4().hex[:8]
-    for n in range(6):  # no worker: 1 in the queue, 5 in the lane
+    producer.runtime.fair.feed(producer.tiers.queue("default"))  # (as a worker of this release)
+    for n in range(6):  # no worker takes them: 1 in the queue, 5 in the lane
         task.apply_async((f"{run}-flood-{n}",), tenant="flood")
     time.sleep(1.1)  # (a producer reads a tenant's count at most once a second)
     with pytest.raises(Backpressure):
         task.apply_async((f"{run}-flood-over",), tenant="flood")
     task.apply_async((f"{run}-calm-0",), tenant="calm")  # another tenant: published
     producer.close()
+
+
+def test_without_a_worker_that_feeds_lanes_a_put_goes_straight_to_the_queue(
+    client: redis.Redis,
+) -> None:
+    # A producer upgraded before the workers: no worker of this release marked the queue
+    fair = FairDispatch(client, depth=1, lease_seconds=60)
+    queue = f"fair-{uuid.uuid4().hex[:8]}.default"
+    for n in range(3):
+        fair.put(queue, "t", 0, envelope(f"id-{n}", "t"))
+    assert client.llen(queue) == 3 and fair.waiting(queue) == {}
+    # Marked, the lanes are used; the mark lapses with the last such worker
+    fair.feed(queue, seconds=0.3)
+    fair.put(queue, "t", 0, envelope("id-3", "t"))
+    assert fair.waiting(queue) == {"t": 1}
+    wait_for(lambda: not client.exists(f"{queue}:fair:feeder"), timeout=5, what="mark lapsed")
+    fair.put(queue, "t", 0, envelope("id-4", "t"))
+    assert client.llen(queue) == 4 and fair.waiting(queue) == {"t": 1}
+
+
+def test_a_drain_moves_every_lane_to_the_queue_in_order(client: redis.Redis) -> None:
+    fair, queue = fed(client, depth=1)
+    for n in range(4):
+        fair.put(queue, "a", 0, envelope(f"a-{n}", "a"))
+        fair.put(queue, "b", 9, envelope(f"b-{n}", "b"))
+    assert fair.drain(queue) == 7  # (the first moved at its put: the queue was empty)
+    assert fair.waiting(queue) == {} and client.llen(f"{queue}:fair:ring") == 0
+    a = [json.loads(i)["headers"]["id"] for i in reversed(client.lrange(queue, 0, -1))]
+    assert a == [f"a-{n}" for n in range(4)]
