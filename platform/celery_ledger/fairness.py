@@ -22,7 +22,8 @@ A refill runs with every publish of a tenant's job, with every take from a tier 
 same pipeline as kombu's booking of the take: no round trip more) and every second in each
 worker (what a crashed process left unfed). Order inside a tenant is its lane's: first in,
 first out, per priority. Lanes are used only while a worker that feeds them is up (see
-:data:`FEEDER_SECONDS`); ``drain`` moves them all to the queue (a rollback).
+:data:`FEEDER_SECONDS`): a put that finds none moves what the lanes hold to the queue first
+(a fleet rolled back to a release without them), as ``drain`` does.
 
 Concurrency limits count a tenant's jobs from their move to the queue until they end, in a
 sorted set per tenant scored by when each entry lapses (the broker's clock): moved, an entry
@@ -146,8 +147,21 @@ local function lane(t, s) return p .. 'lane:' .. s .. ':' .. t end
 local function running(t) return p .. 'running:' .. t end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+local function drain()
+  local drained = 0
+  for _, tenant in ipairs(redis.call('SMEMBERS', active)) do
+    for _, s in ipairs(steps) do
+      while redis.call('RPOPLPUSH', lane(tenant, s), qlist(s)) do drained = drained + 1 end
+    end
+  end
+  redis.call('DEL', ring, active, credit)
+  return drained
+end
 if op == 'put' then
   if redis.call('EXISTS', p .. 'feeder') == 0 then
+    -- no worker feeds the lanes now (rolled back to a release without them): what they
+    -- hold goes to the queue first, then this message
+    if redis.call('SCARD', active) > 0 then drain() end
     redis.call('LPUSH', qlist(ARGV[8]), ARGV[9])
     return 0
   end
@@ -158,14 +172,7 @@ elseif op == 'release' then
 elseif op == 'feed' then
   redis.call('SET', p .. 'feeder', '1', 'PX', ARGV[7])
 elseif op == 'drain' then
-  local drained = 0
-  for _, tenant in ipairs(redis.call('SMEMBERS', active)) do
-    for _, s in ipairs(steps) do
-      while redis.call('RPOPLPUSH', lane(tenant, s), qlist(s)) do drained = drained + 1 end
-    end
-  end
-  redis.call('DEL', ring, active, credit)
-  return drained
+  return drain()
 end
 if redis.call('SCARD', active) == 0 then return 0 end
 local depth = 0

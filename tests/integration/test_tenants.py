@@ -190,8 +190,11 @@ def test_without_a_worker_that_feeds_lanes_a_put_goes_straight_to_the_queue(
     fair.put(queue, "t", 0, envelope("id-3", "t"))
     assert fair.waiting(queue) == {"t": 1}
     wait_for(lambda: not client.exists(f"{queue}:fair:feeder"), timeout=5, what="mark lapsed")
+    # ...and a put then (the fleet rolled back) takes what the lanes hold to the queue first
     fair.put(queue, "t", 0, envelope("id-4", "t"))
-    assert client.llen(queue) == 4 and fair.waiting(queue) == {"t": 1}
+    assert fair.waiting(queue) == {} and client.llen(queue) == 5
+    order = [json.loads(i)["headers"]["id"] for i in reversed(client.lrange(queue, 0, -1))]
+    assert order == [f"id-{n}" for n in range(5)]
 
 
 def test_a_drain_moves_every_lane_to_the_queue_in_order(client: redis.Redis) -> None:
@@ -203,3 +206,42 @@ def test_a_drain_moves_every_lane_to_the_queue_in_order(client: redis.Redis) -> 
     assert fair.waiting(queue) == {} and client.llen(f"{queue}:fair:ring") == 0
     a = [json.loads(i)["headers"]["id"] for i in reversed(client.lrange(queue, 0, -1))]
     assert a == [f"a-{n}" for n in range(4)]
+
+
+def test_a_fleet_rolled_back_to_workers_without_lanes_runs_every_tenants_job_once(
+    own: EmbeddedStack,
+) -> None:
+    # Given a worker of this release (it feeds the lanes) beside one of a release without fair
+    # dispatch (LEDGER_FAIR_QUEUE_DEPTH=0 behaves as one: it neither marks nor feeds them)
+    new = start_healing_worker(own, "tenants-new", concurrency=1)
+    old = start_healing_worker(
+        own, "tenants-old", concurrency=1, env={"LEDGER_FAIR_QUEUE_DEPTH": "0"}
+    )
+    producer = producer_app(own, f"tenants_{uuid.uuid4().hex[:6]}")
+    task = shared_task(producer, RECORD)
+    run = uuid.uuid4().hex[:8]
+    first = [f"{run}-first-{n}" for n in range(60)]
+    for n, token in enumerate(first):
+        task.apply_async((token,), {"sleep_seconds": 0.05}, tenant=f"t{n % 3}")
+    wait_for(
+        lambda: sum(effect_count("record", t) for t in first) >= 10, timeout=60, what="running"
+    )
+    # When the new worker goes (a rollback) with jobs still in the lanes
+    new.stop()
+    time.sleep(11)  # (its mark on the queue lapses)
+    # ...and the producer publishes more
+    later = [f"{run}-later-{n}" for n in range(10)]
+    for n, token in enumerate(later):
+        task.apply_async((token,), tenant=f"t{n % 3}")
+
+    # Then every job runs once, on the old worker
+    def ended() -> bool:
+        return all(
+            (r := producer.ledger.get(task.name, t)) is not None and r.state is State.SUCCEEDED
+            for t in first + later
+        )
+
+    wait_for(ended, timeout=120, interval=0.5, what="every job succeeded")
+    assert [t for t in first + later if effect_count("record", t) != 1] == []
+    assert old.alive()
+    producer.close()
