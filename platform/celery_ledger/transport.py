@@ -42,6 +42,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 from redis import exceptions as redis_errors
+from redis.exceptions import NoScriptError
 
 from .clock import ServerClock, redis_time
 from .envelope import envelope_problem
@@ -109,8 +110,7 @@ class QoS(kombu_redis.QoS):
                 if isinstance(result, Exception):
                     raise result
             if len(results) > 2 and isinstance(results[2], Exception):
-                # The lanes are fed again by the next take, publish or the workers' refill
-                logger.warning("refill of %s after a take failed: %s", taken_from, results[2])
+                self._refill_again(taken_from, results[2])
             virtual.QoS.append(self, message, delivery_tag)
 
     # A broker at its memory limit (``maxmemory`` with ``noeviction``) still answers reads and
@@ -119,6 +119,18 @@ class QoS(kombu_redis.QoS):
     # refused booking raised out of the worker's loop, which ended the worker with the message
     # in neither the queue nor the bookkeeping (lost), and so did a refused requeue. A full
     # broker is what a deep backlog makes, so every worker lost a message and died in turn.
+
+    def _refill_again(self, queue: str, error: Exception) -> None:
+        """A take's refill that failed in the booking's pipeline: the script unknown to the
+        broker (restarted) is sent whole now; any other failure is left to the next take, put
+        or housekeeping tick (the booking itself stood)."""
+        fair = self.channel.fair
+        try:
+            if not isinstance(error, NoScriptError) or fair is None:
+                raise error
+            fair.refill(queue)
+        except redis_errors.RedisError as exc:
+            logger.warning("refill of %s after a take failed: %s", queue, exc)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -261,15 +273,17 @@ class Channel(kombu_redis.Channel):
             super()._put(queue, message, **kwargs)
             return
         step = self.priority(self._get_message_priority(message, reverse=False))
-        args = put_arguments(
-            queue, tenant, step, dumps(message), int(self.ledger_fair_depth), self.ledger_fair_lease
-        )
+        payload = dumps(message)
         batch = kwargs.pop("_publish_batch", None)
-        if batch is not None:  # kombu's producer batch (bulk_publish.py): one pipeline
+        if batch is not None:  # kombu's producer batch (bulk_publish.py): one pipeline, whose
+            # failure leaves its delivery uncertain: the script whole, never NOSCRIPT
+            depth, lease = int(self.ledger_fair_depth), self.ledger_fair_lease
+            args = put_arguments(queue, tenant, step, payload, depth, lease)
             batch.add("eval", FAIR_SCRIPT, 0, *args)
             return
-        with self.conn_or_acquire() as client:
-            client.eval(FAIR_SCRIPT, 0, *args)
+        fair = self.fair
+        assert fair is not None  # (ledger_fair_depth is set)
+        fair.put(queue, tenant, step, payload)
 
     def _broker_time(self) -> float:
         with self.conn_or_acquire() as client:
