@@ -17,6 +17,8 @@ observer's exception: observing can never fail a task. Events:
                                           the job runs again (a server losing commits)
     breaker(name, old, new)               a circuit breaker changed state
     shed(tier)                            a publish was shed by backpressure
+    tenant_refused(tier, tenant, policy)  a tenant's publish past its max_waiting was refused
+                                          by its tier's policy (shed, reject, block timed out)
     throttle(queue, engaged, reason)      bulk consumption paused or resumed
     step_skipped(job, step, reason)       an optional step was skipped (the job goes on)
     degraded(job, reason, fallback)       a fallback's answer was recorded instead of waiting
@@ -95,6 +97,11 @@ class Observer:
 
     def shed(self, tier: str) -> None:
         """A publish to ``tier`` was shed by backpressure (kept as a replayable dead letter)."""
+
+    def tenant_refused(self, tier: str, tenant: str, policy: str) -> None:
+        """A publish of ``tenant``'s job to ``tier`` found the tenant past its ``max_waiting``
+        and was refused by the tier's ``policy``: ``shed`` (kept as a replayable dead letter),
+        ``reject`` or ``block`` (its wait timed out: :class:`Backpressure` raised)."""
 
     def throttle(self, queue: str, engaged: bool, reason: str | None) -> None:
         """This worker paused (``engaged``) or resumed consuming ``queue``."""
@@ -204,6 +211,9 @@ class Observers(Observer):
 
     def shed(self, tier: str) -> None:
         self._dispatch("shed", tier)
+
+    def tenant_refused(self, tier: str, tenant: str, policy: str) -> None:
+        self._dispatch("tenant_refused", tier, tenant, policy)
 
     def throttle(self, queue: str, engaged: bool, reason: str | None) -> None:
         self._dispatch("throttle", queue, engaged, reason)

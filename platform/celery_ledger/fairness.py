@@ -31,6 +31,10 @@ lives for the visibility timeout (a message cannot wait longer unrestored); runn
 heartbeats keep it a lease ahead; ended, the worker removes it. A worker that dies frees its
 tenant's slots within a lease.
 
+What the lanes hold is read by :meth:`FairDispatch.shares`: each tenant's jobs waiting and
+running, the ``top`` tenants by waiting each on a row of its own and the rest summed as
+``other``, so that the metrics and the console stay bounded however many tenants there are.
+
 Redis only holds the policies as the workers last wrote them (``<queue>:fair:policy``, a field
 per tenant and ``*`` for the others): every worker writes the app's at start.
 
@@ -57,6 +61,10 @@ DEFAULT_TENANT = "*"  # the policy field of every tenant not named
 # holds them equal to kombu's)
 PRIORITY_STEPS = (0, 3, 6, 9)
 _PRIORITY_SEPARATOR = "\x06\x16"
+
+# The row of the tenants past the top ones (metrics labels, the console's rows). A tenant named
+# "other" is summed there too, never shown as if it were the rest.
+OTHER_TENANTS = "other"
 
 # How many messages one refill moves at most (a script holds the broker while it runs).
 REFILL_BATCH = 100
@@ -94,6 +102,41 @@ class TenantPolicy:
     def encoded(self) -> str:
         """The policy as the script reads it: ``weight,concurrency`` (0: none)."""
         return f"{self.weight},{self.concurrency or 0}"
+
+
+@dataclass(frozen=True)
+class TenantShare:
+    """A tenant's part of a queue now: its jobs ``waiting`` in its lanes, and ``running``, its
+    jobs moved to the queue and not ended (counted only for a tenant with a concurrency
+    limit: see the module docstring)."""
+
+    tenant: str
+    waiting: int
+    running: int
+
+
+def top_shares(
+    waiting: Mapping[str, int], running: Mapping[str, int], *, top: int
+) -> list[TenantShare]:
+    """The ``top`` tenants by jobs waiting (then running, then name), a row each, and after
+    them one row ``other`` summing the rest (only if there is a rest): at most ``top + 1``
+    rows, whatever the number of tenants."""
+    if top < 0:
+        raise ValueError("top must not be negative")
+    tenants = set(waiting) | set(running)
+    order = sorted(tenants, key=lambda t: (-waiting.get(t, 0), -running.get(t, 0), t))
+    named = [t for t in order if t != OTHER_TENANTS][:top]
+    rows = [TenantShare(t, waiting.get(t, 0), running.get(t, 0)) for t in named]
+    rest = tenants - set(named)
+    if rest:
+        rows.append(
+            TenantShare(
+                OTHER_TENANTS,
+                sum(waiting.get(t, 0) for t in rest),
+                sum(running.get(t, 0) for t in rest),
+            )
+        )
+    return rows
 
 
 def check_tenant(tenant: Any) -> str:
@@ -368,6 +411,10 @@ class FairDispatch:
             if n:
                 counts[name] = n
         return counts
+
+    def shares(self, queue: str, *, top: int) -> list[TenantShare]:
+        """The tenants of ``queue`` with work, waiting or running (:func:`top_shares`)."""
+        return top_shares(self.waiting(queue), self.running(queue), top=top)
 
     def lanes(self, queue: str) -> list[str]:
         """Every lane of ``queue`` that holds messages (the reconciler reads them as the

@@ -242,7 +242,7 @@ class Runtime:
         fair = self.fair
         if fair is None:
             return None
-        gate = TenantGate(fair, self.settings.tenants)
+        gate = TenantGate(fair, self.settings.tenants, on_refused=self.observers.tenant_refused)
         return gate if gate.limited() else None
 
     @cached_property

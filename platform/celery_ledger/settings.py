@@ -153,6 +153,13 @@ class Settings(SentinelSettings):
         description="Fair dispatch: the most messages a tier"
         " queue holds while tenants' jobs wait in lanes (0: off, queued as any other job).",
     )
+    tenants_top: int = Field(
+        10,
+        ge=0,
+        le=100,
+        description="Tenants named per tier in the metrics and the console, the most waiting"
+        ' first; the rest are summed as tenant "other" (bounded label values).',
+    )
     rate_limits: dict[str, RateLimit] = Field(
         default_factory=dict,
         description="Token buckets shared by all workers (JSON), e.g."

@@ -936,6 +936,8 @@ def test_every_documented_event_is_emitted_by_the_platform() -> None:
     observers = Observers(recorder := Recorder())
     observers.breaker("payments", "closed", "open")
     observers.shed("bulk")
+    # (and a tenant's gate: tests/unit/test_tenancy.py sees the gate's refusals)
+    observers.tenant_refused("bulk", "acme", "shed")
     observers.throttle("bulk", True, "backlog")
     # workflows report there too (tests/integration/test_workflow_model.py sees the engine's)
     observers.workflow_step("shop.fulfil", "payments.charge", 0.5, True)

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from celery_ledger import Job, Settings, create_app
+from celery_ledger.fairness import top_shares
 from celery_ledger.handoff import Parked
 from celery_ledger.headers import SENT_AT
 from celery_ledger.ledger.dead import DeadLetter
@@ -183,6 +184,7 @@ def test_scrape_time_gauges_and_a_broker_outage() -> None:
         ledger=SimpleNamespace(count_dead=None),  # calling it fails
         parking=SimpleNamespace(all=lambda: parked),
         message_time=lambda: 1_000.0,
+        fair=None,  # fair dispatch off: no tenants' gauges
     )
     registry = CollectorRegistry()
     registry.register(StateCollector(app, ["critical", "default"]))
@@ -209,6 +211,7 @@ def test_workflows_by_state_and_their_steps_are_exported(registry: CollectorRegi
         ledger=SimpleNamespace(count_dead=lambda: 0),
         parking=SimpleNamespace(all=lambda: []),
         message_time=lambda: 0.0,
+        fair=None,
     )
     counts = {"running": 4, "stuck": 1, "completed": 10}
     scraped = CollectorRegistry()
@@ -251,6 +254,8 @@ def test_scrapes_within_the_cache_time_read_the_broker_and_the_ledger_once() -> 
         ledger=SimpleNamespace(count_dead=counted("dead", 5)),
         parking=SimpleNamespace(all=counted("parked", [])),
         message_time=lambda: 0.0,
+        tiers=SimpleNamespace(names=("critical",), queue=lambda tier: f"ns.{tier}"),
+        fair=SimpleNamespace(shares=lambda queue, top: counted("tenants", [])()),
     )
     registry = CollectorRegistry()
     collector = StateCollector(
@@ -265,12 +270,14 @@ def test_scrapes_within_the_cache_time_read_the_broker_and_the_ledger_once() -> 
         assert value(registry, "celery_ledger_dead_letters") == 5
         now[0] += 0.5
     # Then each backend was read once
-    assert sorted(reads) == ["breakers", "dead", "delayed", "depths", "parked", "workflows"]
+    assert sorted(reads) == [
+        "breakers", "dead", "delayed", "depths", "parked", "tenants", "workflows"
+    ]  # fmt: skip
 
     # And the next scrape after the cache time reads again
     now[0] += 10
     assert value(registry, "celery_ledger_queue_depth", queue="critical") == 2
-    assert len(reads) == 12
+    assert len(reads) == 14
 
 
 def _call(app: Any, authorization: str | None) -> tuple[str, bytes]:
@@ -340,3 +347,77 @@ def test_labels_never_come_from_message_content(app: Any, registry: CollectorReg
         if "task" in sample.labels
     }
     assert names <= {TASK, "unregistered"}
+
+
+def test_each_tiers_top_tenants_are_gauged_and_the_rest_summed_as_other() -> None:
+    # Given two tiers' lanes: twelve tenants waiting on default, a capped one running on bulk
+    waiting = {"default": {f"t{n:02}": 100 - n for n in range(12)}, "bulk": {}}
+    running = {"default": {"t00": 2}, "bulk": {"capped": 3}}
+    queues = {"ns.default": "default", "ns.bulk": "bulk"}
+
+    def shares(queue: str, *, top: int) -> list[Any]:
+        tier = queues[queue]
+        return top_shares(waiting[tier], running[tier], top=top)
+
+    runtime = SimpleNamespace(
+        queue_depths=SimpleNamespace(depths=lambda: {}),
+        delayed=SimpleNamespace(pending=lambda: 0),
+        breakers=SimpleNamespace(statuses=lambda: []),
+        ledger=SimpleNamespace(count_dead=lambda: 0),
+        parking=SimpleNamespace(all=lambda: []),
+        message_time=lambda: 0.0,
+        tiers=SimpleNamespace(names=("default", "bulk"), queue=lambda tier: f"ns.{tier}"),
+        fair=SimpleNamespace(shares=shares),
+    )
+    # When it is scraped with the ten most waiting named
+    registry = CollectorRegistry()
+    registry.register(StateCollector(runtime, [], tenants_top=10))
+    samples = [
+        s
+        for family in registry.collect()
+        if family.name == "celery_ledger_tenant_waiting"
+        for s in family.samples
+    ]
+    # Then eleven series on default: the ten most waiting, and the last two summed as other
+    named = {s.labels["tenant"]: s.value for s in samples if s.labels["tier"] == "default"}
+    assert len(named) == 11 and named["t00"] == 100 and named["t09"] == 91
+    assert named["other"] == 90 + 89  # t10 and t11
+    assert value(registry, "celery_ledger_tenant_running", tier="default", tenant="t00") == 2
+    # and the capped tenant's slots on bulk, with nothing waiting
+    assert value(registry, "celery_ledger_tenant_running", tier="bulk", tenant="capped") == 3
+    assert value(registry, "celery_ledger_tenant_waiting", tier="bulk", tenant="capped") == 0
+    assert value(registry, "celery_ledger_dependency_up", dependency="broker") == 1
+
+    # And lanes that cannot be read leave the other gauges and the broker's state alone
+    runtime.fair = SimpleNamespace(shares=None)  # calling it fails
+    broken = CollectorRegistry()
+    broken.register(StateCollector(runtime, []))
+    assert broken.get_sample_value("celery_ledger_tenant_waiting", {"tier": "default",
+                                   "tenant": "t00"}) is None  # fmt: skip
+    assert value(broken, "celery_ledger_dependency_up", dependency="broker") == 1
+
+
+def test_tenant_refusals_are_counted_by_a_named_tenant_or_other(
+    registry: CollectorRegistry,
+) -> None:
+    # Given an observer of an app whose LEDGER_TENANTS names acme
+    observer = MetricsObserver(named_tenants=frozenset({"acme", "*"}))
+    # When acme's publishes and unnamed tenants' are refused
+    observer.tenant_refused("bulk", "acme", "shed")
+    observer.tenant_refused("bulk", "acme", "shed")
+    observer.tenant_refused("default", "flood-4711", "reject")
+    observer.tenant_refused("default", "flood-4712", "block")
+    observer.tenant_refused("nowhere", "acme", "whatever the text")
+    # Then acme has its own label, the others are "other", tiers and policies stay bounded
+    counted = "celery_ledger_tenant_refusals_total"
+    assert value(registry, counted, tier="bulk", tenant="acme", policy="shed") == 2
+    assert value(registry, counted, tier="default", tenant="other", policy="reject") == 1
+    assert value(registry, counted, tier="default", tenant="other", policy="block") == 1
+    assert value(registry, counted, tier="unknown", tenant="acme", policy="other") == 1
+    tenants = {
+        s.labels["tenant"]
+        for family in registry.collect()
+        if family.name == "celery_ledger_tenant_refusals"
+        for s in family.samples
+    }
+    assert tenants == {"acme", "other"}

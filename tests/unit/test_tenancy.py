@@ -5,11 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from kombu.transport import redis as kombu_redis
 
 from celery_ledger import Settings, headers
 from celery_ledger.errors import Backpressure, ConfigurationError, PayloadError
-from celery_ledger.fairness import PRIORITY_STEPS, TENANT_PROPERTY, TenantPolicy, check_tenant
+from celery_ledger.fairness import (
+    OTHER_TENANTS,
+    PRIORITY_STEPS,
+    TENANT_PROPERTY,
+    TenantPolicy,
+    TenantShare,
+    check_tenant,
+    top_shares,
+)
 from celery_ledger.policies.tenants import TenantGate, policy_of
 from celery_ledger.tenancy import tenant_of_call
 
@@ -166,3 +176,60 @@ def test_the_count_is_read_once_a_second() -> None:
     clock.now += 1.0
     made.check("default", "q", "acme", policy="reject", block_seconds=1)
     assert lanes.reads == 2
+
+
+def test_each_refusal_is_reported_once_with_its_policy_and_a_drained_block_is_not() -> None:
+    # Given a gate whose refusals are recorded, and a tenant at its mark
+    refused: list[tuple[str, str, str]] = []
+    made, lanes, clock = gate(5, acme=TenantPolicy(max_waiting=5))
+    made._on_refused = lambda *event: refused.append(event)
+    # When its publishes are shed, rejected, and blocked past the timeout
+    assert made.check("bulk", "q", "acme", policy="shed", block_seconds=1) is False
+    for policy in ("reject", "block"):
+        with pytest.raises(Backpressure):
+            made.check("default", "q", "acme", policy=policy, block_seconds=1)
+    # Then each is reported with its tier and policy
+    assert refused == [("bulk", "acme", "shed"), ("default", "acme", "reject"),
+                       ("default", "acme", "block")]  # fmt: skip
+    # And a blocked publish that goes once the tenant drains is no refusal
+    lanes.count = 0
+    clock.now += 1.0
+    assert made.check("default", "q", "acme", policy="block", block_seconds=1)
+    assert len(refused) == 3
+
+
+@given(
+    waiting=st.dictionaries(st.sampled_from("abcdefghij"), st.integers(0, 50), max_size=10),
+    running=st.dictionaries(st.sampled_from("abcdefghij"), st.integers(0, 5), max_size=10),
+    top=st.integers(0, 12),
+)
+def test_the_top_tenants_and_other_keep_every_job_in_at_most_top_plus_one_rows(
+    waiting: dict[str, int], running: dict[str, int], top: int
+) -> None:
+    rows = top_shares(waiting, running, top=top)
+    # at most top + 1 rows, "other" only last, and nothing lost or counted twice
+    assert len(rows) <= top + 1
+    assert [r.tenant for r in rows].count(OTHER_TENANTS) <= 1
+    assert all(r.tenant != OTHER_TENANTS for r in rows[:-1])
+    assert sum(r.waiting for r in rows) == sum(waiting.values())
+    assert sum(r.running for r in rows) == sum(running.values())
+    # the named ones are the most waiting: none left in "other" waits more than any of them
+    named = [r for r in rows if r.tenant != OTHER_TENANTS]
+    rest = (set(waiting) | set(running)) - {r.tenant for r in named}
+    if named and rest:
+        assert max(waiting.get(t, 0) for t in rest) <= min(r.waiting for r in named)
+
+
+def test_the_top_tenants_by_waiting_then_running_then_name() -> None:
+    waiting = {"flood": 900, "calm": 3, "idle": 0, "other": 50, "z": 3}
+    running = {"capped": 4, "idle": 1}
+    rows = top_shares(waiting, running, top=3)
+    # a tenant named "other" is summed with the rest, never shown as if it were them
+    assert rows == [
+        TenantShare("flood", 900, 0),
+        TenantShare("calm", 3, 0),
+        TenantShare("z", 3, 0),
+        TenantShare(OTHER_TENANTS, 50, 5),
+    ]
+    assert top_shares({"a": 1}, {}, top=3) == [TenantShare("a", 1, 0)]  # no rest: no "other"
+    assert top_shares({}, {}, top=3) == []

@@ -64,7 +64,8 @@ def install(app: Celery, runtime: Runtime) -> None:
     if settings.metrics_port is not None:
         from .exporter import MetricsStep
 
-        _metrics_module().instrument(runtime.observers, lambda: app.tasks)
+        named = frozenset(settings.tenants)  # ("*" is no tenant's name: never a label)
+        _metrics_module().instrument(runtime.observers, lambda: app.tasks, named)
         app.steps["worker"].add(MetricsStep)
     if settings.sentry_dsn:
         from .sentry import install as install_sentry

@@ -99,10 +99,12 @@ class StateCollector(Collector):
         workflow_counts: Callable[[], dict[str, int]] | None = None,
         *,
         cache_seconds: float = 0.0,
+        tenants_top: int = 10,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runtime = runtime
         self.consuming = consuming
+        self.tenants_top = tenants_top  # tenants named per tier; the rest are "other"
         self.workflow_counts = workflow_counts  # workflows by status, from the ledger
         self.cache_seconds = cache_seconds
         self.clock = clock
@@ -134,6 +136,8 @@ class StateCollector(Collector):
         except Exception as exc:
             broker_up = False
             logger.warning("metrics: broker unreachable on scrape: %s", exc)
+        if broker_up:
+            yield from self._tenants()
         up.add_metric(["broker"], 1 if broker_up else 0)
         ledger_up = True
         try:
@@ -185,6 +189,36 @@ class StateCollector(Collector):
             breakers.add_metric([status.name], BREAKER_VALUES[status.state])
         yield from (depth, delayed, breakers)
         yield from self._parked()
+
+    def _tenants(self) -> Iterator[Metric]:
+        """Each tier's tenants with work (fairness.py), the most waiting by name, the rest
+        summed as ``other``: as many series per tier as ``tenants_top`` + 1, however many
+        tenants there are. Nothing with fair dispatch off."""
+        fair = self.runtime.fair
+        if fair is None:
+            return
+        waiting = GaugeMetricFamily(
+            "celery_ledger_tenant_waiting",
+            "Jobs of a tenant waiting in its lanes of a tier (fair dispatch), the tenants most"
+            " waiting by name and the rest as 'other'.",
+            labels=["tier", "tenant"],
+        )
+        running = GaugeMetricFamily(
+            "celery_ledger_tenant_running",
+            "Jobs of a tenant with a concurrency limit moved to its tier's queue and not"
+            " ended (its slots in use), for the same tenants.",
+            labels=["tier", "tenant"],
+        )
+        tiers = self.runtime.tiers
+        try:
+            for tier in tiers.names:
+                for share in fair.shares(tiers.queue(tier), top=self.tenants_top):
+                    waiting.add_metric([tier, share.tenant], share.waiting)
+                    running.add_metric([tier, share.tenant], share.running)
+        except Exception as exc:  # (the broker answered the reads before: not its outage)
+            logger.warning("metrics: tenants' lanes unreadable on scrape: %s", exc)
+            return
+        yield from (waiting, running)
 
     def _parked(self) -> Iterator[Metric]:
         """The messages parked for a worker that can run them (celery_ledger.handoff)."""
@@ -245,6 +279,7 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 consuming,
                 workflow_counts,
                 cache_seconds=settings.metrics_cache_seconds,
+                tenants_top=settings.tenants_top,
             )
         )
         port, address = settings.metrics_port, settings.metrics_address

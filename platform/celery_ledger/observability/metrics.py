@@ -94,6 +94,12 @@ class LedgerMetrics:
             "celery_ledger_poison_messages_total", "Undecodable or unknown messages.", ("queue",)
         )
         self.shed = counter("celery_ledger_publishes_shed_total", "Publishes shed.", ("tier",))
+        self.tenant_refused = counter(
+            "celery_ledger_tenant_refusals_total",
+            "Publishes of a tenant past its max_waiting refused by its tier's policy (shed,"
+            " reject, block timed out), by tenant: those LEDGER_TENANTS names, the rest 'other'.",
+            ("tier", "tenant", "policy"),
+        )
         self.breaker_transitions = counter(
             "celery_ledger_breaker_transitions_total", "Breaker state changes.", ("breaker", "to")
         )
@@ -309,9 +315,16 @@ class MetricsObserver(Observer):
     :func:`category`.
     """
 
-    def __init__(self, known_tasks: Callable[[], Container[str]] = tuple) -> None:
+    def __init__(
+        self,
+        known_tasks: Callable[[], Container[str]] = tuple,
+        named_tenants: Container[str] = (),
+    ) -> None:
         self._starts = _Starts()
         self._known_tasks = known_tasks
+        # A tenant label names a tenant the app's LEDGER_TENANTS names (a bounded set of the
+        # operator's choosing; a counter cannot rank tenants as the scraped gauges do).
+        self._named_tenants = named_tenants
 
     def _task(self, name: str) -> str:
         return name if name in self._known_tasks() else "unregistered"
@@ -374,6 +387,11 @@ class MetricsObserver(Observer):
     @_safe
     def shed(self, tier: str) -> None:
         _m().shed.labels(_tier(tier)).inc()
+
+    @_safe
+    def tenant_refused(self, tier: str, tenant: str, policy: str) -> None:
+        label = tenant if tenant in self._named_tenants and tenant != OTHER else OTHER
+        _m().tenant_refused.labels(_tier(tier), label, category(policy, REFUSALS)).inc()
 
     @_safe
     def throttle(self, queue: str, engaged: bool, reason: str | None) -> None:
@@ -444,14 +462,18 @@ class MetricsObserver(Observer):
 
 
 TRIGGER_PROBLEMS = frozenset({"invalidated", "history_lost", "invalid_token", "stuck"})
+REFUSALS = frozenset({"shed", "reject", "block"})
 
 
 def instrument(
-    observers: Any, known_tasks: Callable[[], Container[str]] = tuple
+    observers: Any,
+    known_tasks: Callable[[], Container[str]] = tuple,
+    named_tenants: Container[str] = (),
 ) -> MetricsObserver:
     """Add the metrics observer and the queue-wait signal handler (recorded once enabled);
-    ``known_tasks`` gives the names of the app's tasks (its registry)."""
-    observer = MetricsObserver(known_tasks)
+    ``known_tasks`` gives the names of the app's tasks (its registry), ``named_tenants`` the
+    tenants its ``LEDGER_TENANTS`` names."""
+    observer = MetricsObserver(known_tasks, named_tenants)
     observers.add(observer)
     signals.task_prerun.connect(observe_queue_wait, weak=False, dispatch_uid="ledger-metrics")
     return observer
@@ -512,6 +534,7 @@ METRIC_NAMES = frozenset(
         "celery_ledger_commits_lost_total",
         "celery_ledger_poison_messages_total",
         "celery_ledger_publishes_shed_total",
+        "celery_ledger_tenant_refusals_total",
         "celery_ledger_breaker_transitions_total",
         "celery_ledger_ledger_command_failures_total",
         "celery_ledger_ledger_unavailable_total",
@@ -549,5 +572,7 @@ METRIC_NAMES = frozenset(
         "celery_ledger_dependency_up",
         "celery_ledger_worker_consuming",
         "celery_ledger_workflows",
+        "celery_ledger_tenant_waiting",
+        "celery_ledger_tenant_running",
     }
 )

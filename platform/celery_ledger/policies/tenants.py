@@ -36,9 +36,11 @@ class TenantGate:
         *,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        on_refused: Callable[[str, str, str], None] | None = None,
     ) -> None:
         self._fair = fair
         self._policies = policies
+        self._on_refused = on_refused  # (tier, tenant, policy): the observers' event
         self._clock = clock
         self._sleep = sleep
         self._seen: dict[tuple[str, str], tuple[float, int]] = {}
@@ -73,14 +75,16 @@ class TenantGate:
         if waiting is None:
             return True
         most = policy_of(self._policies, tenant).max_waiting or 0
-        if policy == "shed":
-            return False
         if policy == "block":
             deadline = self._clock() + block_seconds
             while self._clock() < deadline:
                 self._sleep(BLOCK_POLL_SECONDS)
                 if self.over(queue, tenant, fresh=True) is None:
                     return True
+        if self._on_refused is not None:
+            self._on_refused(tier, tenant, policy)
+        if policy == "shed":
+            return False
         raise Backpressure(f"{tier} (tenant {tenant!r})", waiting, most)
 
 
