@@ -108,11 +108,12 @@ class TenantPolicy:
 class TenantShare:
     """A tenant's part of a queue now: its jobs ``waiting`` in its lanes, and ``running``, its
     jobs moved to the queue and not ended (counted only for a tenant with a concurrency
-    limit: see the module docstring)."""
+    limit: see the module docstring). The ``other`` row sums ``tenants`` tenants."""
 
     tenant: str
     waiting: int
     running: int
+    tenants: int = 1
 
 
 def top_shares(
@@ -134,6 +135,7 @@ def top_shares(
                 OTHER_TENANTS,
                 sum(waiting.get(t, 0) for t in rest),
                 sum(running.get(t, 0) for t in rest),
+                len(rest),
             )
         )
     return rows

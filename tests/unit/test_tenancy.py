@@ -213,6 +213,7 @@ def test_the_top_tenants_and_other_keep_every_job_in_at_most_top_plus_one_rows(
     assert all(r.tenant != OTHER_TENANTS for r in rows[:-1])
     assert sum(r.waiting for r in rows) == sum(waiting.values())
     assert sum(r.running for r in rows) == sum(running.values())
+    assert sum(r.tenants for r in rows) == len(set(waiting) | set(running))
     # the named ones are the most waiting: none left in "other" waits more than any of them
     named = [r for r in rows if r.tenant != OTHER_TENANTS]
     rest = (set(waiting) | set(running)) - {r.tenant for r in named}
@@ -229,7 +230,7 @@ def test_the_top_tenants_by_waiting_then_running_then_name() -> None:
         TenantShare("flood", 900, 0),
         TenantShare("calm", 3, 0),
         TenantShare("z", 3, 0),
-        TenantShare(OTHER_TENANTS, 50, 5),
+        TenantShare(OTHER_TENANTS, 50, 5, tenants=3),
     ]
     assert top_shares({"a": 1}, {}, top=3) == [TenantShare("a", 1, 0)]  # no rest: no "other"
     assert top_shares({}, {}, top=3) == []

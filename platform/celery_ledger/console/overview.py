@@ -83,6 +83,8 @@ class OverviewData:
         open_breakers = [b for b in breakers if b.state.value != "closed"]
         return {
             "rows": rows,
+            "tenants": self.tenants(queues, problems),
+            "tenants_top": settings.tenants_top,
             "charts": self.charts(tiers, rows_of_hour, ledger_now, open_breakers, problems),
             "capped": len(rows_of_hour) >= HOUR_LIMIT,
             "health": self.health(),
@@ -93,6 +95,19 @@ class OverviewData:
             "minutes": SPARK_MINUTES,
             "now": runtime.ledger.now(),  # (the records' clock)
         }
+
+    def tenants(self, queues: dict[str, str], problems: list[str]) -> dict[str, list[Any]] | None:
+        """Each tier's tenants with work, waiting and running (fairness.py: the most waiting
+        by name, the rest as one ``other`` row); None with fair dispatch off."""
+        fair = self.app.runtime.fair
+        if fair is None:
+            return None
+        top = self.app.settings.tenants_top
+        try:
+            return {tier: fair.shares(queue, top=top) for tier, queue in queues.items()}
+        except Exception as exc:  # shown, never a broken page
+            problems.append(f"broker (tenants): {type(exc).__name__}: {exc}")
+            return {}
 
     def hour(self) -> tuple[list[dict[str, Any]], datetime]:
         """The records that ended in the last hour (cached a few seconds: one bounded range
