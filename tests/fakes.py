@@ -20,7 +20,7 @@ from celery_ledger.errors import CommitLost, LeaseLost
 from celery_ledger.identity import derive_task_id
 from celery_ledger.ledger.dead import DeadJob
 from celery_ledger.ledger.message import KeptMessage
-from celery_ledger.ledger.record import LedgerRecord, State
+from celery_ledger.ledger.record import LedgerRecord, State, tenant_of_document
 from celery_ledger.ledger.store import (
     COPY_DUE_SHIFT,
     COPY_GRACE,
@@ -788,6 +788,7 @@ class MemoryLedger:
         task: str | None = None,
         since: datetime | None = None,
         reason: str | None = None,
+        tenant: str | None = None,
         limit: int = 1000,
         include_purged: bool = False,
         after: tuple[datetime | None, str] | None = None,
@@ -804,6 +805,7 @@ class MemoryLedger:
             and (task is None or d.get("task") == task)
             and (since is None or d["finished_at"] >= since)
             and (not reason or reason.lower() in str(d.get("dead_reason", "")).lower())
+            and (not tenant or tenant_of_document(d) == tenant)
             and (include_purged or not d.get("purged_at"))
             and (after is None or order(d) < order({"finished_at": after[0], "_id": after[1]}))
         ]

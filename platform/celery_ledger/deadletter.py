@@ -265,13 +265,11 @@ class DeadLetters:
                 )
 
     def _bury_poison(self, entry: dict[str, Any]) -> tuple[str, bool]:
-        found = entry.get("headers")
-        found = found if isinstance(found, dict) else {}
+        found: dict[str, Any] = entry["headers"] if isinstance(entry.get("headers"), dict) else {}
         task, ident = found.get("task"), found.get("id")
         reason = storable(str(entry.get("reason") or "poison message"))
         queue = _str(entry.get("queue"))
-        raw_b64 = _str(entry.get("raw_base64"))
-        raw = base64.b64decode(raw_b64)
+        raw = base64.b64decode(_str(entry.get("raw_base64")))
         kind = entry.get("raw_kind")
         message = KeptMessage.of_raw(
             raw,
@@ -352,11 +350,12 @@ class DeadLetters:
         task: str | None = None,
         reason: str | None = None,
         since: datetime | None = None,
+        tenant: str | None = None,
         limit: int = 1000,
     ) -> list[dict[str, Any]]:
-        """Dead records (not purged), newest first, filtered by task, reason (substring), time
-        (every filter before the limit)."""
-        return self._ledger.find_dead(task=task, since=since, reason=reason, limit=limit)
+        """Dead records (not purged), newest first; every filter applies before the limit."""
+        ledger = self._ledger
+        return ledger.find_dead(task=task, since=since, reason=reason, tenant=tenant, limit=limit)
 
     def each(
         self,
@@ -364,6 +363,7 @@ class DeadLetters:
         task: str | None = None,
         reason: str | None = None,
         since: datetime | None = None,
+        tenant: str | None = None,
         page_size: int = PAGE_SIZE,
     ) -> Iterator[dict[str, Any]]:
         """Every dead record that matches (not purged), newest first, ``page_size`` per ledger
@@ -375,7 +375,7 @@ class DeadLetters:
         after: tuple[Any, str] | None = None
         while True:
             page = self._ledger.find_dead(
-                task=task, since=since, reason=reason, limit=page_size, after=after
+                task=task, since=since, reason=reason, tenant=tenant, limit=page_size, after=after
             )
             yield from page
             if len(page) < page_size:

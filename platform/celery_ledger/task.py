@@ -923,7 +923,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             "shed",
             f"shed: {why} (depth {depth})",
             task=self.name,
-            message=self._kept(args, kwargs, message_headers),
+            message=self._kept(args, kwargs, message_headers, tenant),
             group="shed",
         )
         self.app.ledger.bury(record_id, dead, match=Unclaimed(), task=self.name, key=key, tier=tier)

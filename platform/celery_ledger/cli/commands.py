@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import __version__
+from ..ledger.record import State
 from ..routing import TIER_WORKER_DEFAULTS, TIERS
 from .breakers import breakers
 from .dlq import dlq
@@ -309,16 +310,40 @@ def reconcile_command(
     console.print(table)
 
 
-@ledger.command(short_help="Show a job's ledger record.")
-@click.argument("job")
+@ledger.command(short_help="Show a job's ledger record, or list a tenant's.")
+@click.argument("job", required=False)
 @click.argument("key", required=False)
+@click.option(
+    "--tenant",
+    help="Without JOB: list this tenant's records, the most recently changed first. With JOB:"
+    " show it only if it is this tenant's.",
+)
+@click.option(
+    "--state",
+    type=click.Choice([state.value for state in State]),
+    help="With --tenant and no JOB: only records in this state.",
+)
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the raw record as JSON.")
 @click.pass_context
-def show(ctx: click.Context, job: str, key: str | None, as_json: bool) -> None:
+def show(
+    ctx: click.Context,
+    job: str | None,
+    key: str | None,
+    tenant: str | None,
+    state: str | None,
+    limit: int,
+    as_json: bool,
+) -> None:
     """Show a job's ledger record: ``show JOB_ID`` (the Celery task id, ``AsyncResult.id``)
     or ``show TASK KEY`` (TASK: the task's full name, or its short name when only one task
-    of the app has it)."""
+    of the app has it); or list a tenant's records: ``show --tenant NAME [--state S]``."""
     app = _app(ctx)
+    if job is None:
+        if tenant is None:
+            raise click.UsageError("name a job (JOB_ID, or TASK KEY), or a tenant: --tenant NAME")
+        _list_tenant(app, tenant, State(state) if state else None, limit, as_json)
+        return
     if key is None:
         record = app.ledger.get_by_id(job)
         if record is None:
@@ -331,6 +356,9 @@ def show(ctx: click.Context, job: str, key: str | None, as_json: bool) -> None:
         record = app.ledger.get(task_name, key)
         if record is None:
             raise click.ClickException(f"no ledger record for {task_name} / {key}")
+    if tenant is not None and record.tenant != tenant:
+        owner = f"tenant {record.tenant!r}'s" if record.tenant else "no tenant's"
+        raise click.ClickException(f"{record.id} is {owner}, not tenant {tenant!r}'s")
     if as_json:
         click.echo(json.dumps(record.model_dump(mode="json"), indent=2))
         return
@@ -351,3 +379,32 @@ def show(ctx: click.Context, job: str, key: str | None, as_json: bool) -> None:
                 error.worker,
             )
         console.print(errors)
+
+
+def _list_tenant(app: Any, tenant: str, state: State | None, limit: int, as_json: bool) -> None:
+    """``show --tenant``: the tenant's records (the ledger's ``of_tenant``), without their
+    arguments or results (``show JOB_ID`` shows one whole)."""
+    docs = app.ledger.of_tenant(tenant, state=state, limit=limit + 1)
+    more, docs = len(docs) > limit, docs[:limit]
+    rows = [
+        {name: doc.get(name) for name in ("_id", "task", "key", "tier", "state", "updated_at")}
+        for doc in docs
+    ]
+    if more:  # on stderr, so that --json output stays one document
+        click.echo(f"the {limit} most recently changed; more exist: raise --limit", err=True)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, default=str))
+        return
+    title = f"tenant {tenant}: {len(rows)} records" + (" (more exist)" if more else "")
+    table = Table("id", "task", "key", "tier", "state", "changed", title=title)
+    for row in rows:
+        changed = row["updated_at"]
+        table.add_row(
+            str(row["_id"]),
+            str(row["task"]),
+            str(row["key"]),
+            str(row["tier"]),
+            str(row["state"]),
+            changed.isoformat(timespec="seconds") if hasattr(changed, "isoformat") else "",
+        )
+    console.print(table)

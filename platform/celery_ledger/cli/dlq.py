@@ -14,6 +14,7 @@ from rich.table import Table
 
 from .. import audit
 from ..deadletter import PAGE_SIZE, PURGE_LIMIT, since_of
+from ..ledger.record import tenant_of_document
 from ..operations import purge_dead, replay_dead
 from .options import actor_option
 
@@ -40,6 +41,7 @@ filters = [
     click.option("--task", "task_name", help="Only this task."),
     click.option("--reason", help="Only reasons containing this text."),
     click.option("--since", help="Only dead since: 30m, 2h, 7d or an ISO time."),
+    click.option("--tenant", help="Only this tenant's jobs (the record's, or its message's)."),
 ]
 
 
@@ -65,6 +67,7 @@ def list_(
     task_name: str | None,
     reason: str | None,
     since: str | None,
+    tenant: str | None,
     limit: int,
     as_json: bool,
     records: bool,
@@ -73,14 +76,18 @@ def list_(
     dead = _dead_letters(ctx)
     # One more than asked for: whether the listing is all there is, or its newest part.
     docs = dead.find(
-        task=task_name, reason=reason, since=parse_since(since, dead.ledger_now), limit=limit + 1
+        task=task_name,
+        reason=reason,
+        since=parse_since(since, dead.ledger_now),
+        tenant=tenant,
+        limit=limit + 1,
     )
     more = len(docs) > limit
     docs = docs[:limit]
     if more:  # on stderr, so that --json output stays one document
         click.echo(
             f"showing the newest {limit} dead jobs; more exist: raise --limit, or narrow with"
-            " --task, --reason or --since (replay and purge by filter take every match)",
+            " --task, --reason, --since or --tenant (replay and purge by filter take every match)",
             err=True,
         )
     shown = (
@@ -92,6 +99,7 @@ def list_(
                 "id": d["_id"],
                 "task": d.get("task"),
                 "key": d.get("key"),
+                "tenant": tenant_of_document(d),
                 "reason": d.get("dead_reason"),
                 "fingerprint": d.get("fingerprint"),
                 "dead_at": d.get("finished_at"),
@@ -102,12 +110,13 @@ def list_(
         if as_json:
             _echo_json(rows)
             return
-        table = Table("id", "task", "key", "reason", "dead at", title=shown)
+        table = Table("id", "task", "key", "tenant", "reason", "dead at", title=shown)
         for row in rows:
             table.add_row(
                 row["id"],
                 str(row["task"]),
                 str(row["key"]),
+                str(row["tenant"] or "-"),
                 str(row["reason"])[:60],
                 _when(row["dead_at"]),
             )
@@ -217,6 +226,7 @@ def replay(
     task_name: str | None,
     reason: str | None,
     since: str | None,
+    tenant: str | None,
     dry_run: bool,
     force_unsigned: bool,
     page_size: int,
@@ -233,15 +243,18 @@ def replay(
         if doc is None:
             raise click.ClickException(f"no record {ident!r}")
         docs = [doc]
-    elif task_name or reason or since:
+    elif task_name or reason or since or tenant:
         docs = dead.each(
             task=task_name,
             reason=reason,
             since=parse_since(since, dead.ledger_now),
+            tenant=tenant,
             page_size=page_size,
         )
     else:
-        raise click.UsageError("name a record (ID or KEY) or a filter (--task/--reason/--since)")
+        raise click.UsageError(
+            "name a record (ID or KEY) or a filter (--task/--reason/--since/--tenant)"
+        )
     if force_unsigned:
         click.echo(
             "--force-unsigned: messages that failed authentication are signed and run as the"
@@ -280,13 +293,18 @@ def purge(
     task_name: str | None,
     reason: str | None,
     since: str | None,
+    tenant: str | None,
     yes: bool,
     actor_name: str | None,
 ) -> None:
     """Delete dead records (after asking; the audit entry lists every record id removed)."""
     dead = _dead_letters(ctx)
     docs = dead.find(
-        task=task_name, reason=reason, since=parse_since(since, dead.ledger_now), limit=PURGE_LIMIT
+        task=task_name,
+        reason=reason,
+        since=parse_since(since, dead.ledger_now),
+        tenant=tenant,
+        limit=PURGE_LIMIT,
     )
     if not docs:
         console.print("nothing to purge")
@@ -294,13 +312,15 @@ def purge(
     if len(docs) == PURGE_LIMIT:
         console.print(f"at most {PURGE_LIMIT} records per purge: run it again for the rest")
     if not yes:
-        what = "every dead record" if not (task_name or reason or since) else "dead records"
+        what = (
+            "every dead record" if not (task_name or reason or since or tenant) else "dead records"
+        )
         click.confirm(f"Delete {len(docs)} {what} for good?", abort=True)
     purged = purge_dead(
         ctx.obj.app,
         docs,
         actor=audit.current_actor(actor_name),
-        filters={"task": task_name, "reason": reason, "since": since},
+        filters={"task": task_name, "reason": reason, "since": since, "tenant": tenant},
     )
     console.print(f"purged {len(purged.removed)} dead records")
     if purged.left:

@@ -25,6 +25,7 @@ from pymongo.errors import (
     WriteConcernError,
 )
 
+from .. import headers
 from ..errors import LedgerUnavailable, NotApplied, StoreError
 from ..locks import ForkSafeLock
 from ..tracecontext import ledger_operation
@@ -224,6 +225,13 @@ class RecordState(NamedTuple):
     def of(cls, doc: Mapping[str, Any]) -> RecordState:
         fleet = doc.get("fleet")
         return cls(str(doc.get("state")), fleet if isinstance(fleet, str) else None)
+
+
+def tenant_clauses(tenant: str) -> list[dict[str, Any]]:
+    """The ``$or`` that finds ``tenant``'s records: by their ``tenant`` field, or for a record
+    written without one (a claim from the message, a poison message, an earlier release) by
+    the headers of the message it keeps, where the tenant travels."""
+    return [{"tenant": tenant}, {"tenant": None, f"message.headers.{headers.TENANT}": tenant}]
 
 
 def _replacement_pending(doc: Mapping[str, Any]) -> bool:

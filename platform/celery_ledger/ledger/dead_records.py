@@ -25,6 +25,7 @@ from .core import (
     Unclaimed,
     _on_one_record,
     new_op,
+    tenant_clauses,
     translate_errors,
 )
 from .dead import DeadJob
@@ -160,17 +161,21 @@ class DeadRecords(LedgerBase):
         task: str | None = None,
         since: datetime | None = None,
         reason: str | None = None,
+        tenant: str | None = None,
         limit: int = 1000,
         include_purged: bool = False,
         after: tuple[datetime | None, str] | None = None,
     ) -> list[dict[str, Any]]:
         """Dead records, newest first (by death time, then id); every filter (``reason``: a
-        case-insensitive substring) applies before the limit, so a listing is never cut short
-        by what it hides. ``after``: only the records after this ``(finished_at, _id)`` in that
-        order (the last of the page before: see ``DeadLetters.each``)."""
+        case-insensitive substring; ``tenant``: the record's, or its kept message's for a
+        record without one) applies before the limit, so a listing is never cut short by what
+        it hides. ``after``: only the records after this ``(finished_at, _id)`` in that order
+        (the last of the page before: see ``DeadLetters.each``)."""
         query: dict[str, Any] = {"state": State.DEAD.value}
         if task:
             query["task"] = task
+        if tenant:  # (an operator's query: no index of its own, see ensure_indexes)
+            query["$or"] = tenant_clauses(tenant)
         if since:
             query["finished_at"] = {"$gte": since}
         if reason:

@@ -168,6 +168,7 @@ class DeadLetterStore(Protocol):
         task: str | None = None,
         since: datetime | None = None,
         reason: str | None = None,
+        tenant: str | None = None,
         limit: int = 1000,
         include_purged: bool = False,
         after: tuple[datetime | None, str] | None = None,

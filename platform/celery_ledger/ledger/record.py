@@ -8,6 +8,7 @@ message id that is not a job's record id to that record."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
@@ -60,6 +61,17 @@ class ErrorEntry(BaseModel):
     planned_delay_seconds: float | None = None
 
 
+def tenant_of_document(doc: Mapping[str, Any]) -> str | None:
+    """A stored record's tenant: its ``tenant`` field, else (a record written without it: a
+    claim, a poison message) the tenant its kept message carries with its headers."""
+    tenant = doc.get("tenant")
+    if tenant is None:
+        message = doc.get("message")
+        kept = message.get("headers") if isinstance(message, Mapping) else None
+        tenant = kept.get(headers.TENANT) if isinstance(kept, Mapping) else None
+    return tenant if isinstance(tenant, str) else None
+
+
 class LedgerRecord(BaseModel):
     """A typed view of a ledger document (what ``app.ledger.get`` returns)."""
 
@@ -109,8 +121,9 @@ class LedgerRecord(BaseModel):
             trace_id = trace_id_of(kept)
             if trace_id is not None:
                 data = {**data, "trace_id": trace_id}
-            tenant = kept.get(headers.TENANT) if isinstance(kept, dict) else None
-            if "tenant" not in data and isinstance(tenant, str):
+        if isinstance(data, dict) and "tenant" not in data:
+            tenant = tenant_of_document(data)
+            if tenant is not None:
                 data = {**data, "tenant": tenant}
         return data
 

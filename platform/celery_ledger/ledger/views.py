@@ -8,12 +8,15 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from pymongo import DESCENDING
+
 from .base import LedgerBase
 from .core import (
     EPOCH,
     UNPUBLISHED,
     RecordState,
     _replacement_pending,
+    tenant_clauses,
     translate_errors,
 )
 from .record import State
@@ -71,6 +74,18 @@ class Views(LedgerBase):
                         continue
                     rows.append({**doc, **times, "state": state.value})
         return rows
+
+    def of_tenant(
+        self, tenant: str, *, state: State | None = None, limit: int = 50
+    ) -> list[dict[str, Any]]:
+        """``tenant``'s records (:func:`tenant_clauses`), of ``state`` if given, the most
+        recently changed first, at most ``limit``: an operator's look, with no index of its own
+        (an index costs every job's writes; this read is rare and bounded by ``limit``)."""
+        query: dict[str, Any] = {"$or": tenant_clauses(tenant)}
+        if state is not None:
+            query["state"] = state.value
+        with translate_errors("tenant query"):
+            return list(self.collection.find(query).sort("updated_at", DESCENDING).limit(limit))
 
     def expired_leases(self, *, grace_seconds: float, limit: int = 500) -> list[dict[str, Any]]:
         """Running records whose lease ended more than ``grace_seconds`` ago."""
