@@ -64,6 +64,22 @@ def rebuild_report(report: str, day: str) -> dict[str, str]:
     return {"report": report, "day": day, "digest": digest[:12]}
 
 
+@app.task(
+    tier="bulk",
+    idempotency_key="export-{customer_id}-{table}-{day}",
+    # Whose job it is: every customer's exports share the bulk tier fairly (fair dispatch,
+    # docs/guide/tenants.md), so one customer asking for ten thousand waits behind its own,
+    # and another's one export starts within a few jobs. The tenant is a stable id, never a
+    # name that changes, and as coarse as the fairness wanted: a customer, not a user.
+    tenant="customer-{customer_id}",
+)
+def customer_export(customer_id: int, table: str, day: str) -> dict[str, object]:
+    """Export one table of one customer's day (a few ms of CPU)."""
+    time.sleep(0.005)
+    record_effect("export", f"export-{customer_id}-{table}-{day}")
+    return {"customer_id": customer_id, "table": table, "day": day}
+
+
 @app.periodic(
     crontab(minute=5),
     name="hourly-rollup",
