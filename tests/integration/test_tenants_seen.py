@@ -56,7 +56,10 @@ def unconsumed(stack: EmbeddedStack) -> Any:
         console_users={OPERATOR[0]: {"password": OPERATOR[1], "role": "operator"}},
     )
     queues = [producer.tiers.queue(tier) for tier in producer.tiers.names]
-    producer.runtime.fair.write_policies(queues, producer.settings.tenants)  # (as workers do)
+    fair = producer.runtime.fair
+    fair.write_policies(queues, producer.settings.tenants)  # (as a worker does at start)
+    for queue in queues:  # and as it marks the queues it feeds from the lanes (none here)
+        fair.feed(queue, seconds=300)
     yield producer, run
     producer.close()
 
