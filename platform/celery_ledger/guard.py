@@ -152,9 +152,9 @@ class Delivery:
 
     def kept(self, sealer: Any) -> KeptMessage:
         """The message as the ledger keeps it (sealed with ``sealer`` when given)."""
-        carried = self.republish_headers(retries=self.retries)
-        if self.expires is not None:
-            carried["expires"] = self.expires.isoformat()
+        carried = self.republish_headers(retries=self.retries)  # (the tenant's a property)
+        carried |= {"expires": self.expires.isoformat()} if self.expires is not None else {}
+        carried |= {headers.TENANT: self.tenant} if self.tenant is not None else {}
         return KeptMessage.of_call(self.args, self.kwargs, message_headers=carried, sealer=sealer)
 
 

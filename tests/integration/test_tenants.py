@@ -245,3 +245,25 @@ def test_a_fleet_rolled_back_to_workers_without_lanes_runs_every_tenants_job_onc
     assert [t for t in first + later if effect_count("record", t) != 1] == []
     assert old.alive()
     producer.close()
+
+
+def test_a_dead_jobs_kept_message_keeps_the_tenant_its_call_gave(own: EmbeddedStack) -> None:
+    # Given a job whose tenant only its call names, which fails for good on a worker
+    worker = start_healing_worker(own, "tenants-dead", concurrency=1)
+    producer = producer_app(own, f"tenants_{uuid.uuid4().hex[:6]}", dedupe_on_publish=False)
+    task = shared_task(producer, "tests.integration.ledger_app.fails_until_fixed")
+    token = f"dead-{uuid.uuid4().hex[:8]}"
+    task.apply_async((token,), tenant="acme")
+    wait_for(
+        lambda: (r := producer.ledger.get(task.name, token)) is not None and r.state is State.DEAD,
+        timeout=60,
+        what="the job dead",
+    )
+    # Then the message the ledger keeps to replay it names the tenant (no record at publish:
+    # the claim kept it), so a replay or a republish dispatches it as the tenant's again
+    document = producer.ledger.collection.find_one({"task": task.name, "key": token})
+    assert document is not None
+    assert document["message"]["headers"]["ledger_tenant"] == "acme"
+    assert producer.ledger.get(task.name, token).tenant == "acme"  # type: ignore[union-attr]
+    assert worker.alive()
+    producer.close()
