@@ -157,3 +157,18 @@ def delete_schedule(app: Any, name: str, *, actor: str) -> bool:
         deleted = ScheduleControls(app.ledger).remove(name)
         e.note(deleted=deleted)
     return deleted
+
+
+def drain_lanes(app: Any, tiers: Iterable[str], *, actor: str) -> dict[str, int]:
+    """Move every tenant's waiting jobs of ``tiers`` to their queues (fairness.py's drain),
+    audited; how many moved, by tier."""
+    fair = app.runtime.fair
+    if fair is None:
+        raise ConfigurationError("fair dispatch is off here (LEDGER_FAIR_QUEUE_DEPTH=0)")
+    moved: dict[str, int] = {}
+    for tier in tiers:
+        queue = app.tiers.queue(tier)
+        with audit.action(app.ledger, "tenant lanes drained", f"queue:{queue}", actor=actor) as e:
+            moved[tier] = fair.drain(queue)
+            e.note(moved=moved[tier])
+    return moved

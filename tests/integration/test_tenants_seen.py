@@ -15,12 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry
 
 from celery_ledger import Observer, State
 from celery_ledger.cli.commands import show
 from celery_ledger.cli.dlq import dlq
+from celery_ledger.cli.tenants import tenants
 from celery_ledger.embedded.stack import EmbeddedStack
 from celery_ledger.observability.exporter import StateCollector
 
@@ -125,6 +127,35 @@ def test_each_tiers_tenants_are_gauged_shown_and_listed(unconsumed: Any) -> None
     assert listed.exit_code == 0, listed.output
     found = [row for row in json.loads(listed.output) if row["key"].startswith(run)]
     assert [(row["key"], row["tenant"]) for row in found] == [(f"{run}-flood-shed", "flood")]
+
+
+def test_ledger_tenants_lists_each_tiers_tenants_and_drains_their_lanes(unconsumed: Any) -> None:
+    producer, run = unconsumed
+    task = shared_task(producer, RECORD)
+    tier = producer.tier_of(task.name)
+    queue = producer.tiers.queue(tier)
+    for name, count in (("flood", 4), ("calm", 2)):
+        for n in range(count):
+            task.apply_async((f"{run}-{name}-{n}",), tenant=name)
+    obj = Namespace(app=producer)
+    # `ledger tenants list` shows who waits (one of the first moved to the queue at its put)
+    listed = CliRunner().invoke(tenants, ["list", "--tier", tier, "--json"], obj=obj)
+    assert listed.exit_code == 0, listed.output
+    rows = {(r["tenant"], r["waiting"], r["max_waiting"]) for r in json.loads(listed.output)}
+    assert rows == {("flood", 3, 5), ("calm", 2, 5)}
+    table = CliRunner().invoke(tenants, ["list"], obj=obj)
+    assert table.exit_code == 0 and "flood" in table.output, table.output
+    # `ledger tenants drain` moves them all to the queue, in each tenant's order, audited
+    drained = CliRunner().invoke(
+        tenants, ["drain", "--tier", tier, "--yes", "--actor", "ops"], obj=obj
+    )
+    assert drained.exit_code == 0, drained.output
+    assert f"{tier}: 5 moved to {queue}" in drained.output
+    assert producer.runtime.fair.waiting(queue) == {}
+    assert redis.Redis.from_url(producer.settings.broker_url).llen(queue) == 6
+    # A tier that does not exist is a one-line mistake, no traceback
+    wrong = CliRunner().invoke(tenants, ["list", "--tier", "nope"], obj=obj)
+    assert wrong.exit_code != 0 and "Traceback" not in wrong.output
 
 
 def test_ledger_show_and_dlq_list_find_a_tenants_records(app: Any, token: str) -> None:

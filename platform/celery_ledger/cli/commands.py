@@ -23,6 +23,7 @@ from .group import LedgerGroup
 from .health import health
 from .keys import keys
 from .schedules import schedules
+from .tenants import tenants
 from .triggers import triggers
 from .workflows import workflows
 
@@ -56,6 +57,7 @@ ledger.add_command(keys)
 ledger.add_command(workflows)
 ledger.add_command(triggers)
 ledger.add_command(schedules)
+ledger.add_command(tenants)
 
 
 @ledger.command(name="console", short_help="Serve the operator console.")
