@@ -935,11 +935,11 @@ class MemoryLedger:
         self._enter("states_of")
         return {i: RecordState.of(d) for i in record_ids if (d := self.docs.get(i)) is not None}
 
-    def quiet_ids(self, *, older_than_seconds: float, limit: int) -> list[str]:
-        self._enter("quiet_ids")
+    def quiet(self, *, older_than_seconds: float, limit: int) -> list[dict[str, Any]]:
+        self._enter("quiet")
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
         return [
-            i
+            {"_id": i, **{k: d[k] for k in ("task", "tier", "fleet") if k in d}}
             for i, d in self.docs.items()
             if d.get("state") in (State.QUEUED.value, State.RETRYING.value)
             and d["claimable_at"] < cutoff

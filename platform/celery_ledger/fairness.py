@@ -66,7 +66,10 @@ _PRIORITY_SEPARATOR = "\x06\x16"
 # "other" is summed there too, never shown as if it were the rest.
 OTHER_TENANTS = "other"
 
-# How many messages one refill moves at most (a script holds the broker while it runs).
+# How many messages one refill moves at most, and how many tenants at their concurrency limit in
+# a row it passes over before it stops (a script holds the broker while it runs: with thousands
+# of tenants all at their limit, a refill at every take must not read them all; the next one
+# goes on from where this one stopped, the ring having turned).
 REFILL_BATCH = 100
 # Only a worker of a release with fair dispatch feeds a queue from its lanes. Each marks the
 # queues it consumes as fed, for this long, at each housekeeping tick (about every second); a
@@ -229,7 +232,7 @@ local target, budget, lease = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARG
 local moved, passed = 0, 0
 while depth < target and moved < budget do
   local n = redis.call('LLEN', ring)
-  if n == 0 or passed >= n then break end
+  if n == 0 or passed >= n or passed >= budget then break end
   local tenant = redis.call('LINDEX', ring, 0)
   local rule = redis.call('HGET', policy, tenant) or redis.call('HGET', policy, '*') or '1,0'
   local comma = string.find(rule, ',', 1, true)

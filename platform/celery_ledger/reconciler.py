@@ -265,10 +265,13 @@ class Reconciler:
             if self._broker.depth() > MISSING_SCAN_MAX_MESSAGES:
                 return
         self._looked_at = now
+        runtime = self._runtime
         quiet = [
-            i
-            for i in self._ledger.quiet_ids(older_than_seconds=after, limit=MISSING_PER_SWEEP)
-            if i not in handled
+            str(doc["_id"])
+            for doc in self._ledger.quiet(older_than_seconds=after, limit=MISSING_PER_SWEEP)
+            if doc["_id"] not in handled
+            # (another app's job sharing the ledger: its queues are not read here)
+            and runtime.tiers.for_record(doc, runtime.tier_of(str(doc.get("task")))) is not None
         ]
         if quiet:
             if unacked is None or waiting is None:
@@ -278,7 +281,6 @@ class Reconciler:
                 self._sleep(MISSING_CONFIRM_SECONDS)
                 unacked, waiting = self._broker.unacked(), self._broker.waiting()
                 absent = [i for i in absent if i not in waiting and i not in unacked]
-            runtime = self._runtime
             for doc in self._ledger.records(absent[:limit]):
                 if doc.get("state") not in (State.QUEUED.value, State.RETRYING.value):
                     continue  # claimed or ended since

@@ -267,3 +267,22 @@ def test_a_dead_jobs_kept_message_keeps_the_tenant_its_call_gave(own: EmbeddedSt
     assert producer.ledger.get(task.name, token).tenant == "acme"  # type: ignore[union-attr]
     assert worker.alive()
     producer.close()
+
+
+def test_a_refill_passes_over_at_most_a_batch_of_tenants_at_their_limit(
+    client: redis.Redis,
+) -> None:
+    # Given 300 tenants each at its limit of one (a job running), each with one more waiting
+    fair, queue = fed(client, depth=1000)
+    fair.write_policies([queue], {"*": TenantPolicy(concurrency=1)})
+    for n in range(300):
+        fair.renew(queue, f"t{n}", f"t{n}-a", 60)  # (its slot, as a running body keeps it)
+        fair.put(queue, f"t{n}", 0, envelope(f"t{n}-b", f"t{n}"))
+    assert client.llen(queue) == 0 and client.llen(f"{queue}:fair:ring") == 300
+    # When the last one's job ends, the refill passes over at most a batch (100) of the
+    # others before it stops (a script that read 300 at every take would hold the broker)
+    assert fair.release(queue, "t299", "t299-a") == 0
+    # ...and the refills after it go on where it stopped, reaching that tenant's next job
+    moved = [fair.refill(queue) for _ in range(3)]
+    assert sum(moved) == 1
+    assert json.loads(client.lindex(queue, 0))["headers"]["id"] == "t299-b"  # type: ignore[arg-type]

@@ -551,6 +551,27 @@ def test_a_queued_job_whose_message_is_nowhere_is_republished_after_the_short_wa
     assert len(world.outbox.tasks) == 1
 
 
+def test_another_apps_quiet_job_is_passed_over_unread(world: World) -> None:
+    # Given another app's queued job in the shared ledger (a task this app does not have, and
+    # another fleet's record), whose message is in none of this app's queues
+    key = "theirs"
+    record_id = derive_task_id("other.app.task", key)
+    message = KeptMessage.of_call([1], {}, message_headers={"ledger_key": key})
+    world.ledger.enqueue(
+        record_id, task="other.app.task", key=key, tier="critical", message=message
+    )
+    world.ledger.docs[record_id]["fleet"] = "another-namespace"
+    read: list[str] = []
+    reading = world.ledger.records
+    world.ledger.records = lambda ids: read.extend(ids) or reading(ids)  # type: ignore[method-assign]
+    # When the reconciler looks for missing messages
+    for _ in range(25):
+        world.clock.advance(3)
+        world.reconciler.sweep()
+    # Then it is neither republished nor even read whole
+    assert world.outbox.tasks == [] and record_id not in read
+
+
 @pytest.mark.parametrize("where", ["waiting", "taken"])
 def test_a_job_whose_message_is_in_the_broker_is_left_alone(world: World, where: str) -> None:
     record_id = world.queued_job("slow")

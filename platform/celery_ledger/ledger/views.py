@@ -124,13 +124,14 @@ class Views(LedgerBase):
                 ).limit(limit)
             )
 
-    def quiet_ids(self, *, older_than_seconds: float, limit: int) -> list[str]:
-        """Ids of the published jobs waiting for a claim (queued, or retrying and due) and
-        untouched for ``older_than_seconds``: those whose message the broker may have lost.
-        Ids only: the reconciler looks for their messages in the broker, and reads the few it
-        does not find with :meth:`records`. Never-published records are the outbox relay's."""
+    def quiet(self, *, older_than_seconds: float, limit: int) -> list[dict[str, Any]]:
+        """The published jobs waiting for a claim (queued, or retrying and due) and untouched
+        for ``older_than_seconds``: those whose message the broker may have lost. Their id,
+        task, tier and fleet only: the reconciler passes over another app's (sharing the
+        ledger) by these, looks for the rest's messages in the broker, and reads the few it does
+        not find with :meth:`records`. Never-published records are the outbox relay's."""
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
-        found: list[str] = []
+        found: list[dict[str, Any]] = []
         with translate_errors("reconcile query"):
             # One state at a time: an equality and one range on the sweepers' index, the shape
             # :meth:`stale` reads (SecantusDB scans for other shapes: see unpublished)
@@ -141,17 +142,16 @@ class Views(LedgerBase):
                 (State.QUEUED, {"$gt": UNPUBLISHED, "$lt": cutoff}),
                 (State.RETRYING, {"$lt": cutoff}),
             ):
-                found += [
-                    str(doc["_id"])
-                    for doc in self.collection.find(
+                found += list(
+                    self.collection.find(
                         {
                             "state": state.value,
                             "claimable_at": claimable,
                             "updated_at": {"$lt": cutoff},
                         },
-                        {"_id": 1},
+                        {"_id": 1, "task": 1, "tier": 1, "fleet": 1},
                     ).limit(limit - len(found))
-                ]
+                )
                 if len(found) >= limit:
                     break
         return found
