@@ -23,7 +23,7 @@ from typing import Any, Protocol, cast
 import redis
 
 from . import headers
-from .fairness import PRIORITY_STEPS_TEXT, WAITING_TOTAL_SCRIPT, lane_lists
+from .fairness import lane_lists, waiting_key
 from .identity import identity_of
 from .untrusted import float_or_none
 
@@ -195,8 +195,10 @@ class RedisBroker:
     def waiting(self) -> set[str]:
         found: set[str] = set()
         # (a tenant's message waits in its lane until fed to the queue: fairness.py)
+        # Lanes first: a message moves from its lane to its queue, never back (read the other
+        # way, one moved between the reads would be seen in neither)
         lists = [name for queue in self._queues for name in queue_lists(queue)]
-        for name in lists + lane_lists(self._client, self._queues):
+        for name in lane_lists(self._client, self._queues) + lists:
             for raw in self._client.lrange(name, 0, -1):
                 try:
                     record_id = record_id_of(json.loads(raw)["headers"])
@@ -283,7 +285,7 @@ class RedisBroker:
         for queue in self._queues:
             for name in queue_lists(queue):
                 pipe.llen(name)
-            pipe.eval(WAITING_TOTAL_SCRIPT, 0, queue, PRIORITY_STEPS_TEXT)  # (its lanes)
+            pipe.get(waiting_key(queue))  # (its tenants' lanes)
         pipe.zcard(self._delayed_key)
         return sum(int(n or 0) for n in pipe.execute())
 

@@ -49,6 +49,8 @@ PINNED_TRANSPORT_OPTIONS = (
     "ledger_restore_visible",
 )
 _CLASS_SETTINGS = ("broker_transport", "worker_consumer")
+# kombu's Redis transport options that rename its lists (see conf_problems)
+_KOMBU_LIST_NAMING = ("priority_steps", "sep", "global_keyprefix")
 _SET_SETTINGS = ("accept_content",)
 
 
@@ -93,6 +95,16 @@ def conf_problems(conf: Mapping[str, Any], expected: Mapping[str, Any]) -> list[
             " reconciler and the poison drain use: set an option of your own on it"
             " (app.conf.broker_transport_options['visibility_timeout'] = 600) instead of"
             " replacing it"
+        )
+    # The reconciler, the broker view and fair dispatch (fairness.py) read kombu's lists by
+    # their default names: a message pushed to a list named otherwise would be looked for
+    # where it is not, or fed to a list no worker reads
+    renamed = sorted(name for name in _KOMBU_LIST_NAMING if name in options)
+    if renamed:
+        problems.append(
+            f"broker_transport_options sets {', '.join(renamed)}: celery-ledger reads kombu's"
+            " queue lists by their default names (priority steps 0, 3, 6, 9; no key prefix):"
+            " remove them (a separate Redis database keeps apps apart: LEDGER_BROKER_URL)"
         )
     url = conf.get("broker_url")
     if isinstance(url, str) and is_sentinel_url(url) and not options.get("master_name"):

@@ -25,11 +25,12 @@ first out, per priority. Lanes are used only while a worker that feeds them is u
 :data:`FEEDER_SECONDS`): a put that finds none moves what the lanes hold to the queue first
 (a fleet rolled back to a release without them), as ``drain`` does.
 
-Concurrency limits count a tenant's jobs from their move to the queue until they end, in a
-sorted set per tenant scored by when each entry lapses (the broker's clock): moved, an entry
-lives for the visibility timeout (a message cannot wait longer unrestored); running, the body's
+Concurrency limits count a tenant's jobs on each tier from their move to the queue until they
+end, in a sorted set per tenant and queue scored by when each entry lapses (the broker's clock),
+one entry per message (its delivery tag): moved, an entry lives a lease; running, the body's
 heartbeats keep it a lease ahead; ended, the worker removes it. A worker that dies frees its
-tenant's slots within a lease.
+tenant's slots within a lease; a job that waits longer than a lease in the queue before it
+starts lets its slot lapse until its first heartbeat (the tenant may run past its limit then).
 
 What the lanes hold is read by :meth:`FairDispatch.shares`: each tenant's jobs waiting and
 running, the ``top`` tenants by waiting each on a row of its own and the rest summed as
@@ -85,9 +86,10 @@ class TenantPolicy:
 
     ``weight``: messages it gives the queue per turn (a tenant of weight 3 gets three jobs
     started for another's one while both have work). ``concurrency``: at most this many of its
-    jobs moved to the queue and not ended, fleet-wide (None: no limit). ``max_waiting``: at
-    most this many of its jobs waiting in its lanes per tier; past it, its publishes get the
-    tier's backpressure policy (block, reject or shed), others' are unaffected.
+    jobs moved to a tier's queue and not ended, fleet-wide, on each tier (None: no limit).
+    ``max_waiting``: at most this many of its jobs waiting in its lanes per tier; past it, its
+    publishes get the tier's backpressure policy (block, reject or shed), others' are
+    unaffected.
     """
 
     weight: int = 1
@@ -95,12 +97,16 @@ class TenantPolicy:
     max_waiting: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.weight, int) or not 1 <= self.weight <= 1000:
+        if not _whole(self.weight) or not 1 <= self.weight <= 1000:
             raise ValueError("weight must be a whole number from 1 to 1000")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError("concurrency must be at least 1 (or null: no limit)")
-        if self.max_waiting is not None and self.max_waiting < 0:
-            raise ValueError("max_waiting must not be negative (or null: no limit)")
+        if self.concurrency is not None and not (
+            _whole(self.concurrency) and self.concurrency >= 1
+        ):
+            raise ValueError("concurrency must be a whole number, at least 1 (or null: no limit)")
+        if self.max_waiting is not None and not (
+            _whole(self.max_waiting) and self.max_waiting >= 0
+        ):
+            raise ValueError("max_waiting must be a whole number, not negative (or null: no limit)")
 
     def encoded(self) -> str:
         """The policy as the script reads it: ``weight,concurrency`` (0: none)."""
@@ -142,6 +148,10 @@ def top_shares(
             )
         )
     return rows
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_tenant(tenant: Any) -> str:
@@ -191,41 +201,70 @@ SCRIPT = r"""
 local op, q = ARGV[1], ARGV[2]
 local p = q .. ':fair:'
 local ring, active, credit, policy = p .. 'ring', p .. 'active', p .. 'credit', p .. 'policy'
+local waiting = p .. 'waiting'
 local steps = {}
 for s in string.gmatch(ARGV[5], '[^,]+') do steps[#steps + 1] = s end
 local function qlist(s) if s == '0' then return q end return q .. '\6\22' .. s end
 local function lane(t, s) return p .. 'lane:' .. s .. ':' .. t end
 local function running(t) return p .. 'running:' .. t end
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-local function drain()
+local function idle(tenant)
+  for _, s in ipairs(steps) do
+    if redis.call('LLEN', lane(tenant, s)) > 0 then return false end
+  end
+  return true
+end
+local function gone(tenant)
+  redis.call('SREM', active, tenant)
+  redis.call('HDEL', credit, tenant)
+  if redis.call('SCARD', active) == 0 then redis.call('DEL', ring, waiting) end
+end
+-- Moves at most a batch (the broker waits while a script runs); the next call goes on.
+local function drain(budget)
   local drained = 0
   for _, tenant in ipairs(redis.call('SMEMBERS', active)) do
     for _, s in ipairs(steps) do
-      while redis.call('RPOPLPUSH', lane(tenant, s), qlist(s)) do drained = drained + 1 end
+      while drained < budget and redis.call('RPOPLPUSH', lane(tenant, s), qlist(s)) do
+        drained = drained + 1
+      end
     end
+    if idle(tenant) then
+      redis.call('LREM', ring, 0, tenant)
+      gone(tenant)
+    end
+    if drained >= budget then break end
   end
-  redis.call('DEL', ring, active, credit)
+  if drained > 0 and redis.call('EXISTS', waiting) == 1 then
+    redis.call('DECRBY', waiting, drained)
+  end
   return drained
 end
 if op == 'put' then
   if redis.call('EXISTS', p .. 'feeder') == 0 then
-    -- no worker feeds the lanes now (rolled back to a release without them): what they
-    -- hold goes to the queue first, then this message
-    if redis.call('SCARD', active) > 0 then drain() end
+    -- no worker feeds the lanes now (rolled back to a release without them): a batch of what
+    -- they hold goes to the queue first, then this message
+    if redis.call('SCARD', active) > 0 then drain(tonumber(ARGV[4]) * 10) end
     redis.call('LPUSH', qlist(ARGV[8]), ARGV[9])
     return 0
   end
   redis.call('LPUSH', lane(ARGV[7], ARGV[8]), ARGV[9])
+  redis.call('INCR', waiting)
   if redis.call('SADD', active, ARGV[7]) == 1 then redis.call('RPUSH', ring, ARGV[7]) end
 elseif op == 'release' then
   redis.call('ZREM', running(ARGV[7]), ARGV[8])
 elseif op == 'feed' then
   redis.call('SET', p .. 'feeder', '1', 'PX', ARGV[7])
 elseif op == 'drain' then
-  return drain()
+  return drain(tonumber(ARGV[4]) * 10)
 end
-if redis.call('SCARD', active) == 0 then return 0 end
+local tenants = redis.call('SCARD', active)
+if tenants == 0 then return 0 end
+if redis.call('LLEN', ring) ~= tenants then
+  -- the ring lost or doubled a tenant (an eviction, a hand): made again from the set
+  redis.call('DEL', ring)
+  for _, tenant in ipairs(redis.call('SMEMBERS', active)) do redis.call('RPUSH', ring, tenant) end
+end
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
 local depth = 0
 for _, s in ipairs(steps) do depth = depth + redis.call('LLEN', qlist(s)) end
 local target, budget, lease = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[6])
@@ -234,10 +273,10 @@ while depth < target and moved < budget do
   local n = redis.call('LLEN', ring)
   if n == 0 or passed >= n or passed >= budget then break end
   local tenant = redis.call('LINDEX', ring, 0)
-  local rule = redis.call('HGET', policy, tenant) or redis.call('HGET', policy, '*') or '1,0'
-  local comma = string.find(rule, ',', 1, true)
-  local weight = tonumber(string.sub(rule, 1, comma - 1)) or 1
-  local limit = tonumber(string.sub(rule, comma + 1)) or 0
+  -- "weight,limit"; anything else (another release's form, a hand's) is the default
+  local rule = redis.call('HGET', policy, tenant) or redis.call('HGET', policy, '*') or ''
+  local w, l = string.match(rule, '^(%d+),(%d+)$')
+  local weight, limit = math.max(tonumber(w) or 1, 1), tonumber(l) or 0
   local full = false
   if limit > 0 then
     redis.call('ZREMRANGEBYSCORE', running(tenant), '-inf', now)
@@ -254,23 +293,27 @@ while depth < target and moved < budget do
     end
     if item then
       redis.call('LPUSH', qlist(from), item)
+      if redis.call('EXISTS', waiting) == 1 then redis.call('DECR', waiting) end
       depth, moved, passed = depth + 1, moved + 1, 0
       if limit > 0 then
+        -- the slot is the message's (its delivery tag, which a redelivery keeps and a retry's
+        -- copy does not), else its task id
         local ok, envelope = pcall(cjson.decode, item)
-        if ok and type(envelope) == 'table' and type(envelope['headers']) == 'table' then
-          local id = envelope['headers']['id']
-          if type(id) == 'string' then redis.call('ZADD', running(tenant), now + lease, id) end
+        local slot = nil
+        if ok and type(envelope) == 'table' then
+          local props, heads = envelope['properties'], envelope['headers']
+          if type(props) == 'table' and type(props['delivery_tag']) == 'string' then
+            slot = props['delivery_tag']
+          elseif type(heads) == 'table' and type(heads['id']) == 'string' then
+            slot = heads['id']
+          end
         end
+        if slot then redis.call('ZADD', running(tenant), now + lease, slot) end
       end
     end
-    local left = false
-    for _, s in ipairs(steps) do
-      if redis.call('LLEN', lane(tenant, s)) > 0 then left = true break end
-    end
-    if not left then
+    if idle(tenant) then
       redis.call('LPOP', ring)
-      redis.call('SREM', active, tenant)
-      redis.call('HDEL', credit, tenant)
+      gone(tenant)
     elseif redis.call('HINCRBY', credit, tenant, 1) >= weight then
       redis.call('HDEL', credit, tenant)
       redis.call('RPUSH', ring, redis.call('LPOP', ring))
@@ -295,17 +338,11 @@ end
 return out
 """
 
-# ARGV[1] queue, ARGV[2] steps. Returns how many messages wait in the queue's lanes.
-WAITING_TOTAL_SCRIPT = r"""
-local p = ARGV[1] .. ':fair:'
-local n = 0
-for _, tenant in ipairs(redis.call('SMEMBERS', p .. 'active')) do
-  for s in string.gmatch(ARGV[2], '[^,]+') do
-    n = n + redis.call('LLEN', p .. 'lane:' .. s .. ':' .. tenant)
-  end
-end
-return n
-"""
+
+def waiting_key(queue: str) -> str:
+    """How many messages wait in ``queue``'s lanes (kept by the script: a ``GET`` reads it)."""
+    return f"{prefix(queue)}waiting"
+
 
 # ARGV[1] queue, ARGV[2] lease (s), ARGV[3] tenant, ARGV[4] job id: keep a running job's
 # concurrency entry a lease ahead (on the broker's clock, as the script's).
@@ -316,7 +353,7 @@ redis.call('ZADD', ARGV[1] .. ':fair:running:' .. ARGV[3], now + tonumber(ARGV[2
 return 1
 """
 
-_STEPS = PRIORITY_STEPS_TEXT = ",".join(str(step) for step in PRIORITY_STEPS)
+_STEPS = ",".join(str(step) for step in PRIORITY_STEPS)
 # Run by its digest (EVALSHA): a take's refill sends some 80 bytes, not the script's 3 KB. A
 # broker that does not know it (restarted, failed over) says NOSCRIPT, and it is sent whole once.
 SCRIPT_SHA = hashlib.sha1(SCRIPT.encode()).hexdigest()
@@ -370,8 +407,9 @@ class FairDispatch:
         return self._run(_args("feed", queue, self.depth, self.lease_seconds, int(seconds * 1000)))
 
     def drain(self, queue: str) -> int:
-        """Move every lane's messages to ``queue`` as they are (fairness given up: before a
-        rollback to a release without fair dispatch). Returns how many moved."""
+        """Move a batch (1,000) of the lanes' messages to ``queue`` as they are (fairness given
+        up: before a rollback to a release without fair dispatch); call until it returns 0.
+        Returns how many moved."""
         return self._run(_args("drain", queue, self.depth, 0))
 
     def release(self, queue: str, tenant: str, job_id: str) -> int:

@@ -63,7 +63,7 @@ from .policies.breaker import Admission, CircuitBreaker
 from .policies.deadline import deadline
 from .policies.fallback import Call, Cause, Fallback, cause_of
 from .policies.retry import RetryPolicy, classify, decide
-from .policies.tenants import slot_keeper
+from .policies.tenants import TenantSlot, slot_keeper
 from .policies.unrunnable import unrunnable_delay
 from .progress import Execution, Heartbeat
 from .runtime import Runtime
@@ -122,8 +122,7 @@ class Delivery:
     wants_result: bool = False  # a chain or callbacks follow: a duplicate returns the result
     new: bool = False  # the message's ``ledger_new`` property (see headers.NEW)
     redelivered: bool = False  # a copy kombu restored (its worker died, or it was handed back)
-    tenant: str | None = None  # its ``ledger_tenant`` property, and the queue it came from
-    queue: str | None = None
+    tenant_slot: TenantSlot | None = None  # whose job: the ``ledger_tenant`` property
 
     @property
     def record_id(self) -> str:
@@ -154,7 +153,7 @@ class Delivery:
         """The message as the ledger keeps it (sealed with ``sealer`` when given)."""
         carried = self.republish_headers(retries=self.retries)  # (the tenant's a property)
         carried |= {"expires": self.expires.isoformat()} if self.expires is not None else {}
-        carried |= {headers.TENANT: self.tenant} if self.tenant is not None else {}
+        carried |= {headers.TENANT: self.tenant_slot.tenant} if self.tenant_slot else {}
         return KeptMessage.of_call(self.args, self.kwargs, message_headers=carried, sealer=sealer)
 
 

@@ -169,6 +169,8 @@ def drain_lanes(app: Any, tiers: Iterable[str], *, actor: str) -> dict[str, int]
     for tier in tiers:
         queue = app.tiers.queue(tier)
         with audit.action(app.ledger, "tenant lanes drained", f"queue:{queue}", actor=actor) as e:
-            moved[tier] = fair.drain(queue)
+            moved[tier] = 0
+            while drained := fair.drain(queue):  # (a batch at a time)
+                moved[tier] += drained
             e.note(moved=moved[tier])
     return moved

@@ -113,13 +113,13 @@ class Heartbeat:
             self._stopped = True
 
     def beat(self) -> None:
-        if self._also is not None:
-            self._also()
         try:
             self._ledger.heartbeat(self._record_id, self._fence, self._lease_seconds)
         except LeaseLost:
             self.lost = True
             raise
+        if self._also is not None:  # after the lease (it must never wait behind this)
+            self._also()
 
     def tick(self, now: float) -> None:
         """Called by the ticker at least every second: watch for shutdown, beat when due."""

@@ -26,6 +26,8 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from .clock import ClockBook, ClockReports, Reading, ServerClock, redis_time
 from .crypto import Sealer
@@ -72,7 +74,7 @@ PER_PROCESS = (
     "pending_wakes",
     "clock_book",
     "parking",
-    "fair",
+    "lanes",
     "tenant_gate",
 )
 
@@ -229,12 +231,25 @@ class Runtime:
         return RateLimits(self.redis, self.settings.rate_limits)
 
     @cached_property
+    def lanes(self) -> FairDispatch:
+        """The tiers' tenant lanes (fairness.py), whether fair dispatch is on here or not (a
+        worker with it off drains what they hold). On a client of its own that gives up within
+        a second, without retries: a slot's renewal from the heartbeat thread, or a release at
+        a task's end, must never wait out a broker that hangs (the ledger's heartbeat, on the
+        same thread, would miss its lease)."""
+        client = redis_client(
+            self.broker_target,
+            socket_timeout=1,
+            socket_connect_timeout=1,
+            retry=Retry(NoBackoff(), 0),
+        )
+        depth = max(self.settings.fair_queue_depth, 1)
+        return FairDispatch(client, depth=depth, lease_seconds=self.settings.lease_seconds)
+
+    @property
     def fair(self) -> FairDispatch | None:
-        """The tiers' fair lanes (fairness.py), or None with ``LEDGER_FAIR_QUEUE_DEPTH=0``."""
-        depth = self.settings.fair_queue_depth
-        if not depth:
-            return None
-        return FairDispatch(self.redis, depth=depth, lease_seconds=self.settings.lease_seconds)
+        """The tiers' fair lanes, or None with fair dispatch off (``LEDGER_FAIR_QUEUE_DEPTH=0``)."""
+        return self.lanes if self.settings.fair_queue_depth else None
 
     @cached_property
     def tenant_gate(self) -> TenantGate | None:

@@ -148,10 +148,10 @@ class Settings(SentinelSettings):
         ' {"weight": 3, "concurrency": 20, "max_waiting": 10000}} (docs/guide/tenants.md).',
     )
     fair_queue_depth: int = Field(
-        2,
+        0,
         ge=0,
-        description="Fair dispatch: the most messages a tier"
-        " queue holds while tenants' jobs wait in lanes (0: off, queued as any other job).",
+        description="Fair dispatch of tenants' jobs: the most messages a tier queue holds while"
+        " they wait in their lanes (0, the default: off; 2: on; workers first, see tenants.md).",
     )
     tenants_top: int = Field(
         10,

@@ -62,7 +62,7 @@ from .policies.retry import RetryPolicy
 from .progress import Execution, Step, batches
 from .publish_checks import due_time, payload_json
 from .schedules import BEAT_HEADER, note_foreign_beat
-from .tenancy import TenantSpec, tenant_of_call
+from .tenancy import TenantSpec, tenant_of_call, tenant_slot_of
 from .untrusted import (
     expiry_of,
     float_or_none,
@@ -70,7 +70,6 @@ from .untrusted import (
     request_header,
     request_property,
     retries_done,
-    text_or_none,
 )
 
 if TYPE_CHECKING:
@@ -517,8 +516,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             wants_result=bool(request.callbacks or request.chain),
             new=request_property(request, headers.NEW) is True,
             redelivered=redelivered(request),
-            tenant=text_or_none(request_property(request, headers.TENANT)),
-            queue=text_or_none((request.delivery_info or {}).get("routing_key")),
+            tenant_slot=tenant_slot_of(request),
         )
 
     def signature_from_request(
@@ -533,9 +531,9 @@ class LedgerTask(Task):  # type: ignore[misc]
         as a republish: the delivery's arguments go out as the worker decoded them, kombu's
         JSON types (bytes, datetimes, decimals, UUIDs) included, so the publish checks them as
         kombu encodes them instead of refusing what the message itself carried."""
-        tenant = request_property(request or self.request, headers.TENANT)
-        if isinstance(tenant, str):  # (a property: Celery copies the headers only)
-            extra_options.setdefault("tenant", tenant)
+        slot = tenant_slot_of(request or self.request)
+        if slot is not None:  # (a property: Celery copies the headers only)
+            extra_options.setdefault("tenant", slot.tenant)
         signature: Signature = super().signature_from_request(
             request, args, kwargs, queue, **{_REPUBLISH: True}, **extra_options
         )

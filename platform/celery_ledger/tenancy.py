@@ -24,7 +24,7 @@ from celery import signals
 from .errors import ConfigurationError, PayloadError
 from .fairness import TENANT_PROPERTY, FairDispatch, check_tenant
 from .identity import bind_arguments
-from .policies.tenants import TenantGate, policy_of, release_slot, slot_keeper
+from .policies.tenants import TenantGate, TenantSlot, policy_of, release_slot, slot_keeper
 from .untrusted import request_property
 
 logger = logging.getLogger("celery_ledger.tenancy")
@@ -67,6 +67,26 @@ def tenant_of_call(
     return checked(tenant, task_name=task_name)
 
 
+def tenant_slot_of(request: Any) -> TenantSlot | None:
+    """Whose job a delivery is (its message's ``ledger_tenant`` property), from which queue,
+    and its delivery tag; None for a message without a usable tenant (one made around our API
+    with a name no publish would take is run as no tenant's, never refused for it)."""
+    tenant = request_property(request, TENANT_PROPERTY)
+    if tenant is None:
+        return None
+    try:
+        check_tenant(tenant)
+    except ValueError as exc:
+        logger.warning("tenant of message %s ignored: %s", getattr(request, "id", "?"), exc)
+        return None
+    info = getattr(request, "delivery_info", None)
+    queue = info.get("routing_key") if isinstance(info, dict) else None
+    tag = request_property(request, "delivery_tag")
+    return TenantSlot(
+        tenant, queue if isinstance(queue, str) else None, tag if isinstance(tag, str) else None
+    )
+
+
 def checked(tenant: Any, *, task_name: str) -> str | None:
     """``tenant`` (None: no tenant) if usable, else :class:`PayloadError` naming the task."""
     if tenant is None:
@@ -86,51 +106,68 @@ def refill_all(fair: FairDispatch, queues: Callable[[], Iterable[str]]) -> int:
 # How often a worker writes the app's tenant policies where the dispatch reads them (a broker
 # that lost its data, or a worker of another release that wrote its own, is set right within it).
 POLICIES_EVERY_SECONDS = 30.0
+# How often a worker marks its queues as fed and feeds them (its housekeeping lane of its own:
+# well within the mark's life, fairness.FEEDER_SECONDS, whatever else housekeeping does).
+FEED_EVERY_SECONDS = 0.5
 
 
-def worker_jobs(app: Any, queues: Callable[[], Iterable[str]]) -> list[Callable[[], object]]:
-    """A worker's part in fair dispatch: the app's policies written, each delivery's slot freed
-    at its end (``task_postrun``), and its queues fed from their lanes at each housekeeping
-    tick. None with fair dispatch off."""
-    runtime = app.runtime
-    fair = runtime.fair
-    if fair is None:
-        return []
-    policies = runtime.settings.tenants
-    tier_queues = [runtime.tiers.queue(tier) for tier in runtime.tiers.names]
-    written = [float("-inf")]
-    try:  # before this worker takes a message (its housekeeping's first tick may come later)
-        fair.write_policies(tier_queues, policies)
-        written[0] = time.monotonic()
-        refill_all(fair, queues)
-    except redis.RedisError as exc:  # the broker may come up later: the ticks write them
-        logger.warning("could not write the tenant policies at start: %s", exc)
+class Feeder:
+    """A worker's part in fair dispatch: the app's policies written, the queues it consumes
+    (or would: a throttle may have cancelled one for a while) marked as fed and fed from their
+    lanes, and each delivery's slot freed at its end (:meth:`released`, Celery's
+    ``task_postrun``). With fair dispatch off here, it drains the lanes instead (what a fleet
+    with it on left there)."""
 
-    def tick() -> None:
+    def __init__(self, runtime: Any, queues: Callable[[], Iterable[str]]) -> None:
+        self._runtime = runtime
+        self._queues = queues
+        self._policies = runtime.settings.tenants
+        self._tier_queues = [runtime.tiers.queue(tier) for tier in runtime.tiers.names]
+        self._written = float("-inf")
+
+    def start(self) -> None:
+        """Before the worker takes a message (its lane's first tick may come later)."""
+        try:
+            self.tick()
+        except redis.RedisError as exc:  # the broker may come up later: the ticks do it
+            logger.warning("could not write the tenant policies at start: %s", exc)
+
+    def tick(self) -> float:
+        """One pass; returns when the next is due (a paced housekeeping job)."""
+        fair = self._runtime.fair
+        if fair is None:
+            lanes = self._runtime.lanes
+            for queue in self._queues():
+                lanes.drain(queue)
+            return FEED_EVERY_SECONDS
         now = time.monotonic()
-        if now - written[0] >= POLICIES_EVERY_SECONDS:
-            fair.write_policies(tier_queues, policies)
-            written[0] = now
-        refill_all(fair, queues)
+        if now - self._written >= POLICIES_EVERY_SECONDS:
+            fair.write_policies(self._tier_queues, self._policies)
+            self._written = now
+        refill_all(fair, self._queues)
+        return FEED_EVERY_SECONDS
 
-    def released(sender: Any = None, task_id: Any = None, **_: Any) -> None:
-        request = getattr(sender, "request", None)
-        info = getattr(request, "delivery_info", None) or {}
-        # (a pool process's own client: runtime.fair is made again after the fork)
-        release_slot(
-            runtime.fair,
-            policies,
-            queue=info.get("routing_key") if isinstance(info, dict) else None,
-            tenant=request_property(request, TENANT_PROPERTY),
-            job_id=task_id if isinstance(task_id, str) else None,
-        )
+    def released(self, sender: Any = None, **_: Any) -> None:
+        slot = tenant_slot_of(getattr(sender, "request", None))
+        if slot is not None:  # (a pool process's own client: made again after the fork)
+            fair = self._runtime.fair
+            release_slot(
+                fair, self._policies, queue=slot.queue, tenant=slot.tenant, job_id=slot.tag
+            )
 
-    signals.task_postrun.connect(released, weak=False)
-    return [tick]
+
+def worker_feeder(app: Any, queues: Callable[[], Iterable[str]]) -> list[Callable[[], float]]:
+    """The worker's :class:`Feeder`, started, its release connected to ``task_postrun``: its
+    housekeeping job."""
+    feeder = Feeder(app.runtime, queues)
+    feeder.start()
+    signals.task_postrun.connect(feeder.released, weak=False)
+    return [feeder.tick]
 
 
 __all__ = [
     "TENANT_PROPERTY",
+    "Feeder",
     "TenantGate",
     "TenantSpec",
     "checked",
@@ -139,5 +176,5 @@ __all__ = [
     "release_slot",
     "slot_keeper",
     "tenant_of_call",
-    "worker_jobs",
+    "worker_feeder",
 ]

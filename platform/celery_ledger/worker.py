@@ -33,7 +33,7 @@ from .handoff import LOOK_EVERY_SECONDS, Handoff, Parked, inbox_of
 from .headers import PARKED, UNRUNNABLE_SINCE
 from .policies.unrunnable import unrunnable_delay
 from .progress import serve_shutdown_flag
-from .tenancy import worker_jobs
+from .tenancy import worker_feeder
 from .transport import broker_address
 from .triggers import TriggerRunner, watchers_for
 
@@ -254,8 +254,8 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             for deliveries in (runtime.delayed, runtime.legacy_delayed)
             if deliveries is not None
         ]
-        # Lanes (Housekeeping): the broker-only deliveries; the ledger's upkeep (its calls wait
-        # out an outage); the throttle (a control broadcast may wait for replies); the reconciler.
+        # Lanes: broker-only deliveries; the ledger's upkeep (its calls wait out an outage); the
+        # throttle (a broadcast waits for replies); the reconciler; fair dispatch (tenancy.py).
         deliveries: list[Callable[[], object]] = [p.publish_due for p in publishers]
         upkeep: list[Callable[[], object]] = [
             app.dead_letters.drain_poison,
@@ -282,8 +282,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         app.amqp.queues.select_add(Queue(inbox, Exchange(inbox, type="direct"), routing_key=inbox))
 
         def serving() -> frozenset[str]:
-            """The queues this worker consumes now (a throttle or an operator may have
-            cancelled one since it started)."""
+            """The queues it consumes now (a throttle or an operator may cancel one)."""
             consumer = getattr(getattr(worker, "consumer", None), "task_consumer", None)
             queues = getattr(consumer, "queues", None)
             return frozenset(q.name for q in queues) if queues else at_start
@@ -329,7 +328,8 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         return Housekeeping(
             {
                 "triggers": triggers,
-                "deliveries": deliveries + worker_jobs(app, serving),  # (tenancy.py)
+                "deliveries": deliveries,
+                "fair": [Paced(job) for job in worker_feeder(app, lambda: serving() | at_start)],
                 "upkeep": upkeep,
                 "throttle": throttle,
                 "reconcile": reconcile,

@@ -11,6 +11,7 @@ import json
 import time
 import uuid
 from collections import Counter
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from .conftest import producer_app, start_healing_worker
 from .helpers import effect_count, shared_task, wait_for
 
 RECORD = "tests.integration.ledger_app.record"
+FAIR = {"LEDGER_FAIR_QUEUE_DEPTH": "2"}  # (fair dispatch is off until set)
 
 
 def envelope(job_id: str, tenant: str) -> str:
@@ -124,8 +126,8 @@ def test_the_reconciler_sees_a_message_in_a_lane(client: redis.Redis) -> None:
 
 def test_fair_dispatch_end_to_end_runs_each_job_once(own: EmbeddedStack) -> None:
     # Given one worker slot and a big tenant's backlog of 150 jobs (20 ms each)
-    worker = start_healing_worker(own, "tenants", concurrency=1)
-    producer = producer_app(own, f"tenants_{uuid.uuid4().hex[:6]}")
+    worker = start_healing_worker(own, "tenants", concurrency=1, env=FAIR)
+    producer = producer_app(own, f"tenants_{uuid.uuid4().hex[:6]}", fair_queue_depth=2)
     task = shared_task(producer, RECORD)
     run = uuid.uuid4().hex[:8]
     big = [f"{run}-big-{n}" for n in range(150)]
@@ -134,6 +136,7 @@ def test_fair_dispatch_end_to_end_runs_each_job_once(own: EmbeddedStack) -> None
         task.apply_async((token,), {"sleep_seconds": 0.02}, tenant="big")
     wait_for(lambda: effect_count("record", big[0]) == 1, timeout=60, what="the backlog running")
     # When a small tenant's jobs arrive behind it
+    arrived = datetime.now(UTC)
     for token in small:
         task.apply_async((token,), {"sleep_seconds": 0.02}, tenant="small")
 
@@ -146,9 +149,11 @@ def test_fair_dispatch_end_to_end_runs_each_job_once(own: EmbeddedStack) -> None
 
     wait_for(ended, timeout=120, interval=0.5, what="every job succeeded")
     found = effects().find({"kind": "record", "key": {"$regex": f"^{run}"}}).sort("at", 1)
-    done = [effect["key"] for effect in found]
-    big_before = sum(1 for key in done[: done.index(small[-1])] if "-big-" in key)
-    assert big_before < 40, f"the small tenant waited behind {big_before} of the big one's jobs"
+    done = [(effect["key"], effect["at"].replace(tzinfo=UTC)) for effect in found]
+    last_small = max(at for key, at in done if key in small)
+    between = [key for key, at in done if "-big-" in key and arrived < at < last_small]
+    # (round robin: a big job, a small one; the queue 2 deep and a job in the worker's hands)
+    assert len(between) <= 8, f"the small tenant waited behind {len(between)} of the big one's"
     assert [t for t in big + small if effect_count("record", t) != 1] == []
     record = producer.ledger.get(task.name, small[0])
     assert record is not None and record.tenant == "small"
@@ -208,16 +213,16 @@ def test_a_drain_moves_every_lane_to_the_queue_in_order(client: redis.Redis) -> 
     assert a == [f"a-{n}" for n in range(4)]
 
 
-def test_a_fleet_rolled_back_to_workers_without_lanes_runs_every_tenants_job_once(
+def test_a_fleet_turning_fair_dispatch_off_runs_every_tenants_job_once(
     own: EmbeddedStack,
 ) -> None:
-    # Given a worker of this release (it feeds the lanes) beside one of a release without fair
-    # dispatch (LEDGER_FAIR_QUEUE_DEPTH=0 behaves as one: it neither marks nor feeds them)
-    new = start_healing_worker(own, "tenants-new", concurrency=1)
+    # Given a worker with fair dispatch on (it feeds the lanes) beside one with it off (it
+    # neither marks nor feeds them; it drains what they hold), and a producer with it on
+    new = start_healing_worker(own, "tenants-new", concurrency=1, env=FAIR)
     old = start_healing_worker(
         own, "tenants-old", concurrency=1, env={"LEDGER_FAIR_QUEUE_DEPTH": "0"}
     )
-    producer = producer_app(own, f"tenants_{uuid.uuid4().hex[:6]}")
+    producer = producer_app(own, f"tenants_{uuid.uuid4().hex[:6]}", fair_queue_depth=2)
     task = shared_task(producer, RECORD)
     run = uuid.uuid4().hex[:8]
     first = [f"{run}-first-{n}" for n in range(60)]
@@ -226,15 +231,15 @@ def test_a_fleet_rolled_back_to_workers_without_lanes_runs_every_tenants_job_onc
     wait_for(
         lambda: sum(effect_count("record", t) for t in first) >= 10, timeout=60, what="running"
     )
-    # When the new worker goes (a rollback) with jobs still in the lanes
+    # When the worker with it on goes, with jobs still in the lanes
     new.stop()
-    time.sleep(11)  # (its mark on the queue lapses)
+    time.sleep(11)  # (its mark on the queue lapses: the producer's puts go to the queue)
     # ...and the producer publishes more
     later = [f"{run}-later-{n}" for n in range(10)]
     for n, token in enumerate(later):
         task.apply_async((token,), tenant=f"t{n % 3}")
 
-    # Then every job runs once, on the old worker
+    # Then every job runs once, on the other worker
     def ended() -> bool:
         return all(
             (r := producer.ledger.get(task.name, t)) is not None and r.state is State.SUCCEEDED
@@ -286,3 +291,40 @@ def test_a_refill_passes_over_at_most_a_batch_of_tenants_at_their_limit(
     moved = [fair.refill(queue) for _ in range(3)]
     assert sum(moved) == 1
     assert json.loads(client.lindex(queue, 0))["headers"]["id"] == "t299-b"  # type: ignore[arg-type]
+
+
+def test_a_take_through_the_transport_refills_its_queue_in_the_same_round_trip(
+    own: EmbeddedStack,
+) -> None:
+    # Given a tenant's 10 jobs with fair dispatch on, the queue kept 1 deep (9 in its lane)
+    from kombu import Consumer, Queue
+
+    producer = producer_app(own, f"tenants_{uuid.uuid4().hex[:6]}", fair_queue_depth=1)
+    queue = producer.tiers.queue("default")
+    producer.runtime.fair.feed(queue)  # (as a worker of this release marks it)
+    task = shared_task(producer, RECORD)
+    run = uuid.uuid4().hex[:8]
+    for n in range(10):
+        task.apply_async((f"{run}-{n}",), priority=n % 2 * 9, tenant="acme")
+    client = redis.Redis.from_url(producer.settings.broker_url)
+    lists = [queue_list(queue, step) for step in (0, 3, 6, 9)]
+    assert sum(client.llen(name) for name in lists) == 1
+    assert producer.runtime.fair.waiting(queue) == {"acme": 9}
+    # When a consumer takes one through the transport (kombu's BRPOP, then the booking)
+    taken: list[Any] = []
+    with producer.connection_for_read() as connection:
+        consumer = Consumer(
+            connection.default_channel,
+            queues=[Queue(queue)],
+            callbacks=[lambda body, message: taken.append(message)],
+        )
+        with consumer:
+            connection.drain_events(timeout=10)
+        # Then the booking's pipeline moved the next one from the lane: the queue is 1 deep
+        assert len(taken) == 1
+        assert sum(client.llen(name) for name in lists) == 1
+        assert producer.runtime.fair.waiting(queue) == {"acme": 8}
+        # ...of the higher priority first (kombu's priority 0 is served first)
+        assert client.llen(queue_list(queue, 0)) == 1
+        taken[0].requeue()
+    producer.close()

@@ -81,8 +81,8 @@ def test_conf_is_json_only_and_acks_late(app: LedgerCelery) -> None:
         "ledger_poison_key": "unit:ledger:poison",
         # workers put back messages abandoned past the visibility timeout (Flower does not)
         "ledger_restore_visible": True,
-        # fair dispatch of tenants' jobs: a tier queue fed from their lanes, 2 deep
-        "ledger_fair_depth": 2,
+        # fair dispatch of tenants' jobs (a tier queue fed from their lanes): off until set
+        "ledger_fair_depth": 0,
         "ledger_fair_lease": 60.0,
     }
     assert conf.enable_utc is True

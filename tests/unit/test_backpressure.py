@@ -24,8 +24,8 @@ class FakePipeline:
     def llen(self, name: str) -> None:
         self.queued.append(name)
 
-    def eval(self, script: str, numkeys: int, queue: str, *args: Any) -> None:
-        self.queued.append(f"{queue}:fair:waiting")  # a queue's tenants' lanes (fairness.py)
+    def get(self, name: str) -> None:
+        self.queued.append(name)  # a queue's tenants' waiting count (fairness.py)
 
     def execute(self) -> list[int]:
         self.broker.round_trips += 1

@@ -42,6 +42,20 @@ BREAKING = [
 
 
 @pytest.mark.parametrize(
+    "option", [{"priority_steps": list(range(10))}, {"sep": ":"}, {"global_keyprefix": "pfx:"}]
+)
+def test_kombu_options_that_rename_its_lists_are_refused(
+    app: LedgerCelery, option: dict[str, Any]
+) -> None:
+    # (the reconciler and fair dispatch read the lists by kombu's default names: a message in a
+    # list named otherwise was fed to one no worker reads)
+    app.conf.broker_transport_options.update(option)
+    step = LedgerWorkerStep(SimpleNamespace(app=app))
+    with pytest.raises(ConfigurationError, match=next(iter(option))):
+        step.create(SimpleNamespace(app=app, hostname="w@h"))
+
+
+@pytest.mark.parametrize(
     ("conf", "named"), BREAKING, ids=[f"{n}={next(iter(c.values()))}" for c, n in BREAKING]
 )
 def test_a_setting_that_breaks_a_guarantee_is_refused_naming_it(

@@ -90,7 +90,7 @@ def test_policies_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert policy_of(settings.tenants, "acme").weight == 3
     assert policy_of(settings.tenants, "other") == TenantPolicy(max_waiting=100)
     assert policy_of({}, "other") == TenantPolicy()
-    assert settings.fair_queue_depth == 2
+    assert settings.fair_queue_depth == 0  # (off until set)
 
 
 @pytest.mark.parametrize(

@@ -312,7 +312,7 @@ def reconcile_command(
     console.print(table)
 
 
-@ledger.command(short_help="Show a job's ledger record, or list a tenant's.")
+@ledger.command(short_help="A job's record, or a tenant's records.")
 @click.argument("job", required=False)
 @click.argument("key", required=False)
 @click.option(

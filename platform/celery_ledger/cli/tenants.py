@@ -18,7 +18,7 @@ from .options import actor_option
 console = Console(soft_wrap=True)
 
 
-@click.group(name="tenants", short_help="Tenants' jobs waiting in each tier (fair dispatch).")
+@click.group(name="tenants", short_help="Tenants' waiting jobs (fair dispatch).")
 def tenants() -> None:
     """Tenants and fair dispatch: each tier's tenants with work, their policies, the drain."""
 
@@ -71,7 +71,7 @@ def list_(ctx: click.Context, tier: str | None, top: int, as_json: bool) -> None
     console.print(table)
 
 
-@tenants.command(short_help="Move every tenant's waiting jobs to their tier queue.")
+@tenants.command(short_help="Move the lanes' jobs to their queues.")
 @click.option("--tier", default=None, help="One tier (default: every tier).")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @actor_option

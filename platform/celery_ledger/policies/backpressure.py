@@ -18,7 +18,7 @@ import redis
 
 from .. import errors
 from ..errors import ConfigurationError
-from ..fairness import PRIORITY_STEPS_TEXT, WAITING_TOTAL_SCRIPT
+from ..fairness import waiting_key
 from ..locks import ForkSafeLock
 
 Policy = Literal["block", "reject", "shed"]
@@ -78,9 +78,11 @@ class QueueDepths:
         for queue in self.queues:
             pipe.llen(self._names[queue])
             # and its tenants' lanes (fairness.py), whose messages wait for it as much
-            pipe.eval(WAITING_TOTAL_SCRIPT, 0, self._names[queue], PRIORITY_STEPS_TEXT)
+            pipe.get(waiting_key(self._names[queue]))
         counts = pipe.execute()
-        totals = [int(n) + int(lanes) for n, lanes in zip(counts[::2], counts[1::2], strict=True)]
+        totals = [
+            int(n) + int(lanes or 0) for n, lanes in zip(counts[::2], counts[1::2], strict=True)
+        ]
         self._depths = dict(zip(self.queues, totals, strict=True))
         self._sampled_at = self._clock()
         return dict(self._depths)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -88,13 +89,25 @@ class TenantGate:
         raise Backpressure(f"{tier} (tenant {tenant!r})", waiting, most)
 
 
+@dataclass(frozen=True)
+class TenantSlot:
+    """Whose job a delivery is, from the queue it was taken from, and its message's delivery
+    tag: the slot its tenant's concurrency limit counts (fairness.py)."""
+
+    tenant: str
+    queue: str | None
+    tag: str | None
+
+
 def slot_keeper(runtime: Any, delivery: Any, lease_seconds: float) -> Callable[[], None] | None:
-    """For a ``delivery`` (the guard's) of a tenant with a concurrency limit, whose body starts:
-    its slot (fairness.py) kept ``lease_seconds`` ahead now, and a callable that keeps it so
-    (its heartbeat calls it); else None."""
-    queue, tenant, job_id = delivery.queue, delivery.tenant, delivery.identity.message_id
-    if not queue or not tenant:
+    """For a ``delivery`` (the guard's) of a tenant with a concurrency limit: a callable that
+    keeps its slot (fairness.py) ``lease_seconds`` ahead, which its heartbeat calls after each
+    beat of the lease; else None. (Its slot lives a lease from its move to the queue: the first
+    beat, a third of a lease into the body, comes before it lapses.)"""
+    slot: TenantSlot | None = delivery.tenant_slot
+    if slot is None or not slot.queue or not slot.tag:
         return None
+    queue, tenant, job_id = slot.queue, slot.tenant, slot.tag
     fair, policies = runtime.fair, runtime.settings.tenants
     if fair is None:
         return None
@@ -107,7 +120,6 @@ def slot_keeper(runtime: Any, delivery: Any, lease_seconds: float) -> Callable[[
         except redis.RedisError as exc:  # lapses after a lease at worst
             logger.warning("could not renew %s's slot of tenant %s: %s", job_id, tenant, exc)
 
-    keep()
     return keep
 
 
