@@ -421,8 +421,9 @@ class FairDispatch:
         return bool(self.client.eval(RENEW_SCRIPT, 0, queue, lease_seconds, tenant, job_id))
 
     def write_policies(self, queues: Iterable[str], policies: Mapping[str, TenantPolicy]) -> None:
-        """Write the app's tenant policies where the script reads them (each queue's hash)."""
-        pipe = self.client.pipeline(transaction=False)
+        """Write the app's tenant policies where the script reads them (each queue's hash), in
+        one transaction: a refill between the delete and the write would see no limits."""
+        pipe = self.client.pipeline(transaction=True)
         for queue in queues:
             key = policy_key(queue)
             pipe.delete(key)

@@ -328,3 +328,19 @@ def test_a_take_through_the_transport_refills_its_queue_in_the_same_round_trip(
         assert client.llen(queue_list(queue, 0)) == 1
         taken[0].requeue()
     producer.close()
+
+
+def test_a_ring_that_lost_its_tenants_is_made_again_and_a_bad_policy_is_the_default(
+    client: redis.Redis,
+) -> None:
+    fair, queue = fed(client, depth=1)
+    for tenant in ("a", "b", "c"):
+        for n in range(3):
+            fair.put(queue, tenant, 0, envelope(f"{tenant}-{n}", tenant))
+    # An eviction (or a hand) takes the ring, and a policy is in a form this release does not
+    # write (another release's): every tenant is still fed, none is stranded, no script fails
+    client.delete(f"{queue}:fair:ring")
+    client.hset(f"{queue}:fair:policy", mapping={"b": "3", "*": "x,y"})
+    seen = [take(client, fair, queue)["headers"]["id"] for _ in range(9)]  # type: ignore[index]
+    assert sorted(seen) == sorted(f"{t}-{n}" for t in "abc" for n in range(3))
+    assert fair.waiting(queue) == {} and client.get(f"{queue}:fair:waiting") is None

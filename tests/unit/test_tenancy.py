@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from celery_ledger.fairness import (
     top_shares,
 )
 from celery_ledger.policies.tenants import TenantGate, policy_of
-from celery_ledger.tenancy import tenant_of_call
+from celery_ledger.tenancy import tenant_of_call, tenant_slot_of
 
 
 def run(customer: str, amount: int = 0) -> None: ...
@@ -234,3 +235,20 @@ def test_the_top_tenants_by_waiting_then_running_then_name() -> None:
     ]
     assert top_shares({"a": 1}, {}, top=3) == [TenantShare("a", 1, 0)]  # no rest: no "other"
     assert top_shares({}, {}, top=3) == []
+
+
+def test_a_deliverys_unusable_tenant_is_ignored_not_fatal() -> None:
+    def request(tenant: Any) -> Any:
+        properties = {"ledger_tenant": tenant, "delivery_tag": "tag-1"}
+        return SimpleNamespace(
+            id="j", properties=properties, delivery_info={"routing_key": "app.default"}
+        )
+
+    slot = tenant_slot_of(request("acme"))
+    assert slot is not None and (slot.tenant, slot.queue, slot.tag) == (
+        "acme",
+        "app.default",
+        "tag-1",
+    )
+    for bad in ("*", "", "x" * 129, "a\nb", 5):
+        assert tenant_slot_of(request(bad)) is None  # (run as no tenant's; its retry publishes)
