@@ -151,7 +151,7 @@ class Settings(SentinelSettings):
         0,
         ge=0,
         description="Fair dispatch of tenants' jobs: the most messages a tier queue holds while"
-        " they wait in their lanes (0, the default: off; 2: on; workers first, see tenants.md).",
+        " they wait in their lanes (0, the default: off; 1: on; workers first, see tenants.md).",
     )
     tenants_top: int = Field(
         10,

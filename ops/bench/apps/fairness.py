@@ -21,7 +21,7 @@ def build(env: Mapping[str, str]) -> LedgerCelery:
         tier_limits={"default": {"high_water": 10_000_000}},
         queue_namespace="bench_fair",
         tenants=json.loads(env.get("BENCH_TENANTS", "{}")),
-        fair_queue_depth=int(env.get("BENCH_FAIR_DEPTH", "2")),
+        fair_queue_depth=int(env.get("BENCH_FAIR_DEPTH", "1")),
     )
     app = create_app("bench_fairness", settings=settings, set_as_current=False)
 
