@@ -730,6 +730,7 @@ class LedgerTask(Task):  # type: ignore[misc]
                 key=key,
                 tier=tier,
                 message_headers=message_headers,
+                tenant=tenant,
                 unsupported={
                     "task_id (a canvas's)": task_id != record_id,
                     "link": link,
@@ -844,10 +845,11 @@ class LedgerTask(Task):  # type: ignore[misc]
         key: str,
         tier: str,
         message_headers: dict[str, Any],
+        tenant: str | None,
         unsupported: dict[str, Any],
     ) -> _Result:
         """``apply_async(..., session=session)``: the job's queued record in the session's
-        transaction, published after the commit (see outbox.py).
+        transaction, published after the commit (outbox.py) from its kept message (and tenant).
 
         Raises:
             ConfigurationError: no transaction, or options an outbox job cannot carry.
@@ -863,7 +865,7 @@ class LedgerTask(Task):  # type: ignore[misc]
                 " the transaction to compose steps or wait"
             )
         outbox.admit(tier)
-        kept = self._kept(args, kwargs, message_headers)
+        kept = self._kept(args, kwargs, message_headers, tenant)
         outcome = self.app.ledger.enqueue(
             record_id,
             task=self.name,

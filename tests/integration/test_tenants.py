@@ -344,3 +344,36 @@ def test_a_ring_that_lost_its_tenants_is_made_again_and_a_bad_policy_is_the_defa
     seen = [take(client, fair, queue)["headers"]["id"] for _ in range(9)]  # type: ignore[index]
     assert sorted(seen) == sorted(f"{t}-{n}" for t in "abc" for n in range(3))
     assert fair.waiting(queue) == {} and client.get(f"{queue}:fair:waiting") is None
+
+
+def test_a_job_enqueued_in_a_transaction_keeps_its_tenant(own: EmbeddedStack) -> None:
+    # Found by the chaos soak: an outbox job's kept message had no tenant, so the relay (or the
+    # publish after the commit) sent it straight to the tier queue, past its tenant's lane and
+    # concurrency limit, and its record named no tenant.
+    # Given no worker and a tier queue one message deep, fed from lanes, already holding a
+    # tenant's job
+    producer = producer_app(own, f"tenants_{uuid.uuid4().hex[:6]}", fair_queue_depth=1)
+    task = shared_task(producer, RECORD)
+    queue = producer.tiers.queue("default")
+    producer.runtime.fair.feed(queue)  # (as a worker of this release)
+    run = uuid.uuid4().hex[:8]
+    task.apply_async((f"{run}-first",), tenant="acme")
+    client = redis.Redis.from_url(own.broker.url)  # type: ignore[union-attr]
+
+    # When another job of that tenant is enqueued in the app's transaction and committed
+    def checkout(session: Any) -> None:
+        task.apply_async((f"{run}-in-transaction",), tenant="acme", session=session)
+
+    producer.outbox.transaction(checkout)
+
+    # Then it waits in the tenant's lane (not in the queue, past the dispatch) and its record
+    # names the tenant
+    lane = f"{queue}:fair:lane:0:acme"
+    wait_for(lambda: client.llen(lane) == 1, timeout=10, what="the job in its tenant's lane")
+    waiting = [json.loads(m)["properties"].get("ledger_tenant") for m in client.lrange(lane, 0, -1)]
+    assert waiting == ["acme"]
+    assert client.llen(queue) == 1
+    record = producer.ledger.get(task.name, f"{run}-in-transaction")
+    assert record is not None and record.tenant == "acme"
+    client.close()
+    producer.close()
