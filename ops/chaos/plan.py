@@ -3,9 +3,42 @@
 from __future__ import annotations
 
 import random
+import re
+import zlib
 from dataclasses import dataclass
+from typing import Any
 
 TIERS = ("critical", "default", "bulk")
+
+# celery-ledger's tenants (fair dispatch inside each tier, ``LEDGER_TENANTS``): a big one that
+# floods its lanes, one of weight 3, one held to a few bodies at once fleet-wide, a small one;
+# the rest of the jobs name none (they go to the tier queues directly, as before tenants).
+# Shares of the jobs, out of 100, by a hash of the job's number (not the plan's random source:
+# a seed plans the same jobs and faults as before tenants).
+FLOOD, GOLD, CAPPED, SMALL = "flood", "gold", "capped", "small"
+CAPPED_CONCURRENCY = 2
+TENANT_SHARES = {FLOOD: 45, GOLD: 15, CAPPED: 10, SMALL: 15}  # the other 15: no tenant
+TENANT_POLICIES: dict[str, dict[str, Any]] = {
+    GOLD: {"weight": 3},
+    CAPPED: {"concurrency": CAPPED_CONCURRENCY},
+}
+NO_TENANT = "(none)"  # how the report names the jobs that name no tenant
+_NUMBER = re.compile(r"-(\d+)(?::[su]\d+)?$")
+
+
+def tenant_of(key: str) -> str | None:
+    """The tenant of a soak job or workflow step by its effect key (``<run>-<kind>-<n>``, or a
+    step's ``<run>-flow-<n>:s<i>``: a workflow's steps share its tenant); None: no tenant. The
+    soak app's ``tenant=`` option, so a republished job keeps it from its arguments alone."""
+    found = _NUMBER.search(key)
+    if found is None:
+        return None
+    bucket = zlib.crc32(found.group(1).encode()) % 100
+    for tenant, share in TENANT_SHARES.items():
+        if bucket < share:
+            return tenant
+        bucket -= share
+    return None
 
 
 @dataclass(frozen=True)
@@ -128,6 +161,17 @@ class Job:
     def ledger_task(self) -> str:
         return "soak.newer" if self.newer else "soak.work"
 
+    @property
+    def tenant(self) -> str | None:
+        """celery-ledger's tenant of the job (plain Celery has none)."""
+        return tenant_of(self.key)
+
+    @property
+    def tenant_by_call(self) -> bool:
+        """Half of the tenants' jobs published directly name it in the call too
+        (``apply_async(tenant=...)``); the task's ``tenant=`` option names it for the rest."""
+        return int(self.key.rsplit("-", 1)[1]) % 2 == 0
+
 
 def plan_jobs(profile: Profile, rng: random.Random, run: str) -> list[Job]:
     kinds = list(profile.mix)
@@ -164,6 +208,10 @@ class WorkflowJob:
     @property
     def designed(self) -> str:
         return "compensated" if self.steps[-1][0] == "permanent" else "completed"
+
+    @property
+    def tenant(self) -> str | None:
+        return tenant_of(self.key)
 
     def step_key(self, index: int) -> str:
         return step_effect_key(self.key, index)

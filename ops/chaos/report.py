@@ -65,6 +65,86 @@ class WorkflowReport:
 
 
 @dataclass
+class TenantReport:
+    """One tenant's jobs (``(none)``: the jobs that name no tenant)."""
+
+    tenant: str
+    jobs: int = 0
+    succeeded: int = 0
+    dead: int = 0
+    designed_dead: int = 0
+    duplicates: int = 0  # effects beyond the first
+    not_ended: list[str] = field(default_factory=list)
+    wrong_tenant: list[str] = field(default_factory=list)  # a record not of its planned tenant
+    # from publish to its body's first start (under the faults: a figure, not an invariant)
+    wait_median_seconds: float | None = None
+    wait_p90_seconds: float | None = None
+
+
+@dataclass
+class TenantsReport:
+    """celery-ledger's tenants under the faults (ops/chaos/tenants.py)."""
+
+    policies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tenants: list[TenantReport] = field(default_factory=list)
+    lanes_left: list[str] = field(default_factory=list)  # fair dispatch's leftovers at the end
+    capped: str = ""
+    capped_limit: int = 0
+    capped_bodies: int = 0  # runs of the capped tenant's bodies (every attempt)
+    capped_redelivered: int = 0  # of them, copies that reached the queue past the lane
+    capped_most_at_once: int = 0
+    capped_over_limit_seconds: float = 0.0
+    # stretches over the limit with at most as many bodies beyond it as redelivered ones running
+    capped_explained: list[str] = field(default_factory=list)
+    capped_unexplained: list[str] = field(default_factory=list)  # the gate failed
+    capped_unended: list[str] = field(default_factory=list)  # a span with no end and no kill
+    most_capped_entries: int = 0  # the most live concurrency entries seen at once (sampled)
+
+    def render(self, system: str) -> None:
+        def seconds(value: float | None) -> str:
+            return "-" if value is None else f"{value:.1f}s"
+
+        print_table(
+            f"tenants on {system}: policies {self.policies}",
+            ["tenant", "jobs", "succeeded", "dead/designed", "duplicates", "not ended",
+             "record's tenant wrong", "wait to start: median / p90"],
+            [
+                [t.tenant, t.jobs, t.succeeded, f"{t.dead}/{t.designed_dead}", t.duplicates,
+                 len(t.not_ended), len(t.wrong_tenant),
+                 f"{seconds(t.wait_median_seconds)} / {seconds(t.wait_p90_seconds)}"]
+                for t in self.tenants
+            ],
+        )  # fmt: skip
+        console.print(
+            f"{system} tenant {self.capped!r} (concurrency {self.capped_limit}):"
+            f" {self.capped_bodies} bodies run ({self.capped_redelivered} redelivered copies),"
+            f" most at once {self.capped_most_at_once}, over the limit"
+            f" {self.capped_over_limit_seconds:.1f}s in all ({len(self.capped_explained)}"
+            f" stretches with redelivered copies running, {len(self.capped_unexplained)}"
+            f" without), most live slots seen {self.most_capped_entries};"
+            f" lanes left at the end: {len(self.lanes_left)}",
+            highlight=False,
+        )
+        for line in (
+            self.lanes_left[:5]
+            + [f"over the limit, unexplained: {x}" for x in self.capped_unexplained[:8]]
+            + [f"over the limit, redelivered: {x}" for x in self.capped_explained[:4]]
+            + [f"no end and no kill: {x}" for x in self.capped_unended[:5]]
+            + [w for t in self.tenants for w in t.wrong_tenant[:3]]
+        ):
+            console.print(f"  {system} tenants: {line}", highlight=False, soft_wrap=True)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.lanes_left
+            and not self.capped_unexplained
+            and not self.capped_unended
+            and all(not t.not_ended and not t.wrong_tenant for t in self.tenants)
+        )
+
+
+@dataclass
 class SystemReport:
     system: str
     tasks: int = 0
@@ -85,6 +165,7 @@ class SystemReport:
     quiet: bool = False
     details: list[str] = field(default_factory=list)
     workflows: WorkflowReport | None = None
+    tenants: TenantsReport | None = None  # celery-ledger's
     # celery-ledger's periodic task (every 2 s, the workers' own scheduler): the slots from
     # its first run until a minute before the count, and those of them that did not run once
     schedule_slots: int = 0
@@ -189,6 +270,9 @@ class SoakReport:
                     ["deepest backlog (messages queued at once)", w.deepest_backlog],
                 ],
             )
+        for name, r in self.systems.items():
+            if r.tenants is not None:
+                r.tenants.render(name)
         for name, r in self.systems.items():
             if r.schedule_slots:
                 console.print(

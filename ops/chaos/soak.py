@@ -10,7 +10,10 @@ own that no fault touches) on celery-ledger workers and on plain Celery workers 
 permanent failures (must end dead) and long (a few seconds), published in waves to mixed tiers.
 celery-ledger also runs durable workflows beside its jobs (``soak.flow``, 3-5 steps of the same
 body, a compensation registered after each step; some designed to fail for good at their last
-step, so their compensations must run); plain Celery has no workflows.
+step, so their compensations must run); plain Celery has no workflows. Most of celery-ledger's
+jobs and workflows name a tenant (``plan.py``: a big one that floods, one of weight 3, one held
+to 2 bodies at once fleet-wide, a small one; some none), so every fault also runs through fair
+dispatch: the tier queues fed from per-tenant lanes (``tenants.py`` says what must hold).
 
 Faults, while the jobs run: SIGKILL of a random pool process of each system every few seconds;
 SIGKILL of a whole worker (restarted; its unacked messages come back after the visibility
@@ -23,6 +26,8 @@ permanent failures) with exactly one effect per succeeded job, nothing lost, and
 letters exactly the designed failures. Every workflow must end as designed (``completed``, or
 ``compensated``) by the end of the drain, with each step's effect exactly once (for a compensated
 one: the steps before the failed one, then their compensations newest first, each once).
+Every tenant's jobs must end, each record keeping its tenant, the lanes must be empty at the
+end, and the capped tenant never ran more bodies at once than its limit allows (tenants.py).
 """
 
 from __future__ import annotations
@@ -51,15 +56,27 @@ from celery_ledger import LedgerCelery, Settings
 from celery_ledger.app import WAKE_TASK
 from celery_ledger.embedded.servers import ServerProcess, start_secantus, start_valkey
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
+from celery_ledger.fairness import FairDispatch
 from celery_ledger.transport import unacked_keys
 
 from ..bench.common import REPO, RESULTS, console, machine, print_table
 from .apps import plain_soak
 from .apps.ledger_soak import TICK_SECONDS
 from .forensics import broker_fate, dead_letter_key, last_error, message_key
-from .plan import PROFILES, TIERS, Job, Profile, WorkflowJob, plan_jobs, plan_workflows
+from .plan import (
+    CAPPED,
+    PROFILES,
+    TENANT_POLICIES,
+    TIERS,
+    Job,
+    Profile,
+    WorkflowJob,
+    plan_jobs,
+    plan_workflows,
+)
 from .proxy import Proxy, ProxyLoop
-from .report import Kill, SoakReport, SystemReport, WorkflowReport
+from .report import Kill, SoakReport, SystemReport, TenantsReport, WorkflowReport
+from .tenants import account_tenants, lane_depth, lane_leftovers
 
 __all__ = ["PROFILES", "Profile", "SoakReport", "SystemReport", "run"]
 
@@ -140,8 +157,10 @@ class Soak:
         )
         self.flow_ids: dict[str, str] = {}  # workflow key -> id, once started
         self.flows_ended: float | None = None  # seconds after the faults, once all ended
-        # wake, step: most copies queued at once; depth: most messages queued at once
+        # wake, step: most copies queued at once; depth: most messages queued at once (in the
+        # tier queues and the tenants' lanes); capped: most live concurrency entries of CAPPED
         self.most_waiting: Counter[str] = Counter()
+        self.published_at: dict[str, float] = {}  # celery-ledger's jobs, wall clock
         self.faults: Counter[str] = Counter()
         self.faults_repaired: Counter[str] = Counter()  # what the reconciler brought back
         self._ledger_app: LedgerCelery | None = None
@@ -199,6 +218,8 @@ class Soak:
             "LEDGER_RECONCILE_STALE_AFTER_SECONDS": str(RECONCILE_STALE_AFTER_SECONDS),
             "LEDGER_RECONCILE_LEASE_GRACE_SECONDS": str(self.profile.lease_seconds / 2),
             "LEDGER_WORKFLOW_CHECK_SECONDS": str(WORKFLOW_CHECK_SECONDS),
+            # Fair dispatch at its default depth (LEDGER_FAIR_QUEUE_DEPTH, 4): plan.py's tenants
+            "LEDGER_TENANTS": json.dumps(TENANT_POLICIES),
         }
 
     def queues(self, system: str) -> tuple[str, ...]:
@@ -281,7 +302,9 @@ class Soak:
                     self.enqueue_in_transaction(job)
                 else:
                     task = tasks[job.ledger_task]
-                    task.apply_async((job.key, job.kind, job.param), tier=job.tier)
+                    by_call = {"tenant": job.tenant} if job.tenant and job.tenant_by_call else {}
+                    task.apply_async((job.key, job.kind, job.param), tier=job.tier, **by_call)
+                self.published_at.setdefault(job.key, time.time())
 
             out["ledger"] = ledger_publish
         if "plain" in self.systems:
@@ -305,6 +328,7 @@ class Soak:
                     mongo_timeout_ms=2000,
                     dedupe_on_publish=True,
                     workflow_check_seconds=WORKFLOW_CHECK_SECONDS,
+                    tenants=TENANT_POLICIES,
                 ),
                 release=2,  # (the producer publishes the newer release's task from the start)
             )
@@ -350,7 +374,10 @@ class Soak:
             orders.update_one(
                 {"_id": job.key}, {"$inc": {"tries": 1}}, upsert=True, session=session
             )
-            task.apply_async((job.key, job.kind, job.param), tier=job.tier, session=session)
+            by_call = {"tenant": job.tenant} if job.tenant and job.tenant_by_call else {}
+            task.apply_async(
+                (job.key, job.kind, job.param), tier=job.tier, session=session, **by_call
+            )
 
         deadline = time.monotonic() + WORKFLOW_START_PATIENCE_SECONDS
         while True:
@@ -575,6 +602,7 @@ class Soak:
             waiting += int(redis.hlen(self.unacked_key(system)))
             if system == "ledger":
                 waiting += int(redis.zcard(LEDGER_DELAYED_KEY))
+                waiting += len(lane_leftovers(redis, self.queues(system)))  # (tenants' lanes)
             return waiting == 0
 
     def broker_leftovers(self, system: str) -> list[str]:
@@ -596,6 +624,7 @@ class Soak:
                 age = time.time() - scores.get(tag, 0.0)
                 lines.append(f"unacked {message_key(raw)} for {age:.0f}s")
             if system == "ledger":
+                lines += lane_leftovers(redis, self.queues(system))
                 for member, due in redis.zrange(LEDGER_DELAYED_KEY, 0, 9, withscores=True):
                     args = json.loads(member).get("args") or ["?"]
                     lines.append(f"delayed {args[0]} due in {due - time.time():.0f}s")
@@ -620,6 +649,8 @@ class Soak:
             for raw in redis.hvals(self.unacked_key(system)):
                 found.setdefault(message_key(raw), "taken by a worker, not acknowledged")
             if system == "ledger":
+                for raw in lane_depth(redis, self.queues(system))[1]:
+                    found.setdefault(message_key(raw), "waiting in its tenant's lane")
                 for member in redis.zrange(LEDGER_DELAYED_KEY, 0, -1):
                     with contextlib.suppress(ValueError, TypeError, IndexError, AttributeError):
                         args = json.loads(member).get("args") or []
@@ -816,7 +847,42 @@ class Soak:
             report.details.insert(0, report.dead_letter_detail)
             if self.flows:
                 report.workflows = self.account_workflows(effects)
+            report.tenants = self.account_tenants(states, records, effects)
+            if not report.tenants.ok:
+                report.details.append("tenants: see the tenants' table")
         return report
+
+    def account_tenants(
+        self,
+        states: dict[str, str],
+        records: dict[str, dict[str, Any]],
+        effects: dict[str, list[dict[str, Any]]],
+    ) -> TenantsReport:
+        """celery-ledger's tenants: per tenant its jobs' ends, and fair dispatch's invariants
+        (tenants.py): lanes empty, the capped tenant's bodies at once within its bound."""
+        with self.world() as world_client, Redis.from_url(self.broker.url) as redis:
+            world = world_client.soak_world
+            attempts = list(world.attempts.find({"system": "ledger"}))
+            ends = list(world.ends.find({"system": "ledger"}))
+            leftovers = lane_leftovers(redis, self.queues("ledger"))
+        duplicates = {
+            job.key: max(0, len(effects.get(job.key, [])) - 1)
+            for job in self.jobs
+            if job.kind != "permanent"
+        }
+        return account_tenants(
+            self.jobs,
+            states,
+            records,
+            duplicates,
+            self.published_at,
+            attempts,
+            ends,
+            [k for k in self.kills if k.system == "ledger"],
+            now=time.time(),
+            leftovers=leftovers,
+            most_entries=self.most_waiting["capped"],
+        )
 
     def account_workflows(self, effects: dict[str, list[dict[str, Any]]]) -> WorkflowReport:
         """Each workflow's end (its handle's status) and its steps' effects in the world."""
@@ -907,24 +973,29 @@ class Soak:
 
     def watch_queues(self, stop: threading.Event) -> None:
         """Every few seconds, the most copies of one workflow's wake and of one step's message
-        waiting in the ledger's queues at once (a backlog must not multiply them)."""
+        waiting in the ledger's queues and its tenants' lanes at once (a backlog must not
+        multiply them), and the capped tenant's live concurrency entries."""
+        queues = self.queues("ledger")
         while not stop.wait(WATCH_QUEUES_EVERY_SECONDS):
             wakes: Counter[str] = Counter()
             steps: Counter[str] = Counter()
             depth = 0
             try:
                 with Redis.from_url(self.broker.url) as redis:
-                    for queue in self.queues("ledger"):
-                        items = redis.lrange(queue, 0, -1)
-                        depth += len(items)
-                        for raw in items:
-                            kind, name = queued_item(raw)
-                            if kind == "wake":
-                                wakes[name] += 1
-                            elif kind == "step":
-                                steps[name] += 1
+                    waiting = [m for queue in queues for m in redis.lrange(queue, 0, -1)]
+                    waiting += lane_depth(redis, queues)[1]  # (a tenant's wait in its lanes)
+                    fair = FairDispatch(redis, depth=1, lease_seconds=self.profile.lease_seconds)
+                    entries = sum(fair.running(queue).get(CAPPED, 0) for queue in queues)
+                    self.most_waiting["capped"] = max(self.most_waiting["capped"], entries)
             except Exception:  # the broker is being killed: the next look
                 continue
+            for raw in waiting:
+                depth += 1
+                kind, name = queued_item(raw)
+                if kind == "wake":
+                    wakes[name] += 1
+                elif kind == "step":
+                    steps[name] += 1
             self.most_waiting["wake"] = max(
                 self.most_waiting["wake"], max(wakes.values(), default=0)
             )
@@ -1092,6 +1163,7 @@ def passed(report: SoakReport) -> bool:
         and ledger.duplicates == 0
         and bool(ledger.dead_letters_match)
         and (ledger.workflows is None or ledger.workflows.ok)
+        and (ledger.tenants is None or ledger.tenants.ok)
         and ledger.schedule_ok
     )
 

@@ -17,8 +17,9 @@ from pymongo.client_session import ClientSession
 
 from celery_ledger import LedgerCelery, PermanentError, Settings, create_app
 from celery_ledger.app import WAKE_TASK
+from celery_ledger.untrusted import redelivered
 
-from ..plan import step_effect_key, undo_effect_key
+from ..plan import step_effect_key, tenant_of, undo_effect_key
 from . import world
 
 TICK_SECONDS = 2.0  # the soak's periodic task (``soak.tick``)
@@ -28,6 +29,10 @@ RESTORE_SWEEP = {
     # A worker killed while it sweeps holds the sweep lock until this expires (300 s default).
     "unacked_mutex_expire": 10,
 }
+
+
+def _tenant(key: str, kind: str, param: float) -> str | None:
+    return tenant_of(key)
 
 
 def build(settings: Settings | None = None, release: int | None = None) -> LedgerCelery:
@@ -54,8 +59,11 @@ def build(settings: Settings | None = None, release: int | None = None) -> Ledge
             task.step("effect").atomic(write)
 
         try:
-            fence = getattr(task.request, "ledger_fence", None)
-            return world.work("ledger", key, kind, param, fence, act)
+            request = task.request
+            fence = getattr(request, "ledger_fence", None)
+            # (a copy kombu restored or a requeue: it reached the queue past its tenant's lane)
+            detail = {"redelivered": redelivered(request), "retries": request.retries or 0}
+            return world.work("ledger", key, kind, param, fence, act, detail)
         except world.DesignedFailure as exc:
             raise PermanentError(str(exc)) from exc
 
@@ -67,6 +75,9 @@ def build(settings: Settings | None = None, release: int | None = None) -> Ledge
         "max_retries": 8,
         "retry_base_seconds": 0.2,
         "retry_cap_seconds": 1.0,
+        # The job's tenant (plan.py; most name one): its tier queue is fed from per-tenant
+        # lanes, and a republish (a retry, the reconciler's copy) names it again
+        "tenant": _tenant,
     }
 
     def count_wake(sender: Any = None, args: Any = None, **_: Any) -> None:

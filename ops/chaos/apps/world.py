@@ -45,29 +45,37 @@ def work(
     param: float,
     fence: int | None,
     act: Callable[[dict[str, Any]], None] | None = None,
+    detail: dict[str, Any] | None = None,
 ) -> str:
-    """The body both systems run: record the attempt, fail or sleep as designed, act once.
+    """The body both systems run: record the attempt, fail or sleep as designed, act once,
+    then record its end (``ends``: with the attempt's ``at``, each run is a span; a SIGKILL
+    leaves none, and the soak ends it at the kill).
 
     Kinds: ``quick``; ``flaky`` (fails ``param`` times, retryable); ``permanent`` (always
     fails); ``long`` (sleeps ``param`` seconds first). ``act`` writes the effect document
-    (default: into ``effects`` on the world server).
+    (default: into ``effects`` on the world server). ``detail`` goes with the attempt's.
     """
+    started = time.time()
 
-    def note(what: str) -> None:
+    def note(what: str, **more: Any) -> None:
         doc = {"system": system, "key": key, "pid": os.getpid(), "fence": fence, "at": time.time()}
+        doc.update(more)
         if what == "effects" and act is not None:
             act(doc)
         else:
             collection(what).insert_one(doc)
 
-    note("attempts")
-    if kind == "flaky":
-        if collection("attempts").count_documents({"system": system, "key": key}) <= param:
-            raise FlakyError(f"flaky failure of {key}")
-    elif kind == "permanent":
-        note("failures")
-        raise DesignedFailure(f"designed failure of {key}")
-    elif kind == "long":
-        time.sleep(param)
-    note("effects")
+    note("attempts", **(detail or {}))
+    try:
+        if kind == "flaky":
+            if collection("attempts").count_documents({"system": system, "key": key}) <= param:
+                raise FlakyError(f"flaky failure of {key}")
+        elif kind == "permanent":
+            note("failures")
+            raise DesignedFailure(f"designed failure of {key}")
+        elif kind == "long":
+            time.sleep(param)
+        note("effects")
+    finally:
+        note("ends", started=started)
     return key

@@ -1,0 +1,260 @@
+"""The soak's tenants (celery-ledger only): what fair dispatch must keep under the faults.
+
+Most of the soak's jobs and workflows name a tenant (plan.py: a big one that floods, one of
+weight 3, one held to ``CAPPED_CONCURRENCY`` bodies at once fleet-wide, a small one; the rest
+none). Besides the soak's own invariants (each job's body ran once, nothing lost, every workflow
+ended), these must hold:
+
+- every tenant's jobs ended as designed, and each record keeps its planned tenant (through
+  retries, deferrals, the outbox relay and the reconciler's copies);
+- the tenants' lanes are empty at the end of the drain, and no tenant left in the ring or its
+  set of tenants with work (a lane its tenant left would never be fed again);
+- the capped tenant never had more bodies running at once than its limit, plus the bodies that
+  reached the tier queue past its lane (see :func:`over_limit`).
+
+What the design guarantees for a concurrency limit (fairness.py): a tenant's message moves from
+its lane to the tier queue only while fewer than ``concurrency`` unexpired entries of that tenant
+exist; the move adds the message's entry (its id, lapsing a lease later, on the broker's clock),
+the body's heartbeat keeps it a lease ahead (every third of a lease), the end of the delivery
+(``task_postrun``) removes it. A SIGKILLed body's entry stays until it lapses, within a lease:
+after a kill the tenant runs *fewer* bodies for up to a lease, never more, as long as every body
+came through the lane. A copy that kombu puts back into the tier queue itself (a pool process's
+delivery rejected when the process died, a dead worker's unacknowledged messages restored after
+the visibility timeout, a stopping worker's prefetched messages handed back, a requeue) skips the
+lane and its gate: if its entry lapsed meanwhile (the copy waited longer than a lease: a whole
+worker's after the 30 s visibility timeout always) and the freed slot went to another message,
+the copy's body renews an entry the tenant no longer had room for, and it runs over the limit
+until one of them ends. So the sound bound, at every instant, is the limit plus the running
+bodies of redelivered copies (each body records whether its delivery was one); a higher count,
+or any excess with no redelivered body running, is a failure of the gate.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from redis import Redis
+
+from celery_ledger.fairness import PRIORITY_STEPS, lane, prefix, ring_key
+
+from .plan import CAPPED, CAPPED_CONCURRENCY, NO_TENANT, TENANT_POLICIES, tenant_of
+from .report import Kill, TenantReport, TenantsReport
+
+
+@dataclass(frozen=True)
+class Span:
+    """One run of a body: from its attempt's start to its end (or the SIGKILL that ended it)."""
+
+    key: str
+    pid: int
+    started: float
+    ended: float
+    redelivered: bool
+    retries: int
+    killed: bool = False  # ended by a kill (no end recorded), at the kill
+    unended: bool = False  # no end and no kill of its process found: open until the count
+
+
+def spans_of(
+    attempts: Iterable[Mapping[str, Any]],
+    ends: Iterable[Mapping[str, Any]],
+    kills: Sequence[Kill],
+    *,
+    now: float,
+) -> list[Span]:
+    """Each attempt paired with its end (same key, process and fence); one without an end was
+    ended by the first kill of its process after it started, else it is left open (``now``)."""
+    closing: dict[tuple[str, int, Any], list[float]] = defaultdict(list)
+    for doc in ends:
+        closing[(str(doc["key"]), int(doc["pid"]), doc.get("fence"))].append(float(doc["at"]))
+    for found in closing.values():
+        found.sort()
+    spans = []
+    for attempt in sorted(attempts, key=lambda a: float(a["at"])):
+        key, pid, at = str(attempt["key"]), int(attempt["pid"]), float(attempt["at"])
+        redelivered, retries = bool(attempt.get("redelivered")), int(attempt.get("retries") or 0)
+        found = closing.get((key, pid, attempt.get("fence")), [])
+        end = next((t for t in found if t >= at), None)
+        if end is not None:
+            found.remove(end)
+            spans.append(Span(key, pid, at, end, redelivered, retries))
+            continue
+        kill = min((k.at for k in kills if pid in k.pids and k.at >= at), default=None)
+        if kill is not None:
+            spans.append(Span(key, pid, at, kill, redelivered, retries, killed=True))
+        else:
+            spans.append(Span(key, pid, at, now, redelivered, retries, unended=True))
+    return spans
+
+
+@dataclass(frozen=True)
+class Excess:
+    """A stretch of time when more bodies ran at once than the limit."""
+
+    started: float
+    ended: float
+    running: tuple[Span, ...]
+
+    @property
+    def redelivered(self) -> int:
+        return sum(s.redelivered for s in self.running)
+
+
+def over_limit(spans: Sequence[Span], limit: int) -> tuple[int, list[Excess]]:
+    """The most spans running at once, and every stretch with more than ``limit`` running
+    (an end and a start at the same instant: the end first)."""
+    events = sorted(
+        [(s.started, 1, i) for i, s in enumerate(spans)]
+        + [(s.ended, -1, i) for i, s in enumerate(spans)],
+        key=lambda e: (e[0], e[1]),
+    )
+    running: set[int] = set()
+    most, stretches = 0, []
+    for index, (at, change, which) in enumerate(events):
+        if change > 0:
+            running.add(which)
+        else:
+            running.discard(which)
+        most = max(most, len(running))
+        following = events[index + 1][0] if index + 1 < len(events) else at
+        if len(running) > limit and following > at:
+            stretches.append(Excess(at, following, tuple(spans[i] for i in sorted(running))))
+    return most, stretches
+
+
+def lane_leftovers(redis: Redis, queues: Sequence[str]) -> list[str]:
+    """What fair dispatch still holds for ``queues``: messages in any lane (found by name, so a
+    lane whose tenant left the ring is seen too), tenants in the ring or the set with work."""
+    found = []
+    for queue in queues:
+        pattern = f"{_glob(prefix(queue))}lane:*"
+        for name in redis.scan_iter(match=pattern, count=500):
+            n = int(redis.llen(name))
+            if n:
+                found.append(f"lane {_text(name)}: {n} messages")
+        ring = [_text(t) for t in redis.lrange(ring_key(queue), 0, -1)]
+        active = sorted(_text(t) for t in redis.smembers(f"{prefix(queue)}active"))
+        if ring or active:
+            found.append(f"{queue}: ring {ring}, tenants with work {active}")
+    return found
+
+
+def lane_depth(redis: Redis, queues: Sequence[str]) -> tuple[int, list[bytes]]:
+    """Messages waiting in the lanes of the tenants with work, and the messages themselves."""
+    pipe = redis.pipeline(transaction=False)
+    for queue in queues:
+        pipe.smembers(f"{prefix(queue)}active")
+    names = [
+        lane(queue, _text(tenant), step)
+        for queue, tenants in zip(queues, pipe.execute(), strict=True)
+        for tenant in tenants or ()
+        for step in PRIORITY_STEPS
+    ]
+    items: list[bytes] = []
+    for name in names:
+        items += cast("list[bytes]", redis.lrange(name, 0, -1))
+    return len(items), items
+
+
+def account_tenants(
+    jobs: Sequence[Any],
+    states: Mapping[str, str],
+    records: Mapping[str, Mapping[str, Any]],
+    duplicates: Mapping[str, int],
+    published: Mapping[str, float],
+    attempts: Sequence[Mapping[str, Any]],
+    ends: Sequence[Mapping[str, Any]],
+    kills: Sequence[Kill],
+    *,
+    now: float,
+    leftovers: list[str],
+    most_entries: int,
+) -> TenantsReport:
+    """The tenants' figures and invariants (see the module docstring)."""
+    report = TenantsReport(
+        policies={name: dict(policy) for name, policy in TENANT_POLICIES.items()},
+        capped=CAPPED,
+        capped_limit=CAPPED_CONCURRENCY,
+        lanes_left=leftovers,
+        most_capped_entries=most_entries,
+    )
+    first_start: dict[str, float] = {}
+    for attempt in attempts:
+        key = str(attempt["key"])
+        first_start[key] = min(first_start.get(key, float("inf")), float(attempt["at"]))
+    waits: dict[str, list[float]] = defaultdict(list)
+    by_tenant: dict[str, TenantReport] = {}
+    for job in jobs:
+        name = job.tenant or NO_TENANT
+        row = by_tenant.setdefault(name, TenantReport(name))
+        state = states[job.key]
+        row.jobs += 1
+        row.succeeded += state == "succeeded"
+        row.dead += state == "dead"
+        row.designed_dead += job.designed == "dead"
+        if state == "pending":
+            row.not_ended.append(job.key)
+        row.duplicates += duplicates.get(job.key, 0)
+        kept = records.get(job.key, {}).get("tenant")
+        if state != "pending" and kept != job.tenant:
+            row.wrong_tenant.append(f"{job.key}: record {kept!r}, planned {job.tenant!r}")
+        if job.key in first_start and job.key in published:
+            waits[name].append(first_start[job.key] - published[job.key])
+    for name, row in by_tenant.items():
+        found = sorted(waits[name])
+        if found:
+            row.wait_median_seconds = statistics.median(found)
+            row.wait_p90_seconds = found[int(0.9 * (len(found) - 1))]
+    report.tenants = [by_tenant[name] for name in sorted(by_tenant, key=_order)]
+    capped = [a for a in attempts if tenant_of(str(a["key"])) == CAPPED]
+    capped_ends = [e for e in ends if tenant_of(str(e["key"])) == CAPPED]
+    spans = spans_of(capped, capped_ends, kills, now=now)
+    report.capped_bodies = len(spans)
+    report.capped_redelivered = sum(s.redelivered for s in spans)
+    report.capped_unended = [f"{s.key} pid {s.pid}" for s in spans if s.unended]
+    report.capped_most_at_once, stretches = over_limit(spans, CAPPED_CONCURRENCY)
+    for stretch in stretches:
+        allowed = CAPPED_CONCURRENCY + stretch.redelivered
+        line = (
+            f"{len(stretch.running)} capped bodies at once for"
+            f" {stretch.ended - stretch.started:.2f}s ({stretch.redelivered} redelivered):"
+            + ", ".join(
+                f" {s.key} pid {s.pid} retries {s.retries}"
+                + (" redelivered" if s.redelivered else "")
+                + (" killed" if s.killed else "")
+                for s in stretch.running
+            )
+        )
+        report.capped_over_limit_seconds += stretch.ended - stretch.started
+        if len(stretch.running) > allowed:
+            report.capped_unexplained.append(line)
+        else:
+            report.capped_explained.append(line)
+    return report
+
+
+def _order(name: str) -> tuple[int, str]:
+    return (name == NO_TENANT, name)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _glob(text: str) -> str:
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
+
+
+__all__ = [
+    "Excess",
+    "Span",
+    "account_tenants",
+    "lane_depth",
+    "lane_leftovers",
+    "over_limit",
+    "spans_of",
+]
