@@ -17,7 +17,7 @@ TIERS = ("critical", "default", "bulk")
 # a seed plans the same jobs and faults as before tenants).
 FLOOD, GOLD, CAPPED, SMALL = "flood", "gold", "capped", "small"
 CAPPED_CONCURRENCY = 2
-TENANT_SHARES = {FLOOD: 45, GOLD: 15, CAPPED: 10, SMALL: 15}  # the other 15: no tenant
+TENANT_SHARES = {FLOOD: 49, GOLD: 15, CAPPED: 6, SMALL: 15}  # the other 15: no tenant
 TENANT_POLICIES: dict[str, dict[str, Any]] = {
     GOLD: {"weight": 3},
     CAPPED: {"concurrency": CAPPED_CONCURRENCY},

@@ -73,6 +73,7 @@ class TenantReport:
     succeeded: int = 0
     dead: int = 0
     designed_dead: int = 0
+    killed_to_dead: int = 0  # dead as poison: the soak killed its process at every delivery
     duplicates: int = 0  # effects beyond the first
     not_ended: list[str] = field(default_factory=list)
     wrong_tenant: list[str] = field(default_factory=list)  # a record not of its planned tenant
@@ -106,10 +107,11 @@ class TenantsReport:
 
         print_table(
             f"tenants on {system}: policies {self.policies}",
-            ["tenant", "jobs", "succeeded", "dead/designed", "duplicates", "not ended",
+            ["tenant", "jobs", "succeeded", "dead/designed (+killed)", "duplicates", "not ended",
              "record's tenant wrong", "wait to start: median / p90"],
             [
-                [t.tenant, t.jobs, t.succeeded, f"{t.dead}/{t.designed_dead}", t.duplicates,
+                [t.tenant, t.jobs, t.succeeded, f"{t.dead}/{t.designed_dead} (+{t.killed_to_dead})",
+                 t.duplicates,
                  len(t.not_ended), len(t.wrong_tenant),
                  f"{seconds(t.wait_median_seconds)} / {seconds(t.wait_p90_seconds)}"]
                 for t in self.tenants

@@ -847,7 +847,9 @@ class Soak:
             report.details.insert(0, report.dead_letter_detail)
             if self.flows:
                 report.workflows = self.account_workflows(effects)
-            report.tenants = self.account_tenants(states, records, effects)
+            report.tenants = self.account_tenants(
+                states, records, effects, set(report.killed_to_dead)
+            )
             if not report.tenants.ok:
                 report.details.append("tenants: see the tenants' table")
         return report
@@ -857,6 +859,7 @@ class Soak:
         states: dict[str, str],
         records: dict[str, dict[str, Any]],
         effects: dict[str, list[dict[str, Any]]],
+        killed_to_dead: set[str],
     ) -> TenantsReport:
         """celery-ledger's tenants: per tenant its jobs' ends, and fair dispatch's invariants
         (tenants.py): lanes empty, the capped tenant's bodies at once within its bound."""
@@ -875,6 +878,7 @@ class Soak:
             states,
             records,
             duplicates,
+            killed_to_dead,
             self.published_at,
             attempts,
             ends,

@@ -165,6 +165,7 @@ def account_tenants(
     states: Mapping[str, str],
     records: Mapping[str, Mapping[str, Any]],
     duplicates: Mapping[str, int],
+    killed_to_dead: set[str],
     published: Mapping[str, float],
     attempts: Sequence[Mapping[str, Any]],
     ends: Sequence[Mapping[str, Any]],
@@ -196,6 +197,7 @@ def account_tenants(
         row.succeeded += state == "succeeded"
         row.dead += state == "dead"
         row.designed_dead += job.designed == "dead"
+        row.killed_to_dead += job.key in killed_to_dead
         if state == "pending":
             row.not_ended.append(job.key)
         row.duplicates += duplicates.get(job.key, 0)
