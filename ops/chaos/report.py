@@ -97,6 +97,8 @@ class TenantsReport:
     capped_over_limit_seconds: float = 0.0
     # stretches over the limit with at most as many bodies beyond it as redelivered ones running
     capped_explained: list[str] = field(default_factory=list)
+    # more than that, begun during or soon after a fault that can hold a moved message
+    capped_after_outage: list[str] = field(default_factory=list)
     capped_unexplained: list[str] = field(default_factory=list)  # the gate failed
     capped_unended: list[str] = field(default_factory=list)  # a span with no end and no kill
     most_capped_entries: int = 0  # the most live concurrency entries seen at once (sampled)
@@ -122,8 +124,10 @@ class TenantsReport:
             f" {self.capped_bodies} bodies run ({self.capped_redelivered} redelivered copies),"
             f" most at once {self.capped_most_at_once}, over the limit"
             f" {self.capped_over_limit_seconds:.1f}s in all ({len(self.capped_explained)}"
-            f" stretches with redelivered copies running, {len(self.capped_unexplained)}"
-            f" without), most live slots seen {self.most_capped_entries};"
+            f" stretches within the limit plus the redelivered copies running,"
+            f" {len(self.capped_after_outage)} more, after an outage,"
+            f" {len(self.capped_unexplained)} unexplained), most live slots seen"
+            f" {self.most_capped_entries};"
             f" lanes left at the end: {len(self.lanes_left)}",
             highlight=False,
         )
@@ -131,6 +135,7 @@ class TenantsReport:
             self.lanes_left[:5]
             + [f"over the limit, unexplained: {x}" for x in self.capped_unexplained[:8]]
             + [f"over the limit, redelivered: {x}" for x in self.capped_explained[:4]]
+            + [f"over the limit, after an outage: {x}" for x in self.capped_after_outage[:4]]
             + [f"no end and no kill: {x}" for x in self.capped_unended[:5]]
             + [w for t in self.tenants for w in t.wrong_tenant[:3]]
         ):

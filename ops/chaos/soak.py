@@ -76,7 +76,7 @@ from .plan import (
 )
 from .proxy import Proxy, ProxyLoop
 from .report import Kill, SoakReport, SystemReport, TenantsReport, WorkflowReport
-from .tenants import account_tenants, lane_depth, lane_leftovers
+from .tenants import HOLDING_FAULTS, account_tenants, lane_depth, lane_leftovers
 
 __all__ = ["PROFILES", "Profile", "SoakReport", "SystemReport", "run"]
 
@@ -161,6 +161,7 @@ class Soak:
         # tier queues and the tenants' lanes); capped: most live concurrency entries of CAPPED
         self.most_waiting: Counter[str] = Counter()
         self.published_at: dict[str, float] = {}  # celery-ledger's jobs, wall clock
+        self.holding: list[tuple[float, float]] = []  # HOLDING_FAULTS' windows, wall clock
         self.faults: Counter[str] = Counter()
         self.faults_repaired: Counter[str] = Counter()  # what the reconciler brought back
         self._ledger_app: LedgerCelery | None = None
@@ -445,11 +446,14 @@ class Soak:
         for offset, kind in self.timeline():
             self.sleep_until(offset)
             self.fault_log.append(f"{time.monotonic() - self.started:6.2f}s {kind}")
+            began = time.time()
             try:
                 getattr(self, "fault_" + kind.replace(" ", "_"))()
             except Exception as exc:  # a fault that could not be injected is reported, not fatal
                 self.log(f"fault {kind} failed: {exc!r}")
                 self.faults[f"{kind} (failed)"] += 1
+            if kind in HOLDING_FAULTS:  # (a delay lasts until its end, 4 s on)
+                self.holding.append((began, began + 4.0 if kind == "proxy delay" else time.time()))
         self.ledger_proxy.delay(0)
         self.broker_proxy.delay(0)
 
@@ -884,6 +888,8 @@ class Soak:
             ends,
             [k for k in self.kills if k.system == "ledger"],
             now=time.time(),
+            holding=self.holding,
+            lease_seconds=self.profile.lease_seconds,
             leftovers=leftovers,
             most_entries=self.most_waiting["capped"],
         )

@@ -97,8 +97,9 @@ def test_ci_soak_loses_and_duplicates_nothing(tmp_path: Path) -> None:
         assert tenant.wrong_tenant == [], tenant.wrong_tenant  # the record keeps its tenant
     assert tenants.lanes_left == []  # the lanes are empty at the end of the drain
     # The capped tenant: at most its limit of bodies at once, but for the copies kombu put back
-    # into the queue past its lane (a dead process's or worker's, a hand-back): each may run
-    # over the limit once its slot lapsed (tenants.py says why); never more than that
+    # into the queue past its lane (a dead process's or worker's, a hand-back), each of which
+    # may run over the limit once its slot lapsed, and for copies held longer than a lease
+    # through an outage (tenants.py says why); never more than that
     assert tenants.capped_bodies >= by_name[CAPPED].jobs
     assert tenants.capped_unended == [], tenants.capped_unended
     assert tenants.capped_unexplained == [], tenants.capped_unexplained

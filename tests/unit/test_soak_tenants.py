@@ -7,9 +7,9 @@ import random
 from collections import Counter
 from typing import Any
 
-from ops.chaos.plan import PROFILES, TENANT_SHARES, plan_jobs, plan_workflows, tenant_of
-from ops.chaos.report import Kill
-from ops.chaos.tenants import Span, over_limit, spans_of
+from ops.chaos.plan import CAPPED, PROFILES, TENANT_SHARES, plan_jobs, plan_workflows, tenant_of
+from ops.chaos.report import Kill, TenantsReport
+from ops.chaos.tenants import Span, account_tenants, over_limit, spans_of
 
 
 def attempt(key: str, at: float, pid: int, *, redelivered: bool = False) -> dict[str, Any]:
@@ -53,3 +53,28 @@ def test_bodies_at_once_and_the_stretches_over_the_limit() -> None:
     # Over 2 from 2 to 4 (an end and a start at 3: the end first), not at 10 (end before start)
     assert [(s.started, s.ended) for s in stretches] == [(2, 3), (3, 4)]
     assert [s.redelivered for s in stretches] == [1, 1]
+
+
+def capped_over_limit(*, redelivered: bool, holding: list[tuple[float, float]]) -> TenantsReport:
+    """Three of the capped tenant's bodies (limit 2) overlapping from 2.0 to 3.0."""
+    keys = [k for k in (f"s1-quick-{n}" for n in range(500)) if tenant_of(k) == CAPPED][:3]
+    attempts = [attempt(keys[0], 1.0, 10), attempt(keys[1], 1.5, 11)]
+    attempts.append(attempt(keys[2], 2.0, 12, redelivered=redelivered))
+    ends = [end(keys[0], 3.0, 10), end(keys[1], 3.5, 11), end(keys[2], 4.0, 12)]
+    return account_tenants(
+        [], {}, {}, {}, set(), {}, attempts, ends, [], now=9.0, holding=holding,
+        lease_seconds=8.0, leftovers=[], most_entries=0,
+    )  # fmt: skip
+
+
+def test_over_the_limit_is_a_failure_unless_a_redelivered_copy_or_an_outage_explains_it() -> None:
+    found = capped_over_limit(redelivered=False, holding=[])
+    assert found.capped_most_at_once == 3 and len(found.capped_unexplained) == 1
+    assert not found.ok
+    found = capped_over_limit(redelivered=True, holding=[])
+    assert len(found.capped_explained) == 1 and found.ok
+    # (a copy held through an outage: begun within two leases after it ended)
+    found = capped_over_limit(redelivered=False, holding=[(-20.0, -13.0)])
+    assert len(found.capped_after_outage) == 1 and found.ok
+    found = capped_over_limit(redelivered=False, holding=[(-30.0, -20.0)])
+    assert len(found.capped_unexplained) == 1
