@@ -11,7 +11,7 @@ from typing import Any
 TIERS = ("critical", "default", "bulk")
 
 # celery-ledger's tenants (fair dispatch inside each tier, ``LEDGER_TENANTS``): a big one that
-# floods its lanes, one of weight 3, one held to a few bodies at once fleet-wide, a small one;
+# floods its lanes, one of weight 3, one held to a few bodies at once per tier, a small one;
 # the rest of the jobs name none (they go to the tier queues directly, as before tenants).
 # Shares of the jobs, out of 100, by a hash of the job's number (not the plan's random source:
 # a seed plans the same jobs and faults as before tenants).

@@ -12,7 +12,7 @@ celery-ledger also runs durable workflows beside its jobs (``soak.flow``, 3-5 st
 body, a compensation registered after each step; some designed to fail for good at their last
 step, so their compensations must run); plain Celery has no workflows. Most of celery-ledger's
 jobs and workflows name a tenant (``plan.py``: a big one that floods, one of weight 3, one held
-to 2 bodies at once fleet-wide, a small one; some none), so every fault also runs through fair
+to 2 bodies at once per tier, a small one; some none), so every fault also runs through fair
 dispatch: the tier queues fed from per-tenant lanes (``tenants.py`` says what must hold).
 
 Faults, while the jobs run: SIGKILL of a random pool process of each system every few seconds;
@@ -81,6 +81,7 @@ from .tenants import HOLDING_FAULTS, account_tenants, lane_depth, lane_leftovers
 __all__ = ["PROFILES", "Profile", "SoakReport", "SystemReport", "run"]
 
 SYSTEMS = ("ledger", "plain")
+FAIR_QUEUE_DEPTH = 1  # LEDGER_FAIR_QUEUE_DEPTH of the soak's workers and producer
 RECONCILE_EVERY_SECONDS = 3.0
 # A queued job untouched this long is republished (the ledger dedupes a second copy).
 RECONCILE_STALE_AFTER_SECONDS = 12.0
@@ -219,7 +220,8 @@ class Soak:
             "LEDGER_RECONCILE_STALE_AFTER_SECONDS": str(RECONCILE_STALE_AFTER_SECONDS),
             "LEDGER_RECONCILE_LEASE_GRACE_SECONDS": str(self.profile.lease_seconds / 2),
             "LEDGER_WORKFLOW_CHECK_SECONDS": str(WORKFLOW_CHECK_SECONDS),
-            # Fair dispatch at its default depth (LEDGER_FAIR_QUEUE_DEPTH, 4): plan.py's tenants
+            # Fair dispatch on (the guide's depth, 1) for plan.py's tenants
+            "LEDGER_FAIR_QUEUE_DEPTH": str(FAIR_QUEUE_DEPTH),
             "LEDGER_TENANTS": json.dumps(TENANT_POLICIES),
         }
 
@@ -330,6 +332,7 @@ class Soak:
                     dedupe_on_publish=True,
                     workflow_check_seconds=WORKFLOW_CHECK_SECONDS,
                     tenants=TENANT_POLICIES,
+                    fair_queue_depth=FAIR_QUEUE_DEPTH,
                 ),
                 release=2,  # (the producer publishes the newer release's task from the start)
             )
@@ -858,6 +861,15 @@ class Soak:
                 report.details.append("tenants: see the tenants' table")
         return report
 
+    def effect_tiers(self) -> dict[str, str]:
+        """The tier of each effect key: a job's, and each step's and compensation's of a
+        workflow (its steps' tier)."""
+        tiers = {job.key: job.tier for job in self.jobs}
+        for flow in self.flows:
+            for index in range(len(flow.steps)):
+                tiers[flow.step_key(index)] = tiers[flow.undo_key(index)] = flow.tier
+        return tiers
+
     def account_tenants(
         self,
         states: dict[str, str],
@@ -887,6 +899,7 @@ class Soak:
             attempts,
             ends,
             [k for k in self.kills if k.system == "ledger"],
+            tiers=self.effect_tiers(),
             now=time.time(),
             holding=self.holding,
             lease_seconds=self.profile.lease_seconds,
@@ -995,7 +1008,8 @@ class Soak:
                     waiting = [m for queue in queues for m in redis.lrange(queue, 0, -1)]
                     waiting += lane_depth(redis, queues)[1]  # (a tenant's wait in its lanes)
                     fair = FairDispatch(redis, depth=1, lease_seconds=self.profile.lease_seconds)
-                    entries = sum(fair.running(queue).get(CAPPED, 0) for queue in queues)
+                    # (a tenant's limit holds on each tier: the most of one tier's entries)
+                    entries = max(fair.running(queue).get(CAPPED, 0) for queue in queues)
                     self.most_waiting["capped"] = max(self.most_waiting["capped"], entries)
             except Exception:  # the broker is being killed: the next look
                 continue

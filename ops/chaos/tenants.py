@@ -1,7 +1,8 @@
 """The soak's tenants (celery-ledger only): what fair dispatch must keep under the faults.
 
 Most of the soak's jobs and workflows name a tenant (plan.py: a big one that floods, one of
-weight 3, one held to ``CAPPED_CONCURRENCY`` bodies at once fleet-wide, a small one; the rest
+weight 3, one held to ``CAPPED_CONCURRENCY`` bodies at once on each tier across the fleet, a
+small one; the rest
 none). Besides the soak's own invariants (each job's body ran once, nothing lost, every workflow
 ended), these must hold:
 
@@ -9,12 +10,13 @@ ended), these must hold:
   retries, deferrals, the outbox relay and the reconciler's copies);
 - the tenants' lanes are empty at the end of the drain, and no tenant left in the ring or its
   set of tenants with work (a lane its tenant left would never be fed again);
-- the capped tenant never had more bodies running at once than its limit, plus the bodies that
-  reached the tier queue past its lane (see :func:`over_limit`).
+- the capped tenant never had more bodies running at once on a tier than its limit, plus the
+  bodies that reached the tier queue past its lane (see :func:`over_limit`).
 
-What the design guarantees for a concurrency limit (fairness.py): a tenant's message moves from
-its lane to the tier queue only while fewer than ``concurrency`` unexpired entries of that tenant
-exist; the move adds the message's entry (its id, lapsing a lease later, on the broker's clock),
+What the design guarantees for a concurrency limit (fairness.py, docs/guide/tenants.md: a limit
+holds on each tier): a tenant's message moves from its lane to the tier queue only while fewer
+than ``concurrency`` unexpired entries of that tenant and tier exist; the move adds the message
+copy's entry (its delivery tag, lapsing a lease later, on the broker's clock),
 the body's heartbeat keeps it a lease ahead (every third of a lease), the end of the delivery
 (``task_postrun``) removes it. A SIGKILLed body's entry stays until it lapses, within a lease:
 after a kill the tenant runs *fewer* bodies for up to a lease, never more, as long as every body
@@ -33,7 +35,7 @@ or a slow network (otherwise at most three messages wait ahead of a moved one, a
 prefetch is its process count). The soak cannot see a move; it notes when such faults
 (``HOLDING_FAULTS``) ran.
 
-So at every instant the capped tenant's bodies at once are at most its limit, plus the
+So at every instant the capped tenant's bodies at once on a tier are at most its limit, plus the
 redelivered copies running then; a stretch with more bodies than that is accepted only if it
 began during such a fault or within two leases after its end (a copy held through it starts
 after reconnecting), and reported apart. Any other stretch over the limit fails the soak.
@@ -186,6 +188,7 @@ def account_tenants(
     ends: Sequence[Mapping[str, Any]],
     kills: Sequence[Kill],
     *,
+    tiers: Mapping[str, str],
     now: float,
     holding: Sequence[tuple[float, float]],
     lease_seconds: float,
@@ -235,11 +238,18 @@ def account_tenants(
     report.capped_bodies = len(spans)
     report.capped_redelivered = sum(s.redelivered for s in spans)
     report.capped_unended = [f"{s.key} pid {s.pid}" for s in spans if s.unended]
-    report.capped_most_at_once, stretches = over_limit(spans, CAPPED_CONCURRENCY)
-    for stretch in stretches:
+    # (the limit holds on each tier: fairness.py keeps a tenant's entries per tier queue)
+    stretches: list[tuple[str, Excess]] = []
+    for tier in sorted({tiers.get(s.key, "?") for s in spans}):
+        most, excess = over_limit(
+            [s for s in spans if tiers.get(s.key, "?") == tier], CAPPED_CONCURRENCY
+        )
+        report.capped_most_at_once = max(report.capped_most_at_once, most)
+        stretches += [(tier, stretch) for stretch in excess]
+    for tier, stretch in stretches:
         allowed = CAPPED_CONCURRENCY + stretch.redelivered
         line = (
-            f"{len(stretch.running)} capped bodies at once for"
+            f"{len(stretch.running)} capped bodies at once on {tier} for"
             f" {stretch.ended - stretch.started:.2f}s ({stretch.redelivered} redelivered):"
             + ", ".join(
                 f" {s.key} pid {s.pid} retries {s.retries}"

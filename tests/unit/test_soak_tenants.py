@@ -62,7 +62,8 @@ def capped_over_limit(*, redelivered: bool, holding: list[tuple[float, float]]) 
     attempts.append(attempt(keys[2], 2.0, 12, redelivered=redelivered))
     ends = [end(keys[0], 3.0, 10), end(keys[1], 3.5, 11), end(keys[2], 4.0, 12)]
     return account_tenants(
-        [], {}, {}, {}, set(), {}, attempts, ends, [], now=9.0, holding=holding,
+        [], {}, {}, {}, set(), {}, attempts, ends, [], tiers=dict.fromkeys(keys, "bulk"), now=9.0,
+        holding=holding,
         lease_seconds=8.0, leftovers=[], most_entries=0,
     )  # fmt: skip
 
