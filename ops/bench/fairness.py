@@ -19,13 +19,16 @@ emptied between scenarios:
 A wait runs from the publish to the moment the body ran (its return value). The goals (issue
 40): backlog p99 <= 2x idle p99; the weights' ratio within 10% of 3; tenants/plain >= 0.9.
 Each figure is the median over --repeats runs; only ratios within one run mean anything on a
-shared machine.
+shared machine. On the embedded SecantusDB (one core, a global lock) a worker's reconciler sweep
+over a deep backlog stalls the producer's publishes for hundreds of ms, which sets the backlog's
+p99 (``LEDGER_RECONCILE_IN_WORKERS=false`` in the environment takes it out of the measure).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import uuid
 from typing import Any
@@ -52,6 +55,7 @@ APP = "ops.bench.apps.fairness"
 QUEUE = "bench_fair.default"
 WEIGHTS = {"gold": {"weight": 3}}
 PUBLISH_BATCH = 1000
+DIAGNOSE = bool(__import__("os").environ.get("BENCH_DIAGNOSE"))
 DEPTH = [1]  # LEDGER_FAIR_QUEUE_DEPTH of the run (--depth)
 
 
@@ -86,11 +90,21 @@ def publish_backlog(app: LedgerCelery, run: str, jobs: int, tenants: list[str | 
 def small_waits(app: LedgerCelery, *, small: int, rate: float) -> list[float]:
     task = app.tasks["bench.fair_work"]
     run = f"small-{uuid.uuid4().hex[:6]}"
-    sent: list[tuple[float, Any]] = []
+    sent: list[tuple[float, float, Any]] = []
     for i in range(small):
-        sent.append((time.time(), task.apply_async((run, i), tenant="small")))
+        at = time.time()
+        result = task.apply_async((run, i), tenant="small")
+        sent.append((at, time.time(), result))
         time.sleep(1.0 / rate)
-    return [max(0.0, result.get(timeout=600) - at) for at, result in sent]
+    waits = [
+        (max(0.0, result.get(timeout=600) - at), at, published) for at, published, result in sent
+    ]
+    if DIAGNOSE:
+        first = sent[0][0]
+        for wait, at, published in sorted(waits, reverse=True)[:5]:
+            took = 1000 * (published - at)
+            print(f"    wait {wait * 1000:.0f} ms at +{at - first:.2f}s (publish {took:.0f} ms)")
+    return [wait for wait, _, _ in waits]
 
 
 def succeeded_by_tenant(servers: Servers, database: str, app: LedgerCelery) -> dict[str, int]:

@@ -20,6 +20,7 @@ def build(env: Mapping[str, str]) -> LedgerCelery:
         mongo_db=env.get("LEDGER_MONGO_DB", "bench_fairness"),
         tier_limits={"default": {"high_water": 10_000_000}},
         queue_namespace="bench_fair",
+        ttl_index=False,  # (SecantusDB's TTL sweep blocks every write for seconds)
         tenants=json.loads(env.get("BENCH_TENANTS", "{}")),
         fair_queue_depth=int(env.get("BENCH_FAIR_DEPTH", "1")),
     )
