@@ -111,26 +111,47 @@ def compute_key(
     """
     if spec is None:
         return default_key(task_name, args, kwargs, secret=secret)
+    key = apply_spec(
+        spec, "idempotency_key", task_name=task_name, run=run, args=args, kwargs=kwargs
+    )
+    return validate_key(key, task_name=task_name)
+
+
+def apply_spec(
+    spec: str | Callable[..., Any],
+    option: str,
+    *,
+    task_name: str,
+    run: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> Any:
+    """What a task option over its call's arguments names (``idempotency_key``, ``tenant``): a
+    callable called with them, or a ``str.format`` template filled with them by name.
+
+    Raises:
+        PayloadError: the callable does not take these arguments.
+        ConfigurationError: the template names an argument the task does not have, or the
+            option is neither.
+    """
     if callable(spec):
         try:
-            key = spec(*args, **kwargs)
+            return spec(*args, **kwargs)
         except TypeError as exc:
             raise PayloadError(
-                f"idempotency_key of {task_name} cannot take these arguments: {exc}"
+                f"{option} of {task_name} cannot take these arguments: {exc}"
             ) from exc
-    elif isinstance(spec, str):
+    if isinstance(spec, str):
         try:
-            key = spec.format(**bind_arguments(run, args, kwargs))
+            return spec.format(**bind_arguments(run, args, kwargs))
         except (KeyError, IndexError) as exc:
             raise ConfigurationError(
-                f"idempotency_key template {spec!r} of {task_name} names unknown argument {exc}"
+                f"{option} template {spec!r} of {task_name} names unknown argument {exc}"
             ) from exc
-    else:
-        raise ConfigurationError(
-            f"idempotency_key of {task_name} must be a callable or a str.format template,"
-            f" not {type(spec).__name__}"
-        )
-    return validate_key(key, task_name=task_name)
+    raise ConfigurationError(
+        f"{option} of {task_name} must be a callable or a str.format template,"
+        f" not {type(spec).__name__}"
+    )
 
 
 def validate_key(key: Any, *, task_name: str) -> str:

@@ -21,9 +21,9 @@ from typing import Any
 import redis
 from celery import signals
 
-from .errors import ConfigurationError, PayloadError
+from .errors import PayloadError
 from .fairness import TENANT_PROPERTY, FairDispatch, check_tenant
-from .identity import bind_arguments
+from .identity import apply_spec
 from .policies.tenants import TenantGate, TenantSlot, policy_of, release_slot, slot_keeper
 from .untrusted import request_property
 
@@ -47,23 +47,7 @@ def tenant_of_call(
         return checked(given, task_name=task_name)
     if spec is None:
         return None
-    if callable(spec):
-        try:
-            tenant = spec(*args, **kwargs)
-        except TypeError as exc:
-            raise PayloadError(f"tenant of {task_name} cannot take these arguments: {exc}") from exc
-    elif isinstance(spec, str):
-        try:
-            tenant = spec.format(**bind_arguments(run, args, kwargs))
-        except (KeyError, IndexError) as exc:
-            raise ConfigurationError(
-                f"tenant template {spec!r} of {task_name} names unknown argument {exc}"
-            ) from exc
-    else:
-        raise ConfigurationError(
-            f"tenant of {task_name} must be a callable or a str.format template,"
-            f" not {type(spec).__name__}"
-        )
+    tenant = apply_spec(spec, "tenant", task_name=task_name, run=run, args=args, kwargs=kwargs)
     return checked(tenant, task_name=task_name)
 
 
