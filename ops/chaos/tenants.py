@@ -52,6 +52,7 @@ from typing import Any, cast
 from redis import Redis
 
 from celery_ledger.fairness import PRIORITY_STEPS, lane, prefix, ring_key
+from celery_ledger.ledger.record import tenant_of_document
 
 from .plan import CAPPED, CAPPED_CONCURRENCY, NO_TENANT, TENANT_POLICIES, tenant_of
 from .report import Kill, TenantReport, TenantsReport
@@ -221,7 +222,9 @@ def account_tenants(
         if state == "pending":
             row.not_ended.append(job.key)
         row.duplicates += duplicates.get(job.key, 0)
-        kept = records.get(job.key, {}).get("tenant")
+        # (the product's reading: the record's field, else its kept message's, as a record
+        # written by a claim has it: the job published while the ledger was away)
+        kept = tenant_of_document(records.get(job.key, {}))
         if state != "pending" and kept != job.tenant:
             row.wrong_tenant.append(f"{job.key}: record {kept!r}, planned {job.tenant!r}")
         if job.key in first_start and job.key in published:
