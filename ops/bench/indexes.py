@@ -9,7 +9,7 @@ directly on :class:`~celery_ledger.ledger.Ledger` from this process (every write
 alone. Layouts, each on a fresh database, interleaved repeat by repeat:
 
     current      the records' indexes as ensure_indexes makes them (retention and the
-                 sweepers' ``(state, claimable_at)``)
+                 sweepers' ``(state, claimable_at, updated_at)``)
     +2 sparse    the same plus the two sparse indexes the records carried until 2026-11-26
                  (``slo_at``, ``replace_due``), which no job of this run has
     +1 plain     the same plus one plain index on a field every record has (``tier``)

@@ -576,6 +576,72 @@ def test_a_held_outbox_job_and_one_no_relay_can_publish(world: tuple[Any, Clock]
     assert bare not in {d["_id"] for d in ledger.unpublished(older_than_seconds=0)}
 
 
+def test_the_sweeps_reads_find_every_kind_of_waiting_job_and_only_those(
+    world: tuple[Any, Clock],
+) -> None:
+    """stale and quiet read one index bound per kind of waiting record (published, publish
+    failed, for later, retrying): each kind is found once untouched for the time asked, and
+    not before; a limit holds across the kinds."""
+    ledger, clock = world
+    message = KeptMessage.of_call([1], {}, message_headers={})
+
+    def enqueue(claimable_at: datetime | None = None) -> str:
+        record_id = new_id()
+        options = {} if claimable_at is None else {"claimable_at": claimable_at}
+        ledger.enqueue(record_id, task=TASK, key=record_id, tier="bulk", message=message, **options)
+        return record_id
+
+    published = enqueue()
+    failed = enqueue()
+    ledger.mark_unpublished(failed)
+    later, much_later = enqueue(clock() + timedelta(seconds=25)), enqueue(clock() + timedelta(1))
+    retrying = new_id()
+    fence = claim(ledger, retrying).fence
+    ledger.record_retry(
+        retrying, fence, error(), retry_at=clock() + timedelta(seconds=30), op=new_op()
+    )
+    running = new_id()
+    claim(ledger, running, lease_seconds=3600)
+
+    names = {
+        published: "published",
+        failed: "failed",
+        later: "later",
+        much_later: "much later",
+        retrying: "retrying",
+        running: "running",
+    }
+
+    def seen(age: float = 10.0) -> tuple[set[str], set[str]]:
+        stale = {
+            names[d["_id"]]
+            for state in (State.QUEUED, State.RETRYING)
+            for d in ledger.stale(state, older_than_seconds=age, limit=10_000)
+            if d["_id"] in names
+        }
+        quiet = {
+            names[d["_id"]]
+            for d in ledger.quiet(older_than_seconds=age, limit=10_000)
+            if d["_id"] in names
+        }
+        return stale, quiet
+
+    # Young: only the failed publish, at once, and only for the stale read (the relay's)
+    assert seen() == ({"failed"}, set())
+    clock.advance(20)  # (a retrying job is claimable at once: its message is its timer)
+    assert seen() == ({"failed", "published", "retrying"}, {"published", "retrying"})
+    clock.advance(20)  # the job for later is due, untouched since well before
+    assert seen() == (
+        {"failed", "published", "later", "retrying"},
+        {"published", "later", "retrying"},
+    )
+    # due for only 10 s: not yet
+    assert seen(age=25) == ({"failed", "published", "retrying"}, {"published", "retrying"})
+    # A limit holds across the kinds (what it returns is some of them)
+    assert len(ledger.quiet(older_than_seconds=10, limit=2)) == 2
+    assert len(ledger.stale(State.QUEUED, older_than_seconds=10, limit=1)) == 1
+
+
 def test_the_reconcilers_views_and_its_mark(world: tuple[Any, Clock]) -> None:
     ledger, clock = world
     record_id = new_id()
@@ -1032,7 +1098,8 @@ def test_a_ledger_of_an_earlier_release_keeps_its_sparse_indexes_until_the_upgra
     """A rolling deploy runs both releases: the earlier one writes ``slo_at`` without an
     objective document and reads its two sparse indexes. Workers of this release leave them
     and read the records due on ``objective`` too; ``finish_upgrade`` (once no earlier release
-    runs) copies the open objectives and drops both, leaving the records two secondary indexes
+    runs) copies the open objectives and drops them and its sweepers' index without
+    ``updated_at``, leaving the records two secondary indexes
     (every write of every job pays for each: ``ops/bench/indexes.py``)."""
     listings: list[str] = []
 
@@ -1055,6 +1122,8 @@ def test_a_ledger_of_an_earlier_release_keeps_its_sparse_indexes_until_the_upgra
         past = utcnow() - timedelta(seconds=5)
         store.collection.create_index("slo_at", name="objective", sparse=True)
         store.collection.create_index("replace_due", name="replacement_due", sparse=True)
+        # (and its sweepers' index without updated_at, a prefix of this release's)
+        store.collection.create_index([("state", 1), ("claimable_at", 1)], name="state_claimable")
         store.collection.insert_one(
             {
                 "_id": due_before,
@@ -1066,7 +1135,7 @@ def test_a_ledger_of_an_earlier_release_keeps_its_sparse_indexes_until_the_upgra
             }
         )
         store.ensure_indexes()  # this release's first worker: the old indexes stay
-        assert store.legacy_indexes() == ["objective", "replacement_due"]
+        assert store.legacy_indexes() == ["objective", "replacement_due", "state_claimable"]
         store.collection.insert_one(  # a worker of the earlier release, meanwhile
             {
                 "_id": due_during,
@@ -1079,10 +1148,10 @@ def test_a_ledger_of_an_earlier_release_keeps_its_sparse_indexes_until_the_upgra
         )
         assert {d["_id"] for d in store.overdue()} == {due_before, due_during}
 
-        assert store.finish_upgrade() == {"objectives copied": 2, "indexes dropped": 2}
+        assert store.finish_upgrade() == {"objectives copied": 2, "indexes dropped": 3}
         assert store.finish_upgrade() == {"objectives copied": 0, "indexes dropped": 0}
         indexes = set(store.collection.index_information())
-        assert indexes - {"retention", "retention_sweep"} == {"_id_", "state_claimable"}
+        assert indexes - {"retention", "retention_sweep"} == {"_id_", "state_claimable_updated"}
         assert len(indexes) == 3
         assert {d["_id"] for d in store.overdue()} == {due_before, due_during}
         # Once seen gone, the escalation check stops listing the indexes at every pass
@@ -1216,6 +1285,13 @@ def test_the_single_record_filter_shape_matches_exactly_what_the_plain_filter_ma
         for n, (a, b) in enumerate(itertools.product(values, repeat=2))
     ]
     collection.insert_many(documents)
+    # What the filters mean: the same records without secondary indexes. A filter without the
+    # _id can be planned wrong on the indexes (on the embedded server a ``$lte`` on
+    # claimable_at over the three-key sweepers' index drops the records equal to its bound,
+    # and one on None finds nothing): the ledger's filters on that index use ``$lt`` and
+    # equalities, and the writes name their record by _id, planned on it (checked below)
+    truth = store.companion("filter_truth")
+    truth.insert_many(documents)
     clauses: list[Any] = [
         "t", 3, 0, 3.0, Int64(3), math.nan, True, at, {"$lt": 7}, {"$lte": 3}, {"$gt": 0},
         {"$gte": at}, {"$lt": at + timedelta(seconds=1)}, {"$gt": 0, "$lt": 7}, {"$ne": "t"},
@@ -1223,8 +1299,8 @@ def test_the_single_record_filter_shape_matches_exactly_what_the_plain_filter_ma
         {"$lt": MaxKey()}, {"$lt": "u"}, ["t"],
     ]  # fmt: skip
 
-    def ids(flt: dict[str, Any]) -> list[str]:
-        return sorted(d["_id"] for d in collection.find(flt))
+    def ids(flt: dict[str, Any], of: Any = collection) -> list[str]:
+        return sorted(d["_id"] for d in of.find(flt))
 
     try:
         for a, b in itertools.chain(
@@ -1234,10 +1310,11 @@ def test_the_single_record_filter_shape_matches_exactly_what_the_plain_filter_ma
             shaped = _on_one_record({"_id": "-", **plain})
             assert next(iter(shaped)) == "_id"  # the lookup stays first and bare
             del shaped["_id"]
-            assert ids(shaped) == ids(plain), f"{plain} and {shaped} disagree"
-        for doc in documents[::37]:  # and with the record's own _id, as the writes send it
-            plain = {"_id": doc["_id"], "state": {"$lte": 3}, "claimable_at": "t"}
-            assert ids(_on_one_record(plain)) == ids(plain)
+            assert ids(shaped, truth) == ids(plain, truth), f"{shaped} does not mean {plain}"
+        # and with the record's own _id, as the writes send it, on the records' indexes
+        for doc, a, b in itertools.product(documents[::37], clauses[::3], clauses[::3]):
+            plain = {"_id": doc["_id"], "state": a, "claimable_at": b}
+            assert ids(_on_one_record(plain)) == ids(plain, truth), f"{plain} planned wrong"
         created = collection.update_one(
             _on_one_record({"_id": "new", "task": "t", "key": "k", "fence": {"$lt": 5}}),
             {"$set": {"fence": 5}},

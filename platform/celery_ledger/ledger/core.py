@@ -72,13 +72,19 @@ COPY_DUE_SHIFT = datetime(5000, 1, 1, tzinfo=UTC) - EPOCH
 
 # A queued record whose message is not sent yet (written in the app's transaction, or whose
 # publish failed) has this ``claimable_at``: still claimable (it is long past), and one value of
-# the sweepers' ``(state, claimable_at)`` index, so the outbox relay's query reads those records
-# and nothing else (a backlog of published queued records sits at EPOCH, one second below).
+# the sweepers' ``(state, claimable_at, updated_at)`` index, so the outbox relay's query reads
+# those records and nothing else (a backlog of published queued records sits at EPOCH, one
+# second below).
 UNPUBLISHED = EPOCH + timedelta(seconds=1)
 
 
-# The records' indexes of releases before 2026-11-26, retired by Ledger.finish_upgrade.
-LEGACY_INDEXES = ("objective", "replacement_due")
+# The sweepers' index on the records (see Indexes.ensure_indexes).
+SWEEP_INDEX = "state_claimable_updated"
+
+# The records' indexes of earlier releases, retired by Ledger.finish_upgrade: two sparse ones
+# (before 2026-11-26), and the sweepers' index without updated_at (before 2026-11-29; its
+# queries are a prefix of SWEEP_INDEX's, so dropping it changes nothing an earlier release reads).
+LEGACY_INDEXES = ("objective", "replacement_due", "state_claimable")
 
 
 # Due objectives one read of Ledger.overdue takes (settled ones are removed page by page).

@@ -222,7 +222,9 @@ class DeadRecords(LedgerBase):
         with translate_errors("dead-letter copy query"):
             return list(
                 self.collection.find(
-                    {"state": State.DEAD.value, "claimable_at": {"$lte": due}}
+                    # ($lt: on the embedded server a $lte over the sweepers' three-key index
+                    # drops the records equal to its bound; one due this millisecond is next's)
+                    {"state": State.DEAD.value, "claimable_at": {"$lt": due}}
                 ).limit(limit)
             )
 

@@ -113,16 +113,7 @@ class Views(LedgerBase):
         """Queued or retrying records untouched for ``older_than_seconds`` (and queued records
         whose publish failed, at once: see :meth:`mark_unpublished`)."""
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
-        with translate_errors("reconcile query"):
-            return list(
-                self.collection.find(
-                    {
-                        "state": state.value,
-                        "claimable_at": {"$lt": cutoff},
-                        "updated_at": {"$lt": cutoff},
-                    }
-                ).limit(limit)
-            )
+        return self._untouched(state, cutoff, unpublished=True, limit=limit)
 
     def quiet(self, *, older_than_seconds: float, limit: int) -> list[dict[str, Any]]:
         """The published jobs waiting for a claim (queued, or retrying and due) and untouched
@@ -132,28 +123,61 @@ class Views(LedgerBase):
         not find with :meth:`records`. Never-published records are the outbox relay's."""
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
         found: list[dict[str, Any]] = []
+        for state in (State.QUEUED, State.RETRYING):
+            found += self._untouched(
+                state,
+                cutoff,
+                unpublished=False,
+                limit=limit - len(found),
+                projection={"_id": 1, "task": 1, "tier": 1, "fleet": 1},
+            )
+            if len(found) >= limit:
+                break
+        return found
+
+    def _untouched(
+        self,
+        state: State,
+        cutoff: datetime,
+        *,
+        unpublished: bool,
+        limit: int,
+        projection: Mapping[str, Any] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Records of ``state``, claimable and untouched since ``cutoff``, up to ``limit``.
+
+        A published queued record is claimable from EPOCH: read with ``claimable_at`` equal to
+        EPOCH, its "untouched since" is a bound of the sweepers' index, and a deep backlog of
+        young jobs costs nothing (as a range of ``claimable_at`` from EPOCH it cost every sweep
+        a walk of the whole queued backlog for the few untouched). Never-published ones sit at
+        UNPUBLISHED (their ``updated_at`` at EPOCH when their publish failed: found at once).
+        Delayed queued ones and retrying ones are claimable from their due time: a range of
+        ``claimable_at``, whose records are the ones due for the whole wait, few, read with
+        ``updated_at`` checked here (the embedded server plans a range there followed by one on
+        ``updated_at`` as a scan of the state: 1 s at 10,000 queued records, against 3 ms).
+        """
+        if limit <= 0:
+            return []
+        untouched = {"$lt": cutoff}
+        exact: list[datetime] = []
+        due = {"$lt": cutoff}
+        if state is State.QUEUED:
+            exact = [EPOCH, *([UNPUBLISHED] if unpublished else [])]
+            due = {"$gt": UNPUBLISHED, "$lt": cutoff}
+        fields = None if projection is None else {**projection, "updated_at": 1}
+        found: list[dict[str, Any]] = []
         with translate_errors("reconcile query"):
-            # One state at a time: an equality and one range on the sweepers' index, the shape
-            # :meth:`stale` reads (SecantusDB scans for other shapes: see unpublished)
-            # (either side of UNPUBLISHED: a queued record is claimable from EPOCH, a delayed
-            # or retrying one from its due time)
-            for state, claimable in (
-                (State.QUEUED, {"$lt": UNPUBLISHED}),
-                (State.QUEUED, {"$gt": UNPUBLISHED, "$lt": cutoff}),
-                (State.RETRYING, {"$lt": cutoff}),
-            ):
-                found += list(
-                    self.collection.find(
-                        {
-                            "state": state.value,
-                            "claimable_at": claimable,
-                            "updated_at": {"$lt": cutoff},
-                        },
-                        {"_id": 1, "task": 1, "tier": 1, "fleet": 1},
-                    ).limit(limit - len(found))
-                )
+            for claimable in exact:
+                query = {"state": state.value, "claimable_at": claimable, "updated_at": untouched}
+                found += self.collection.find(query, fields).limit(limit - len(found))
                 if len(found) >= limit:
-                    break
+                    return found
+            for doc in self.collection.find({"state": state.value, "claimable_at": due}, fields):
+                touched = _aware(doc.get("updated_at"))
+                if touched is not None and touched < cutoff:
+                    found.append(doc)
+                    if len(found) >= limit:
+                        break
         return found
 
     def records(self, record_ids: Sequence[str]) -> list[dict[str, Any]]:
