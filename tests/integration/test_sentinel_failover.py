@@ -26,13 +26,11 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from pymongo.errors import PyMongoError
 
 from celery_ledger.embedded.sentinel import SentinelGroup, start_sentinel_group
 from celery_ledger.embedded.servers import (
@@ -44,22 +42,24 @@ from celery_ledger.embedded.servers import (
     valkey_binary,
 )
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
-from celery_ledger.health import run_checks
 from tasks.effects import effects
 
-from .conftest import APP_MODULE, HEALING, producer_app
+from .conftest import APP_MODULE, producer_app
+from .failover import (
+    PUBLISHERS,
+    RECORD,
+    SETTLE_SECONDS,
+    Load,
+    first_run_after,
+    group_producer,
+    group_worker,
+    ran,
+    replica_online,
+    workers_primary,
+)
 from .helpers import shared_task, wait_for
 
 pytestmark = pytest.mark.integration
-
-NAMESPACE = "sentinel_tests"
-RECORD = "tests.integration.ledger_app.record"
-SETTLE_SECONDS = 5.0  # after every job ran: a late second run would show by then
-# One thread publishing a job every PUBLISH_PAUSE_SECONDS or slower: about what the worker
-# runs on a busy 2-core machine, so that no backlog delays the jobs published after a kill
-PUBLISHERS = 1
-PUBLISH_PAUSE_SECONDS = 0.05
-SETTINGS = {**HEALING, "LEDGER_QUEUE_NAMESPACE": NAMESPACE}
 
 
 @pytest.fixture
@@ -74,107 +74,18 @@ def group(tmp_path: Path) -> Iterator[SentinelGroup]:
 @pytest.fixture
 def worker(tmp_path: Path, stack: EmbeddedStack, group: SentinelGroup) -> Iterator[WorkerProcess]:
     """A worker of the test app on the group (through the sentinels) and the session's ledger."""
-    (tmp_path / "stack").mkdir(mode=0o700)
-    running = EmbeddedStack(
-        APP_MODULE,
-        tmp_path / "stack",
-        broker=group.nodes[0],
-        ledger=stack.ledger,
-        queue_namespace=NAMESPACE,
-        extra_env={**group.env, **SETTINGS},
-    )
-    started = running.start_worker(
-        running.queues_of("default"), concurrency=2, name="failover@127.0.0.1"
-    )
+    started = group_worker(tmp_path / "stack", stack, group)
     try:
         yield started
     finally:
         started.stop()  # (the servers are the group's and the session's: not stopped here)
 
 
-@dataclass
-class Load:
-    """Jobs published one after another until stopped; a refused publish is tried again with
-    the same key (the producer follows the new primary; dedupe makes a second try harmless)."""
-
-    task: Any
-    published: list[tuple[str, float]] = field(default_factory=list)  # (token, when)
-    refusals: int = 0
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            token = f"f-{uuid.uuid4().hex[:12]}"
-            while True:
-                try:
-                    self.task.delay(token=token)
-                    break
-                except Exception:
-                    self.refusals += 1
-                    time.sleep(0.1)
-            self.published.append((token, time.monotonic()))
-            time.sleep(PUBLISH_PAUSE_SECONDS)
-
-    def since(self, moment: float) -> list[str]:
-        return [token for token, when in self.published if when > moment]
-
-
-def first_run_after(load: Load, killed_at: float, killed_wall: float) -> float:
-    """Seconds from the kill to the first job published after it having run."""
-    after = load.since(killed_at)
-    found = wait_for(
-        lambda: effects().find_one(
-            {"kind": "record", "key": {"$in": load.since(killed_at)}}, sort=[("at", 1)]
-        ),
-        timeout=60,
-        what="a job published after the kill to run",
-    )
-    assert after is not None
-    return float(found["at"].timestamp() - killed_wall)
-
-
-def workers_primary(producer: Any, port: int) -> str | None:
-    """The health check's finding once it names ``port`` the primary and the worker on it."""
-    checks = run_checks(producer, required=(), timeout=2)
-    check = next((c for c in checks if c.name == "primary"), None)
-    if check is None:  # (not reported this time: the broker's check did not answer in time)
-        return None
-    on_it = check.status == "ok" and check.data.get("primary") == f"127.0.0.1:{port}"
-    return check.detail if on_it else None
-
-
-def ran(tokens: list[str]) -> set[str]:
-    """The tokens whose job ran (an unanswered read, the ledger busy: none yet)."""
-    try:
-        return set(effects().distinct("key", {"kind": "record", "key": {"$in": tokens}}))
-    except PyMongoError:
-        return set()
-
-
-def replica_online(group: SentinelGroup) -> bool:
-    primary = group.primary()
-    client = redis.Redis(host="127.0.0.1", port=primary.port, password=group.password)
-    with client:
-        info = client.info("replication")
-    return any(
-        isinstance(value, dict) and value.get("state") == "online"
-        for key, value in info.items()
-        if key.startswith("slave")
-    )
-
-
 def test_jobs_run_once_and_the_worker_stays_through_two_failovers(
     stack: EmbeddedStack, group: SentinelGroup, worker: WorkerProcess
 ) -> None:
     # Given a producer through the same sentinels, publishing under load
-    producer = producer_app(
-        EmbeddedStack(APP_MODULE, Path("."), broker=group.nodes[0], ledger=stack.ledger),
-        "sentinel-producer",
-        broker_url=group.url,
-        sentinel_master=group.master_name,
-        sentinel_password=group.sentinel_password,
-        queue_namespace=NAMESPACE,
-    )
+    producer = group_producer(stack, group, "sentinel-producer")
     load = Load(shared_task(producer, RECORD))
     publishers = [threading.Thread(target=load.run, daemon=True) for _ in range(PUBLISHERS)]
     for publisher in publishers:
