@@ -72,6 +72,7 @@ from .transport import unacked_keys
 from .triggers import Argument, Trigger
 from .triggers import declare as declare_trigger
 from .worker import LedgerWorkerStep
+from .workflow.after_loss import wake_all_again
 from .workflow.api import Workflow, WorkflowCall, WorkflowHandle
 from .workflow.context import Call
 from .workflow.engine import NOT_HERE, Definition, WorkflowEngine
@@ -222,6 +223,7 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
             broker,
             lock,
             wake_overdue_workflows=lambda held: self.workflow_engine.wake_overdue(held=held),
+            wake_workflows_after_loss=lambda held: wake_all_again(self.workflow_engine, held),
             idempotent_tasks=(WAKE_TASK,),
             declare_queues=lambda: transport.declare_queues(self),
         )

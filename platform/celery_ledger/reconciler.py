@@ -17,7 +17,8 @@ reads the queues, so it runs at most once in that time and while they are short
 (:data:`MISSING_SCAN_MAX_MESSAGES`), and at
 once, whatever their depth, when the broker may have lost data (its marker gone or changed, its
 primary moved: :func:`celery_ledger.broker.data_lost`); the queues' bindings are declared
-again then, since a wiped broker forgot them too. For each of (1) to (3), a job
+again then, since a wiped broker forgot them too, and every active workflow is woken again (at
+the timer it waits for), since its wakes lived only in the broker. For each of (1) to (3), a job
 whose message still waits in its tier's queue or the delayed set is only slow and is left alone
 (under a deep backlog, copies would cost a claim each). Else it puts the job's unacknowledged
 message back on its queue, so it comes back as sent (marked redelivered, as kombu marks the copies
@@ -82,6 +83,8 @@ class ReconcileReport:
     still_waiting: int = 0  # their message is still queued or delayed: left alone
     held: int = 0  # never published, their tier above its mark: the outbox relay's, later
     workflows_woken: int = 0  # active workflows nothing woke within their check time
+    # active workflows woken again (at their timer) because the broker may have lost their wake
+    workflows_rewoken: int = 0
     wakes_restored: int = 0  # workflow wakes a dead worker held, put back on their queue
     # jobs' messages a worker took and died holding before its claim, or after its claim
     # ended without an outcome (released for a requeue it never sent), put back on their queue
@@ -118,6 +121,7 @@ class Reconciler:
         lock: SweepLock | None = None,
         *,
         wake_overdue_workflows: Callable[[frozenset[str]], int] | None = None,
+        wake_workflows_after_loss: Callable[[frozenset[str]], int] | None = None,
         idempotent_tasks: tuple[str, ...] = (),
         declare_queues: Callable[[], None] | None = None,
         sleep: Callable[[float], None] = time.sleep,
@@ -129,6 +133,8 @@ class Reconciler:
         self._lock = lock
         # Workflows whose wake-up was lost (their engine wakes them; it republishes lost steps).
         self._wake_overdue_workflows = wake_overdue_workflows
+        # Every active workflow, woken again after the broker may have lost its wake.
+        self._wake_workflows_after_loss = wake_workflows_after_loss
         # Tasks without a ledger record whose messages a dead worker strands (workflow wakes).
         self._idempotent_tasks = idempotent_tasks
         # Declares the tiers' queues (their bindings) again, after the broker lost data.
@@ -241,6 +247,15 @@ class Reconciler:
                 self._declare_queues()
             except Exception as exc:  # the next sweep after another loss tries again
                 logger.warning("reconcile: declaring the queues again failed: %s", exc)
+        if self._wake_workflows_after_loss is not None:
+            # A workflow's wakes are only in the broker: the jobs' records bring the jobs back,
+            # and this its wakes, or it would wait for its next check (engine.py says more)
+            try:
+                held = self._runtime.gate.held(self._runtime.tiers.names)
+                report.workflows_rewoken = self._wake_workflows_after_loss(held)
+            except Exception as exc:  # left to the workflows' own checks
+                report.failed += 1
+                logger.warning("reconcile: waking the workflows again failed: %s", exc)
 
     def _bring_back_missing(
         self,

@@ -65,6 +65,9 @@ class FakeGate:
     def holds(self, tier: str) -> bool:
         return tier in self.engaged
 
+    def held(self, tiers: Any) -> frozenset[str]:
+        return frozenset(t for t in tiers if t in self.engaged)
+
 
 @dataclass
 class FakeLock:
@@ -626,6 +629,39 @@ def test_a_broker_that_lost_its_data_has_its_jobs_back_at_once_whatever_the_dept
     # and the next sweep is an ordinary one
     world.broker.marker = Continuity("m2", None, False)
     assert world.reconciler.sweep().broker_data_lost is None and world.declared == [1]
+
+
+def test_a_broker_that_lost_its_data_has_every_active_workflow_woken_again_once(
+    world: World,
+) -> None:
+    # Given a reconciler that wakes the workflows again after a data loss, a tier held
+    asked: list[frozenset[str]] = []
+    world.reconciler._wake_workflows_after_loss = lambda held: asked.append(held) or 3
+    world.gate.engaged.add("bulk")
+    world.broker.marker = Continuity("m1", "h1:1", False)
+    world.reconciler.sweep()  # (its first look: the marker was there)
+    assert asked == []
+    # When the broker's primary moves (a failover: the new one may lack the last writes)
+    world.broker.marker = Continuity("m1", "h2:1", False)
+    report = world.reconciler.sweep()
+    # Then the workflows are woken again, their held tiers' left to their checks
+    assert report.workflows_rewoken == 3 and asked == [frozenset({"bulk"})]
+    # and the next sweep is an ordinary one
+    assert world.reconciler.sweep().workflows_rewoken == 0 and len(asked) == 1
+
+
+def test_a_failure_to_wake_the_workflows_again_never_stops_the_sweep(world: World) -> None:
+    def fail(held: frozenset[str]) -> int:
+        raise ConnectionError("broker away")
+
+    world.reconciler._wake_workflows_after_loss = fail
+    world.reconciler.sweep()
+    record_id = world.queued_job("wiped")
+    world.clock.advance(3)
+    world.broker.marker = Continuity("m2", None, True)
+    report = world.reconciler.sweep()
+    assert report.failed == 1 and report.missing == 1
+    assert [t.options["task_id"] for t in world.outbox.tasks] == [record_id]
 
 
 def test_a_job_another_app_published_is_never_touched_by_this_ones_look(world: World) -> None:

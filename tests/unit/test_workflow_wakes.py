@@ -3,6 +3,8 @@ workflow advanced where its step ended (LedgerCelery.wake_where_step_ended)."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -197,3 +199,56 @@ def test_an_unmarked_wake_whose_publish_fails_leaves_another_wake_s_mark(
     with pytest.raises(redis.ConnectionError):
         app.workflow_ports.publish_wake("wf-1", "default")
     assert "unit:ledger:wake:wf-1" in marks.keys
+
+
+class WakeableLog:
+    """The workflow log's part the wakes after a data loss read."""
+
+    def __init__(self, now: datetime, docs: list[dict[str, Any]]) -> None:
+        self._now, self.docs = now, docs
+        self.skipped: list[str] = []
+
+    def now(self) -> datetime:
+        return self._now
+
+    def wakeable(self, *, limit: int, skip_tiers: Any = ()) -> list[dict[str, Any]]:
+        self.skipped = sorted(skip_tiers)
+        return self.docs[:limit]
+
+
+class WakePorts:
+    def __init__(self) -> None:
+        self.wakes: list[tuple[str, str, float]] = []
+
+    def publish_wake(self, workflow_id: str, tier: str, *, delay: float = 0.0) -> bool:
+        self.wakes.append((workflow_id, tier, delay))
+        return True
+
+
+def test_after_a_data_loss_every_active_workflow_is_woken_at_its_timer_never_folded() -> None:
+    from celery_ledger.workflow.after_loss import wake_all_again
+
+    now = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+    log = WakeableLog(
+        now,
+        [
+            {"_id": "timer", "tier": "bulk", "timer_at": now + timedelta(seconds=40)},
+            {"_id": "naive-timer", "timer_at": (now + timedelta(seconds=5)).replace(tzinfo=None)},
+            {"_id": "timer-passed", "tier": "default", "timer_at": now - timedelta(seconds=9)},
+            {"_id": "step", "tier": "critical"},
+        ],
+    )
+    ports = WakePorts()
+    engine = SimpleNamespace(log=log, ports=ports, default_tier="default")
+    sent = wake_all_again(engine, {"held-tier"})  # type: ignore[arg-type]
+    assert sent == 4
+    assert log.skipped == ["held-tier"]
+    # a wake at the timer it waits for (one now would find the timer not due, and send none
+    # for it); for the others, at once: every one for later, if only by a moment (a wake for
+    # now is folded into one whose mark outlived its lost message)
+    assert [(w, t, round(d, 2)) for w, t, d in ports.wakes] == [
+        ("timer", "bulk", 40.05),
+        ("naive-timer", "default", 5.05),
+        ("timer-passed", "default", 0.05),
+        ("step", "critical", 0.05),
+    ]

@@ -228,6 +228,17 @@ class WorkflowLog:
                 )
         return [d for d in docs if d.get("status") in WAKEABLE]
 
+    def wakeable(self, *, limit: int, skip_tiers: Iterable[str] = ()) -> list[dict[str, Any]]:
+        """Workflows a wake moves on (running or compensating), but those of ``skip_tiers``:
+        their tier and the timer each waits for, if any (the wakes after a broker lost data).
+        A read on the status index."""
+        query: dict[str, Any] = {"status": {"$in": list(WAKEABLE)}}
+        skipped = sorted(skip_tiers)
+        if skipped:
+            query["tier"] = {"$nin": skipped}
+        with translate_errors("workflow wakeable query"):
+            return list(self.states.find(query, {"tier": 1, "timer_at": 1}).limit(limit))
+
     def listing(self, *, status: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         query: dict[str, Any] = {} if status is None else {"status": status}
         with translate_errors("workflow list"):
