@@ -110,6 +110,9 @@ class Continuity:
     marker: str
     primary: str | None
     created: bool  # this read wrote the marker: the broker had none
+    # The primary the fleet's previous look saw (recorded in the broker by whichever process
+    # looked: the sweep lock moves between workers), None if none was recorded
+    seen_primary: str | None = None
 
 
 def data_lost(before: Continuity | None, now: Continuity) -> str | None:
@@ -119,6 +122,17 @@ def data_lost(before: Continuity | None, now: Continuity) -> str | None:
     if now.created:
         return "its marker was missing (a new broker, a restart without its data, or a wipe)"
     if before is None:
+        # This process's first look (it just took the sweep lock): the primary the fleet saw
+        # last, as the broker recorded it. Without it, a failover during which the lock moved
+        # to another worker (its holder could not renew it while the sentinels promoted a
+        # replica) went unnoticed: the new sweeper had nothing to compare with, and the jobs
+        # and workflow wakes the failover lost waited for the ordinary missing-message look
+        # (30 s) or their checks (minutes) (tests/integration/test_sentinel_failover_matrix.py)
+        if now.seen_primary and now.primary and now.seen_primary != now.primary:
+            return (
+                f"its primary moved from {now.seen_primary} to {now.primary} (a failover,"
+                " before this process swept)"
+            )
         return None
     if before.marker != now.marker:
         return "its marker changed (a restart without its data, or a wipe)"
@@ -166,6 +180,7 @@ class RedisBroker:
     ) -> None:
         self._client = client
         self._marker_key = marker_key
+        self._primary_key = f"{marker_key}:primary"  # the primary the fleet's last look saw
         self._primary = primary
         # The broker's clock: the index's scores are the broker's (the transport books with it)
         self._now = now
@@ -300,14 +315,20 @@ class RedisBroker:
             return None
         if marker is None:  # wiped between the two commands: the next look writes it
             return None
-        primary = None
+        primary = seen = None
         if self._primary is not None:
             try:
                 primary = self._primary()
+                # (written on the primary it names: what a later look by any process compares)
+                found = self._client.set(self._primary_key, primary, get=True)
+                seen = found.decode() if isinstance(found, bytes) else found
             except (redis.RedisError, OSError) as exc:  # the sentinels are away: no news
                 logger.debug("broker primary not read: %s", exc)
         return Continuity(
-            marker if isinstance(marker, str) else bytes(marker).decode(), primary, created
+            marker if isinstance(marker, str) else bytes(marker).decode(),
+            primary,
+            created,
+            seen if isinstance(seen, str) else None,
         )
 
     def restore(self, message: Unacked) -> bool:

@@ -689,6 +689,12 @@ def test_a_job_another_app_published_is_never_touched_by_this_ones_look(world: W
         (Continuity("a", None, False), Continuity("b", None, False), "changed"),
         (Continuity("a", "h1:1", False), Continuity("a", "h2:1", False), "failover"),
         (Continuity("a", "h1:1", False), Continuity("a", None, False), None),
+        # a process's first look (the sweep lock just moved to it): the fleet's last look's
+        (None, Continuity("a", "h2:1", False, seen_primary="h1:1"), "failover"),
+        (None, Continuity("a", "h2:1", False, seen_primary="h2:1"), None),
+        (None, Continuity("a", "h2:1", False, seen_primary=None), None),
+        # (its own previous look comes first: the fleet's record is the same look's, or later)
+        (Continuity("a", "h2:1", False), Continuity("a", "h2:1", False, "h1:1"), None),
     ],
 )
 def test_what_says_the_broker_lost_data(
