@@ -1,0 +1,477 @@
+"""The failover matrix of a broker behind Sentinel (issue 39), each on a failover group of its
+own (a primary, two replicas, three sentinels: real valkey-server processes on loopback) and a
+real worker: the primary paused past the sentinels' down-after time and continued (it comes back
+as a replica, and what it took meanwhile is lost with it); a failover while a job's retry waits
+in the delayed set; while a durable workflow waits on a timer; while the reconciler's sweep lock
+and a change-stream trigger's lease are held.
+
+Each asserts that every job's body ran once (its effects counted), nothing was lost, no worker
+ended, and reports the time to recover (``-s`` prints it). Where the promoted replica may or may
+not have the primary's last writes, both are made to happen: ``replicated`` (every replica in
+sync at the kill) and ``lost`` (the replicas stopped while the writes were made, so the replica
+promoted never had them: :func:`.failover.replicas_paused`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from pymongo import MongoClient
+
+from celery_ledger import State
+from celery_ledger.broker import data_lost
+from celery_ledger.embedded.sentinel import SentinelGroup, start_sentinel_group
+from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
+from tasks.effects import effects
+from tests.integration.apps import triggers as trigger_app
+
+from .failover import (
+    RECORD,
+    SETTLE_SECONDS,
+    assert_worker_stayed,
+    first_run_after,
+    group_producer,
+    group_worker,
+    loaded,
+    node_client,
+    paused,
+    replicas_paused,
+    replicated,
+    replicates,
+    runs_not_once,
+    wait_all_ran,
+    worker_log_counts,
+)
+from .helpers import shared_task, wait_for
+
+pytestmark = pytest.mark.integration
+
+RETRY = "tests.integration.ledger_app.slow_retry"  # fails once, retried 3 s later
+JOBS = 8
+WRITES = ["replicated", "lost"]
+
+
+@pytest.fixture
+def group(tmp_path: Path) -> Iterator[SentinelGroup]:
+    running = start_sentinel_group(tmp_path / "sentinel")
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def worker(tmp_path: Path, stack: EmbeddedStack, group: SentinelGroup) -> Iterator[WorkerProcess]:
+    """A worker of the test app on every tier of the group, healing fast."""
+    started = group_worker(tmp_path / "stack", stack, group, tiers=())
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def kill_primary(group: SentinelGroup, writes: str, write: Any) -> tuple[Any, float, float]:
+    """``write()`` (until what it made waits in the broker), then SIGKILL the primary: with
+    ``lost``, the replicas were stopped meanwhile and never had it. Returns the old primary
+    and the kill's monotonic and wall times."""
+    held = replicas_paused(group) if writes == "lost" else contextlib.nullcontext(group.primary())
+    with held as old:
+        write()
+        if writes == "replicated":
+            replicated(group)
+        killed_at, killed_wall = time.monotonic(), time.time()
+        old.kill()
+    return old, killed_at, killed_wall
+
+
+# -- 1. the primary paused past the down-after time --------------------------------------------
+
+
+def test_a_paused_primary_comes_back_as_a_replica_and_its_late_writes_are_dropped(
+    stack: EmbeddedStack, group: SentinelGroup, worker: WorkerProcess
+) -> None:
+    producer = group_producer(stack, group, "paused-producer")
+    worker_pid = worker.pid
+    report: list[str] = []
+    late_reply: list[object] = []
+    with loaded(shared_task(producer, RECORD)) as load:
+        # Given jobs published and run through the sentinels
+        wait_for(lambda: len(load.published) > 10, timeout=60, what="the load")
+        old = group.primary()
+        late = node_client(group, old)  # a client of the old primary's, connected before
+        late.ping()
+        # When the primary stops (SIGSTOP) past the sentinels' down-after time...
+        paused_at, paused_wall = time.monotonic(), time.time()
+        with paused(old):
+            # (a write sent to it while it is stopped: it lands when it is continued, before
+            # the sentinels tell it that it is a replica now)
+            writer = threading.Thread(
+                target=lambda: late_reply.append(_late_write(late)), daemon=True
+            )
+            writer.start()
+            # ...so that the sentinels promote a replica
+            new = group.wait_for_new_primary(old.port)
+            promoted = time.monotonic() - paused_at
+        # ...and is continued then
+        continued = time.monotonic()
+        writer.join(30)
+        # Then it comes back as a replica of the new primary, in sync with it
+        wait_for(lambda: role(group, old) == "slave", timeout=60, what="the old primary demoted")
+        demoted = time.monotonic() - continued
+        wait_for(lambda: replicates(group, old, new), timeout=60, what="the old primary to follow")
+        synced = time.monotonic() - continued
+        recovered = first_run_after(load, paused_at, paused_wall)
+        report.append(
+            f"paused primary {old.port}: {new.port} promoted after {promoted:.1f} s; continued,"
+            f" a replica of it {demoted:.1f} s later, in sync {synced:.1f} s later; first job"
+            f" published after the pause ran {recovered:.1f} s after it; publishes refused"
+            f" meanwhile: {load.refusals}"
+        )
+        time.sleep(3)  # (jobs published and run on the new primary, the old one a replica)
+    # And what the old primary took while it was stopped is nowhere: its late write did not win
+    assert late_reply, "the late write never returned"
+    for node in (new, old):
+        with node_client(group, node) as client:
+            assert client.get("failover-test:late") is None, f"the late write is on {node.port}"
+    # And every job ran, once (a publish the old primary took late comes back from its record)
+    tokens = load.tokens()
+    report.append(f"{len(tokens)} jobs; all ran {wait_all_ran(tokens):.1f} s after the load")
+    time.sleep(SETTLE_SECONDS)
+    assert runs_not_once(tokens) == {}
+    # And the worker never ended, and its reconciler noticed the new primary
+    assert_worker_stayed(worker, worker_pid)
+    counts = worker_log_counts(worker)
+    assert counts["noticed"] >= 1
+    report.append(f"late write answered {late_reply[0]!r}; reconciler: {counts}")
+    print("\n".join(["", *report]))
+    producer.close()
+
+
+def role(group: SentinelGroup, node: Any) -> str | None:
+    try:
+        with node_client(group, node, socket_timeout=1) as client:
+            return str(client.info("replication").get("role"))
+    except redis.RedisError:
+        return None
+
+
+def _late_write(client: redis.Redis) -> object:
+    try:
+        return client.set("failover-test:late", "written to the old primary while it was stopped")
+    except redis.RedisError as exc:
+        return exc
+
+
+# -- 2. a retry waiting in the delayed set -----------------------------------------------------
+
+
+@pytest.mark.parametrize("writes", WRITES)
+def test_a_retry_waiting_in_the_delayed_set_runs_once_after_a_failover(
+    stack: EmbeddedStack, group: SentinelGroup, worker: WorkerProcess, writes: str
+) -> None:
+    producer = group_producer(stack, group, f"retry-{writes}")
+    task = shared_task(producer, RETRY)
+    delayed = producer.runtime.delayed.key
+    run = uuid.uuid4().hex[:8]
+    tokens = [f"r-{run}-{n}" for n in range(JOBS)]
+    worker_pid = worker.pid
+
+    def attempts() -> dict[str, int]:
+        found = Counter(
+            doc["key"] for doc in effects().find({"kind": "attempt", "key": {"$in": tokens}})
+        )
+        return {token: found[token] for token in tokens}
+
+    def retries_waiting() -> bool:
+        with node_client(group, group.primary()) as client:
+            waiting = int(client.zcard(delayed))
+        return set(attempts().values()) == {1} and waiting >= JOBS
+
+    # Given jobs whose first attempt failed, each retry waiting in the delayed set (3 s)
+    def publish() -> None:
+        for token in tokens:
+            task.delay(token=token)
+        wait_for(retries_waiting, timeout=20, interval=0.05, what="every retry in the delayed set")
+
+    # When the primary is killed then
+    old, killed_at, _ = kill_primary(group, writes, publish)
+    new = group.wait_for_new_primary(old.port)
+    promoted = time.monotonic() - killed_at
+
+    # Then every job succeeds, its body run twice (the failed attempt and its one retry)
+    def succeeded() -> bool:
+        return all(
+            (r := producer.ledger.get(task.name, t)) is not None and r.state is State.SUCCEEDED
+            for t in tokens
+        )
+
+    wait_for(succeeded, timeout=90, interval=0.5, what="every retried job to succeed")
+    recovered = time.monotonic() - killed_at
+    time.sleep(SETTLE_SECONDS)
+    assert attempts() == dict.fromkeys(tokens, 2)
+    # And the worker never ended
+    assert_worker_stayed(worker, worker_pid)
+    counts = worker_log_counts(worker)
+    if writes == "lost":  # the reconciler found them nowhere in the broker, and brought them back
+        assert counts["missing"] >= JOBS
+    print(
+        f"\nretries {writes}: primary {old.port} -> {new.port} after {promoted:.1f} s; {JOBS}"
+        f" retried jobs succeeded {recovered:.1f} s after the kill; reconciler: {counts}"
+    )
+    producer.close()
+
+
+# -- 3. a durable workflow waiting on a timer --------------------------------------------------
+
+TIMER_SECONDS = 4.0
+WORKFLOWS = 3
+
+
+def step_runs(token: str) -> Counter[str]:
+    found = effects().find({"kind": "wf_step", "key": {"$regex": f"^{token}:"}})
+    return Counter(str(doc["key"]).split(":", 1)[1] for doc in found)
+
+
+@pytest.mark.parametrize("writes", WRITES)
+def test_a_workflow_waiting_on_a_timer_completes_each_step_once_after_a_failover(
+    stack: EmbeddedStack, group: SentinelGroup, worker: WorkerProcess, writes: str
+) -> None:
+    from tests.integration.ledger_app import declare_workflows
+
+    producer = group_producer(stack, group, f"wf-{writes}")
+    flows = declare_workflows(producer)
+    run = uuid.uuid4().hex[:8]
+    worker_pid = worker.pid
+    handles: list[Any] = []
+
+    def waiting_on_timers() -> bool:
+        return all((waits := h.status().waiting)[:1] and "timer" in waits[0] for h in handles)
+
+    # Given workflows that ran their first step and wait on a timer (its wake in the delayed set)
+    def start() -> None:
+        for n in range(WORKFLOWS):
+            handles.append(flows["order"].start(f"wt-{run}-{n}", steps=1, sleep=TIMER_SECONDS))
+        wait_for(waiting_on_timers, timeout=20, interval=0.05, what="every workflow's timer")
+
+    # When the primary is killed then
+    old, killed_at, _ = kill_primary(group, writes, start)
+    new = group.wait_for_new_primary(old.port)
+    promoted = time.monotonic() - killed_at
+    # Then every workflow completes, each step run once
+    for handle in handles:
+        result = handle.result(timeout=90)
+        assert result["done"] == ["s0-done"] and result["parts"] == ["g0-done", "g1-done"]
+    recovered = time.monotonic() - killed_at
+    time.sleep(SETTLE_SECONDS)
+    for n in range(WORKFLOWS):
+        assert step_runs(f"wt-{run}-{n}") == Counter({"s0": 1, "g0": 1, "g1": 1})
+    fired = [sum(e.kind == "fired" for e in h.history()) for h in handles]
+    assert fired == [1] * WORKFLOWS
+    # And the worker never ended, and its reconciler woke the workflows again (at their timer)
+    assert_worker_stayed(worker, worker_pid)
+    assert worker_log_counts(worker)["rewoken"] >= WORKFLOWS
+    print(
+        f"\nworkflow timers {writes}: primary {old.port} -> {new.port} after {promoted:.1f} s;"
+        f" {WORKFLOWS} workflows (timers of {TIMER_SECONDS:.0f} s) completed {recovered:.1f} s"
+        f" after the kill; reconciler: {worker_log_counts(worker)}"
+    )
+    producer.close()
+
+
+# -- 4. the reconciler's sweep lock and a trigger's lease held ---------------------------------
+
+TRIGGER_MODULE = "tests.integration.apps.triggers"
+TRIGGER_LEASE = f"{trigger_app.NAME}:ledger:trigger:{trigger_app.TASK}"
+TRIGGER_SWEEP_LOCK = f"{trigger_app.NAME}:ledger:reconciler"
+TRIGGER_MARKER = f"{trigger_app.NAME}:ledger:broker-marker"
+
+
+def holder(group: SentinelGroup, key: str) -> tuple[str, int] | None:
+    """Who holds a lease (``host:pid``) and its fencing token, as the primary says now."""
+    try:
+        with node_client(group, group.primary(), socket_timeout=1) as client:
+            value = client.get(key)
+    except (redis.RedisError, Exception):
+        return None
+    if not value:
+        return None
+    owner, token = value.decode().rsplit("|", 1)
+    return owner, int(token)
+
+
+def pid_of(owner: str) -> int:
+    return int(owner.rsplit(":", 1)[1])
+
+
+def test_the_sweep_lock_and_a_trigger_lease_held_at_a_failover_are_taken_again(
+    stack: EmbeddedStack, group: SentinelGroup, tmp_path: Path
+) -> None:
+    assert stack.ledger is not None
+    suffix = uuid.uuid4().hex[:8]
+    collection = f"orders_{suffix}"
+    env = {"TRIGGER_TEST_COLLECTION": collection, "LEDGER_MONGO_DB": f"triggers_{suffix}"}
+
+    # Given two workers of a trigger app on the group, both sweeping (one at a time: the sweep
+    # lock) and both competing for the trigger's lease
+    def start(name: str) -> WorkerProcess:
+        return group_worker(
+            tmp_path / name,
+            stack,
+            group,
+            name=name,
+            app_module=TRIGGER_MODULE,
+            tiers=("bulk",),
+            namespace=f"trig_{suffix}",
+            env=env,
+        )
+
+    workers = {name: start(name) for name in ("tw1", "tw2")}
+    client: MongoClient[dict[str, Any]] = MongoClient(stack.ledger.url, tz_aware=True)
+    world = client.get_database("reference_world")
+    orders, runs_of = world.get_collection(collection), world.get_collection(trigger_app.EFFECTS)
+    inserted: list[str] = []
+    stop = threading.Event()
+
+    def insert(count: int) -> None:
+        start = len(inserted)
+        ids = [f"{collection}-{n}" for n in range(start, start + count)]
+        orders.insert_many([{"_id": i, "amount": n} for n, i in enumerate(ids, start)])
+        inserted.extend(ids)
+
+    def runs() -> dict[str, int]:
+        found = runs_of.find({"_id": {"$regex": f"^{collection}-"}}, {"runs": 1})
+        return {doc["_id"]: doc["runs"] for doc in found}
+
+    def all_ran() -> bool:
+        return set(runs()) == set(inserted)
+
+    try:
+        lease = wait_for(lambda: holder(group, TRIGGER_LEASE), timeout=60, what="a watcher")
+        lock = wait_for(lambda: holder(group, TRIGGER_SWEEP_LOCK), timeout=30, what="a sweeper")
+        time.sleep(1.0)  # (the watcher has opened its stream)
+        insert(20)
+        wait_for(all_ran, timeout=60, what="the first orders' jobs")
+        # When the primary is killed while orders are inserted, the leases held
+
+        def keep_inserting() -> None:
+            while not stop.is_set():
+                insert(5)
+                time.sleep(0.2)
+
+        inserter = threading.Thread(target=keep_inserting, daemon=True)
+        inserter.start()
+        time.sleep(1.0)
+        old = group.primary()
+        killed_at = time.monotonic()
+        old.kill()
+        new = group.wait_for_new_primary(old.port)
+        promoted = time.monotonic() - killed_at
+        # Then the leases are held on the new primary by the workers, sweeps go on (the sweeper
+        # notices the new primary) and the trigger's jobs run
+        lease_after = wait_for(
+            lambda: holder(group, TRIGGER_LEASE), timeout=30, what="the lease on the new primary"
+        )
+        lock_after = wait_for(
+            lambda: holder(group, TRIGGER_SWEEP_LOCK), timeout=30, what="the lock on it"
+        )
+        sweeper = next(w for w in workers.values() if w.pid == pid_of(lock_after[0]))
+        wait_for(
+            lambda: worker_log_counts(sweeper)["noticed"] >= 1,
+            timeout=30,
+            what="the sweeper to notice the new primary",
+        )
+        time.sleep(2.0)
+        stop.set()
+        inserter.join(30)
+        wait_for(all_ran, timeout=60, interval=0.5, what="every order's job after the failover")
+        recovered = time.monotonic() - killed_at
+        assert all(w.alive() for w in workers.values()), "a worker ended at the failover"
+        # And when a holder dies (SIGKILL: nothing given up; a new worker comes up in its
+        # place), another worker takes its lease once its time ends, with a higher token
+        for key in (TRIGGER_SWEEP_LOCK, TRIGGER_LEASE):
+            held_by = holder(group, key)
+            assert held_by is not None
+            victim = next(n for n, w in workers.items() if w.pid == pid_of(held_by[0]))
+            workers.pop(victim).kill()
+            workers[f"{victim}b"] = start(f"{victim}b")
+            taken = wait_for(
+                lambda k=key, h=held_by: (x := holder(group, k)) is not None and x[0] != h[0] and x,
+                timeout=30,
+                what=f"another holder of {key}",
+            )
+            assert taken[1] > held_by[1]
+            insert(5)  # (jobs run meanwhile)
+            wait_for(all_ran, timeout=60, interval=0.5, what="the orders inserted meanwhile")
+        sweeping = holder(group, TRIGGER_SWEEP_LOCK)
+        assert sweeping is not None
+        survivor = next(w for w in workers.values() if w.pid == pid_of(sweeping[0]))
+        # (its sweeps run: a marker gone is noticed at its next sweep)
+        with node_client(group, new) as primary:
+            primary.delete(TRIGGER_MARKER)
+        wait_for(
+            lambda: "its marker was missing" in survivor.log_path.read_text(errors="replace"),
+            timeout=30,
+            what="a sweep by the new holder",
+        )
+        insert(10)
+        wait_for(all_ran, timeout=60, interval=0.5, what="the orders inserted after it")
+        time.sleep(SETTLE_SECONDS)
+        counted = runs()
+        assert {i: n for i, n in counted.items() if n != 1} == {}
+        assert set(counted) == set(inserted)
+        assert worker_log_counts(survivor)["unrecoverable"] == 0
+        print(
+            f"\nleases: primary {old.port} -> {new.port} after {promoted:.1f} s; lock"
+            f" {lock} -> {lock_after}, lease {lease} -> {lease_after}; {len(inserted)} orders,"
+            f" each run once, all ran {recovered:.1f} s after the kill"
+        )
+    finally:
+        stop.set()
+        for running in workers.values():
+            running.kill()
+        client.close()
+
+
+def test_a_sweeper_that_first_looks_after_a_failover_notices_it(
+    stack: EmbeddedStack, group: SentinelGroup
+) -> None:
+    """The sweep lock may move to another worker during a failover (its holder cannot renew it
+    meanwhile): that worker's first look has no look of its own to compare with, and compares
+    with the primary the fleet's last look recorded in the broker."""
+    # Given the fleet's sweeper that looked at the broker before the failover (its first look
+    # wrote the app's marker), the sweepers of one app (one name) in three processes
+    before = group_producer(stack, group, "sweepers")
+    assert before.reconciler._broker.continuity() is not None
+    assert data_lost(None, before.reconciler._broker.continuity()) is None
+    replicated(group)
+    # When the primary dies, and another process looks for the first time after it
+    old = group.primary()
+    old.kill()
+    new = group.wait_for_new_primary(old.port)
+    after = group_producer(stack, group, "sweepers")
+    now = wait_for(
+        lambda: (
+            (c := after.reconciler._broker.continuity()) is not None
+            and c.primary == f"127.0.0.1:{new.port}"
+            and c
+        ),
+        timeout=30,
+        what="a look at the new primary",
+    )
+    # Then it says the broker may have lost data: its primary moved
+    why = data_lost(None, now)
+    assert why is not None and f"to 127.0.0.1:{new.port}" in why, why
+    # and a later first look by yet another process says nothing (the fleet saw it)
+    again = group_producer(stack, group, "sweepers")
+    assert data_lost(None, again.reconciler._broker.continuity()) is None
+    for app in (before, after, again):
+        app.close()
