@@ -71,6 +71,10 @@ class Profile:
     # workers started after the first half are of that release
     deploy_at: float | None = None
     deploy_done_at: float | None = None
+    # The broker restarted without its data (no AOF, a wiped disk, a replica promoted that had
+    # none of it): every queue, delayed retry, lane, lock and workflow wake gone at once. Under
+    # the default settings celery-ledger loses nothing (every job has its record).
+    broker_wipes: int = 0
 
 
 PROFILES = {
@@ -129,6 +133,7 @@ PROFILES = {
         workflow_fail_share=0.25,
         deploy_at=0.3,
         deploy_done_at=0.6,
+        broker_wipes=1,
     ),
 }
 

@@ -38,6 +38,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import tempfile
 import threading
@@ -428,7 +429,11 @@ class Soak:
         for i in range(p.worker_kills):
             share = (i + rng.random()) / p.worker_kills
             events.append((p.fault_seconds * (0.1 + 0.4 * share), "worker kill"))
-        for name, count in (("broker kill", p.broker_kills), ("ledger kill", p.ledger_kills)):
+        for name, count in (
+            ("broker kill", p.broker_kills),
+            ("ledger kill", p.ledger_kills),
+            ("broker wipe", p.broker_wipes),
+        ):
             events += [(rng.uniform(0.2, 0.8) * p.fault_seconds, name) for _ in range(count)]
         for _ in range(p.delays):
             start = rng.uniform(0.05, 0.8) * p.fault_seconds
@@ -531,6 +536,21 @@ class Soak:
             time.sleep(1.0)
             self.broker.restart()
         self.faults["broker SIGKILL + restart"] += 1
+
+    def fault_broker_wipe(self) -> None:
+        """SIGKILL, the broker's files deleted, a restart: a broker without AOF, a wiped disk,
+        or a failover to a replica that had none of the last writes, all at once. Every
+        queue, delayed retry, unacknowledged booking, lane, lock and workflow wake is gone;
+        the ledger's records bring the jobs back (the reconciler notices its marker gone)."""
+        with self.publish_lock:
+            self.broker.kill()
+            for path in self.broker.data_dir.iterdir():
+                if path.name == "appendonlydir":
+                    shutil.rmtree(path)
+                elif path.suffix in (".rdb", ".aof"):
+                    path.unlink()
+            self.broker.restart()
+        self.faults["broker SIGKILL + restart without its data"] += 1
 
     def fault_ledger_kill(self) -> None:
         began = time.time()

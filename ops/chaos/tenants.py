@@ -60,7 +60,14 @@ from .report import Kill, TenantReport, TenantsReport
 # The faults that can hold a moved message longer than a lease before its body starts (see the
 # module docstring); pool kills (a process restarted in a second; its own delivery comes back as
 # a redelivered copy), worker kills and deploys (their copies come back redelivered) cannot.
-HOLDING_FAULTS = ("broker kill", "ledger kill", "partition", "proxy reset", "proxy delay")
+HOLDING_FAULTS = (
+    "broker kill",
+    "broker wipe",
+    "ledger kill",
+    "partition",
+    "proxy reset",
+    "proxy delay",
+)
 
 
 @dataclass(frozen=True)
