@@ -89,6 +89,10 @@ RECONCILE_STALE_AFTER_SECONDS = 12.0
 # The drain goes on past its timeout while jobs still end (see Soak.drain), to this many times it.
 DRAIN_CAP = 3.0
 PROGRESS_SECONDS = 60.0
+# The drain reads every job's state (a scan of the ledger: the embedded server has no index on
+# ``task``, and holds every worker's write while it reads) this often, not at every look: read
+# twice a second it took a share of the ledger's one core from the drain it measured.
+OUTCOMES_EVERY_SECONDS = 3.0
 LEDGER_DELAYED_KEY = "soak_ledger:ledger:delayed"
 # The reconciler wakes an active workflow nothing woke for this long (a lost wake is found
 # within the drain, not after the 120 s default).
@@ -714,6 +718,7 @@ class Soak:
         # on while the count left falls from one look to the next (PROGRESS_SECONDS apart), up
         # to DRAIN_CAP times the timeout. The report gives the drain's time.
         looked_at, left_then = started, None
+        read_at = started
         while not all(quiet.values()):
             now = time.monotonic()
             if now >= cap:
@@ -725,10 +730,14 @@ class Soak:
                         break  # no job ended in a whole look: stuck, not slow
                     self.log(f"still draining {now - started:.0f}s on: {left} left, going on")
                 looked_at, left_then = now, left
+            read = now >= read_at
+            read_at = now + OUTCOMES_EVERY_SECONDS if read else read_at
             for system in self.systems:
                 if quiet[system]:
                     continue
-                states = self.outcomes(system)
+                if drained[system] is None and not read:
+                    continue  # (its jobs' states are read again at the next read)
+                states = self.outcomes(system) if drained[system] is None else {}
                 waiting = system == "ledger" and self.flows and self.flows_ended is None
                 if waiting and self.flows_pending() == 0:
                     self.flows_ended = time.monotonic() - faults_ended
