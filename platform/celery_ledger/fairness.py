@@ -89,12 +89,17 @@ class TenantPolicy:
     jobs moved to a tier's queue and not ended, fleet-wide, on each tier (None: no limit).
     ``max_waiting``: at most this many of its jobs waiting in its lanes per tier; past it, its
     publishes get the tier's backpressure policy (block, reject or shed), others' are
-    unaffected.
+    unaffected. ``rate_per_second`` (and ``burst``, the rate rounded up unless given): its jobs
+    started at most this fast, fleet-wide, over all its tiers and tasks (a token bucket in
+    Redis, :mod:`celery_ledger.policies.tenants`); a job over it is deferred until its turn, as
+    a task's own rate limit defers, and other tenants' are unaffected.
     """
 
     weight: int = 1
     concurrency: int | None = None
     max_waiting: int | None = None
+    rate_per_second: float | None = None
+    burst: int | None = None
 
     def __post_init__(self) -> None:
         if not _whole(self.weight) or not 1 <= self.weight <= 1000:
@@ -107,6 +112,15 @@ class TenantPolicy:
             _whole(self.max_waiting) and self.max_waiting >= 0
         ):
             raise ValueError("max_waiting must be a whole number, not negative (or null: no limit)")
+        rate = self.rate_per_second
+        if rate is not None and (
+            isinstance(rate, bool)
+            or not isinstance(rate, (int, float))
+            or not 0 < rate < float("inf")
+        ):
+            raise ValueError("rate_per_second must be a positive number (or null: no limit)")
+        if self.burst is not None and (rate is None or not _whole(self.burst) or self.burst < 1):
+            raise ValueError("burst must be a whole number, at least 1, with a rate_per_second")
 
     def encoded(self) -> str:
         """The policy as the script reads it: ``weight,concurrency`` (0: none)."""

@@ -62,6 +62,7 @@ from .policies.backoff import backoff_seconds
 from .policies.breaker import Admission, CircuitBreaker
 from .policies.deadline import deadline
 from .policies.fallback import Call, Cause, Fallback, cause_of
+from .policies.rate_limit import first_wait
 from .policies.retry import RetryPolicy, classify, decide
 from .policies.tenants import TenantSlot, slot_keeper
 from .policies.unrunnable import unrunnable_delay
@@ -271,9 +272,13 @@ class Guard:
                 return self._circuit_open_before_claim(delivery, policy, body, breaker, admission)
             # Claimed to serve the fallback instead of waiting (the dependency is not called).
             instead, breaker, admission = ("circuit-open", admission.retry_at), None, None
-        wait = self._rate_wait(policy)
+        slot, runtime = delivery.tenant_slot, self.runtime
+        wait, bucket = first_wait(  # the tenant's shared bucket, then the task's
+            runtime.tenant_rates.bucket(slot.tenant) if slot else None,
+            runtime.rate_limits[policy.rate_bucket] if policy.rate_bucket else None,
+        )
         if wait > 0:
-            reason = f"rate limited ({policy.rate_bucket})"
+            reason = f"rate limited ({bucket})"
             return self._defer(delivery, body, wait + random.uniform(0.0, wait * 0.2), reason)
         try:
             claim = self.ledger.claim(
@@ -510,16 +515,6 @@ class Guard:
             logger.warning("could not record the deferral of %s: %s", delivery.record_id, exc)
         delay = max(retry_at - now, 0.0) + random.uniform(0.05, 0.5)
         return self._defer(delivery, body, delay, "circuit open", released=released)
-
-    def _rate_wait(self, policy: TaskPolicy) -> float:
-        """0 once a token is taken from the task's shared bucket, else the wait for one."""
-        if not policy.rate_bucket:
-            return 0.0
-        try:
-            return self.runtime.rate_limits[policy.rate_bucket].try_acquire()
-        except redis.RedisError as exc:  # the bucket's store is down: fail open
-            logger.warning("rate bucket %s unavailable (%s); running", policy.rate_bucket, exc)
-            return 0.0
 
     def _dead_before_claim(
         self, delivery: Delivery, body: Body, problem: str, group: str, sensitive: bool

@@ -43,7 +43,7 @@ from .policies.backpressure import BackpressureGate, QueueDepths
 from .policies.breaker import Breakers, BreakerState
 from .policies.rate_limit import RateLimits
 from .policies.retry import TIER_RETRY_DEFAULTS, RetryPolicy
-from .policies.tenants import TenantGate
+from .policies.tenants import TenantGate, TenantRates
 from .policies.throttle import Throttle, ThrottleRule
 from .pressure import Pressure
 from .routing import DEAD_LETTER, Tiers
@@ -229,6 +229,10 @@ class Runtime:
     @cached_property
     def rate_limits(self) -> RateLimits:
         return RateLimits(self.redis, self.settings.rate_limits)
+
+    @cached_property
+    def tenant_rates(self) -> TenantRates:
+        return TenantRates(self.redis, self.settings.tenants, namespace=self.tiers.namespace)
 
     @cached_property
     def lanes(self) -> FairDispatch:

@@ -145,7 +145,8 @@ class Settings(SentinelSettings):
     tenants: dict[str, TenantPolicy] = Field(
         default_factory=dict,
         description='How tenants share each tier (JSON, `*`: the others), e.g. {"acme":'
-        ' {"weight": 3, "concurrency": 20, "max_waiting": 10000}} (docs/guide/tenants.md).',
+        ' {"weight": 3, "concurrency": 20, "max_waiting": 10000, "rate_per_second": 50}}'
+        " (docs/guide/tenants.md).",
     )
     fair_queue_depth: int = Field(
         0,

@@ -377,3 +377,40 @@ def test_a_job_enqueued_in_a_transaction_keeps_its_tenant(own: EmbeddedStack) ->
     assert record is not None and record.tenant == "acme"
     client.close()
     producer.close()
+
+
+def test_a_tenants_rate_holds_across_the_fleet_and_others_run_unhindered(
+    own: EmbeddedStack,
+) -> None:
+    # Given a tenant limited to 2 jobs a second (a burst of 1), on a fleet of two workers, and
+    # fair dispatch off (a rate holds with or without lanes)
+    tenants = json.dumps({"slow": {"rate_per_second": 2, "burst": 1}})
+    workers = [
+        start_healing_worker(own, "tenants", concurrency=2, env={"LEDGER_TENANTS": tenants})
+        for _ in range(2)
+    ]
+    producer = producer_app(own, f"tenants_{uuid.uuid4().hex[:6]}")
+    task = shared_task(producer, RECORD)
+    run = uuid.uuid4().hex[:8]
+    slow = [f"{run}-slow-{n}" for n in range(8)]
+    fast = [f"{run}-fast-{n}" for n in range(8)]
+    # When both tenants publish at once
+    for s, f in zip(slow, fast, strict=True):
+        task.apply_async((s,), tenant="slow")
+        task.apply_async((f,), tenant="fast")
+
+    def ran(tokens: list[str]) -> bool:
+        return all(effect_count("record", t) == 1 for t in tokens)
+
+    wait_for(lambda: ran(slow + fast), timeout=90, interval=0.5, what="every job ran")
+    found = effects().find({"kind": "record", "key": {"$regex": f"^{run}"}})
+    at = {effect["key"]: effect["at"].replace(tzinfo=UTC) for effect in found}
+    # Then the limited tenant's jobs ran no faster than its rate (8 jobs, a burst of 1, 2 a
+    # second: at least 3.5 s from the first to the last), the other's were not held back
+    # (all done before the limited tenant's last), and every job ran once
+    starts = sorted(at[t] for t in slow)
+    assert (starts[-1] - starts[0]).total_seconds() >= 3.5 * 0.95, starts
+    assert max(at[t] for t in fast) < starts[-1]
+    assert [t for t in slow + fast if effect_count("record", t) != 1] == []
+    assert all(worker.alive() for worker in workers)
+    producer.close()

@@ -21,7 +21,8 @@ from celery_ledger.fairness import (
     check_tenant,
     top_shares,
 )
-from celery_ledger.policies.tenants import TenantGate, policy_of
+from celery_ledger.policies.rate_limit import first_wait
+from celery_ledger.policies.tenants import TenantGate, TenantRates, policy_of
 from celery_ledger.tenancy import tenant_of_call, tenant_slot_of
 
 
@@ -104,6 +105,12 @@ def test_policies_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"acme": {"wieght": 2}}, "unknown option wieght"),
         ({"*bad\n": {}}, "printable"),
         ({"acme": 3}, "expected a JSON object"),
+        ({"acme": {"rate_per_second": 0}}, "rate_per_second"),
+        ({"acme": {"rate_per_second": "fast"}}, "rate_per_second"),
+        ({"acme": {"rate_per_second": float("nan")}}, "rate_per_second"),
+        ({"acme": {"rate_per_second": True}}, "rate_per_second"),
+        ({"acme": {"burst": 5}}, "burst"),
+        ({"acme": {"rate_per_second": 1, "burst": 0}}, "burst"),
     ],
 )
 def test_bad_policies_are_refused_naming_the_tenant(value: Any, said: str) -> None:
@@ -252,3 +259,47 @@ def test_a_deliverys_unusable_tenant_is_ignored_not_fatal() -> None:
     )
     for bad in ("*", "", "x" * 129, "a\nb", 5):
         assert tenant_slot_of(request(bad)) is None  # (run as no tenant's; its retry publishes)
+
+
+class Bucket:
+    def __init__(self, name: str, wait: float | Exception) -> None:
+        self.name, self.wait, self.taken = name, wait, 0
+
+    def try_acquire(self) -> float:
+        if isinstance(self.wait, Exception):
+            raise self.wait
+        self.taken += 1
+        return self.wait
+
+
+def test_a_jobs_buckets_are_asked_in_turn_and_the_first_to_say_wait_says_so() -> None:
+    import redis
+
+    tenant, task = Bucket("tenant:acme", 0.0), Bucket("api", 0.4)
+    assert first_wait(tenant, task) == (0.4, "api")  # type: ignore[arg-type]
+    assert (tenant.taken, task.taken) == (1, 1)
+    tenant.wait = 1.5
+    assert first_wait(tenant, task) == (1.5, "tenant:acme")  # type: ignore[arg-type]
+    assert task.taken == 1  # (the task's token is not taken for a job the tenant defers)
+    assert first_wait(None, None) == (0.0, "")
+    down = Bucket("tenant:acme", redis.ConnectionError("down"))
+    assert first_wait(down, None) == (0.0, "")  # (fail open: a rate never stops the fleet)
+
+
+def test_each_tenant_has_its_own_bucket_at_its_policys_rate() -> None:
+    import redis
+
+    client = redis.Redis()  # (never connected: a bucket is made, not used, here)
+    rates = TenantRates(
+        client,
+        {"acme": TenantPolicy(rate_per_second=2.5), "*": TenantPolicy(rate_per_second=10, burst=4)},
+        namespace="shop",
+    )
+    acme, one, other = rates.bucket("acme"), rates.bucket("one"), rates.bucket("two")
+    assert acme is not None and (acme.rate_per_second, acme.burst) == (2.5, 3)  # (rounded up)
+    assert one is not None and other is not None and one.key != other.key  # each its own
+    assert (one.rate_per_second, one.burst) == (10, 4)
+    assert acme.key == "celery_ledger:rate:shop:tenant:acme"
+    assert rates.bucket("acme") is acme and rates.limited()
+    unlimited = TenantRates(client, {"acme": TenantPolicy(weight=2)}, namespace="shop")
+    assert unlimited.bucket("acme") is None and not unlimited.limited()

@@ -8,6 +8,7 @@ the same as a bucket that never existed.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 import redis
 
 from ..errors import ConfigurationError
+
+logger = logging.getLogger("celery_ledger.rate_limit")
 
 
 @dataclass(frozen=True)
@@ -133,3 +136,21 @@ class RateLimits(Mapping[str, TokenBucket]):
 
     def __len__(self) -> int:
         return len(self._buckets)
+
+
+def first_wait(*buckets: TokenBucket | None) -> tuple[float, str]:
+    """0 once a token is taken from each bucket in turn (None: no limit), and ``""``; else the
+    wait for one and that bucket's name. A bucket whose store is down is passed (fail open: a
+    rate limit never stops the fleet). A token taken before a later bucket says wait is spent:
+    each rate is met from below, never exceeded."""
+    for bucket in buckets:
+        if bucket is None:
+            continue
+        try:
+            wait = bucket.try_acquire()
+        except redis.RedisError as exc:
+            logger.warning("rate bucket %s unavailable (%s); running", bucket.name, exc)
+            continue
+        if wait > 0:
+            return wait, bucket.name
+    return 0.0, ""

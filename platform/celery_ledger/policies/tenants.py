@@ -1,9 +1,11 @@
-"""Per-tenant policies at publish: whose policy applies, and a tenant's backpressure
-(``max_waiting`` of its jobs in its lanes, fairness.py). The dispatch itself is fairness.py's."""
+"""Per-tenant policies: whose policy applies, a tenant's backpressure at publish
+(``max_waiting`` of its jobs in its lanes, fairness.py), its concurrency slot while a job runs,
+and its rate at the claim (a shared token bucket per tenant). The dispatch is fairness.py's."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ import redis
 
 from ..errors import Backpressure
 from ..fairness import DEFAULT_TENANT, FairDispatch, TenantPolicy
+from .rate_limit import TokenBucket
 
 logger = logging.getLogger("celery_ledger.tenancy")
 
@@ -87,6 +90,42 @@ class TenantGate:
         if policy == "shed":
             return False
         raise Backpressure(f"{tier} (tenant {tenant!r})", waiting, most)
+
+
+class TenantRates:
+    """Each tenant's shared token bucket, for a policy with ``rate_per_second`` (a ``*``
+    policy's rate is each other tenant's own, not their sum), made at its first job."""
+
+    def __init__(
+        self, client: redis.Redis, policies: Mapping[str, TenantPolicy], *, namespace: str
+    ) -> None:
+        self._client = client
+        self._policies = policies
+        self._prefix = f"celery_ledger:rate:{namespace}" if namespace else "celery_ledger:rate"
+        self._buckets: dict[str, TokenBucket | None] = {}
+
+    def limited(self) -> bool:
+        return any(p.rate_per_second is not None for p in self._policies.values())
+
+    def bucket(self, tenant: str) -> TokenBucket | None:
+        """``tenant``'s bucket, None if its policy sets no rate."""
+        if tenant in self._buckets:
+            return self._buckets[tenant]
+        policy = policy_of(self._policies, tenant)
+        bucket = None
+        if policy.rate_per_second is not None:
+            burst = policy.burst or max(1, math.ceil(policy.rate_per_second))
+            bucket = TokenBucket(
+                self._client,
+                f"tenant:{tenant}",
+                rate_per_second=policy.rate_per_second,
+                burst=burst,
+                key_prefix=self._prefix,
+            )
+        if len(self._buckets) > 10_000:  # (tenants are many: keep the memory bounded)
+            self._buckets.clear()
+        self._buckets[tenant] = bucket
+        return bucket
 
 
 @dataclass(frozen=True)
