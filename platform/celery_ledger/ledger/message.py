@@ -63,6 +63,9 @@ class KeptMessage:
     # "body": the task message's body; "envelope": the queue item; "entry": unreadable as either
     raw_kind: RawKind | None = None
     queue: str | None = None  # where a raw message was found (informational, never trusted)
+    # Whether ``headers`` were made storable when the message was built (``of_call``, ``of_raw``):
+    # then ``document`` does not make them so a second time (a task's claim writes every one).
+    _storable: bool = field(default=False, repr=False, compare=False)
 
     # -- building ----------------------------------------------------------------------------
 
@@ -85,7 +88,7 @@ class KeptMessage:
         kwargs_json = wire.dumps(dict(kwargs or {}))
         if sealer is not None:
             args_json, kwargs_json = sealer.seal(args_json), sealer.seal(kwargs_json)
-        return cls(args_json, kwargs_json, carried_headers(message_headers))
+        return cls(args_json, kwargs_json, carried_headers(message_headers), _storable=True)
 
     @classmethod
     def of_raw(
@@ -98,6 +101,7 @@ class KeptMessage:
             raw_kind=kind,
             queue=storable_value(queue) if queue is not None else None,
             headers=storable_value({str(k): v for k, v in found.items()}),
+            _storable=True,
         )
 
     @classmethod
@@ -118,7 +122,8 @@ class KeptMessage:
 
     def document(self) -> dict[str, Any]:
         """The stored form (BSON-safe)."""
-        doc: dict[str, Any] = {"headers": storable_value(dict(self.headers))}
+        kept = dict(self.headers)
+        doc: dict[str, Any] = {"headers": kept if self._storable else storable_value(kept)}
         for name in ("args_json", "kwargs_json", "raw_base64", "raw_kind", "queue"):
             value = getattr(self, name)
             if value is not None:
