@@ -142,26 +142,31 @@ class GroupCommit:
             if entry.done:
                 return
             queue.flushing = True  # this writer leads until its own write is sent
+            batch = self._take(queue)  # (in the same hold of the lock: one write, one hold)
         try:
+            self._flush(batch)
+            # (once its own write is done, its followers are woken below, the lead given up)
             while not entry.done:
                 with queue.cond:
-                    batch: list[_Entry] = []
-                    size = 0
-                    while queue.entries and (
-                        not batch or size + len(queue.entries[0].ops) <= self._max_batch
-                    ):
-                        taken = queue.entries.pop(0)
-                        batch.append(taken)
-                        size += len(taken.ops)
-                self._flush(batch)
-                with queue.cond:
                     queue.cond.notify_all()
+                    batch = self._take(queue)
+                self._flush(batch)
         finally:
             with queue.cond:
                 if not entry.done and entry in queue.entries:
                     queue.entries.remove(entry)  # interrupted: its write is never sent
                 queue.flushing = False
                 queue.cond.notify_all()
+
+    def _take(self, queue: _Queue) -> list[_Entry]:
+        """The next batch, oldest writers first (called holding ``queue.cond``)."""
+        batch: list[_Entry] = []
+        size = 0
+        while queue.entries and (not batch or size + len(queue.entries[0].ops) <= self._max_batch):
+            taken = queue.entries.pop(0)
+            batch.append(taken)
+            size += len(taken.ops)
+        return batch
 
     def _flush(self, batch: list[_Entry]) -> None:
         try:
@@ -236,31 +241,32 @@ class GroupCommit:
 
 def _outcomes(ops: Sequence[Write], details: dict[str, Any]) -> list[Outcome]:
     errors = {int(e["index"]): e for e in details.get("writeErrors", [])}
-    # An insert that did not fail inserted; the server counts it in neither total.
-    upserted = {int(u["index"]) for u in details.get("upserted", [])} | {
-        i for i, op in enumerate(ops) if isinstance(op, Insert) and i not in errors
-    }
-    plain = [
-        i for i, op in enumerate(ops) if i not in errors and i not in upserted and not _upsert(op)
-    ]
-    # An upsert that neither failed nor inserted matched a document; the rest of the total
-    # belongs to the plain updates.
-    upserts_matched = sum(
-        1 for i, op in enumerate(ops) if _upsert(op) and i not in errors and i not in upserted
-    )
-    plain_all_matched = int(details.get("nMatched", 0)) - upserts_matched == len(plain)
+    upserted = {int(u["index"]) for u in details.get("upserted", [])}
+    # One pass over the statements (every write of every task comes through here).
     result: list[Outcome] = []
+    plain: list[int] = []
+    upserts_matched = 0
     for i, op in enumerate(ops):
         if i in errors:
             result.append(Outcome(matched=False, error=errors[i]))
-        elif i in upserted:
-            result.append(Outcome(matched=False, upserted=True))
-        elif _upsert(op):
-            result.append(Outcome(matched=True))
+        elif i in upserted or isinstance(op, Insert):
+            # An insert that did not fail inserted; the server counts it in neither total.
+            result.append(_INSERTED)
+        elif op.upsert:
+            # An upsert that neither failed nor inserted matched a document; the rest of the
+            # total belongs to the plain updates.
+            result.append(_MATCHED)
+            upserts_matched += 1
         else:
-            result.append(Outcome(matched=True if plain_all_matched else None))
+            plain.append(i)
+            result.append(_UNKNOWN)
+    if int(details.get("nMatched", 0)) - upserts_matched == len(plain):
+        for i in plain:
+            result[i] = _MATCHED
     return result
 
 
-def _upsert(op: Write) -> bool:
-    return isinstance(op, Statement) and op.upsert
+# (frozen: one instance of each outcome without an error serves every statement)
+_INSERTED = Outcome(matched=False, upserted=True)
+_MATCHED = Outcome(matched=True)
+_UNKNOWN = Outcome(matched=None)
