@@ -9,6 +9,7 @@ honours.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass, replace
@@ -45,7 +46,18 @@ class RetryPolicy:
 
     def updated(self, **changes: Any) -> RetryPolicy:
         """A copy with the given fields changed (``None`` values are ignored)."""
-        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+        given = tuple((k, type(v), v) for k, v in changes.items() if v is not None)
+        try:
+            return _updated(self, given)
+        except TypeError:  # a value that cannot be hashed (then it is checked as it comes)
+            return replace(self, **{k: v for k, _, v in given})
+
+
+@functools.lru_cache(maxsize=1024)
+def _updated(policy: RetryPolicy, given: tuple[tuple[str, type, Any], ...]) -> RetryPolicy:
+    # Every delivery resolves its task's policy from the same few options: the copy is built and
+    # validated once for each (a refused one raises each time: errors are not cached).
+    return replace(policy, **{k: v for k, _, v in given})
 
 
 # Critical work retries fast and briefly; bulk work backs off far and long.
