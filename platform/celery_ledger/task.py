@@ -11,7 +11,6 @@ expiry to the guard and retires a job whose body the worker killed at its hard t
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import os
 import socket
@@ -50,8 +49,10 @@ from .identity import (
     compute_key,
     derive_task_id,
     identity_of,
+    option_as_given,
     slot_of_key,
     validate_key,
+    why_unbound,
 )
 from .ledger.dead import DeadJob
 from .ledger.message import KeptMessage
@@ -397,14 +398,12 @@ class LedgerTask(Task):  # type: ignore[misc]
     @classmethod
     def tenant_spec(cls) -> TenantSpec:
         """The ``tenant`` option as given (a function stored on the class unbound)."""
-        spec = inspect.getattr_static(cls, "tenant")
-        return spec.__func__ if isinstance(spec, staticmethod) else spec
+        return option_as_given(cls, "tenant")  # type: ignore[no-any-return]
 
     @classmethod
     def key_spec(cls) -> KeySpec:
         """The ``idempotency_key`` option as given (a function stored on the class unbound)."""
-        spec = inspect.getattr_static(cls, "idempotency_key")
-        return spec.__func__ if isinstance(spec, staticmethod) else spec
+        return option_as_given(cls, "idempotency_key")  # type: ignore[no-any-return]
 
     def key_of(self, args: Any, kwargs: Any) -> str:
         """The idempotency key of a call with these arguments (a sensitive task's derived key
@@ -467,18 +466,7 @@ class LedgerTask(Task):  # type: ignore[misc]
 
     def binding_problem(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         """Why the arguments do not bind the body's signature, or None."""
-        signature = self.__dict__.get("_ledger_signature")
-        if signature is None:
-            try:
-                signature = inspect.signature(self.run)
-            except (TypeError, ValueError):  # no signature to check against
-                return None
-            self.__dict__["_ledger_signature"] = signature
-        try:
-            signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            return str(exc)
-        return None
+        return why_unbound(self.run, args, kwargs)
 
     def _delivery(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Delivery:
         request = self.request
@@ -642,7 +630,8 @@ class LedgerTask(Task):  # type: ignore[misc]
             ConfigurationError: a Celery setting changed after create_app breaks a guarantee
                 (the first publish of the process checks).
         """
-        if not self.app.conf.task_always_eager:  # (eager runs no worker's guarantees)
+        eager = self.app.conf.task_always_eager  # (read once: a lookup in Celery's ChainMap)
+        if not eager:  # (eager runs no worker's guarantees)
             self.app.check_configuration()
         args = tuple(args) if args else ()
         kwargs = dict(kwargs) if kwargs else {}
@@ -755,7 +744,7 @@ class LedgerTask(Task):  # type: ignore[misc]
                     **options,
                 )
 
-        if self.app.conf.task_always_eager:
+        if eager:
             return publish_now()
 
         options.pop("countdown", None)

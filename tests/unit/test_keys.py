@@ -133,6 +133,20 @@ def test_derive_task_id_is_a_deterministic_uuid(name: str, key: str) -> None:
     assert derive_task_id(name, key) == task_id
 
 
+@given(st.text(max_size=30), st.text(max_size=60))
+def test_derive_task_id_is_uuid5_of_the_json_pair(name: str, key: str) -> None:
+    # Ids must never change: the id computed without a UUID object is uuid5's, exactly.
+    expected = uuid.uuid5(
+        uuid.UUID("6f1c3a52-5d0e-4c4e-9b59-3f0a6c1d2e77"), json.dumps([name, key])
+    )
+
+    assert derive_task_id(name, key) == str(expected)
+
+
+def test_derive_task_id_of_a_known_job_is_unchanged() -> None:
+    assert derive_task_id("shop.charge", "order-1") == "bc3f463e-1f25-54e6-924a-ffa2d9a6461d"
+
+
 @given(st.text(max_size=30), st.text(max_size=30), st.text(max_size=30), st.text(max_size=30))
 def test_derive_task_id_differs_for_distinct_jobs(
     name1: str, key1: str, name2: str, key2: str
