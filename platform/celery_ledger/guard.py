@@ -71,6 +71,7 @@ from .runtime import Runtime
 from .untrusted import storable
 
 logger = logging.getLogger("celery_ledger.guard")
+_STRICT_JSON = json.JSONEncoder(allow_nan=False)  # json.dumps(allow_nan=False)'s, made once
 
 
 class Replaced(Ignore):  # type: ignore[misc]
@@ -828,7 +829,7 @@ class Attempt:
     ) -> Verdict:
         """Record the result (``degraded``: a fallback's, replaced at ``replace_at``)."""
         try:
-            result_json = json.dumps(retval, allow_nan=False)
+            result_json = _STRICT_JSON.encode(retval)
         except (TypeError, ValueError, RecursionError) as exc:  # (nested past the stack)
             return self.dead(
                 PermanentError(f"{self.policy.name} returned a value JSON cannot hold: {exc}"),

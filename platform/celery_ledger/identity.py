@@ -36,9 +36,14 @@ def canonical_json(value: Any) -> str:
         PayloadError: ``value`` holds something JSON cannot represent.
     """
     try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return _CANONICAL.encode(value)
     except (TypeError, ValueError, RecursionError) as exc:  # (nested past the stack)
         raise PayloadError(f"not JSON-serialisable: {exc}") from exc
+
+
+# ``json.dumps`` with these options, its encoder made once (every publish encodes its arguments
+# with it for the size check, and a default key hashes them): the same text, the same errors.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
 def default_key(
