@@ -142,8 +142,11 @@ class GroupCommit:
             if entry.done:
                 return
             queue.flushing = True  # this writer leads until its own write is sent
-            batch = self._take(queue)  # (in the same hold of the lock: one write, one hold)
         try:
+            # (the take inside the try: an interrupt of the leader while it takes, a soft time
+            # limit's signal, still ends its lead below, or every later write would wait)
+            with queue.cond:
+                batch = self._take(queue)
             self._flush(batch)
             # (once its own write is done, its followers are woken below, the lead given up)
             while not entry.done:

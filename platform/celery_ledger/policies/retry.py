@@ -47,14 +47,20 @@ class RetryPolicy:
     def updated(self, **changes: Any) -> RetryPolicy:
         """A copy with the given fields changed (``None`` values are ignored)."""
         given = tuple((k, type(v), v) for k, v in changes.items() if v is not None)
+        # (the policy's own types in the key too: RetryPolicy(5, 2, 60) equals
+        # RetryPolicy(5, 2.0, 60.0), and a copy of one must not come back for the other)
+        key = (self, tuple(type(v) for v in vars(self).values()), given)
         try:
-            return _updated(self, given)
+            hash(key)
         except TypeError:  # a value that cannot be hashed (then it is checked as it comes)
             return replace(self, **{k: v for k, _, v in given})
+        return _updated(*key)
 
 
 @functools.lru_cache(maxsize=1024)
-def _updated(policy: RetryPolicy, given: tuple[tuple[str, type, Any], ...]) -> RetryPolicy:
+def _updated(
+    policy: RetryPolicy, _types: tuple[type, ...], given: tuple[tuple[str, type, Any], ...]
+) -> RetryPolicy:
     # Every delivery resolves its task's policy from the same few options: the copy is built and
     # validated once for each (a refused one raises each time: errors are not cached).
     return replace(policy, **{k: v for k, _, v in given})
