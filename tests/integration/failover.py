@@ -25,7 +25,7 @@ from typing import Any
 import redis
 from pymongo.errors import PyMongoError
 
-from celery_ledger.embedded.sentinel import SentinelGroup
+from celery_ledger.embedded.sentinel import SentinelGroup, start_sentinel_group
 from celery_ledger.embedded.servers import ServerProcess
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from celery_ledger.health import run_checks
@@ -33,6 +33,17 @@ from tasks.effects import effects
 
 from .conftest import APP_MODULE, HEALING, producer_app
 from .helpers import wait_for
+
+
+@contextlib.contextmanager
+def sentinel_group(path: Path) -> Iterator[SentinelGroup]:
+    """A failover group (a primary, two replicas, three sentinels) in ``path``, stopped after."""
+    running = start_sentinel_group(path)
+    try:
+        yield running
+    finally:
+        running.stop()
+
 
 NAMESPACE = "sentinel_tests"
 RECORD = "tests.integration.ledger_app.record"

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_ledger.embedded.sentinel import SentinelGroup, start_sentinel_group
+from celery_ledger.embedded.sentinel import SentinelGroup
 from celery_ledger.embedded.servers import (
     ServerProcess,
     _spawn,
@@ -55,6 +55,7 @@ from .failover import (
     group_worker,
     ran,
     replica_online,
+    sentinel_group,
     workers_primary,
 )
 from .helpers import shared_task, wait_for
@@ -64,11 +65,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def group(tmp_path: Path) -> Iterator[SentinelGroup]:
-    running = start_sentinel_group(tmp_path / "sentinel")
-    try:
+    with sentinel_group(tmp_path / "sentinel") as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from pymongo import MongoClient
 
 from celery_ledger import State
 from celery_ledger.broker import data_lost
-from celery_ledger.embedded.sentinel import SentinelGroup, start_sentinel_group
+from celery_ledger.embedded.sentinel import SentinelGroup
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from tasks.effects import effects
 from tests.integration.apps import triggers as trigger_app
@@ -48,6 +48,7 @@ from .failover import (
     replicated,
     replicates,
     runs_not_once,
+    sentinel_group,
     wait_all_ran,
     worker_log_counts,
 )
@@ -62,11 +63,8 @@ WRITES = ["replicated", "lost"]
 
 @pytest.fixture
 def group(tmp_path: Path) -> Iterator[SentinelGroup]:
-    running = start_sentinel_group(tmp_path / "sentinel")
-    try:
+    with sentinel_group(tmp_path / "sentinel") as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture
