@@ -104,9 +104,6 @@ class TenantRates:
         self._prefix = f"celery_ledger:rate:{namespace}" if namespace else "celery_ledger:rate"
         self._buckets: dict[str, TokenBucket | None] = {}
 
-    def limited(self) -> bool:
-        return any(p.rate_per_second is not None for p in self._policies.values())
-
     def bucket(self, tenant: str) -> TokenBucket | None:
         """``tenant``'s bucket, None if its policy sets no rate."""
         if tenant in self._buckets:
