@@ -226,6 +226,7 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
             wake_workflows_after_loss=lambda held: wake_all_again(self.workflow_engine, held),
             idempotent_tasks=(WAKE_TASK,),
             declare_queues=lambda: transport.declare_queues(self),
+            unrecorded=runtime.unrecorded,
         )
 
     @cached_property

@@ -17,8 +17,9 @@ The single publish's rules hold for each job of the batch:
 
 - a KNOWN job is not published again; an UNPUBLISHED one (its first publish failed) is;
 - the ledger unreachable (the outcome of the write unknown): every job of the batch is
-  published without its record, marked a first publish (``ledger_new``), and the ledger is
-  seen away (``LEDGER_AWAY_SECONDS``) as after a single publish;
+  published without its record, marked a first publish (``ledger_new``), its record kept in
+  the broker for the reconciler to write (unrecorded.py), and the ledger is seen away
+  (``LEDGER_AWAY_SECONDS``) as after a single publish;
 - the pipeline failed, or a message could not be made: every record the batch wrote is marked
   unpublished in one write, so the outbox relay and the reconciler publish those jobs
   (nothing lost; a message that did reach the broker as well only makes a duplicate, which
@@ -114,15 +115,22 @@ class BulkPublish:
         try:
             outcomes = self.app.ledger.enqueue_many([entry.job for entry in held])
         except LedgerUnavailable as exc:
-            # As a single publish: the claim still runs each job once; only the reconciler's
-            # republish of a lost message is missing for these.
+            # As a single publish: the claim still runs each job once, and their records are
+            # kept in the broker until the reconciler writes them (unrecorded.py)
             logger.warning(
-                "ledger unreachable; %d jobs published without their queued records: %s",
+                "ledger unreachable; %d jobs published, their queued records kept in the broker"
+                " until the ledger is back: %s",
                 len(held),
                 exc,
             )
             self.app.runtime.ledger_absence.seen_away()
-            self._send(held, new=True)
+            unrecorded = self.app.runtime.unrecorded
+            unrecorded.keep([entry.job for entry in held])
+            try:
+                self._send(held, new=True)
+            except Exception:
+                unrecorded.forget([entry.job.record_id for entry in held])
+                raise
             return
         self._send(
             [e for e, o in zip(held, outcomes, strict=True) if o is not EnqueueOutcome.KNOWN],

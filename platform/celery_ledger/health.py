@@ -32,6 +32,7 @@ from .handoff import Parking, tally
 from .ledger.store import Ledger
 from .ledger.trigger_store import TriggerState, TriggerStore
 from .sentinel import redis_client
+from .unrecorded import Unrecorded
 
 Status = Literal["ok", "warn", "down", "skipped"]
 
@@ -88,6 +89,7 @@ def run_checks(app: Any, *, required: Iterable[str], timeout: float) -> list[Che
             checks.append(_timed("primary", lambda: _workers_primary(app, timeout)))
         checks.append(_timed("breakers", lambda: _breakers(app)))
         checks.append(_timed("parked", lambda: _parked(app, timeout)))
+        checks.append(_timed("unrecorded", lambda: _unrecorded(app, timeout)))
     else:
         required_tiers = set(required)
         for tier in tiers:
@@ -259,6 +261,24 @@ def _parked(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
         )
     finally:
         client.close()
+
+
+def _unrecorded(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
+    """Jobs published while the ledger was away, waiting for the reconciler to write their
+    records (celery_ledger.unrecorded): warn while any wait (the ledger still away, or no
+    worker reconciling), as a message of theirs lost meanwhile would not come back."""
+    client = _short_redis(app, timeout)
+    try:
+        waiting = Unrecorded(client, namespace=app.runtime.tiers.namespace).count()
+    finally:
+        client.close()
+    if not waiting:
+        return "ok", "no published job waits for its record", {"waiting": 0}
+    detail = (
+        f"{waiting} job(s) published while the ledger was away wait for their records (the"
+        " workers' reconciler writes them once the ledger answers)"
+    )
+    return "warn", detail, {"waiting": waiting}
 
 
 def parked_status(

@@ -11,7 +11,8 @@ without a running claim, for a lease and the grace (it died before its claim, or
 it released for a requeue it never sent), and workflow wakes held a minute: these are put back
 on their queue; (5) queued or retrying jobs whose message is nowhere in the broker (not in its
 queue, the delayed set or a worker's hands, in two looks a second apart), untouched for
-``LEDGER_RECONCILE_MISSING_AFTER_SECONDS``, long before the stale time of (2): a worker killed
+``LEDGER_RECONCILE_MISSING_AFTER_SECONDS``, long before the stale time of (2) (a job published
+while the ledger was away has its record written by the sweep first: unrecorded.py): a worker killed
 between kombu's pop of a message and its booking as taken, a broker that lost data. That look
 reads the queues, so it runs at most once in that time and while they are short
 (:data:`MISSING_SCAN_MAX_MESSAGES`), and at
@@ -46,6 +47,7 @@ from .ledger.message import KeptMessage
 from .ledger.ports import ReconcilerStore
 from .ledger.record import State
 from .ledger.store import UNPUBLISHED
+from .unrecorded import Unrecorded
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -91,6 +93,8 @@ class ReconcileReport:
     stranded_restored: int = 0
     # jobs whose message was nowhere in the broker (brought back: republished or restored)
     missing: int = 0
+    # jobs published while the ledger was away whose records this sweep wrote (unrecorded.py)
+    recorded: int = 0
     broker_data_lost: str | None = None  # why the broker may have lost data, if it may have
     failed: int = 0  # a record that raised: counted and skipped
     skipped: list[str] = field(default_factory=list)  # nothing to republish it from (or no task)
@@ -107,6 +111,7 @@ class ReconcileReport:
             or self.stale_replacements
             or self.stranded_restored
             or self.missing
+            or self.recorded
             or self.broker_data_lost
         )
 
@@ -124,6 +129,7 @@ class Reconciler:
         wake_workflows_after_loss: Callable[[frozenset[str]], int] | None = None,
         idempotent_tasks: tuple[str, ...] = (),
         declare_queues: Callable[[], None] | None = None,
+        unrecorded: Unrecorded | None = None,
         sleep: Callable[[float], None] = time.sleep,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -139,6 +145,8 @@ class Reconciler:
         self._idempotent_tasks = idempotent_tasks
         # Declares the tiers' queues (their bindings) again, after the broker lost data.
         self._declare_queues = declare_queues
+        # Jobs published while the ledger was away, whose records the sweep writes.
+        self._unrecorded = unrecorded
         self._sleep = sleep
         self._monotonic = monotonic
         self._looked_at: float | None = None  # when this process last looked for missing jobs
@@ -200,6 +208,12 @@ class Reconciler:
         if dry_run:
             return report
         self._notice_data_loss(report)
+        if self._unrecorded is not None:
+            try:  # first: a job recorded now is one the looks below can bring back
+                report.recorded = self._unrecorded.record(self._ledger.enqueue_many)
+            except Exception as exc:  # the ledger or the broker is away: the next sweep's
+                report.failed += 1
+                logger.warning("reconcile: recording unrecorded jobs failed: %s", exc)
         unacked: dict[str, Unacked] | None = None
         waiting: set[str] | None = None
         if candidates:

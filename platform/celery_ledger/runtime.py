@@ -49,6 +49,7 @@ from .pressure import Pressure
 from .routing import DEAD_LETTER, Tiers
 from .sentinel import RedisTarget, redis_client, sentinel_transport_options
 from .signing import Signer
+from .unrecorded import Unrecorded
 from .wakes import PendingWakes
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ PER_PROCESS = (
     "legacy_delayed",
     "pending_wakes",
     "clock_book",
+    "unrecorded",
     "parking",
     "lanes",
     "tenant_gate",
@@ -191,6 +193,11 @@ class Runtime:
     def clock_book(self) -> ClockBook:
         """The fleet's offsets from the servers' clocks, as each worker last measured them."""
         return ClockBook(self.redis, namespace=self.tiers.namespace)
+
+    @cached_property
+    def unrecorded(self) -> Unrecorded:
+        """Jobs published while the ledger was away, kept until the reconciler records them."""
+        return Unrecorded(self.redis, namespace=self.tiers.namespace)
 
     @cached_property
     def clock_reports(self) -> ClockReports:

@@ -765,7 +765,11 @@ class LedgerTask(Task):  # type: ignore[misc]
             return self.AsyncResult(task_id)
         own = self.dedupe_on_publish
         dedupe = settings.dedupe_on_publish if own is None else own
-        dedupe = dedupe and not is_retry and not self.app.runtime.ledger_absence.away()
+        dedupe = dedupe and not is_retry
+        # A job published with no record while the ledger is away: kept in the broker until
+        # the reconciler writes its record (unrecorded.py), or a message lost before its claim
+        # would be lost with nothing to bring it back.
+        unrecorded: QueuedJob | None = None
         if dedupe:
             job = QueuedJob(
                 record_id,
@@ -781,22 +785,29 @@ class LedgerTask(Task):  # type: ignore[misc]
             )
             # In a bulk publish (bulk_publish.py) its record and message go with the batch's
             bulk = bulk_publish.joining(producer, options) if later is None else None
-            if bulk is not None:
+            if self.app.runtime.ledger_absence.away():
+                unrecorded, dedupe = job, False  # (not tried again yet: LEDGER_AWAY_SECONDS)
+            elif bulk is not None:
                 return bulk.hold(job, publish_now, self.AsyncResult(task_id))
-            try:
-                outcome = self.app.ledger.enqueue(record_id, **job.arguments())
-            except LedgerUnavailable as exc:
-                # Publishing never needs the ledger: the claim still runs the job once; only the
-                # reconciler's republish of a lost message is missing for this one (and the next
-                # ones while it is seen away: see LEDGER_AWAY_SECONDS).
-                logger.warning(
-                    "ledger unreachable; %s published without its queued record: %s", task_id, exc
-                )
-                self.app.runtime.ledger_absence.seen_away()
-                dedupe = False
             else:
-                if outcome is EnqueueOutcome.KNOWN:
-                    return self.AsyncResult(task_id)
+                try:
+                    outcome = self.app.ledger.enqueue(record_id, **job.arguments())
+                except LedgerUnavailable as exc:
+                    # Publishing never needs the ledger: the claim still runs the job once, and
+                    # the reconciler writes its record once the ledger is back
+                    logger.warning(
+                        "ledger unreachable; %s published, its queued record kept in the broker"
+                        " until the ledger is back: %s",
+                        task_id,
+                        exc,
+                    )
+                    self.app.runtime.ledger_absence.seen_away()
+                    unrecorded, dedupe = job, False
+                else:
+                    if outcome is EnqueueOutcome.KNOWN:
+                        return self.AsyncResult(task_id)
+        if unrecorded is not None:
+            self.app.runtime.unrecorded.keep([unrecorded])
         try:
             if later is not None:
                 # With dedupe, a message the delayed set loses (a broker that loses its data)
@@ -822,6 +833,8 @@ class LedgerTask(Task):  # type: ignore[misc]
                 # reconciler publishes it on its next sweep (a job for later: once it is due).
                 with contextlib.suppress(LedgerError):
                     self.app.ledger.mark_unpublished(record_id, later=later is not None)
+            if unrecorded is not None:
+                self.app.runtime.unrecorded.forget([record_id])
             raise
 
     def _enqueue_in(

@@ -174,6 +174,9 @@ def test_known_jobs_are_not_sent_again_and_those_whose_publish_failed_are(
 def test_with_the_ledger_unreachable_the_batch_is_sent_with_the_first_publish_hint(
     app: LedgerCelery, add: LedgerTask, ledger: MemoryLedger, sent: list[Sent]
 ) -> None:
+    from tests.unit.test_task_publish import FakeUnrecorded
+
+    app.runtime.__dict__["unrecorded"] = unrecorded = FakeUnrecorded()
     ledger.fail("enqueue_many", LedgerUnavailable("ledger unreachable: timed out"))
     producer = FakeProducer()
     app.publish_many([add.s(i, 4) for i in range(3)], producer=producer)
@@ -181,9 +184,28 @@ def test_with_the_ledger_unreachable_the_batch_is_sent_with_the_first_publish_hi
     assert [len(p) for p in producer.pipelines] == [3]
     assert all(s.options.get("ledger_new") is True for s in sent)
     assert app.runtime.ledger_absence.away()
+    # and each with its record kept in the broker for the reconciler to write
+    assert [job.record_id for job in unrecorded.kept] == [s.task_id for s in sent]
     # and the next publishes while it is seen away write no record (one by one, at once)
     app.publish_many([add.s(9, 4)], producer=producer)
     assert ledger.calls == ["enqueue_many"] and producer.alone == [sent[-1].task_id]
+    assert [job.record_id for job in unrecorded.kept] == [s.task_id for s in sent]
+    assert unrecorded.forgotten == []
+
+
+def test_with_the_ledger_unreachable_a_failed_pipeline_leaves_no_record_to_write(
+    app: LedgerCelery, add: LedgerTask, ledger: MemoryLedger, sent: list[Sent]
+) -> None:
+    from tests.unit.test_task_publish import FakeUnrecorded
+
+    app.runtime.__dict__["unrecorded"] = unrecorded = FakeUnrecorded()
+    ledger.fail("enqueue_many", LedgerUnavailable("ledger unreachable: timed out"))
+    producer = FakeProducer(fail=BatchPublishError("Redis publish batch failed"))
+    with pytest.raises(BatchPublishError):
+        app.publish_many([add.s(i, 6) for i in range(3)], producer=producer)
+    # the caller was told: the jobs must not run from records kept for them
+    assert len(unrecorded.kept) == 3
+    assert unrecorded.forgotten == [job.record_id for job in unrecorded.kept]
 
 
 def test_a_failed_pipeline_leaves_its_batch_to_the_relay_and_raises(

@@ -183,6 +183,7 @@ def test_scrape_time_gauges_and_a_broker_outage() -> None:
         breakers=SimpleNamespace(statuses=lambda: [status]),
         ledger=SimpleNamespace(count_dead=None),  # calling it fails
         parking=SimpleNamespace(all=lambda: parked),
+        unrecorded=SimpleNamespace(count=lambda: 7),
         message_time=lambda: 1_000.0,
         fair=None,  # fair dispatch off: no tenants' gauges
     )
@@ -191,6 +192,7 @@ def test_scrape_time_gauges_and_a_broker_outage() -> None:
     # Then the broker's state is exported and the ledger is reported down
     assert value(registry, "celery_ledger_queue_depth", queue="critical") == 3
     assert value(registry, "celery_ledger_delayed_deliveries") == 4
+    assert value(registry, "celery_ledger_unrecorded_jobs") == 7
     assert value(registry, "celery_ledger_breaker_state", breaker="payments") == 2
     assert value(registry, "celery_ledger_worker_consuming", queue="default") == 1
     assert value(registry, "celery_ledger_dependency_up", dependency="broker") == 1
@@ -210,6 +212,7 @@ def test_workflows_by_state_and_their_steps_are_exported(registry: CollectorRegi
         breakers=SimpleNamespace(statuses=lambda: []),
         ledger=SimpleNamespace(count_dead=lambda: 0),
         parking=SimpleNamespace(all=lambda: []),
+        unrecorded=SimpleNamespace(count=lambda: 0),
         message_time=lambda: 0.0,
         fair=None,
     )
@@ -253,6 +256,7 @@ def test_scrapes_within_the_cache_time_read_the_broker_and_the_ledger_once() -> 
         breakers=SimpleNamespace(statuses=counted("breakers", [])),
         ledger=SimpleNamespace(count_dead=counted("dead", 5)),
         parking=SimpleNamespace(all=counted("parked", [])),
+        unrecorded=SimpleNamespace(count=counted("unrecorded", 0)),
         message_time=lambda: 0.0,
         tiers=SimpleNamespace(names=("critical",), queue=lambda tier: f"ns.{tier}"),
         fair=SimpleNamespace(shares=lambda queue, top: counted("tenants", [])()),
@@ -271,13 +275,13 @@ def test_scrapes_within_the_cache_time_read_the_broker_and_the_ledger_once() -> 
         now[0] += 0.5
     # Then each backend was read once
     assert sorted(reads) == [
-        "breakers", "dead", "delayed", "depths", "parked", "tenants", "workflows"
+        "breakers", "dead", "delayed", "depths", "parked", "tenants", "unrecorded", "workflows"
     ]  # fmt: skip
 
     # And the next scrape after the cache time reads again
     now[0] += 10
     assert value(registry, "celery_ledger_queue_depth", queue="critical") == 2
-    assert len(reads) == 14
+    assert len(reads) == 16
 
 
 def _call(app: Any, authorization: str | None) -> tuple[str, bytes]:
@@ -365,6 +369,7 @@ def test_each_tiers_top_tenants_are_gauged_and_the_rest_summed_as_other() -> Non
         breakers=SimpleNamespace(statuses=lambda: []),
         ledger=SimpleNamespace(count_dead=lambda: 0),
         parking=SimpleNamespace(all=lambda: []),
+        unrecorded=SimpleNamespace(count=lambda: 0),
         message_time=lambda: 0.0,
         tiers=SimpleNamespace(names=("default", "bulk"), queue=lambda tier: f"ns.{tier}"),
         fair=SimpleNamespace(shares=shares),

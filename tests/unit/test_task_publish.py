@@ -72,6 +72,21 @@ class FakeDelayed:
 
 
 @dataclass
+class FakeUnrecorded:
+    """The runtime's store of jobs published without their record (unrecorded.py)."""
+
+    kept: list[Any] = field(default_factory=list)
+    forgotten: list[str] = field(default_factory=list)
+
+    def keep(self, jobs: Any) -> bool:
+        self.kept.extend(jobs)
+        return True
+
+    def forget(self, record_ids: Any) -> None:
+        self.forgotten.extend(record_ids)
+
+
+@dataclass
 class FakeLedger:
     outcome: EnqueueOutcome = EnqueueOutcome.NEW
     down: bool = False
@@ -879,12 +894,39 @@ def test_a_ledger_away_at_publish_costs_one_timeout_not_one_per_publish(
     app.runtime.ledger = ledger = FakeLedger(down=True)  # type: ignore[assignment]
     add.dedupe_on_publish = True
 
+    app.runtime.__dict__["unrecorded"] = unrecorded = FakeUnrecorded()
+
     for n in range(3):
         add.apply_async((1, n))
 
     # the first publish tried the ledger and went out without the record; the next ones did not
     # wait on it again, and every message went out
     assert ledger.tries == 1 and len(published) == 3
+    # each with its record kept in the broker, for the reconciler to write once the ledger is
+    # back (the record a publish with the ledger up writes)
+    assert [job.record_id for job in unrecorded.kept] == [p.task_id for p in published]
+    assert {job.key for job in unrecorded.kept} == {add.key_of((1, n), {}) for n in range(3)}
+    assert all(job.task == add.name and job.message.args_json for job in unrecorded.kept)
+
+
+def test_a_publish_that_fails_with_the_ledger_away_leaves_no_record_to_write(
+    app: LedgerCelery, add: LedgerTask, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app.runtime.ledger = FakeLedger(down=True)  # type: ignore[assignment]
+    app.runtime.__dict__["unrecorded"] = unrecorded = FakeUnrecorded()
+    add.dedupe_on_publish = True
+
+    def broker_down(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("broker away")
+
+    monkeypatch.setattr(celery.app.task.Task, "apply_async", broker_down)
+    for n in range(2):  # the ledger tried, then seen away
+        with pytest.raises(ConnectionError):
+            add.apply_async((2, n))
+
+    # the caller was told the publish failed: the job must not run from a record kept for it
+    assert len(unrecorded.kept) == 2
+    assert unrecorded.forgotten == [job.record_id for job in unrecorded.kept]
 
 
 # -- the first claim's hint ---------------------------------------------------------------------

@@ -29,6 +29,7 @@ from .. import headers
 from ..errors import LedgerUnavailable, NotApplied, StoreError
 from ..locks import ForkSafeLock
 from ..tracecontext import ledger_operation
+from .message import KeptMessage
 from .record import SCHEMA_VERSION, State
 
 FOREVER = datetime(9999, 12, 31, tzinfo=UTC)
@@ -126,6 +127,31 @@ class EnqueueOutcome(StrEnum):
     NEW = "new"  # the queued record was written: publish
     KNOWN = "known"  # the job is known: publishing again would only make a duplicate
     UNPUBLISHED = "unpublished"  # known, but its first publish failed: publish again
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedJob:
+    """One job of a bulk enqueue: what :meth:`Publishing.enqueue` takes, but the session (an
+    outbox write is one job in the app's own transaction)."""
+
+    record_id: str
+    task: str
+    key: str
+    tier: str
+    message: KeptMessage
+    objective: Mapping[str, Any] | None = None
+    claimable_at: datetime | None = None
+
+    def arguments(self) -> dict[str, Any]:
+        """:meth:`Publishing.enqueue`'s keyword arguments for this job."""
+        return {
+            "task": self.task,
+            "key": self.key,
+            "tier": self.tier,
+            "message": self.message,
+            "objective": self.objective,
+            "claimable_at": self.claimable_at,
+        }
 
 
 # Where a dead write may apply (Ledger.bury).

@@ -13,7 +13,7 @@ from typing import Any, Protocol, TypeVar
 from pymongo import MongoClient, WriteConcern
 from pymongo.client_session import ClientSession
 
-from .core import BuryMatch, Claim, EnqueueOutcome, RecordState
+from .core import BuryMatch, Claim, EnqueueOutcome, QueuedJob, RecordState
 from .dead import DeadJob
 from .message import KeptMessage
 from .record import ErrorEntry, LedgerRecord, State
@@ -237,6 +237,8 @@ class ReconcilerStore(Protocol):
     ) -> list[dict[str, Any]]: ...
 
     def states_of(self, record_ids: Sequence[str]) -> dict[str, RecordState]: ...
+
+    def enqueue_many(self, jobs: Sequence[QueuedJob]) -> list[EnqueueOutcome]: ...
 
 
 class OutboxStore(Protocol):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -26,6 +25,7 @@ from .core import (
     UNPUBLISHED,
     UNPUBLISHED_SCAN,
     EnqueueOutcome,
+    QueuedJob,
     _objective_update,
     _queued,
     translate_errors,
@@ -39,31 +39,6 @@ logger = logging.getLogger("celery_ledger.ledger")
 # The most jobs one bulk enqueue writes: two statements each, one round trip (a server's write
 # batch holds 100,000 statements; this keeps a failed batch's redo small).
 ENQUEUE_BATCH = 100
-
-
-@dataclass(frozen=True, slots=True)
-class QueuedJob:
-    """One job of a bulk enqueue: what :meth:`Publishing.enqueue` takes, but the session (an
-    outbox write is one job in the app's own transaction)."""
-
-    record_id: str
-    task: str
-    key: str
-    tier: str
-    message: KeptMessage
-    objective: Mapping[str, Any] | None = None
-    claimable_at: datetime | None = None
-
-    def arguments(self) -> dict[str, Any]:
-        """:meth:`Publishing.enqueue`'s keyword arguments for this job."""
-        return {
-            "task": self.task,
-            "key": self.key,
-            "tier": self.tier,
-            "message": self.message,
-            "objective": self.objective,
-            "claimable_at": self.claimable_at,
-        }
 
 
 class Publishing(LedgerBase):

@@ -67,6 +67,7 @@ from .core import (  # the names this module always held
     EnqueueOutcome,
     Fenced,
     HeldBy,
+    QueuedJob,
     RecordState,
     Unchanged,
     Unclaimed,
@@ -80,7 +81,7 @@ from .indexes import Indexes
 from .last_good import LastGood
 from .long_jobs import LongJobs
 from .objectives import Objectives
-from .publishing import ENQUEUE_BATCH, Publishing, QueuedJob
+from .publishing import ENQUEUE_BATCH, Publishing
 from .resealing import Resealing
 from .results import Results
 from .views import Views

@@ -187,7 +187,13 @@ class StateCollector(Collector):
         )
         for status in self.runtime.breakers.statuses():
             breakers.add_metric([status.name], BREAKER_VALUES[status.state])
-        yield from (depth, delayed, breakers)
+        unrecorded = GaugeMetricFamily(
+            "celery_ledger_unrecorded_jobs",
+            "Jobs published while the ledger was away whose records the reconciler has not"
+            " written yet (a lost message of theirs comes back only once it has).",
+            value=self.runtime.unrecorded.count(),
+        )
+        yield from (depth, delayed, breakers, unrecorded)
         yield from self._parked()
 
     def _tenants(self) -> Iterator[Metric]:

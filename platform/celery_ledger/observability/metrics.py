@@ -566,6 +566,7 @@ METRIC_NAMES = frozenset(
         "celery_ledger_queue_depth",
         "celery_ledger_dead_letters",
         "celery_ledger_delayed_deliveries",
+        "celery_ledger_unrecorded_jobs",
         "celery_ledger_parked_messages",
         "celery_ledger_parked_oldest_seconds",
         "celery_ledger_breaker_state",
