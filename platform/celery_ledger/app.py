@@ -227,6 +227,7 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
             idempotent_tasks=(WAKE_TASK,),
             declare_queues=lambda: transport.declare_queues(self),
             unrecorded=runtime.unrecorded,
+            copy_dead_letters_again=lambda: self.dead_letters.copy_again_after_loss(),
         )
 
     @cached_property

@@ -44,7 +44,7 @@ from .ledger.dead import DeadJob, DeadLetter, Death
 from .ledger.message import KeptMessage, UnreplayableMessage
 from .ledger.ports import DeadLetterStore
 from .ledger.record import State
-from .ledger.store import Unclaimed
+from .ledger.store import FOREVER, Unclaimed
 from .untrusted import storable, storable_value
 
 if TYPE_CHECKING:
@@ -180,6 +180,32 @@ class DeadLetters:
             self._ledger.mark_copy_pending(doc["_id"], False)
             published += 1
         return published
+
+    def copy_again_after_loss(self) -> int:
+        """After the broker lost data: make the queue copies of the newest deaths due again
+        (``copy_pending`` publishes them) where the queue no longer holds them; returns how
+        many. A copy is confirmed once, so without this a consumer of the queue would miss
+        every death whose copy the broker lost.
+
+        Only what the queue would still hold is looked at: deaths within
+        ``LEDGER_DEAD_RETENTION_SECONDS``, the newest ``LEDGER_DEAD_LETTER_QUEUE_MAX``. The
+        broker cannot tell a copy it lost from one a consumer took before the loss, so a
+        consumer may see a death a second time (each copy names its record)."""
+        runtime = self._runtime
+        queue, cap = runtime.tiers.dead_letter_queue, runtime.settings.dead_letter_queue_max
+        present = {
+            copy[0] for item in runtime.redis.lrange(queue, 0, -1) if (copy := _copy_of(item))
+        }
+        since = self.ledger_now() - timedelta(seconds=runtime.settings.dead_retention_seconds)
+        due = 0
+        for seen, doc in enumerate(self.each(since=since)):
+            if seen >= cap:
+                break
+            if doc["_id"] in present or doc.get("claimable_at") != FOREVER:
+                continue  # in the queue, or its copy not made yet (due already)
+            self._ledger.mark_copy_pending(doc["_id"], True)
+            due += 1
+        return due
 
     # -- quarantine --------------------------------------------------------------------------------
 

@@ -19,7 +19,8 @@ reads the queues, so it runs at most once in that time and while they are short
 once, whatever their depth, when the broker may have lost data (its marker gone or changed, its
 primary moved: :func:`celery_ledger.broker.data_lost`); the queues' bindings are declared
 again then, since a wiped broker forgot them too, and every active workflow is woken again (at
-the timer it waits for), since its wakes lived only in the broker. For each of (1) to (3), a job
+the timer it waits for), since its wakes lived only in the broker, and the dead letters' queue
+copies it no longer holds are made due again. For each of (1) to (3), a job
 whose message still waits in its tier's queue or the delayed set is only slow and is left alone
 (under a deep backlog, copies would cost a claim each). Else it puts the job's unacknowledged
 message back on its queue, so it comes back as sent (marked redelivered, as kombu marks the copies
@@ -95,6 +96,8 @@ class ReconcileReport:
     missing: int = 0
     # jobs published while the ledger was away whose records this sweep wrote (unrecorded.py)
     recorded: int = 0
+    # dead letters whose queue copy the broker lost, made due again (after a loss)
+    dead_letters_copied_again: int = 0
     broker_data_lost: str | None = None  # why the broker may have lost data, if it may have
     failed: int = 0  # a record that raised: counted and skipped
     skipped: list[str] = field(default_factory=list)  # nothing to republish it from (or no task)
@@ -130,6 +133,7 @@ class Reconciler:
         idempotent_tasks: tuple[str, ...] = (),
         declare_queues: Callable[[], None] | None = None,
         unrecorded: Unrecorded | None = None,
+        copy_dead_letters_again: Callable[[], int] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -147,6 +151,10 @@ class Reconciler:
         self._declare_queues = declare_queues
         # Jobs published while the ledger was away, whose records the sweep writes.
         self._unrecorded = unrecorded
+        # Makes the dead letters' queue copies the broker lost due again (deadletter.py), after
+        # a loss; due at the end of each sweep until it succeeds once.
+        self._copy_dead_letters_again = copy_dead_letters_again
+        self._dead_letters_lost = False
         self._sleep = sleep
         self._monotonic = monotonic
         self._looked_at: float | None = None  # when this process last looked for missing jobs
@@ -237,6 +245,13 @@ class Reconciler:
         except Exception as exc:  # the ledger or the broker is away: the next sweep's
             report.failed += 1
             logger.warning("reconcile: restoring stranded messages failed: %s", exc)
+        if self._dead_letters_lost and self._copy_dead_letters_again is not None:
+            try:  # last: the jobs come first
+                report.dead_letters_copied_again = self._copy_dead_letters_again()
+                self._dead_letters_lost = False
+            except Exception as exc:  # the ledger or the broker is away: the next sweep's
+                report.failed += 1
+                logger.warning("reconcile: copying dead letters again failed: %s", exc)
         if report.found_any:
             logger.warning("reconcile: %s", report.as_dict())
         return report
@@ -255,6 +270,7 @@ class Reconciler:
         if why is None:
             return
         self._data_lost = report.broker_data_lost = why
+        self._dead_letters_lost = True
         logger.warning("reconcile: the broker may have lost data: %s", why)
         if self._declare_queues is not None:
             try:

@@ -8,6 +8,8 @@ once, not after the stale time meant for deep queues), and no worker ends.
 
 from __future__ import annotations
 
+import base64
+import json
 import shutil
 import time
 import uuid
@@ -21,6 +23,7 @@ from .conftest import broker_client, producer_app, start_healing_worker
 from .helpers import effect_count, shared_task, wait_for
 
 RECORD = "tests.integration.ledger_app.record"
+FAILS = "tests.integration.ledger_app.fails_until_fixed"
 BEFORE, AFTER = 30, 10
 # The bound this test holds the platform to, from the loss to the last job's end: the
 # reconciler's sweep (every second here) and the jobs' own run time, well under a minute.
@@ -75,4 +78,39 @@ def test_jobs_a_broker_lost_run_once_under_default_settings(own: EmbeddedStack, 
     assert [t for t in before + after if effect_count("record", t) != 1] == []
     assert worker.alive()
     print(f"{how}: {BEFORE + AFTER} jobs ended {recovered:.1f}s after the loss")
+    producer.close()
+
+
+def dead_letter_records(stack: EmbeddedStack, queue: str) -> list[str]:
+    """The record ids the dead letters' queue holds copies of, one per copy."""
+    found = []
+    for raw in broker_client(stack).lrange(queue, 0, -1):
+        body = json.loads(raw)["body"]
+        found.append(json.loads(base64.b64decode(body))["record_id"])
+    return found
+
+
+def test_the_dead_letters_copies_a_broker_lost_are_copied_again(own: EmbeddedStack) -> None:
+    # Given dead letters whose copies are on the dead letters' queue
+    start_healing_worker(own, "loss-dead", concurrency=2)
+    producer = producer_app(own, f"loss_dead_{uuid.uuid4().hex[:6]}")
+    task = shared_task(producer, FAILS)
+    queue = producer.tiers.dead_letter_queue
+    run = uuid.uuid4().hex[:8]
+    before = [f"{run}-d{n}" for n in range(8)]
+    ids = {task.delay(token).id for token in before}
+    wait_for(lambda: set(dead_letter_records(own, queue)) == ids, timeout=60, what="copies")
+
+    # When the broker loses its data, and more jobs die after
+    lose_data(own, "restarted empty")
+    after = [f"{run}-a{n}" for n in range(2)]
+    ids |= {task.delay(token).id for token in after}
+
+    # Then every death has its copy on the queue again, once
+    wait_for(
+        lambda: sorted(dead_letter_records(own, queue)) == sorted(ids),
+        timeout=RECOVERY_SECONDS,
+        interval=0.5,
+        what="every dead letter's copy on the queue again",
+    )
     producer.close()
