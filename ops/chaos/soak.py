@@ -51,6 +51,7 @@ from typing import Any
 
 from celery import Celery
 from pymongo import MongoClient
+from pymongo.errors import AutoReconnect
 from redis import Redis
 
 from celery_ledger import LedgerCelery, Settings
@@ -641,7 +642,15 @@ class Soak:
         running, retrying: equalities on the sweepers' index), and by ``_id`` those of the jobs
         neither seen waiting now nor seen ended before (a few: the ones that ended since the
         last look; in pages of 100, as the embedded server's ``$in`` costs the square of its
-        length). A job without a record yet stays pending."""
+        length). A job without a record yet stays pending. A look the ledger does not answer (a
+        restart, a stall under load) leaves the jobs as last seen: the next look reads them."""
+        try:
+            self._look_for_ended()
+        except AutoReconnect as exc:
+            self.log(f"ledger: a look for ended jobs failed, left to the next one: {exc}")
+        return self.ended_jobs
+
+    def _look_for_ended(self) -> None:
         with self.ledger_client() as client:
             ledger = client.soak.ledger
             waiting = {
@@ -660,7 +669,6 @@ class Soak:
                 for doc in ledger.find({"_id": {"$in": ids[start : start + 100]}}, {"state": 1}):
                     if doc.get("state") in ("succeeded", "dead"):
                         self.ended_jobs[unsure[str(doc["_id"])]] = str(doc["state"])
-        return self.ended_jobs
 
     def broker_quiet(self, system: str) -> bool:
         db = 0 if system == "ledger" else 1
