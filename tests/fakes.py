@@ -823,6 +823,26 @@ class MemoryLedger:
         doc = self.docs.get(record_id)
         if doc is not None and doc.get("state") == State.DEAD and not doc.get("purged_at"):
             doc["claimable_at"] = self.now() + COPY_DUE_SHIFT if pending else FOREVER
+            if not pending:
+                doc["copied_at"] = self.now()
+
+    def take_copy(self, record_id: str, due: datetime) -> bool:
+        self._enter("take_copy")
+        doc = self.docs.get(record_id)
+        if doc is None or doc.get("state") != State.DEAD or doc.get("claimable_at") != due:
+            return False
+        doc["claimable_at"] = self.now() + COPY_GRACE + COPY_DUE_SHIFT
+        return True
+
+    def mark_copies_due(self, record_ids: Sequence[str]) -> int:
+        self._enter("mark_copies_due")
+        marked = 0
+        for record_id in record_ids:
+            doc = self.docs.get(record_id)
+            if doc is not None and doc.get("state") == State.DEAD and not doc.get("purged_at"):
+                doc["claimable_at"] = self.now() + COPY_DUE_SHIFT
+                marked += 1
+        return marked
 
     def copies_pending(self, *, limit: int = 100) -> list[dict[str, Any]]:
         return [

@@ -227,7 +227,7 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
             idempotent_tasks=(WAKE_TASK,),
             declare_queues=lambda: transport.declare_queues(self),
             unrecorded=runtime.unrecorded,
-            copy_dead_letters_again=lambda: self.dead_letters.copy_again_after_loss(),
+            copy_dead_letters_again=self.dead_letters.copy_again_after_loss,
         )
 
     @cached_property
@@ -402,8 +402,7 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
         return declare
 
     def missing_keys(self) -> list[str]:
-        """What this app's sensitive tasks and workflows need and the settings lack (a worker
-        refuses to start with any: it could run none of their jobs)."""
+        """What sensitive tasks and workflows need that the settings lack (a worker refuses)."""
         sensitive = [t for t in self.tasks.values() if getattr(t, "sensitive", False)]
         sensitive_flows = [w.definition for w in self.workflows.values() if w.definition.sensitive]
         problems = []

@@ -124,13 +124,8 @@ class BulkPublish:
                 exc,
             )
             self.app.runtime.ledger_absence.seen_away()
-            unrecorded = self.app.runtime.unrecorded
-            unrecorded.keep([entry.job for entry in held])
-            try:
-                self._send(held, new=True)
-            except Exception:
-                unrecorded.forget([entry.job.record_id for entry in held])
-                raise
+            self.app.runtime.unrecorded.keep([entry.job for entry in held])
+            self._send(held, new=True)  # (if it fails, the records are kept: as below)
             return
         self._send(
             [e for e, o in zip(held, outcomes, strict=True) if o is not EnqueueOutcome.KNOWN],

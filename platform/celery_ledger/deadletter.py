@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from . import dead_letter_feed as feed
 from . import headers, wire
 from .crypto import PREFIX
 from .errors import LedgerError, LedgerUnavailable, StoreError
@@ -44,7 +45,7 @@ from .ledger.dead import DeadJob, DeadLetter, Death
 from .ledger.message import KeptMessage, UnreplayableMessage
 from .ledger.ports import DeadLetterStore
 from .ledger.record import State
-from .ledger.store import FOREVER, Unclaimed
+from .ledger.store import Unclaimed
 from .untrusted import storable, storable_value
 
 if TYPE_CHECKING:
@@ -175,37 +176,39 @@ class DeadLetters:
         each worker's housekeeping); returns how many were published."""
         published = 0
         for doc in self._ledger.copies_pending(limit=limit):
+            # Every worker's housekeeping reads the same due copies: one takes each
+            if not self._ledger.take_copy(doc["_id"], doc["claimable_at"]):
+                continue
             if not self._copy(DeadLetter.of_record(doc, now=self._runtime.ledger.now())):
+                self._ledger.mark_copy_pending(doc["_id"], True)  # due again at once
                 break  # the broker is still away: the next tick tries again
             self._ledger.mark_copy_pending(doc["_id"], False)
             published += 1
         return published
 
-    def copy_again_after_loss(self) -> int:
-        """After the broker lost data: make the queue copies of the newest deaths due again
-        (``copy_pending`` publishes them) where the queue no longer holds them; returns how
-        many. A copy is confirmed once, so without this a consumer of the queue would miss
-        every death whose copy the broker lost.
+    def copy_again_after_loss(self, since: datetime | None = None) -> int:
+        """After the broker lost data: make the queue copies it no longer holds due again
+        (``copy_pending`` publishes them); returns how many (see dead_letter_feed.py).
 
-        Only what the queue would still hold is looked at: deaths within
-        ``LEDGER_DEAD_RETENTION_SECONDS``, the newest ``LEDGER_DEAD_LETTER_QUEUE_MAX``. The
-        broker cannot tell a copy it lost from one a consumer took before the loss, so a
-        consumer may see a death a second time (each copy names its record)."""
+        ``since``: only copies made since then (a failover loses only the last writes its
+        replica had not received); None: every copy the queue would still hold (a broker that
+        lost everything): this app's deaths within ``LEDGER_DEAD_RETENTION_SECONDS``, the
+        newest ``LEDGER_DEAD_LETTER_QUEUE_MAX``. The broker cannot tell a copy it lost from
+        one a consumer took before the loss: a consumer may see a death twice."""
         runtime = self._runtime
         queue, cap = runtime.tiers.dead_letter_queue, runtime.settings.dead_letter_queue_max
-        present = {
-            copy[0] for item in runtime.redis.lrange(queue, 0, -1) if (copy := _copy_of(item))
-        }
-        since = self.ledger_now() - timedelta(seconds=runtime.settings.dead_retention_seconds)
-        due = 0
-        for seen, doc in enumerate(self.each(since=since)):
-            if seen >= cap:
-                break
-            if doc["_id"] in present or doc.get("claimable_at") != FOREVER:
-                continue  # in the queue, or its copy not made yet (due already)
-            self._ledger.mark_copy_pending(doc["_id"], True)
-            due += 1
-        return due
+        oldest = self.ledger_now() - timedelta(seconds=runtime.settings.dead_retention_seconds)
+        read_since = oldest if since is None else max(oldest, since - feed.COPY_LOOKBACK)
+        due = feed.lost(
+            self.each(since=read_since),
+            present=feed.held(runtime.redis, queue, cap),
+            since=since,
+            cap=cap,
+            ours=lambda doc: (
+                runtime.tiers.for_record(doc, runtime.tier_of(str(doc.get("task")))) is not None
+            ),
+        )
+        return self._ledger.mark_copies_due(due) if due else 0
 
     # -- quarantine --------------------------------------------------------------------------------
 
@@ -602,16 +605,7 @@ class DeadLetters:
 
     def drop_copies(self, record_ids: Iterable[str]) -> int:
         """Remove the queue copies of these records; returns how many."""
-        wanted = set(record_ids)
-        if not wanted:
-            return 0
-        queue, redis = self._runtime.tiers.dead_letter_queue, self._runtime.redis
-        dropped = 0
-        for item in redis.lrange(queue, 0, -1):
-            copy = _copy_of(item)
-            if copy is not None and copy[0] in wanted:  # (gone already if consumed meanwhile)
-                dropped += int(redis.lrem(queue, 1, item))  # type: ignore[arg-type]
-        return dropped
+        return feed.drop(self._runtime.redis, self._runtime.tiers.dead_letter_queue, record_ids)
 
     def ledger_now(self) -> datetime:
         """Now on the ledger's clock (the dead records' times are on it)."""
@@ -620,35 +614,9 @@ class DeadLetters:
     def trim_copies(self, limit: int = 100) -> int:
         """Remove queue copies older than ``LEDGER_DEAD_RETENTION_SECONDS``, oldest first (at
         the tail, where the queue is consumed); returns how many."""
-        queue, redis = self._runtime.tiers.dead_letter_queue, self._runtime.redis
-        cutoff = (
-            self._runtime.ledger.now().timestamp() - self._runtime.settings.dead_retention_seconds
-        )
-        dropped = 0
-        for item in reversed(redis.lrange(queue, -limit, -1)):  # oldest first
-            copy = _copy_of(item)
-            if copy is None:
-                continue  # not a copy this platform wrote: its consumer's to take
-            if copy[1] > cutoff:
-                break
-            dropped += int(redis.lrem(queue, -1, item))  # type: ignore[arg-type]
-        return dropped
-
-
-def _copy_of(item: bytes | str) -> tuple[str, float] | None:
-    """(record id, when it was copied) of a dead-letter queue item this platform wrote (kombu's
-    Redis transport: a JSON envelope whose body is the copy's JSON, maybe base64), or None."""
-    try:
-        envelope = json.loads(item)
-        body = envelope["body"]
-        properties = envelope.get("properties") or {}
-        if properties.get("body_encoding") == "base64":
-            body = base64.b64decode(body)
-        copy = json.loads(body)
-        at = datetime.fromisoformat(copy["at"]).timestamp()
-        return str(copy["record_id"]), at
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return None
+        runtime = self._runtime
+        cutoff = runtime.ledger.now().timestamp() - runtime.settings.dead_retention_seconds
+        return feed.trim(runtime.redis, runtime.tiers.dead_letter_queue, cutoff, limit)
 
 
 def _replay_identity(doc: Mapping[str, Any]) -> Identity:

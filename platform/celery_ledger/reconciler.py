@@ -41,6 +41,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from .broker import BrokerView, Continuity, Stranded, SweepLock, Unacked, data_lost
@@ -71,6 +72,9 @@ MISSING_PER_SWEEP = 5_000
 # the message not yet sent) is in one of them a moment later: a job is missing only if it is
 # absent from both looks, this far apart.
 MISSING_CONFIRM_SECONDS = 1.0
+# After a failover, the dead letters' copies made within three sweeps and this long before it
+# noticed are made again (a replica's lag and the sweep lock's move, with room to spare).
+FAILOVER_MARGIN_SECONDS = 30.0
 # Right after the broker may have lost data, jobs untouched this long are looked for.
 AFTER_DATA_LOSS_SECONDS = 2.0
 
@@ -133,7 +137,7 @@ class Reconciler:
         idempotent_tasks: tuple[str, ...] = (),
         declare_queues: Callable[[], None] | None = None,
         unrecorded: Unrecorded | None = None,
-        copy_dead_letters_again: Callable[[], int] | None = None,
+        copy_dead_letters_again: Callable[[datetime | None], int] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -152,9 +156,11 @@ class Reconciler:
         # Jobs published while the ledger was away, whose records the sweep writes.
         self._unrecorded = unrecorded
         # Makes the dead letters' queue copies the broker lost due again (deadletter.py), after
-        # a loss; due at the end of each sweep until it succeeds once.
+        # a loss (those made since a time, or all: None); at the end of each sweep until it
+        # succeeds once.
         self._copy_dead_letters_again = copy_dead_letters_again
         self._dead_letters_lost = False
+        self._dead_letters_since: datetime | None = None
         self._sleep = sleep
         self._monotonic = monotonic
         self._looked_at: float | None = None  # when this process last looked for missing jobs
@@ -247,7 +253,8 @@ class Reconciler:
             logger.warning("reconcile: restoring stranded messages failed: %s", exc)
         if self._dead_letters_lost and self._copy_dead_letters_again is not None:
             try:  # last: the jobs come first
-                report.dead_letters_copied_again = self._copy_dead_letters_again()
+                since = self._dead_letters_since
+                report.dead_letters_copied_again = self._copy_dead_letters_again(since)
                 self._dead_letters_lost = False
             except Exception as exc:  # the ledger or the broker is away: the next sweep's
                 report.failed += 1
@@ -265,11 +272,19 @@ class Reconciler:
             return
         if now is None:
             return
-        why = data_lost(self._continuity, now)
-        self._continuity = now
+        before, self._continuity = self._continuity, now
+        why = data_lost(before, now)
         if why is None:
             return
         self._data_lost = report.broker_data_lost = why
+        # A broker without its marker lost everything; a failover, only the last writes its
+        # replica had not received: the copies made since this fleet's previous sweeps
+        wiped = now.created or (before is not None and before.marker != now.marker)
+        if not self._dead_letters_lost or wiped:
+            window = self._runtime.settings.reconcile_every_seconds * 3 + FAILOVER_MARGIN_SECONDS
+            self._dead_letters_since = (
+                None if wiped else self._ledger.now() - timedelta(seconds=window)
+            )
         self._dead_letters_lost = True
         logger.warning("reconcile: the broker may have lost data: %s", why)
         if self._declare_queues is not None:

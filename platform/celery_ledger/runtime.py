@@ -21,7 +21,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .clock import ClockBook, ClockReports, Reading, ServerClock, redis_time
+from .clock import ClockBook, ClockReports, Reading, ServerClock, last_known_time, redis_time
 from .crypto import Sealer
 from .delayed import DelayedDeliveries
 from .depth_history import DepthHistory
@@ -197,7 +197,15 @@ class Runtime:
     @cached_property
     def unrecorded(self) -> Unrecorded:
         """Jobs published while the ledger was away, kept until the reconciler records them."""
-        return Unrecorded(self.redis, namespace=self.tiers.namespace)
+        settings = self.settings
+        return Unrecorded(
+            self.redis,
+            namespace=self.tiers.namespace,
+            now=self.message_time,
+            retention_seconds=min(
+                settings.result_retention_seconds, settings.dead_retention_seconds
+            ),
+        )
 
     @cached_property
     def clock_reports(self) -> ClockReports:
@@ -213,10 +221,11 @@ class Runtime:
         """Now, on the clock every message's times are on (the broker's), in unix seconds."""
         return self.broker_clock.now()
 
-    def on_ledger_clock(self, message_time: float | None) -> datetime:
+    def on_ledger_clock(self, message_time: float | None, away: bool = False) -> datetime:
         """A time stamped on a message (the broker's clock) as the ledger's clock tells it,
-        to keep on a record beside the ledger's own times; now if it is None."""
-        now = self.ledger.now()
+        to keep on a record beside the ledger's own times; now if it is None. ``away``: the
+        ledger seen away, its clock followed from the last reading (never read again now)."""
+        now = datetime.fromtimestamp(last_known_time("ledger"), UTC) if away else self.ledger.now()
         if message_time is None:
             return now
         return now - timedelta(seconds=self.broker_clock.now() - message_time)

@@ -387,13 +387,13 @@ class LedgerTask(Task):  # type: ignore[misc]
             return float(self.slo_seconds)
         return self.app.settings.slo_seconds.get(tier)
 
-    def _objective(self, tier: str, enqueued_at: float | None) -> dict[str, Any]:
+    def _objective(self, tier: str, enqueued_at: float | None, away: bool) -> dict[str, Any]:
         """A new record's latency objective fields: from the message's first enqueue (the
-        broker's clock) taken over to the ledger's, or from now."""
+        broker's clock) taken over to the ledger's, or from now (``away``: not read)."""
         slo_seconds = self._slo_seconds(tier)
         if slo_seconds is None:
             return {}
-        return objective(slo_seconds, self.app.runtime.on_ledger_clock(enqueued_at))
+        return objective(slo_seconds, self.app.runtime.on_ledger_clock(enqueued_at, away))
 
     @classmethod
     def tenant_spec(cls) -> TenantSpec:
@@ -766,11 +766,11 @@ class LedgerTask(Task):  # type: ignore[misc]
         own = self.dedupe_on_publish
         dedupe = settings.dedupe_on_publish if own is None else own
         dedupe = dedupe and not is_retry
-        # A job published with no record while the ledger is away: kept in the broker until
-        # the reconciler writes its record (unrecorded.py), or a message lost before its claim
-        # would be lost with nothing to bring it back.
+        # Published with the ledger away: its record kept in the broker for the reconciler to
+        # write (unrecorded.py), or a message lost before its claim could never come back.
         unrecorded: QueuedJob | None = None
         if dedupe:
+            away = self.app.runtime.ledger_absence.away()  # (no ledger read: LEDGER_AWAY_SECONDS)
             job = QueuedJob(
                 record_id,
                 task=self.name,
@@ -778,15 +778,17 @@ class LedgerTask(Task):  # type: ignore[misc]
                 tier=tier,
                 message=self._kept(args, kwargs, message_headers, tenant),
                 objective=self._objective(
-                    tier, float_or_none(message_headers.get(headers.ENQUEUED_AT))
+                    tier, float_or_none(message_headers.get(headers.ENQUEUED_AT)), away
                 ),
                 # A job for later: claimable (and looked after by the reconciler) once due
-                claimable_at=None if later is None else self.app.runtime.on_ledger_clock(later),
+                claimable_at=None
+                if later is None
+                else self.app.runtime.on_ledger_clock(later, away),
             )
             # In a bulk publish (bulk_publish.py) its record and message go with the batch's
             bulk = bulk_publish.joining(producer, options) if later is None else None
-            if self.app.runtime.ledger_absence.away():
-                unrecorded, dedupe = job, False  # (not tried again yet: LEDGER_AWAY_SECONDS)
+            if away:
+                unrecorded, dedupe = job, False
             elif bulk is not None:
                 return bulk.hold(job, publish_now, self.AsyncResult(task_id))
             else:
@@ -833,8 +835,6 @@ class LedgerTask(Task):  # type: ignore[misc]
                 # reconciler publishes it on its next sweep (a job for later: once it is due).
                 with contextlib.suppress(LedgerError):
                     self.app.ledger.mark_unpublished(record_id, later=later is not None)
-            if unrecorded is not None:
-                self.app.runtime.unrecorded.forget([record_id])
             raise
 
     def _enqueue_in(
@@ -874,7 +874,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             key=key,
             tier=tier,
             message=kept,
-            objective=self._objective(tier, None),
+            objective=self._objective(tier, None, False),
             session=session,
         )
         if outcome is EnqueueOutcome.NEW:

@@ -10,12 +10,13 @@ lost for good: nothing knew the job existed.
 
 So the producer keeps each such job here, in one Redis hash of the app's namespace
 (``<namespace>:ledger:unrecorded``: record id -> the job's queued record, as kombu's JSON),
-written before its message is sent and dropped again if the send fails. The fleet's reconciler
-(one sweeper at a time) writes those records once the ledger answers, exactly as the publish
-would have (an insert of a record not known: a job whose claim wrote its record meanwhile, or
-that has ended, is left as it is), and only then removes the entries. From there on the job is
-an ordinary recorded job: a message that is nowhere in the broker is published again from the
-record.
+written before its message is sent (and kept if the send fails, as a record would be). The
+fleet's reconciler (one sweeper at a time) writes those records once the ledger answers, as the
+publish would have (an insert of a record not known: a job whose claim wrote its record
+meanwhile, or that has ended, is left as it is), and only then removes the entries. From there
+on the job is an ordinary recorded job: a message that is nowhere in the broker is published
+again from the record. An entry older than the results' retention is dropped unwritten (its job
+may have ended and its record expired: a record written then would run it again).
 
 Why the broker: it is the one server the publish is known to reach (the message goes there
 next). A broker that loses its data loses these entries with the messages, as it loses any
@@ -25,17 +26,21 @@ job's message; only the ledger's records outlive that, and these jobs had none y
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from typing import Any
 
+from .errors import LedgerUnavailable, StoreError
 from .ledger.message import KeptMessage
 from .ledger.store import ENQUEUE_BATCH, EnqueueOutcome, QueuedJob
 from .wire import dumps, loads
 
 logger = logging.getLogger("celery_ledger.unrecorded")
 
-# Entries one sweep records at most (in bulk writes of ENQUEUE_BATCH); the rest are the next's.
-RECORD_PER_SWEEP = 2_000
+# How long one sweep writes records (bulk writes of ENQUEUE_BATCH, about 1,000 a second on the
+# embedded server); the rest are the next sweep's. Well within the sweep lock's time to live.
+RECORD_BUDGET_SECONDS = 10.0
 
 EnqueueMany = Callable[[Sequence[QueuedJob]], list[EnqueueOutcome]]
 
@@ -45,15 +50,17 @@ def unrecorded_key(namespace: str) -> str:
     return f"{namespace}:ledger:unrecorded" if namespace else "ledger:unrecorded"
 
 
-def encode(job: QueuedJob) -> str:
-    """An entry's value: the job's record as :class:`QueuedJob` holds it."""
+def encode(job: QueuedJob, kept_at: float) -> str:
+    """An entry's value: the job's record as :class:`QueuedJob` holds it, and when it was kept
+    (the broker's time)."""
     fields = job.arguments()
     fields["message"] = job.message.document()
+    fields["kept_at"] = kept_at
     return dumps(fields)
 
 
-def decode(record_id: str, raw: bytes | str) -> QueuedJob:
-    """The job an entry keeps.
+def decode(record_id: str, raw: bytes | str) -> tuple[QueuedJob, float]:
+    """The job an entry keeps, and when it was kept.
 
     Raises:
         ValueError: not an entry this module wrote.
@@ -65,15 +72,19 @@ def decode(record_id: str, raw: bytes | str) -> QueuedJob:
             isinstance(fields.get(name), str) for name in ("task", "key", "tier")
         ):
             raise ValueError("missing fields")
-        return QueuedJob(
+        claimable_at = fields.get("claimable_at")
+        if claimable_at is not None and not isinstance(claimable_at, datetime):
+            raise ValueError(f"claimable_at {claimable_at!r}")
+        job = QueuedJob(
             record_id,
             task=fields["task"],
             key=fields["key"],
             tier=fields["tier"],
             message=message,
             objective=fields.get("objective") or None,
-            claimable_at=fields.get("claimable_at"),
+            claimable_at=claimable_at,
         )
+        return job, float(fields["kept_at"])
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"unrecorded entry {record_id!r} is not a job's record: {exc}") from exc
 
@@ -82,17 +93,31 @@ class Unrecorded:
     """The jobs of one app namespace published without their record (see the module
     docstring). ``client``: the app's Redis client (the broker)."""
 
-    def __init__(self, client: Any, *, namespace: str) -> None:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        namespace: str,
+        now: Callable[[], float] = time.time,
+        retention_seconds: float = float("inf"),
+    ) -> None:
         self._client = client
         self.key = unrecorded_key(namespace)
+        self._now = now  # the broker's clock
+        # How long the ledger keeps an ended job's record (the shortest of its kinds)
+        self._retention = retention_seconds
 
     def keep(self, jobs: Sequence[QueuedJob]) -> bool:
         """Keep these jobs until their records are written (one round trip); False if the
-        broker refused (logged: the jobs are then published as before, without a record)."""
+        broker refused (logged: the jobs are then published as
+        before, without a record). An entry stays if the publish then fails, as a record
+        written at publish stays (marked unpublished): the caller may not know whether the
+        message went out, and the job's claim and a retried publish dedupe it."""
         if not jobs:
             return True
         try:
-            self._client.hset(self.key, mapping={job.record_id: encode(job) for job in jobs})
+            now = self._now()
+            self._client.hset(self.key, mapping={job.record_id: encode(job, now) for job in jobs})
         except Exception as exc:  # the publish that follows says whether the broker is away
             logger.warning(
                 "could not keep %d jobs published without their records: %s", len(jobs), exc
@@ -100,50 +125,80 @@ class Unrecorded:
             return False
         return True
 
-    def forget(self, record_ids: Sequence[str]) -> None:
-        """Drop the entries of jobs whose publish failed (the caller was told it failed: the
-        job must not run from here). Never raises: an entry left is a job recorded and, its
-        message absent, published again, which the caller's retry of the publish dedupes."""
-        if not record_ids:
-            return
-        try:
-            self._client.hdel(self.key, *record_ids)
-        except Exception as exc:
-            logger.warning("could not drop %d unrecorded entries: %s", len(record_ids), exc)
-
     def count(self) -> int:
         """Entries waiting for their record."""
         return int(self._client.hlen(self.key))
 
-    def record(self, enqueue_many: EnqueueMany, *, limit: int = RECORD_PER_SWEEP) -> int:
-        """Write the records of up to ``limit`` waiting jobs (``enqueue_many``: the ledger's
-        bulk enqueue) and drop their entries; returns how many were written or found known.
+    def record(
+        self,
+        enqueue_many: EnqueueMany,
+        *,
+        budget_seconds: float = RECORD_BUDGET_SECONDS,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> int:
+        """Write the records of waiting jobs (``enqueue_many``: the ledger's bulk enqueue) and
+        drop their entries, for up to ``budget_seconds``; returns how many were written or
+        found known.
 
-        Raises what ``enqueue_many`` and the Redis client raise (the ledger or the broker
-        away): entries are dropped only after their batch is written, so a failed sweep leaves
-        them for the next."""
+        An entry kept longer ago than the ledger keeps an ended job's record is dropped
+        unwritten: its job may have run and its record expired since, and a record
+        written now would run it again. One the ledger refuses (a batch that fails whole is
+        written again one job at a time) is dropped with an error: its job still runs from
+        its message, as before this store existed.
+
+        Raises what ``enqueue_many`` raises when the ledger is away (``LedgerUnavailable``),
+        and what the Redis client raises: entries are dropped only after their batch is
+        written, so a failed sweep leaves them for the next."""
         done = 0
+        kept_since = self._now() - self._retention
+        deadline = monotonic() + budget_seconds
         cursor = 0
-        while done < limit:
+        while monotonic() < deadline:
             cursor, found = self._client.hscan(self.key, cursor, count=ENQUEUE_BATCH)
             batch: list[QueuedJob] = []
-            bad: list[Any] = []
+            dropped: list[Any] = []
             for field, raw in found.items():
                 record_id = field.decode() if isinstance(field, bytes) else str(field)
                 try:
-                    batch.append(decode(record_id, raw))
+                    job, kept_at = decode(record_id, raw)
                 except ValueError as exc:
                     logger.error("dropping %s", exc)
-                    bad.append(field)
+                    dropped.append(field)
+                    continue
+                if kept_at < kept_since:
+                    logger.error(
+                        "dropping the record of %s (%s), kept while the ledger was away longer"
+                        " ago than the results are retained: its job may have run already",
+                        record_id,
+                        job.task,
+                    )
+                    dropped.append(field)
+                    continue
+                batch.append(job)
             for start in range(0, len(batch), ENQUEUE_BATCH):
                 part = batch[start : start + ENQUEUE_BATCH]
-                enqueue_many(part)
+                self._write(enqueue_many, part)
                 # Only the entries as read: a publish of the same job since (the ledger away
-                # again) wrote the same record, which the next sweep finds known.
+                # again) kept the same record, which the next sweep finds known.
                 self._client.hdel(self.key, *(job.record_id for job in part))
                 done += len(part)
-            if bad:
-                self._client.hdel(self.key, *bad)
+            if dropped:
+                self._client.hdel(self.key, *dropped)
             if cursor == 0:
                 break
         return done
+
+    @staticmethod
+    def _write(enqueue_many: EnqueueMany, jobs: list[QueuedJob]) -> None:
+        try:
+            enqueue_many(jobs)
+        except LedgerUnavailable:
+            raise
+        except StoreError:
+            for job in jobs:  # one refused record must not hold the others back forever
+                try:
+                    enqueue_many([job])
+                except LedgerUnavailable:
+                    raise
+                except StoreError as exc:
+                    logger.error("dropping the record of %s (%s): %s", job.record_id, job.task, exc)

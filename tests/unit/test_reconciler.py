@@ -4,6 +4,7 @@ skips, over an in-memory ledger and a fake view of the broker."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -648,6 +649,46 @@ def test_a_broker_that_lost_its_data_has_every_active_workflow_woken_again_once(
     assert report.workflows_rewoken == 3 and asked == [frozenset({"bulk"})]
     # and the next sweep is an ordinary one
     assert world.reconciler.sweep().workflows_rewoken == 0 and len(asked) == 1
+
+
+@pytest.mark.parametrize(
+    ("loss", "window"),
+    [
+        (Continuity("m2", None, True), None),  # its marker gone: a wipe, a restart empty
+        (Continuity("m2", "h1:1", False), None),  # its marker changed
+        (Continuity("m1", "h2:1", False), 30 * 3 + 30.0),  # a failover: the last writes only
+    ],
+    ids=["marker-missing", "marker-changed", "failover"],
+)
+def test_the_dead_letters_copies_a_broker_lost_are_copied_again_once(
+    world: World, loss: Continuity, window: float | None
+) -> None:
+    # Given a reconciler that copies dead letters again after a loss, and a broker seen whole
+    asked: list[Any] = []
+    failing = [True]
+
+    def copy_again(since: Any) -> int:
+        asked.append(since)
+        if failing[0]:
+            raise ConnectionError("ledger away")
+        return 4
+
+    world.reconciler._copy_dead_letters_again = copy_again
+    world.broker.marker = Continuity("m1", "h1:1", False)
+    world.reconciler.sweep()
+    assert asked == []
+    # When it loses data, and the first try fails
+    world.broker.marker = loss
+    now = world.ledger.now()
+    assert world.reconciler.sweep().failed == 1
+    # Then the next sweep tries again, for every copy (all lost) or the last ones (a failover)
+    failing[0] = False
+    world.broker.marker = Continuity(loss.marker, loss.primary, False)
+    assert world.reconciler.sweep().dead_letters_copied_again == 4
+    expected = None if window is None else now - timedelta(seconds=window)
+    assert asked == [expected, expected]
+    # and none after that
+    assert world.reconciler.sweep().dead_letters_copied_again == 0 and len(asked) == 2
 
 
 def test_a_failure_to_wake_the_workflows_again_never_stops_the_sweep(world: World) -> None:

@@ -206,13 +206,44 @@ class DeadRecords(LedgerBase):
             return self.collection.find_one(query)
 
     def mark_copy_pending(self, record_id: str, pending: bool) -> None:
-        """The dead letter's copy to its queue is due now (its publish failed), or is done."""
-        due = self.now() + COPY_DUE_SHIFT if pending else FOREVER
+        """The dead letter's copy to its queue is due now (its publish failed), or is done
+        (``copied_at``: when, for a broker that loses it later)."""
+        now = self.now()
+        done: dict[str, Any] = {"claimable_at": FOREVER, "copied_at": now}
         with translate_errors("dead-letter copy mark"):
             self.collection.update_one(
                 {"_id": record_id, "state": State.DEAD.value, "purged_at": None},
-                {"$set": {"claimable_at": due}},
+                {"$set": {"claimable_at": now + COPY_DUE_SHIFT} if pending else done},
             )
+
+    def take_copy(self, record_id: str, due: datetime) -> bool:
+        """Take a due copy (its record's due time still ``due``, as read) for this process to
+        publish: due again after ``COPY_GRACE`` unless confirmed, and no other process's. False
+        if another took it, or it is no longer due."""
+        with translate_errors("dead-letter copy take"):
+            taken = self.collection.update_one(
+                {"_id": record_id, "state": State.DEAD.value, "claimable_at": due},
+                {"$set": {"claimable_at": self.now() + COPY_GRACE + COPY_DUE_SHIFT}},
+            )
+        return bool(taken.modified_count)
+
+    def mark_copies_due(self, record_ids: Sequence[str]) -> int:
+        """Make these dead letters' copies due now (a broker lost them); returns how many."""
+        ids = list(record_ids)
+        marked = 0
+        with translate_errors("dead-letter copies due"):
+            # (pages of 100: the embedded server's $in costs the square of its length)
+            for start in range(0, len(ids), 100):
+                result = self.collection.update_many(
+                    {
+                        "_id": {"$in": ids[start : start + 100]},
+                        "state": State.DEAD.value,
+                        "purged_at": None,
+                    },
+                    {"$set": {"claimable_at": self.now() + COPY_DUE_SHIFT}},
+                )
+                marked += result.modified_count
+        return marked
 
     def copies_pending(self, *, limit: int = 100) -> list[dict[str, Any]]:
         """Dead records whose queue copy is due and was not confirmed (its publish failed, or
