@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 import zlib
@@ -75,6 +76,13 @@ class Profile:
     # none of it): every queue, delayed retry, lane, lock and workflow wake gone at once. Under
     # the default settings celery-ledger loses nothing (every job has its record).
     broker_wipes: int = 0
+    # celery-ledger's broker is a Sentinel group (a primary, two replicas, three sentinels),
+    # and its faults are failovers: the primary SIGKILLed (a replica promoted, the old primary
+    # back as a replica), or stopped past the sentinels' timeout and continued (it takes
+    # writes until the sentinels demote it: what it took then is lost). Plain Celery, if run,
+    # keeps its own broker. Asynchronous replication loses the last writes: nothing is lost.
+    sentinel: bool = False
+    broker_failovers: int = 0
 
 
 PROFILES = {
@@ -136,6 +144,15 @@ PROFILES = {
         broker_wipes=1,
     ),
 }
+# The long profile on a Sentinel group, its broker faults failovers (celery-ledger only)
+PROFILES["failover"] = dataclasses.replace(
+    PROFILES["long"],
+    name="failover",
+    broker_kills=0,
+    broker_wipes=0,
+    sentinel=True,
+    broker_failovers=4,
+)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Chaos soak: exactly-once effects under crashes, restarts and a bad network, and plain Celery.
 
-    python -m ops.chaos.soak --profile ci|long [--seed N] [--only ledger|plain]
+    python -m ops.chaos.soak --profile ci|long|failover [--seed N] [--only ledger|plain]
     python -m ops.chaos.soak --profile long --seeds 2811,1,2,3,4,5 --parallel 2 --only ledger
 
 Both systems run side by side, under the same faults: the same task body (``apps/world.py``:
@@ -19,7 +19,12 @@ Faults, while the jobs run: SIGKILL of a random pool process of each system ever
 SIGKILL of a whole worker (restarted; its unacked messages come back after the visibility
 timeout); SIGKILL and restart of the broker (valkey, AOF) and of the ledger (SecantusDB, same
 port and data); and through an asyncio TCP proxy between the workers and both servers: delays,
-connection resets and a partition. Plain Celery does not use the ledger server.
+connection resets and a partition. Plain Celery does not use the ledger server. The long
+profile also wipes the broker once (restarted without its data). The failover profile is the
+long one with celery-ledger's broker a Sentinel group (a primary, two replicas, three
+sentinels; ``--only ledger``): its broker faults are failovers, the primary SIGKILLed or
+stopped past the sentinels' timeout and continued (the writes it took meanwhile are lost); the
+proxy's faults then reach the ledger only, as the workers reach the primary the sentinels name.
 
 At the end every job must reach its designed terminal state (succeeded, or dead for the
 permanent failures) with exactly one effect per succeeded job, nothing lost, and the dead
@@ -56,6 +61,7 @@ from redis import Redis
 
 from celery_ledger import LedgerCelery, Settings
 from celery_ledger.app import WAKE_TASK
+from celery_ledger.embedded.sentinel import SentinelGroup, start_sentinel_group
 from celery_ledger.embedded.servers import ServerProcess, start_secantus, start_valkey
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from celery_ledger.fairness import FairDispatch
@@ -187,6 +193,8 @@ class Soak:
         self.started = 0.0
         self.wall_started = 0.0
         self.broker: ServerProcess
+        # celery-ledger's broker when the profile says ``sentinel`` (plain Celery keeps its own)
+        self.group: SentinelGroup | None = None
         self.ledger: ServerProcess
         self.world_server: ServerProcess
         self.broker_proxy: Proxy
@@ -209,29 +217,34 @@ class Soak:
             f"mongodb://127.0.0.1:{self.ledger_proxy.listen_port}/"
             "?retryWrites=false&directConnection=true"
         )
-        return common | {
-            "SOAK_RELEASE": str(self.release),
-            "LEDGER_BROKER_URL": f"{broker}/0",
-            "LEDGER_MONGO_URI": ledger_uri,
-            "LEDGER_MONGO_DB": "soak",
-            "LEDGER_LEASE_SECONDS": str(self.profile.lease_seconds),
-            "LEDGER_VISIBILITY_TIMEOUT_SECONDS": str(self.profile.visibility_timeout),
-            "LEDGER_BUSY_RECHECK_SECONDS": "2",
-            "LEDGER_DEFER_POLL_SECONDS": "0.25",
-            "LEDGER_UNAVAILABLE_BACKOFF_BASE_SECONDS": "0.5",
-            "LEDGER_UNAVAILABLE_BACKOFF_CAP_SECONDS": "3",
-            "LEDGER_MONGO_TIMEOUT_MS": "2000",
-            "LEDGER_DEDUPE_ON_PUBLISH": "true",
-            # The workers' own reconciler, one sweeper at a time: no beat, no operator
-            "LEDGER_RECONCILE_IN_WORKERS": "true",
-            "LEDGER_RECONCILE_EVERY_SECONDS": str(RECONCILE_EVERY_SECONDS),
-            "LEDGER_RECONCILE_STALE_AFTER_SECONDS": str(RECONCILE_STALE_AFTER_SECONDS),
-            "LEDGER_RECONCILE_LEASE_GRACE_SECONDS": str(self.profile.lease_seconds / 2),
-            "LEDGER_WORKFLOW_CHECK_SECONDS": str(WORKFLOW_CHECK_SECONDS),
-            # Fair dispatch on (the guide's depth, 1) for plan.py's tenants
-            "LEDGER_FAIR_QUEUE_DEPTH": str(FAIR_QUEUE_DEPTH),
-            "LEDGER_TENANTS": json.dumps(TENANT_POLICIES),
-        }
+        sentinel = self.group.env if self.group is not None else {}
+        return (
+            common
+            | {
+                "SOAK_RELEASE": str(self.release),
+                "LEDGER_BROKER_URL": f"{broker}/0",
+                "LEDGER_MONGO_URI": ledger_uri,
+                "LEDGER_MONGO_DB": "soak",
+                "LEDGER_LEASE_SECONDS": str(self.profile.lease_seconds),
+                "LEDGER_VISIBILITY_TIMEOUT_SECONDS": str(self.profile.visibility_timeout),
+                "LEDGER_BUSY_RECHECK_SECONDS": "2",
+                "LEDGER_DEFER_POLL_SECONDS": "0.25",
+                "LEDGER_UNAVAILABLE_BACKOFF_BASE_SECONDS": "0.5",
+                "LEDGER_UNAVAILABLE_BACKOFF_CAP_SECONDS": "3",
+                "LEDGER_MONGO_TIMEOUT_MS": "2000",
+                "LEDGER_DEDUPE_ON_PUBLISH": "true",
+                # The workers' own reconciler, one sweeper at a time: no beat, no operator
+                "LEDGER_RECONCILE_IN_WORKERS": "true",
+                "LEDGER_RECONCILE_EVERY_SECONDS": str(RECONCILE_EVERY_SECONDS),
+                "LEDGER_RECONCILE_STALE_AFTER_SECONDS": str(RECONCILE_STALE_AFTER_SECONDS),
+                "LEDGER_RECONCILE_LEASE_GRACE_SECONDS": str(self.profile.lease_seconds / 2),
+                "LEDGER_WORKFLOW_CHECK_SECONDS": str(WORKFLOW_CHECK_SECONDS),
+                # Fair dispatch on (the guide's depth, 1) for plan.py's tenants
+                "LEDGER_FAIR_QUEUE_DEPTH": str(FAIR_QUEUE_DEPTH),
+                "LEDGER_TENANTS": json.dumps(TENANT_POLICIES),
+            }
+            | sentinel
+        )
 
     def queues(self, system: str) -> tuple[str, ...]:
         """The tier queues of a system (celery-ledger's are named after its app)."""
@@ -243,6 +256,16 @@ class Soak:
         if system == "ledger":
             return unacked_keys(self.ledger_app().tiers.namespace).get("unacked_key", "unacked")
         return "unacked"
+
+    def ledger_broker(self) -> ServerProcess:
+        """celery-ledger's broker now: the Sentinel group's primary, or the one broker."""
+        return self.group.primary() if self.group is not None else self.broker
+
+    def redis_url(self, system: str) -> str:
+        """A URL of a system's broker database, to read it (the primary's, under Sentinel)."""
+        if system == "ledger":
+            return self.ledger_broker().url.rsplit("/", 1)[0] + "/0"
+        return self.broker.url.rsplit("/", 1)[0] + "/1"
 
     def start_worker(self, system: str, index: int | None = None) -> WorkerProcess:
         index = len(self.workers[system]) if index is None else index
@@ -260,8 +283,7 @@ class Soak:
 
     def wait_ready(self, system: str, worker: WorkerProcess, timeout: float = 120.0) -> None:
         """Until the worker answers a ping (on its system's broker database)."""
-        db = 0 if system == "ledger" else 1
-        probe = Celery(broker=self.broker.url.rsplit("/", 1)[0] + f"/{db}", set_as_current=False)
+        probe = Celery(broker=self.redis_url(system), set_as_current=False)
         try:
             deadline = time.monotonic() + timeout
             while not probe.control.ping(destination=[worker.name], timeout=0.5):
@@ -274,6 +296,8 @@ class Soak:
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
         self.broker = start_valkey(self.data_dir / "valkey")
+        if self.profile.sentinel:
+            self.group = start_sentinel_group(self.data_dir / "sentinel")
         self.ledger = start_secantus(self.data_dir / "secantus")
         # No fault touches the world's server: its commits need no fsync.
         self.world_server = start_secantus(self.data_dir / "world", sync_on_commit=False)
@@ -300,6 +324,8 @@ class Soak:
         finally:
             for server in (self.world_server, self.ledger, self.broker):
                 server.stop()
+            if self.group is not None:
+                self.group.stop()
 
     # -- publishing -------------------------------------------------------------------------
 
@@ -333,7 +359,9 @@ class Soak:
 
             self._ledger_app = build(
                 Settings(
-                    broker_url=self.broker.url,
+                    broker_url=self.broker.url if self.group is None else self.group.url,
+                    sentinel_master=None if self.group is None else self.group.master_name,
+                    sentinel_password=None if self.group is None else self.group.sentinel_password,
                     mongo_uri=self.ledger.url,
                     mongo_db="soak",
                     mongo_timeout_ms=2000,
@@ -451,6 +479,10 @@ class Soak:
         events += [
             (rng.uniform(0.3, 0.85) * p.fault_seconds, "partition") for _ in range(p.partitions)
         ]
+        # Failovers spread over the faults (each takes a few seconds), SIGKILL and stop in turn
+        for i in range(p.broker_failovers if self.group is not None else 0):
+            at = p.fault_seconds * (0.15 + 0.7 * (i + rng.random()) / p.broker_failovers)
+            events.append((at, "broker failover" if i % 2 == 0 else "broker stop"))
         if p.deploy_at is not None and "ledger" in self.systems:  # (drawn from no rng)
             events.append((p.deploy_at * p.fault_seconds, "rolling deploy"))
             if p.deploy_done_at is not None:
@@ -558,6 +590,32 @@ class Soak:
                     path.unlink()
             self.broker.restart()
         self.faults["broker SIGKILL + restart without its data"] += 1
+
+    def fault_broker_failover(self) -> None:
+        """The Sentinel group's primary SIGKILLed: the sentinels promote a replica (the writes
+        it had not received are lost); the old primary, restarted, rejoins as a replica."""
+        assert self.group is not None
+        primary = self.group.primary()
+        primary.kill()
+        began = time.monotonic()
+        promoted = self.group.wait_for_new_primary(primary.port)
+        self.log(f"failover: {primary.port} -> {promoted.port} in {time.monotonic() - began:.1f}s")
+        primary.restart()
+        self.faults["broker failover (primary SIGKILL)"] += 1
+
+    def fault_broker_stop(self) -> None:
+        """The primary stopped (SIGSTOP) past the sentinels' timeout, until a replica is
+        promoted, then continued: it takes writes from the clients still connected to it until
+        the sentinels make it a replica, and those writes are lost with its data."""
+        assert self.group is not None
+        primary = self.group.primary()
+        os.kill(primary.pid, signal.SIGSTOP)
+        try:
+            promoted = self.group.wait_for_new_primary(primary.port)
+        finally:
+            os.kill(primary.pid, signal.SIGCONT)
+        self.log(f"failover by a stopped primary: {primary.port} -> {promoted.port}")
+        self.faults["broker failover (primary stopped, then back)"] += 1
 
     def fault_ledger_kill(self) -> None:
         began = time.time()
@@ -671,8 +729,7 @@ class Soak:
                         self.ended_jobs[unsure[str(doc["_id"])]] = str(doc["state"])
 
     def broker_quiet(self, system: str) -> bool:
-        db = 0 if system == "ledger" else 1
-        with Redis.from_url(self.broker.url.rsplit("/", 1)[0] + f"/{db}") as redis:
+        with Redis.from_url(self.redis_url(system)) as redis:
             waiting = sum(int(redis.llen(q)) for q in self.queues(system))
             waiting += int(redis.hlen(self.unacked_key(system)))
             if system == "ledger":
@@ -682,9 +739,8 @@ class Soak:
 
     def broker_leftovers(self, system: str) -> list[str]:
         """What the broker still holds for a system (queues, unacked, delayed), by job key."""
-        db = 0 if system == "ledger" else 1
         lines = []
-        with Redis.from_url(self.broker.url.rsplit("/", 1)[0] + f"/{db}") as redis:
+        with Redis.from_url(self.redis_url(system)) as redis:
             for queue in self.queues(system):
                 items = redis.lrange(queue, 0, -1)
                 if items:
@@ -715,9 +771,8 @@ class Soak:
             return defaultdict(lambda: reason)
 
     def _broker_now(self, system: str) -> dict[str, str]:
-        db = 0 if system == "ledger" else 1
         found: dict[str, str] = {}
-        with Redis.from_url(self.broker.url.rsplit("/", 1)[0] + f"/{db}") as redis:
+        with Redis.from_url(self.redis_url(system)) as redis:
             for queue in self.queues(system):
                 for raw in redis.lrange(queue, 0, -1):
                     found.setdefault(message_key(raw), f"waiting in {queue}")
@@ -863,7 +918,10 @@ class Soak:
                     + f"; its message now: {where.get(job.key, 'nowhere in the broker')}"
                     + "; in the broker's AOF: "
                     + broker_fate(
-                        self.broker, job.key, system, unacked_key=self.unacked_key(system)
+                        self.ledger_broker() if system == "ledger" else self.broker,
+                        job.key,
+                        system,
+                        unacked_key=self.unacked_key(system),
                     )
                 )
             elif state != job.designed:
@@ -909,7 +967,7 @@ class Soak:
             dead_docs = [d for d in dead_docs if str(d.get("key")) not in killed_keys]
             dead_keys = {str(d.get("key")) for d in dead_docs}
             reasons_ok = all("permanent error" in str(d.get("dead_reason")) for d in dead_docs)
-            with Redis.from_url(self.broker.url) as redis:
+            with Redis.from_url(self.redis_url("ledger")) as redis:
                 poison = int(redis.llen(self.ledger_app().dead_letters.poison_key))
                 queue = self.ledger_app().tiers.dead_letter_queue
                 copies = {dead_letter_key(raw) for raw in redis.lrange(queue, 0, -1)}
@@ -952,7 +1010,7 @@ class Soak:
     ) -> TenantsReport:
         """celery-ledger's tenants: per tenant its jobs' ends, and fair dispatch's invariants
         (tenants.py): lanes empty, the capped tenant's bodies at once within its bound."""
-        with self.world() as world_client, Redis.from_url(self.broker.url) as redis:
+        with self.world() as world_client, Redis.from_url(self.redis_url("ledger")) as redis:
             world = world_client.soak_world
             attempts = list(world.attempts.find({"system": "ledger"}))
             ends = list(world.ends.find({"system": "ledger"}))
@@ -1077,7 +1135,7 @@ class Soak:
             steps: Counter[str] = Counter()
             depth = 0
             try:
-                with Redis.from_url(self.broker.url) as redis:
+                with Redis.from_url(self.redis_url("ledger")) as redis:
                     waiting = [m for queue in queues for m in redis.lrange(queue, 0, -1)]
                     waiting += lane_depth(redis, queues)[1]  # (a tenant's wait in its lanes)
                     fair = FairDispatch(redis, depth=1, lease_seconds=self.profile.lease_seconds)
