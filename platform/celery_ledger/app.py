@@ -892,10 +892,11 @@ def _create_app(
             **transport.sentinel_options(settings),  # (master_name, sentinel_kwargs)
         },
         broker_connection_retry_on_startup=True,
-        # Reconnect for as long as the broker is away: Celery's default (100 attempts, about
-        # 46 minutes of its backoff) then ended the worker with "Unrecoverable error" (measured
-        # with 2 attempts: the worker exited 8 s into a broker outage).
+        # Reconnect for as long as the broker is away (Celery's default, 100 attempts, ended
+        # the worker with "Unrecoverable error"), and after an error reply (a primary without
+        # enough replicas refuses every write, NOREPLICAS) as after a lost connection
         broker_connection_max_retries=None,
+        broker_channel_error_retry=True,
         result_backend_always_retry=True,
         result_backend_max_retries=10,
         task_default_queue=tiers.queue(settings.default_tier),
@@ -929,8 +930,7 @@ def _create_app(
         reject_on_worker_lost=True,
     )
     def workflow_wake(self: Task, workflow_id: Any, attempt: Any = 0, **_: Any) -> str:
-        """One wake of a workflow: replay its code against its log, start what comes next.
-        (Other keywords, such as the ``recover`` of earlier versions' wakes, are ignored.)"""
+        """One wake of a workflow (other keywords, an earlier version's, are ignored)."""
         delivery = self.request.delivery_info or {}
         queue = delivery.get("routing_key") if isinstance(delivery, dict) else None
         return app._run_wake(workflow_id, attempt, queue if isinstance(queue, str) else None)

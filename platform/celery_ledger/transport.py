@@ -30,8 +30,7 @@ import base64
 import contextlib
 import json
 import logging
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from queue import Empty
 from typing import Any
@@ -49,6 +48,7 @@ from .envelope import envelope_problem
 from .errors import ConfigurationError
 from .fairness import SCRIPT as FAIR_SCRIPT
 from .fairness import TENANT_PROPERTY, FairDispatch, check_tenant, put_arguments
+from .poller import MultiChannelPoller
 from .sentinel import SentinelSettings, is_sentinel_url, sentinel_transport_options
 from .settings import BROKER_URL_UNSET, UNSET_BROKER_HOST
 
@@ -91,6 +91,18 @@ class QoS(kombu_redis.QoS):
                         self.restore_by_tag(tag, client)
             except kombu_redis.MutexHeld:
                 pass
+            except redis_errors.ResponseError as exc:  # (a primary refusing writes: later)
+                logger.warning("broker refused the visibility sweep, tried again later: %s", exc)
+
+    def restore_by_tag(self, tag: Any, client: Any = None, leftmost: bool = False) -> None:
+        """kombu's put-back of a take, which a broker refusing writes (NOREPLICAS) would raise
+        into the worker's loop, ending it (at a reconnection: the consumer puts back what it
+        holds). Its transaction applied nothing then: the take stays booked, for the next
+        sweep (kombu's visibility timeout, the reconciler) to put back."""
+        try:
+            super().restore_by_tag(tag, client, leftmost)
+        except redis_errors.ResponseError as exc:
+            logger.error("broker refused to put back message %s (left booked): %s", tag, exc)
 
     def _book(self, message: Any, delivery_tag: str) -> None:
         """kombu's booking of a take (``QoS.append``), scored on the broker's clock; with it,
@@ -162,7 +174,14 @@ class QoS(kombu_redis.QoS):
 
     def ack(self, delivery_tag: str) -> None:
         self._unbooked.pop(delivery_tag, None)
-        super().ack(delivery_tag)
+        try:
+            super().ack(delivery_tag)
+        except redis_errors.ResponseError as exc:
+            # A primary refusing every write (without enough replicas: NOREPLICAS) refuses the
+            # removal too. Never raised into the worker: the take stays booked, and its copy
+            # put back later (the reconciler, kombu's visibility timeout) finds the job ended
+            logger.error("broker refused to remove acknowledged message %s: %s", delivery_tag, exc)
+            virtual.QoS.ack(self, delivery_tag)
 
     def booked(self, delivery_tag: str) -> bool:
         """Whether a take is booked in the broker (a worker that dies holding it has it put
@@ -221,6 +240,17 @@ class QoS(kombu_redis.QoS):
                 exc,
             )
             virtual.QoS.ack(self, delivery_tag)
+
+
+def _refused(error: Exception, connection: Any) -> redis_errors.ConnectionError:
+    """A consumer's take the broker refused with an error reply (a primary without enough
+    replicas to write: NOREPLICAS; one loading its data, busy, or a replica): nothing was
+    taken, and kombu would raise it out of the worker's loop and end the worker. As a lost
+    connection instead (``connection``: the one to drop), so the consumer connects again,
+    with kombu's backoff, and asks again."""
+    if connection is not None:
+        connection.disconnect()
+    return redis_errors.ConnectionError(f"the broker refused to hand out messages: {error}")
 
 
 class Channel(kombu_redis.Channel):
@@ -326,6 +356,8 @@ class Channel(kombu_redis.Channel):
             except self.connection_errors:
                 self.client.connection.disconnect()
                 raise
+            except redis_errors.ResponseError as exc:
+                raise _refused(exc, self.client.connection) from exc
             if not dest__item:
                 raise Empty()
             dest, item = dest__item
@@ -362,7 +394,10 @@ class Channel(kombu_redis.Channel):
     def _get(self, queue: str, timeout: Any = None) -> Any:
         with self.conn_or_acquire() as client:
             for pri in self.priority_steps:
-                item = client.rpop(self._q_for_pri(queue, pri))
+                try:
+                    item = client.rpop(self._q_for_pri(queue, pri))
+                except redis_errors.ResponseError as exc:
+                    raise _refused(exc, None) from exc
                 if item:
                     self._maybe_update_queues_expire(client, queue)
                     message = self._decode_or_quarantine(item, queue)
@@ -424,55 +459,6 @@ class Channel(kombu_redis.Channel):
             except redis_errors.RedisError:  # (refused, or the broker away: held still)
                 return
             self._held_poison.pop(0)
-
-
-# While a consuming channel has no credit (its QoS's every message is taken and not yet
-# acknowledged), kombu stops polling that channel's BRPOP socket and waits on the others for
-# the whole drain timeout. A worker with an event loop (prefork, threads, solo) checks credit
-# again at the loop's next tick. Celery's loop without one (``synloop``: the gevent and eventlet
-# pools) drains with a 2-second timeout, and an acknowledgement made meanwhile by a task's
-# greenlet returns credit but wakes nobody: the worker sits out the rest of the 2 seconds with
-# free slots. With acks_late and a prefetch of one per slot (create_app's settings) credit runs
-# out whenever every slot is busy, so a loaded gevent worker stalled again and again (6 tiny
-# tasks a second here, plain Celery 10 to 54). kombu's poller cannot be woken from another
-# greenlet or thread, so the wait is bounded instead: re-checked every 5 ms, only while a
-# channel lacks credit (every slot busy). Measured: about 0.08 ms of CPU a check, under 2% of a
-# core while every slot is busy, against a free slot left idle for up to 2 seconds.
-CREDIT_RECHECK_SECONDS = 0.005
-
-
-def poll_timeout(channels: Iterable[Any], timeout: float | None) -> float | None:
-    """How long a drain may wait on the sockets: ``timeout``, or at most
-    :data:`CREDIT_RECHECK_SECONDS` while a channel that consumes has no credit."""
-    if any(channel.active_queues and not channel.qos.can_consume() for channel in channels):
-        return CREDIT_RECHECK_SECONDS if timeout is None else min(timeout, CREDIT_RECHECK_SECONDS)
-    return timeout
-
-
-# kombu sweeps for messages left unacknowledged past the visibility timeout on every tenth call
-# of ``maybe_restore_messages``, which its poller makes at each wait that ends with no reply at
-# all: while credit is out, once per 2-second drain. The rechecks above end such a wait every
-# 5 ms, so those calls are spaced by time here, as often as the drains came.
-# (An event loop calls it from its own timer, ``unacked_restore_interval``: left as it is.)
-RESTORE_CALL_SECONDS = 2.0
-
-
-class MultiChannelPoller(kombu_redis.MultiChannelPoller):
-    """kombu's poller, whose wait is bounded while credit is out (see :func:`poll_timeout`).
-    Only a drain without an event loop comes here; an event loop polls through its hub."""
-
-    _restore_called_at = float("-inf")
-
-    def get(self, callback: Any, timeout: float | None = None) -> Any:
-        return super().get(callback, poll_timeout(self._channels, timeout))
-
-    def maybe_restore_messages(self) -> Any:
-        if self._in_protected_read:  # from a drain's wait (``get``), not an event loop's timer
-            now = time.monotonic()
-            if now - self._restore_called_at < RESTORE_CALL_SECONDS:
-                return None
-            self._restore_called_at = now
-        return super().maybe_restore_messages()
 
 
 def _tenant_of(message: Any) -> str | None:

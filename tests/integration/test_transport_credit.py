@@ -12,7 +12,7 @@ import pytest
 from kombu.entity import Queue
 from kombu.messaging import Consumer, Producer
 
-from celery_ledger.transport import MultiChannelPoller
+from celery_ledger.poller import MultiChannelPoller
 
 from .conftest import producer_app
 

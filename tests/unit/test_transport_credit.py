@@ -1,4 +1,4 @@
-"""How long a drain without an event loop may wait on its sockets (``transport.poll_timeout``),
+"""How long a drain without an event loop may wait on its sockets (``poller.poll_timeout``),
 and how often its poller sweeps for unacknowledged messages while it rechecks credit."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from celery_ledger.transport import (
+from celery_ledger.poller import (
     CREDIT_RECHECK_SECONDS,
     RESTORE_CALL_SECONDS,
     MultiChannelPoller,
