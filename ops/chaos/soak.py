@@ -195,6 +195,7 @@ class Soak:
         self.broker: ServerProcess
         # celery-ledger's broker when the profile says ``sentinel`` (plain Celery keeps its own)
         self.group: SentinelGroup | None = None
+        self.publish_refusals = 0  # publishes refused (a failover under way), tried again
         self.ledger: ServerProcess
         self.world_server: ServerProcess
         self.broker_proxy: Proxy
@@ -340,7 +341,21 @@ class Soak:
                 else:
                     task = tasks[job.ledger_task]
                     by_call = {"tenant": job.tenant} if job.tenant and job.tenant_by_call else {}
-                    task.apply_async((job.key, job.kind, job.param), tier=job.tier, **by_call)
+                    # Refused while a failover is under way: tried again, as a producer would
+                    # (the job's key makes a second try harmless)
+                    deadline = time.monotonic() + WORKFLOW_START_PATIENCE_SECONDS
+                    while True:
+                        try:
+                            task.apply_async(
+                                (job.key, job.kind, job.param), tier=job.tier, **by_call
+                            )
+                            break
+                        except Exception as exc:
+                            self.publish_refusals += 1
+                            if time.monotonic() > deadline:
+                                self.log(f"job {job.key} not published: {exc!r}")
+                                break
+                            time.sleep(0.2)
                 self.published_at.setdefault(job.key, time.time())
 
             out["ledger"] = ledger_publish
@@ -1268,6 +1283,7 @@ class Soak:
                 faults_ended = time.monotonic()
                 self.log(
                     f"faults over after {faults_ended - self.started:.1f}s: {dict(self.faults)}"
+                    f"; publishes refused and tried again: {self.publish_refusals}"
                 )
                 drained = self.drain(faults_ended)
             finally:
