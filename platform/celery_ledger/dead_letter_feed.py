@@ -17,11 +17,12 @@ from typing import Any
 
 from .ledger.core import FOREVER
 
-# After a failover, copies made since the last look may be lost: their deaths may be this much
-# older (a copy that was pending while the broker was away is made later than its death).
-COPY_LOOKBACK = timedelta(minutes=10)
-# Queue items read per round trip.
-PAGE = 500
+# After a failover, copies made since the last look may be lost: their deaths may be a little
+# older (a copy made by the housekeeping, its first publish failed, is made up to its grace and
+# a tick later). Longer ago, every death in between would be read to find them, in the sweep.
+COPY_LOOKBACK = timedelta(minutes=1)
+# Queue items, and dead records, read per round trip.
+PAGE = 100
 
 
 def copy_of(item: bytes | str) -> tuple[str, float] | None:

@@ -200,7 +200,7 @@ class DeadLetters:
         oldest = self.ledger_now() - timedelta(seconds=runtime.settings.dead_retention_seconds)
         read_since = oldest if since is None else max(oldest, since - feed.COPY_LOOKBACK)
         due = feed.lost(
-            self.each(since=read_since),
+            self.each(since=read_since, page_size=feed.PAGE),
             present=feed.held(runtime.redis, queue, cap),
             since=since,
             cap=cap,

@@ -449,7 +449,15 @@ def outlasted_by_its_ledger(token: str, ledger_pid_file: str, times: int) -> int
     done = len(marker.read_text().splitlines())
     if done <= times:
         time.sleep(1.0)  # the claim's write is on disk before the server dies
-        os.kill(int(Path(ledger_pid_file).read_text()), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                os.kill(int(Path(ledger_pid_file).read_text()), signal.SIGKILL)
+                break
+            except ProcessLookupError:  # restarted, its new pid not written yet: in a moment
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
     return done
 
 
