@@ -60,10 +60,18 @@ class Proxy:
         target_port: int,
         loop: asyncio.AbstractEventLoop,
         tls: ssl.SSLContext | None = None,
+        plain_too: bool = False,
     ) -> None:
         self.name = name
         self.target_port = target_port
         self.tls = tls  # clients connect with TLS, which the proxy terminates
+        # ...or in plain text, told apart by their first byte (a TLS handshake's is 0x16): a
+        # Redis server's replicas and sentinels reach it where its clients do (the address it
+        # announces), and valkey built without TLS speaks it to neither
+        self.plain_too = plain_too
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Future[None] | None = None
+        self._sniffing: set[asyncio.Future[None]] = set()  # (held: the loop keeps weak ones)
         self.listen_port = 0
         self.counts: Counter[str] = Counter()
         self._loop = loop
@@ -114,10 +122,76 @@ class Proxy:
         return aborted
 
     async def start(self) -> None:
+        if self.tls is not None and self.plain_too:
+            listener = self._listener = socket.socket()
+            listener.bind((LOOPBACK, 0))
+            listener.listen(64)
+            listener.setblocking(False)
+            self.listen_port = listener.getsockname()[1]
+            self._accepting = asyncio.ensure_future(self._accept(listener))
+            return
         self._server = await asyncio.start_server(self._handle, LOOPBACK, 0, ssl=self.tls)
         self.listen_port = self._server.sockets[0].getsockname()[1]
 
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError:  # (out of descriptors, or the listener closed): accept again
+                if listener.fileno() < 0:
+                    return
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.ensure_future(self._sniff(sock))
+            self._sniffing.add(task)
+            task.add_done_callback(self._sniffing.discard)
+
+    async def _sniff(self, sock: socket.socket) -> None:
+        """Serve a connection in TLS or in plain text, as its first byte says."""
+        loop = asyncio.get_running_loop()
+        readable: asyncio.Future[None] = loop.create_future()
+
+        def ready() -> None:
+            if not readable.done():
+                readable.set_result(None)
+
+        loop.add_reader(sock.fileno(), ready)
+        try:
+            await readable
+        except asyncio.CancelledError:  # (the proxy stopped first)
+            loop.remove_reader(sock.fileno())
+            sock.close()
+            raise
+        loop.remove_reader(sock.fileno())
+        try:
+            first = sock.recv(1, socket.MSG_PEEK)
+        except OSError:
+            first = b""
+        if not first:
+            sock.close()
+            return
+        tls = first == b"\x16"
+        self.counts["tls" if tls else "plain"] += 1
+        reader = asyncio.StreamReader(limit=CHUNK, loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+        try:
+            transport, _ = await loop.connect_accepted_socket(
+                lambda: protocol, sock, ssl=self.tls if tls else None
+            )
+        except (OSError, ssl.SSLError):
+            self.counts["handshakes failed"] += 1
+            sock.close()
+            return
+        await self._handle(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
+
     async def stop(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+        for task in list(self._sniffing):  # (their sockets close as they end)
+            task.cancel()
+        if self._listener is not None:
+            self._listener.close()
         if self._server is not None:
             self._server.close()
         self._reset()
@@ -181,10 +255,17 @@ class ProxyLoop:
     ) -> None:
         self.close()
 
-    def add(self, name: str, *, target_port: int, tls: ssl.SSLContext | None = None) -> Proxy:
+    def add(
+        self,
+        name: str,
+        *,
+        target_port: int,
+        tls: ssl.SSLContext | None = None,
+        plain_too: bool = False,
+    ) -> Proxy:
         """A proxy to ``target_port``; with ``tls``, one that terminates TLS for a server
-        built without it."""
-        proxy = Proxy(name, target_port, self.loop, tls)
+        built without it (``plain_too``: and passes plain text connections on as they are)."""
+        proxy = Proxy(name, target_port, self.loop, tls, plain_too)
         asyncio.run_coroutine_threadsafe(proxy.start(), self.loop).result(10)
         self.proxies.append(proxy)
         return proxy

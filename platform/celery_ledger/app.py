@@ -404,15 +404,13 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
     def missing_keys(self) -> list[str]:
         """What sensitive tasks and workflows need that the settings lack (a worker refuses)."""
         sensitive = [t for t in self.tasks.values() if getattr(t, "sensitive", False)]
-        sensitive_flows = [w.definition for w in self.workflows.values() if w.definition.sensitive]
+        flows = [w.definition for w in self.workflows.values() if w.definition.sensitive]
         problems = []
-        if (sensitive or sensitive_flows) and not self.sealer.enabled:
-            names = ", ".join(
-                sorted([t.name for t in sensitive] + [d.name for d in sensitive_flows])
-            )
+        if (sensitive or flows) and not self.sealer.enabled:
+            names = ", ".join(sorted([t.name for t in sensitive] + [d.name for d in flows]))
             problems.append(f"sensitive {names} need LEDGER_ENCRYPTION_KEYS (Fernet keys)")
         derived = [t.name for t in sensitive if t.key_spec() is None]
-        derived += [d.name for d in sensitive_flows if d.key_spec is None]
+        derived += [d.name for d in flows if d.key_spec is None]
         if derived and self.settings.key_secret is None:
             problems += [KEY_SECRET_NEEDED.format(task=name) for name in sorted(derived)]
         return problems
@@ -654,7 +652,8 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
                 routing_key=queue,
                 serializer="json",
                 declare=[Queue(queue)],
-                retry=True,
+                retry=True,  # (as a task's publish: once more; kombu's own default is for ever)
+                retry_policy=transport.PUBLISH_RETRY_POLICY,
                 headers=headers,
             )
 
@@ -881,6 +880,7 @@ def _create_app(
         worker_cancel_long_running_tasks_on_connection_loss=False,
         broker_transport=transport.path_for(settings.broker_url),  # (through Sentinel or not)
         worker_consumer="celery_ledger.worker:LedgerConsumer",
+        worker_pool="celery_ledger.prefork:TaskPool",  # (prefork: a process killed at start)
         broker_transport_options={
             "visibility_timeout": settings.visibility_timeout_seconds,
             "unacked_mutex_expire": _UNACKED_MUTEX_EXPIRE_SECONDS,
@@ -889,7 +889,7 @@ def _create_app(
             "ledger_restore_visible": settings.restore_unacked,
             "ledger_fair_depth": settings.fair_queue_depth,
             "ledger_fair_lease": settings.lease_seconds,
-            **transport.sentinel_options(settings),  # (master_name, sentinel_kwargs)
+            **transport.broker_options(settings),  # (timeouts; master_name, sentinel_kwargs)
         },
         broker_connection_retry_on_startup=True,
         # Reconnect for as long as the broker is away (Celery's default, 100 attempts, ended
@@ -902,9 +902,9 @@ def _create_app(
         task_default_queue=tiers.queue(settings.default_tier),
         task_queues=[Queue(queue) for queue in (*tiers.queues, tiers.queue(DEAD_LETTER))],
         task_create_missing_queues=True,
-        enable_utc=True,
-        timezone="UTC",
-    )
+        task_publish_retry_policy=transport.PUBLISH_RETRY_POLICY,
+        enable_utc=True, timezone="UTC",
+    )  # fmt: skip
     if app.conf.beat_scheduler == CELERY_BEAT_SCHEDULER:  # (another one chosen: it stays)
         app.conf.beat_scheduler = LEDGER_BEAT_SCHEDULER
     # What the guarantees need of the configuration above, checked at a worker's start and a

@@ -25,9 +25,9 @@ from .locks import ForkSafeLock, keep_inherited
 from .sentinel import (
     RedisTarget,
     SentinelSettings,
+    connection_options,
     fresh_client,
     redis_client,
-    sentinel_transport_options,
 )
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def _configured() -> Pressure:
 
 def _target_from_environment(url: str) -> RedisTarget:
     """``LEDGER_BROKER_URL`` with, for a list of sentinels, the ``LEDGER_SENTINEL_*`` options."""
-    return RedisTarget(url, sentinel_transport_options(SentinelSettings(broker_url=url)))
+    return RedisTarget(url, connection_options(SentinelSettings(broker_url=url)))
 
 
 def report_latency(ms: float) -> None:

@@ -47,7 +47,7 @@ from .policies.tenants import TenantGate, TenantRates
 from .policies.throttle import Throttle, ThrottleRule
 from .pressure import Pressure
 from .routing import DEAD_LETTER, Tiers
-from .sentinel import RedisTarget, redis_client, sentinel_transport_options
+from .sentinel import RedisTarget, connection_options, redis_client
 from .signing import Signer
 from .unrecorded import Unrecorded
 from .wakes import PendingWakes
@@ -143,9 +143,7 @@ class Runtime:
         self.observers = observers or Observers()
         # The broker's transport options (master_name, sentinel_kwargs: create_app's reads the
         # app's configuration), read at the first use of a Redis client
-        self._transport_options = transport_options or (
-            lambda: sentinel_transport_options(settings)
-        )
+        self._transport_options = transport_options or (lambda: connection_options(settings))
         ledger.open_text = self.sealer.open
         ledger.clock.on_reading = self._clock_read
         ledger.clock.warn_offset_seconds = settings.clock_warn_seconds
@@ -175,7 +173,16 @@ class Runtime:
     def redis(self) -> redis.Redis:
         """A client of the broker's Redis (its primary, through Sentinel), for the platform's
         shared state."""
-        return redis_client(self.broker_target, socket_timeout=5, socket_connect_timeout=5)
+        timeout = self.settings.broker_timeout_seconds
+        return redis_client(
+            self.broker_target,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            # A lost connection is tried once more at once (a pooled one the server closed is
+            # replaced, a failover's old primary asked again through the sentinels); a timeout
+            # is not: against a broker that hangs, each try waits LEDGER_BROKER_TIMEOUT_SECONDS
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+        )
 
     @cached_property
     def broker_clock(self) -> ServerClock:
@@ -205,6 +212,8 @@ class Runtime:
             retention_seconds=min(
                 settings.result_retention_seconds, settings.dead_retention_seconds
             ),
+            signer=self.signer,
+            unverified_seconds=settings.unrunnable_window_seconds,  # (a deploy's length)
         )
 
     @cached_property

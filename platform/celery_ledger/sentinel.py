@@ -68,6 +68,16 @@ class SentinelSettings(BaseSettings):
         description="The sentinels speak TLS (verified with the URL's ssl_ca_certs, if any);"
         " the data nodes' TLS is the URL's ssl_* options.",
     )
+    broker_timeout_seconds: float = Field(
+        5.0,
+        gt=0,
+        le=300,
+        description="How long a connection to the broker (or a sentinel), and each command on"
+        " it, may wait for an answer before it fails: a broker that hangs without closing its"
+        " connections (stopped, overloaded, cut off by the network) fails a publish within a"
+        " few times this instead of holding it for ever. A worker's own connections wait six"
+        " times this, then reconnect.",
+    )
 
     @field_validator("sentinel_password")
     @classmethod
@@ -167,17 +177,31 @@ def check_sentinel_url(url: str, check_password: Callable[[str | None], None]) -
     return url
 
 
-def sentinel_transport_options(
-    settings: SentinelSettings,
-) -> dict[str, Any]:
-    """The broker transport options ``create_app`` sets from the ``LEDGER_SENTINEL_*``
-    settings (none for a URL that lists no sentinels)."""
+# A worker's own broker connections wait this many times LEDGER_BROKER_TIMEOUT_SECONDS: a stall
+# of the broker longer than a producer waits (a fork for a snapshot, a slow disk) must not cut a
+# take between its pop and its booking, which kombu makes two round trips.
+WORKER_TIMEOUT_FACTOR = 6
+
+
+def for_workers(options: Mapping[str, Any], settings: SentinelSettings) -> dict[str, Any]:
+    """A worker's broker transport options: ``options`` with its longer socket timeout."""
+    return {**options, "socket_timeout": settings.broker_timeout_seconds * WORKER_TIMEOUT_FACTOR}
+
+
+def connection_options(settings: SentinelSettings) -> dict[str, Any]:
+    """The broker transport options ``create_app`` sets from these settings: every URL's
+    socket timeouts and keepalive, and through Sentinel, the primary's name and the sentinels'
+    own options (``sentinel_kwargs``: their timeouts too)."""
+    timeout = settings.broker_timeout_seconds
+    sockets = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    options: dict[str, Any] = {**sockets, "socket_keepalive": True}
     if not is_sentinel_url(settings.broker_url):
-        return {}
-    options: dict[str, Any] = {}
+        return options
     if settings.sentinel_master:
         options["master_name"] = settings.sentinel_master
-    kwargs: dict[str, Any] = {}
+    # (and no retries: redis-py's default tries a sentinel that hangs ten more times, each
+    # waiting out the timeout, before it asks the next one)
+    kwargs: dict[str, Any] = {**sockets, "retry": None}
     if settings.sentinel_username:
         kwargs["username"] = settings.sentinel_username
     if settings.sentinel_password is not None:
@@ -185,8 +209,7 @@ def sentinel_transport_options(
     if settings.sentinel_tls:
         kwargs["ssl"] = True
         kwargs.update(parse_sentinel_url(str(settings.broker_url)).tls)
-    if kwargs:
-        options["sentinel_kwargs"] = kwargs
+    options["sentinel_kwargs"] = kwargs
     return options
 
 
@@ -218,12 +241,12 @@ class RedisTarget:
         if not self.sentinel:
             return redis.Redis.from_url(self.url, **kwargs)
         parsed = parse_sentinel_url(self.url)
-        sentinel_kwargs = {
-            name: value
+        sentinel_kwargs = dict(self.options.get("sentinel_kwargs") or {})
+        sentinel_kwargs.update(  # (a caller's own timeouts win over the settings')
+            (name, value)
             for name, value in kwargs.items()
             if name in ("socket_timeout", "socket_connect_timeout", "retry")
-        }
-        sentinel_kwargs.update(self.options.get("sentinel_kwargs") or {})
+        )
         manager = Sentinel(
             list(parsed.sentinels),
             min_other_sentinels=int(self.options.get("min_other_sentinels") or 0),

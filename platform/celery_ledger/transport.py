@@ -49,7 +49,7 @@ from .errors import ConfigurationError
 from .fairness import SCRIPT as FAIR_SCRIPT
 from .fairness import TENANT_PROPERTY, FairDispatch, check_tenant, put_arguments
 from .poller import MultiChannelPoller
-from .sentinel import SentinelSettings, is_sentinel_url, sentinel_transport_options
+from .sentinel import SentinelSettings, connection_options, is_sentinel_url
 from .settings import BROKER_URL_UNSET, UNSET_BROKER_HOST
 
 logger = logging.getLogger("celery_ledger.transport")
@@ -544,15 +544,27 @@ def unacked_keys(namespace: str) -> dict[str, str]:
     }
 
 
+# A publish that fails on a connection error is tried once more, on a new connection (a pooled
+# one the broker closed, a failover's new primary), not three times (Celery's default): against
+# a broker that hangs, each try waits out LEDGER_BROKER_TIMEOUT_SECONDS, and a web request
+# publishing must fail within a few of those.
+PUBLISH_RETRY_POLICY = {
+    "max_retries": 1,
+    "interval_start": 0,
+    "interval_step": 0.2,
+    "interval_max": 0.2,
+}
+
+
 def path_for(broker_url: str | None) -> str:
     """The transport ``create_app`` sets for ``broker_url`` (Celery's ``broker_transport``)."""
     name = "SentinelTransport" if is_sentinel_url(broker_url) else "Transport"
     return f"{__name__}:{name}"
 
 
-def sentinel_options(settings: SentinelSettings) -> dict[str, Any]:
-    """The transport options of the ``LEDGER_SENTINEL_*`` settings (see sentinel.py)."""
-    return sentinel_transport_options(settings)
+def broker_options(settings: SentinelSettings) -> dict[str, Any]:
+    """The transport options of the broker's connection settings (see sentinel.py)."""
+    return connection_options(settings)
 
 
 def broker_address(connection: Any) -> str | None:

@@ -33,6 +33,7 @@ from .handoff import LOOK_EVERY_SECONDS, Handoff, Parked, inbox_of
 from .headers import PARKED, UNRUNNABLE_SINCE
 from .policies.unrunnable import unrunnable_delay
 from .progress import serve_shutdown_flag
+from .sentinel import for_workers
 from .tenancy import worker_feeder
 from .transport import broker_address
 from .triggers import TriggerRunner, watchers_for
@@ -151,19 +152,16 @@ class ThrottleSwitch:
         should = throttle.should_throttle()
         if should == self.engaged:
             return
-        control = self._app.control
+        control, reason = self._app.control, throttle.reason()
+        to_this = {"destination": [self._hostname], "reply": True, "timeout": 2.0}
         if should:
-            control.cancel_consumer(
-                self._queue, destination=[self._hostname], reply=True, timeout=2.0
-            )
-            logger.warning(
-                "throttling %s on %s: %s", self._queue, self._hostname, throttle.reason()
-            )
+            control.cancel_consumer(self._queue, **to_this)
+            logger.warning("throttling %s on %s: %s", self._queue, self._hostname, reason)
         else:
-            control.add_consumer(self._queue, destination=[self._hostname], reply=True, timeout=2.0)
+            control.add_consumer(self._queue, **to_this)
             logger.warning("resuming %s on %s", self._queue, self._hostname)
         self.engaged = should
-        self._app.runtime.observers.throttle(self._queue, should, throttle.reason())
+        self._app.runtime.observers.throttle(self._queue, should, reason)
 
 
 class Paced:
@@ -219,6 +217,8 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             if missing:
                 raise ConfigurationError("; ".join(missing))
             app.check_configuration()  # (checked: its pool processes inherit the answer)
+        # Its broker connections wait longer than a producer's (see sentinel.for_workers)
+        app.conf.broker_transport_options = for_workers(app.conf.broker_transport_options, settings)
         flag = serve_shutdown_flag()
         flag.unlink(missing_ok=True)
         # On warm shutdown, tell running bodies (in the pool processes) to checkpoint and yield.

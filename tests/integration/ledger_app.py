@@ -33,6 +33,36 @@ def _dump_stacks_on_request(**_: Any) -> None:
         faulthandler.register(DUMP_STACKS, file=sys.__stderr__, all_threads=True)
 
 
+# A pool process of a worker started with this set to a path kills itself (SIGKILL) as it
+# starts, once (the path marks it done): a pool process killed as the worker starts (the OOM
+# killer, an operator) must not end the worker
+KILL_FIRST_POOL_PROCESS = "TEST_KILL_FIRST_POOL_PROCESS"
+
+
+@signals.worker_process_init.connect
+def _killed_as_it_starts(**_: Any) -> None:
+    mark = os.environ.get(KILL_FIRST_POOL_PROCESS)
+    if mark and not os.path.exists(mark):
+        Path(mark).write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@signals.worker_ready.connect
+def _once_it_is_dead(**_: Any) -> None:
+    """(In the main process, before its first loop checks its pool: the killed process is dead
+    by then whatever the machine's load, so that the check meets it.)"""
+    mark = os.environ.get(KILL_FIRST_POOL_PROCESS)
+    if not mark:
+        return
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            status = Path(f"/proc/{int(Path(mark).read_text())}/status")
+            if not status.exists() or "State:\tZ" in status.read_text():
+                return  # (dead: reaped, or a zombie the check reaps)
+        time.sleep(0.05)
+
+
 class FlakyError(ConnectionError):
     """Fails the first attempts of ``flaky``."""
 
@@ -302,6 +332,14 @@ def two_steps(self: Any, token: str, pause: float) -> dict[str, Any]:
     time.sleep(pause)
     receipt = self.step("receipt").run(lambda: record_effect("receipt", token) or "sent")
     return {"charge": charged.result, "receipt": receipt}
+
+
+@app.task(idempotency_key="{token}")
+def spanned(token: str, seconds: float) -> None:
+    """Sleep, then record when the body started and ended (bodies at once)."""
+    started = time.time()
+    time.sleep(seconds)
+    record_effect("span", token, started=started, ended=time.time())
 
 
 @app.task(idempotency_key="{token}")

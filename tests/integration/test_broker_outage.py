@@ -22,6 +22,7 @@ from .conftest import UNACKED, broker_client, producer_app, start_healing_worker
 from .helpers import effect_count, shared_task, wait_for
 
 OUTAGE_SECONDS = 10.0
+BROKER_TIMEOUT = 1.0  # (LEDGER_BROKER_TIMEOUT_SECONDS of the producers here)
 # The workers' reconciler also sends again a queued job whose message is gone after this.
 STALE = {"LEDGER_RECONCILE_STALE_AFTER_SECONDS": "5"}
 
@@ -81,22 +82,30 @@ def test_a_broker_away_at_a_jobs_acknowledgement_loses_nothing(
     producer.close()
 
 
+@pytest.mark.parametrize("how", ["stopped", "paused"])
 def test_a_deduplicated_publish_while_the_broker_is_down_is_told_and_runs_once(
-    own: EmbeddedStack,
+    own: EmbeddedStack, how: str
 ) -> None:
-    worker = start_healing_worker(own, "publish", concurrency=1, env=STALE)
-    producer = producer_app(own, "publish_down", dedupe_on_publish=True)
+    worker = start_healing_worker(own, f"publish-{how}", concurrency=1, env=STALE)
+    producer = producer_app(
+        own, f"publish_{how}", dedupe_on_publish=True, broker_timeout_seconds=BROKER_TIMEOUT
+    )
     task = shared_task(producer, "tests.integration.ledger_app.record")
+    task.apply_async((f"pub-warm-{random.randint(0, 10**9)}",))  # (its connections made)
     token = f"pub-{random.randint(0, 10**9)}"
-    # When a producer publishes with the broker down: the caller is told
-    down(own, "stopped")
+    # When a producer publishes with the broker down (stopped: its connections refused; or
+    # paused: it takes them and never answers): the caller is told, within a few broker
+    # timeouts, not held for as long as the broker hangs
+    down(own, how)
     try:
+        began = time.monotonic()
         with pytest.raises(OperationalError):
             task.apply_async((token,))
+        assert time.monotonic() - began < 8 * BROKER_TIMEOUT, "the publish hung"
         # ...and the job's record waits for the broker, marked unpublished
         assert producer.ledger.get(task.name, token).state is State.QUEUED
     finally:
-        up(own, "stopped")
+        up(own, how)
     # Then once the broker is back the workers' reconciler publishes it: it runs once
     wait_for(
         lambda: producer.ledger.get(task.name, token).state is State.SUCCEEDED,

@@ -136,7 +136,12 @@ def _ctrl_c(
         process.wait(timeout)
     except subprocess.TimeoutExpired:
         said = output.read_text(errors="replace")
-        raise AssertionError(f"still running {timeout} s after Ctrl-C:\n{said}") from None
+        masks = "".join(  # (ignored or blocked signals: inherited from whoever started it)
+            line
+            for line in Path(f"/proc/{process.pid}/status").read_text().splitlines(True)
+            if line.startswith(("SigBlk", "SigIgn", "SigCgt"))
+        )
+        raise AssertionError(f"still running {timeout} s after Ctrl-C:\n{said}\n{masks}") from None
     said = output.read_text(errors="replace")
     assert process.returncode == exit_code, said
     assert "Traceback" not in said, said

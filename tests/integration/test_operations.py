@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -28,7 +29,7 @@ from celery_ledger.embedded.flower import start_flower
 from celery_ledger.embedded.servers import LOOPBACK, free_port
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 
-from .conftest import APP_MODULE
+from .conftest import APP_MODULE, TEST_ENV
 from .helpers import wait_for
 
 OPS_QUEUE = "ops"
@@ -329,3 +330,44 @@ def test_ledger_show_finds_a_keyless_job_by_its_id_and_by_a_short_task_name(app:
     # Then that is its record; and its short task name with its key finds the same one
     assert by_id["task"] == ledger_app.add.name and by_id["result_json"] == str(x + 1)
     assert show("add", by_id["key"])["id"] == by_id["id"]
+
+
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_ctrl_c_stops_the_embedded_stack_whatever_it_inherited(
+    tmp_path: Path, inherited: str
+) -> None:
+    """``ledger stack`` says "Ctrl-C stops every process": also when it was started where
+    SIGINT is ignored (a script's background job, a test runner's process), where Python
+    installs no KeyboardInterrupt."""
+
+    def start() -> None:
+        if inherited == "ignored":
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    output = tmp_path / "stack.out"
+    command = [sys.executable, "-m", "celery", "-A", APP_MODULE, "ledger"]
+    command += ["stack", "--data-dir", str(tmp_path / "dev"), "--no-workers", "--no-flower"]
+    command += ["--no-console"]
+    with output.open("wb") as out:
+        stack = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=start,
+            cwd=Path(__file__).parents[2],
+            env={**os.environ, **TEST_ENV},
+        )
+    try:
+        wait_for(
+            lambda: "Ctrl-C stops" in output.read_text() or stack.poll() is not None,
+            timeout=60,
+            what="the stack up",
+        )
+        assert stack.poll() is None, output.read_text()
+        stack.send_signal(signal.SIGINT)
+        assert stack.wait(30) == 0, output.read_text()
+        assert "stopping..." in output.read_text()
+    finally:
+        if stack.poll() is None:
+            stack.kill()
+            stack.wait()

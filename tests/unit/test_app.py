@@ -84,7 +84,13 @@ def test_conf_is_json_only_and_acks_late(app: LedgerCelery) -> None:
         # fair dispatch of tenants' jobs (a tier queue fed from their lanes): off until set
         "ledger_fair_depth": 0,
         "ledger_fair_lease": 60.0,
+        # a broker that hangs fails each call after LEDGER_BROKER_TIMEOUT_SECONDS
+        "socket_timeout": 5.0,
+        "socket_connect_timeout": 5.0,
+        "socket_keepalive": True,
     }
+    # a publish is tried once more on a new connection, not three times more
+    assert conf.task_publish_retry_policy["max_retries"] == 1
     assert conf.enable_utc is True
     # a worker reconnects to a broker away for however long (Celery's 100 attempts, then exit)
     assert conf.broker_connection_max_retries is None

@@ -11,7 +11,13 @@ from redis.sentinel import SentinelConnectionPool, SentinelManagedSSLConnection
 
 from celery_ledger import ConfigurationError, Settings, create_app
 from celery_ledger.conf_check import conf_problems
-from celery_ledger.sentinel import RedisTarget, fresh_client, parse_sentinel_url, redis_client
+from celery_ledger.sentinel import (
+    RedisTarget,
+    for_workers,
+    fresh_client,
+    parse_sentinel_url,
+    redis_client,
+)
 from celery_ledger.transport import Connection, SentinelChannel, SentinelTransport, Transport
 
 URL = (
@@ -24,6 +30,30 @@ def test_the_first_entry_holds_the_data_nodes_user_password_database_and_tls() -
     assert parsed.sentinels == (("s1", 26379), ("s2", 26379))
     assert (parsed.username, parsed.password, parsed.db) == ("ledger", "p@ss", 2)
     assert parsed.tls == {"ssl_ca_certs": "/ca.pem", "ssl_cert_reqs": ssl.CERT_REQUIRED}
+
+
+def test_every_broker_connection_waits_at_most_the_broker_timeout() -> None:
+    # Given a broker timeout, a plain URL and a Sentinel one
+    for url in ("redis://localhost:6379/0", URL):
+        settings = Settings(broker_url=url, sentinel_master="ledger", broker_timeout_seconds=2.5)
+        app = create_app("timeouts", settings=settings, set_as_current=False)
+        # Then kombu's connections (a publish, a worker's take) time out after it
+        options = app.conf.broker_transport_options
+        assert (options["socket_timeout"], options["socket_connect_timeout"]) == (2.5, 2.5)
+        assert options["socket_keepalive"] is True
+        # (a worker's own wait six times longer: a stall must not cut a take in two)
+        assert for_workers(options, settings)["socket_timeout"] == 15.0
+        # and so do the platform's own clients (a publish's checks), and their sentinels
+        pool = app.runtime.redis.connection_pool
+        assert pool.connection_kwargs["socket_timeout"] == 2.5
+        if isinstance(pool, SentinelConnectionPool):
+            sentinel = pool.sentinel_manager.sentinels[0].connection_pool.connection_kwargs
+            assert sentinel["socket_timeout"] == 2.5
+            # (a client of a shorter wait of its own, the health check's, keeps it there too)
+            short = RedisTarget(URL, options).client(socket_timeout=0.5)
+            manager = short.connection_pool.sentinel_manager  # type: ignore[attr-defined]
+            kwargs = manager.sentinels[0].connection_pool.connection_kwargs
+            assert kwargs["socket_timeout"] == 0.5
 
 
 def test_the_settings_fill_kombus_transport_options() -> None:
@@ -42,6 +72,9 @@ def test_the_settings_fill_kombus_transport_options() -> None:
     assert app.conf.broker_transport == "celery_ledger.transport:SentinelTransport"
     assert options["master_name"] == "ledger"
     assert options["sentinel_kwargs"] == {
+        "socket_timeout": 5.0,  # (LEDGER_BROKER_TIMEOUT_SECONDS: a sentinel that hangs fails)
+        "socket_connect_timeout": 5.0,
+        "retry": None,  # (asked once each: redis-py's default asks one that hangs ten more times)
         "username": "watcher",
         "password": "a-sentinel-password",
         "ssl": True,

@@ -209,6 +209,12 @@ def stack(
         web_console = all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn", "jinja2"))
         if not web_console:
             skipped.append(("the console", "console"))
+    # Ctrl-C and SIGTERM stop it (while it starts too: what started is stopped), whatever this
+    # process inherited: a stack started as a script's background job (or by a test runner)
+    # finds SIGINT ignored, and Python then installs no KeyboardInterrupt for it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     with running_stack(
         app_path,
         data_dir,
@@ -249,16 +255,14 @@ def stack(
                 soft_wrap=True,
             )
         console.print("Ctrl-C stops every process listed above.")
-        stop = {"now": False}
-        signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
         try:
-            while not stop["now"]:
+            while True:
                 time.sleep(0.5)
                 dead = [w.name for w in running.workers if not w.alive()]
                 if dead:
                     console.print(f"[red]worker(s) exited: {', '.join(dead)}[/]")
                     break
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # (a second one interrupts a stop that hangs)
             pass
         console.print("stopping...")
 

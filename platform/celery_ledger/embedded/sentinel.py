@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,13 +45,18 @@ class SentinelGroup:
     sentinel_password: str
     nodes: list[ServerProcess] = field(default_factory=list)
     sentinels: list[ServerProcess] = field(default_factory=list)
+    # Where clients reach a server, by its own port, when something stands in front of it
+    fronts: dict[int, int] = field(default_factory=dict)
+
+    def reached_at(self, server: ServerProcess) -> int:
+        return self.fronts.get(server.port, server.port)
 
     @property
     def url(self) -> str:
         """The broker URL: every sentinel, the data nodes' password on the first entry."""
         auth = f":{quote_plus(self.password)}@"
         return ";".join(
-            f"sentinel://{auth if index == 0 else ''}{LOOPBACK}:{server.port}/0"
+            f"sentinel://{auth if index == 0 else ''}{LOOPBACK}:{self.reached_at(server)}/0"
             for index, server in enumerate(self.sentinels)
         )
 
@@ -90,19 +96,20 @@ class SentinelGroup:
     def primary(self) -> ServerProcess:
         port = self.primary_port()
         for node in self.nodes:
-            if node.port == port:
+            if self.reached_at(node) == port:
                 return node
         raise ServerStartError(f"the sentinels name no primary of ours (port {port})")
 
     def wait_for_new_primary(self, old_port: int, timeout: float = 60.0) -> ServerProcess:
         """The node the sentinels promoted in place of ``old_port``, once it takes writes."""
         deadline = time.monotonic() + timeout
+        old_port = self.fronts.get(old_port, old_port)  # (the sentinels name the fronts)
         while time.monotonic() < deadline:
             port = self.primary_port()
             if port is not None and port != old_port:
-                node = next(n for n in self.nodes if n.port == port)
+                node = next(n for n in self.nodes if self.reached_at(n) == port)
                 client = redis.Redis(
-                    host=LOOPBACK, port=port, password=self.password, socket_timeout=1
+                    host=LOOPBACK, port=node.port, password=self.password, socket_timeout=1
                 )
                 try:
                     with client:
@@ -126,31 +133,56 @@ def start_sentinel_group(
     master_name: str = MASTER_NAME,
     down_after_ms: int = 1000,
     failover_timeout_ms: int = 5000,
+    front: Callable[[str, int], int] | None = None,
 ) -> SentinelGroup:
     """Start the group under ``base``: the primary, ``replicas`` replicas of it, then
-    ``sentinels`` sentinels (a quorum of a majority) watching it."""
+    ``sentinels`` sentinels (a quorum of a majority) watching it.
+
+    ``front(kind, port)`` (kind ``node`` or ``sentinel``), if given, puts something in front of
+    each server before it starts (a TLS proxy, for a valkey built without TLS) and returns the
+    port the others reach it at: the data nodes announce theirs (the sentinels and their
+    clients then know only those) and replicate through them, and :attr:`SentinelGroup.url`
+    lists the sentinels' ones."""
     private_dir(base)
     group = SentinelGroup(
         master_name=master_name,
         password=secrets.token_hex(16),
         sentinel_password=secrets.token_hex(16),
     )
+
+    def fronted(kind: str) -> tuple[int, int | None]:
+        port = free_port()
+        if front is None:
+            return port, None
+        group.fronts[port] = front(kind, port)
+        return port, group.fronts[port]
+
     try:
-        primary = start_valkey(base / "node-0", password=group.password)
+        port, announced = fronted("node")
+        primary = start_valkey(
+            base / "node-0", port=port, password=group.password, announce_port=announced
+        )
         group.nodes.append(primary)
         for index in range(1, replicas + 1):
+            port, announced = fronted("node")
             group.nodes.append(
                 start_valkey(
-                    base / f"node-{index}", password=group.password, replica_of=primary.port
+                    base / f"node-{index}",
+                    port=port,
+                    password=group.password,
+                    replica_of=group.reached_at(primary),
+                    announce_port=announced,
                 )
             )
         quorum = sentinels // 2 + 1
         for index in range(sentinels):
+            port, _ = fronted("sentinel")
             group.sentinels.append(
                 _start_sentinel(
                     base / f"sentinel-{index}",
                     group,
-                    primary.port,
+                    group.reached_at(primary),
+                    port=port,
                     quorum=quorum,
                     down_after_ms=down_after_ms,
                     failover_timeout_ms=failover_timeout_ms,
@@ -168,12 +200,12 @@ def _start_sentinel(
     group: SentinelGroup,
     primary_port: int,
     *,
+    port: int,
     quorum: int,
     down_after_ms: int,
     failover_timeout_ms: int,
 ) -> ServerProcess:
     private_dir(data_dir)
-    port = free_port()
     name = group.master_name
     config = data_dir / "sentinel.conf"  # (the sentinel rewrites it: its state)
     config.touch(mode=0o600)

@@ -131,13 +131,16 @@ def start_valkey(
     acl_file: Path | None = None,
     ready_timeout: float = 15.0,
     replica_of: int | None = None,
+    announce_port: int | None = None,
 ) -> ServerProcess:
     """valkey-server with AOF persistence (``appendfsync everysec``) in ``data_dir``.
 
     ``password``: the default user's password (``requirepass``). ``acl_file``: the server's
     users come from that file instead (``ops/redis/write-acl.sh`` writes one); the URL then
     names no user, and each client brings its own. ``replica_of``: the port of the primary it
-    replicates (on loopback; with ``password``, the primary's too: see embedded/sentinel.py)."""
+    replicates (on loopback; with ``password``, the primary's too: see embedded/sentinel.py).
+    ``announce_port``: the port it is reached at, as a replica tells its primary (and so the
+    sentinels, and their clients): a proxy in front of it."""
     if password and acl_file:
         raise ValueError("a password or an ACL file, not both")
     private_dir(data_dir)
@@ -161,6 +164,11 @@ def start_valkey(
         "--daemonize",
         "no",
         *(("--replicaof", LOOPBACK, str(replica_of)) if replica_of else ()),
+        *(
+            ("--replica-announce-ip", LOOPBACK, "--replica-announce-port", str(announce_port))
+            if announce_port
+            else ()
+        ),
     ]
     auth = ""
     if password or acl_file:

@@ -24,7 +24,7 @@ from celery import Celery
 from cryptography.fernet import Fernet
 
 from ..routing import TIERS, queue_name
-from ..sentinel import SentinelSettings, sentinel_transport_options
+from ..sentinel import SentinelSettings, connection_options
 from .console import ConsoleProcess, start_console
 from .flower import FlowerProcess, start_flower
 from .servers import (
@@ -202,11 +202,15 @@ class EmbeddedStack:
         assert self.broker is not None
         env = self.env
         probe = Celery(broker=env["LEDGER_BROKER_URL"], set_as_current=False)
-        probe.conf.broker_transport_options = sentinel_transport_options(  # (through Sentinel)
-            SentinelSettings(
-                broker_url=env["LEDGER_BROKER_URL"],
-                sentinel_master=env.get("LEDGER_SENTINEL_MASTER"),
-                sentinel_password=env.get("LEDGER_SENTINEL_PASSWORD"),
+        probe.conf.broker_transport_options = connection_options(  # (through Sentinel)
+            SentinelSettings.model_validate(  # (the environment's strings, as settings read)
+                {
+                    "broker_url": env["LEDGER_BROKER_URL"],
+                    "sentinel_master": env.get("LEDGER_SENTINEL_MASTER"),
+                    "sentinel_username": env.get("LEDGER_SENTINEL_USERNAME"),
+                    "sentinel_password": env.get("LEDGER_SENTINEL_PASSWORD"),
+                    "sentinel_tls": env.get("LEDGER_SENTINEL_TLS", "false"),
+                }
             )
         )
         try:
