@@ -95,9 +95,7 @@ class TenantsReport:
     capped_redelivered: int = 0  # of them, copies that reached the queue past the lane
     capped_most_at_once: int = 0
     capped_over_limit_seconds: float = 0.0
-    # stretches over the limit with at most as many bodies beyond it as redelivered ones running
-    capped_explained: list[str] = field(default_factory=list)
-    # more than that, begun during or soon after a fault that can hold a moved message
+    # stretches over the limit begun during or soon after a fault that may lose its entries
     capped_after_outage: list[str] = field(default_factory=list)
     capped_unexplained: list[str] = field(default_factory=list)  # the gate failed
     capped_unended: list[str] = field(default_factory=list)  # a span with no end and no kill
@@ -123,9 +121,8 @@ class TenantsReport:
             f"{system} tenant {self.capped!r} (concurrency {self.capped_limit}):"
             f" {self.capped_bodies} bodies run ({self.capped_redelivered} redelivered copies),"
             f" most at once {self.capped_most_at_once}, over the limit"
-            f" {self.capped_over_limit_seconds:.1f}s in all ({len(self.capped_explained)}"
-            f" stretches within the limit plus the redelivered copies running,"
-            f" {len(self.capped_after_outage)} more, after an outage,"
+            f" {self.capped_over_limit_seconds:.1f}s in all"
+            f" ({len(self.capped_after_outage)} stretches after an outage,"
             f" {len(self.capped_unexplained)} unexplained), most live slots seen"
             f" {self.most_capped_entries};"
             f" lanes left at the end: {len(self.lanes_left)}",
@@ -134,7 +131,6 @@ class TenantsReport:
         for line in (
             self.lanes_left[:5]
             + [f"over the limit, unexplained: {x}" for x in self.capped_unexplained[:8]]
-            + [f"over the limit, redelivered: {x}" for x in self.capped_explained[:4]]
             + [f"over the limit, after an outage: {x}" for x in self.capped_after_outage[:4]]
             + [f"no end and no kill: {x}" for x in self.capped_unended[:5]]
             + [w for t in self.tenants for w in t.wrong_tenant[:3]]

@@ -539,11 +539,11 @@ class Soak:
                 continue
             victim = self.rng.choice(alive)
             pids = [victim.pid, *victim.pool_pids()]
-            victim.kill()
-            self.kills.append(Kill(time.time(), system, "worker", pids))
-            self.faults[f"whole worker SIGKILL + restart ({system})"] += 1
-            with self.workers_lock:
+            with self.workers_lock:  # (retired first: the supervisor must not take it for a crash)
                 self.retired.add(victim.pid)
+                victim.kill()
+                self.kills.append(Kill(time.time(), system, "worker", pids))
+                self.faults[f"whole worker SIGKILL + restart ({system})"] += 1
                 self.start_worker(system)
 
     def fault_rolling_deploy(self, rest: bool = False) -> None:

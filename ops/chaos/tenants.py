@@ -2,43 +2,34 @@
 
 Most of the soak's jobs and workflows name a tenant (plan.py: a big one that floods, one of
 weight 3, one held to ``CAPPED_CONCURRENCY`` bodies at once on each tier across the fleet, a
-small one; the rest
-none). Besides the soak's own invariants (each job's body ran once, nothing lost, every workflow
-ended), these must hold:
+small one; the rest none). Besides the soak's own invariants (each job's body ran once, nothing
+lost, every workflow ended), these must hold:
 
 - every tenant's jobs ended as designed, and each record keeps its planned tenant (through
   retries, deferrals, the outbox relay and the reconciler's copies);
 - the tenants' lanes are empty at the end of the drain, and no tenant left in the ring or its
   set of tenants with work (a lane its tenant left would never be fed again);
-- the capped tenant never had more bodies running at once on a tier than its limit, plus the
-  bodies that reached the tier queue past its lane (see :func:`over_limit`).
+- the capped tenant never had more bodies running at once on a tier than its limit, but after
+  a fault that may lose its slots (see :func:`over_limit`).
 
 What the design guarantees for a concurrency limit (fairness.py, docs/guide/tenants.md: a limit
 holds on each tier): a tenant's message moves from its lane to the tier queue only while fewer
 than ``concurrency`` unexpired entries of that tenant and tier exist; the move adds the message
-copy's entry (its delivery tag, lapsing a lease later, on the broker's clock),
-the body's heartbeat keeps it a lease ahead (every third of a lease), the end of the delivery
-(``task_postrun``) removes it. A SIGKILLed body's entry stays until it lapses, within a lease:
-after a kill the tenant runs *fewer* bodies for up to a lease, never more, as long as every body
-came through the lane. A copy that kombu puts back into the tier queue itself (a pool process's
-delivery rejected when the process died, a dead worker's unacknowledged messages restored after
-the visibility timeout, a stopping worker's prefetched messages handed back, a requeue) skips the
-lane and its gate: if its entry lapsed meanwhile (the copy waited longer than a lease: a whole
-worker's after the 30 s visibility timeout always) and the freed slot went to another message,
-the copy's body renews an entry the tenant no longer had room for, and it runs over the limit
-until one of them ends. Each body records whether its delivery was such a copy (redelivered).
+copy's entry (its delivery tag, lapsing a lease later, on the broker's clock), the body's start
+holds it again (``admit``), its heartbeat keeps it a lease ahead (every third of a lease), the
+end of the delivery (``task_postrun``) removes it. A SIGKILLed body's entry stays until it
+lapses, within a lease: after a kill the tenant runs *fewer* bodies for up to a lease, never
+more. A copy whose entry lapsed before its body started (held in a busy queue or by a worker,
+or put back into the tier queue by kombu itself past the lane: a pool process's delivery
+rejected when the process died, a dead worker's unacknowledged messages restored after the
+visibility timeout) starts only if its tenant has a free slot then, and is put off otherwise.
 
-A copy that came through its lane can do the same in one case: its entry, moved a lease before
-(the transport's lease, 8 s in the soak), lapsed before its body started, because the copy was
-held that long between its move and its start: through a broker or ledger outage, a partition,
-or a slow network (otherwise at most three messages wait ahead of a moved one, and a worker's
-prefetch is its process count). The soak cannot see a move; it notes when such faults
-(``HOLDING_FAULTS``) ran.
-
-So at every instant the capped tenant's bodies at once on a tier are at most its limit, plus the
-redelivered copies running then; a stretch with more bodies than that is accepted only if it
-began during such a fault or within two leases after its end (a copy held through it starts
-after reconnecting), and reported apart. Any other stretch over the limit fails the soak.
+Entries are lost with the broker's data (a kill or a wipe without it, a failover to a replica
+that missed the last writes), and a start admitted while the broker does not answer is not
+counted: the tenant may then run past its limit until those bodies end. So at every instant the
+capped tenant's bodies at once on a tier are at most its limit, and a stretch with more is
+accepted only if it began during such a fault (``HOLDING_FAULTS``) or within two leases after
+its end, and reported apart. Any other stretch over the limit fails the soak.
 """
 
 from __future__ import annotations
@@ -57,12 +48,14 @@ from celery_ledger.ledger.record import tenant_of_document
 from .plan import CAPPED, CAPPED_CONCURRENCY, NO_TENANT, TENANT_POLICIES, tenant_of
 from .report import Kill, TenantReport, TenantsReport
 
-# The faults that can hold a moved message longer than a lease before its body starts (see the
-# module docstring); pool kills (a process restarted in a second; its own delivery comes back as
-# a redelivered copy), worker kills and deploys (their copies come back redelivered) cannot.
+# The faults after which the capped tenant may run past its limit (see the module docstring):
+# those that lose the broker's data or keep it from answering. After pool kills, worker kills
+# and deploys, their copies come back redelivered and wait for a slot where their bodies start.
 HOLDING_FAULTS = (
     "broker kill",
     "broker wipe",
+    "broker failover",
+    "broker stop",
     "ledger kill",
     "partition",
     "proxy reset",
@@ -257,7 +250,6 @@ def account_tenants(
         report.capped_most_at_once = max(report.capped_most_at_once, most)
         stretches += [(tier, stretch) for stretch in excess]
     for tier, stretch in stretches:
-        allowed = CAPPED_CONCURRENCY + stretch.redelivered
         line = (
             f"{len(stretch.running)} capped bodies at once on {tier} for"
             f" {stretch.ended - stretch.started:.2f}s ({stretch.redelivered} redelivered):"
@@ -270,9 +262,7 @@ def account_tenants(
         )
         report.capped_over_limit_seconds += stretch.ended - stretch.started
         held = any(b <= stretch.started <= e + 2 * lease_seconds for b, e in holding)
-        if len(stretch.running) <= allowed:
-            report.capped_explained.append(line)
-        elif held:
+        if held:
             report.capped_after_outage.append(line)
         else:
             report.capped_unexplained.append(line)

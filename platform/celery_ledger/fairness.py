@@ -29,8 +29,12 @@ Concurrency limits count a tenant's jobs on each tier from their move to the que
 end, in a sorted set per tenant and queue scored by when each entry lapses (the broker's clock),
 one entry per message (its delivery tag): moved, an entry lives a lease; running, the body's
 heartbeats keep it a lease ahead; ended, the worker removes it. A worker that dies frees its
-tenant's slots within a lease; a job that waits longer than a lease in the queue before it
-starts lets its slot lapse until its first heartbeat (the tenant may run past its limit then).
+tenant's slots within a lease. The limit is held again where a body starts (``admit``): a
+delivery whose entry lapsed while it waited (in a busy queue, in a worker's hands, through an
+outage) and went to another message, or that skipped its lane (a copy kombu put back itself),
+starts only if a slot is free, and is put off otherwise. Entries lost (a failover to a replica
+that missed the last writes) or not written (a start while the broker does not answer) let the
+tenant run past its limit until those bodies end.
 
 What the lanes hold is read by :meth:`FairDispatch.shares`: each tenant's jobs waiting and
 running, the ``top`` tenants by waiting each on a row of its own and the rest summed as
@@ -367,6 +371,33 @@ redis.call('ZADD', ARGV[1] .. ':fair:running:' .. ARGV[3], now + tonumber(ARGV[2
 return 1
 """
 
+# ARGV[1] queue, ARGV[2] lease (s), ARGV[3] tenant, ARGV[4] job id: whether a delivery of a
+# tenant's job may start its body (1) or must wait (0), holding its entry at least a lease ahead
+# if so. It starts while fewer than the limit of the tenant's other entries live: its own entry,
+# even lapsed, is its slot (every move drops lapsed entries before it counts, so none took it),
+# and the others are counted, not trusted (a running body's renewal after a ledger outage may
+# bring back an entry whose slot went to another meanwhile). The limit is read as the refill
+# reads it; none, and every delivery may start.
+ADMIT_SCRIPT = r"""
+local p = ARGV[1] .. ':fair:'
+local running, policy = p .. 'running:' .. ARGV[3], p .. 'policy'
+local rule = redis.call('HGET', policy, ARGV[3]) or redis.call('HGET', policy, '*') or ''
+local _, l = string.match(rule, '^(%d+),(%d+)$')
+local limit = tonumber(l) or 0
+if limit <= 0 then return 1 end
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+local mine = tonumber(redis.call('ZSCORE', running, ARGV[4]))
+if mine then redis.call('ZREM', running, ARGV[4]) end
+redis.call('ZREMRANGEBYSCORE', running, '-inf', now)
+if redis.call('ZCARD', running) >= limit then
+  if mine then redis.call('ZADD', running, mine, ARGV[4]) end
+  return 0
+end
+redis.call('ZADD', running, math.max(mine or 0, now + tonumber(ARGV[2])), ARGV[4])
+return 1
+"""
+
 _STEPS = ",".join(str(step) for step in PRIORITY_STEPS)
 # Run by its digest (EVALSHA): a take's refill sends some 80 bytes, not the script's 3 KB. A
 # broker that does not know it (restarted, failed over) says NOSCRIPT, and it is sent whole once.
@@ -429,6 +460,12 @@ class FairDispatch:
     def release(self, queue: str, tenant: str, job_id: str) -> int:
         """A job of ``tenant`` ended: free its concurrency slot, then refill."""
         return self._run(_args("release", queue, self.depth, self.lease_seconds, tenant, job_id))
+
+    def admit(self, queue: str, tenant: str, job_id: str, lease_seconds: float) -> bool:
+        """Whether a delivery of ``tenant``'s job may start its body now, under the tenant's
+        concurrency limit (its slot is its own entry, or a free one), holding the entry
+        ``lease_seconds`` ahead if so (see :data:`ADMIT_SCRIPT`)."""
+        return bool(self.client.eval(ADMIT_SCRIPT, 0, queue, lease_seconds, tenant, job_id))
 
     def renew(self, queue: str, tenant: str, job_id: str, lease_seconds: float) -> bool:
         """Keep a running job's concurrency entry ``lease_seconds`` ahead."""

@@ -64,7 +64,7 @@ from .policies.deadline import deadline
 from .policies.fallback import Call, Cause, Fallback, cause_of
 from .policies.rate_limit import first_wait
 from .policies.retry import RetryPolicy, classify, decide
-from .policies.tenants import TenantSlot, slot_keeper
+from .policies.tenants import TenantSlot, leave_slot, slot_admitted, slot_keeper
 from .policies.unrunnable import unrunnable_delay
 from .progress import Execution, Heartbeat
 from .runtime import Runtime
@@ -274,6 +274,10 @@ class Guard:
             # Claimed to serve the fallback instead of waiting (the dependency is not called).
             instead, breaker, admission = ("circuit-open", admission.retry_at), None, None
         slot, runtime = delivery.tenant_slot, self.runtime
+        if slot and not slot_admitted(runtime, slot, policy.lease_seconds):  # (before tokens)
+            reason = f"tenant at its concurrency limit ({slot.tenant})"
+            wait = self.settings.busy_recheck_seconds * random.uniform(0.5, 1.0)
+            return self._defer(delivery, body, wait, reason)
         wait, bucket = first_wait(  # the tenant's shared bucket, then the task's
             runtime.tenant_rates.bucket(slot.tenant) if slot else None,
             runtime.rate_limits[policy.rate_bucket] if policy.rate_bucket else None,
@@ -317,6 +321,7 @@ class Guard:
             return Verdict.ack("delivery of a dead job")
         if claim.outcome is ClaimOutcome.BUSY:
             assert claim.retry_at is not None
+            leave_slot(slot)  # (the running delivery's, if it is a copy of this message)
             # Back when the lease ends, or sooner to see whether the holder finished (then this
             # delivery is a suppressed duplicate); a holder that died is taken over at lease end.
             wait = max((claim.retry_at - self.ledger.now()).total_seconds(), 0.0)

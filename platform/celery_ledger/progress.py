@@ -118,8 +118,11 @@ class Heartbeat:
         except LeaseLost:
             self.lost = True
             raise
-        if self._also is not None:  # after the lease (it must never wait behind this)
-            self._also()
+        finally:
+            # After the lease (it must never wait behind this), and whether or not the ledger
+            # answered: the body runs on through a ledger outage, and keeps its tenant's slot
+            if self._also is not None and not self.lost:
+                self._also()
 
     def tick(self, now: float) -> None:
         """Called by the ticker at least every second: watch for shutdown, beat when due."""

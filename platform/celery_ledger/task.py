@@ -442,6 +442,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         delivery = self._delivery(args, kwargs)
         request.ledger_key = delivery.identity.key  # LedgerTask.job_key
         request.ledger_run_tier = delivery.tier  # a retry republishes to it (LedgerTask.retry)
+        request.ledger_tenant_slot = delivery.tenant_slot  # (its end, task_postrun, reads it)
         policy, body = self.policy(delivery.tier), _Body(self, delivery)
         unbound = self.binding_problem(args, kwargs)
         verdict = self.app.guard.run(delivery, policy, body, unbound=unbound)
@@ -455,9 +456,8 @@ class LedgerTask(Task):  # type: ignore[misc]
         workflow_id = request_header(self.request, headers.WORKFLOW)
         if not isinstance(workflow_id, str) or not 0 < len(workflow_id) <= 200:
             return
-        if verdict.kind == "requeue" or isinstance(verdict.value, Retry):
-            return
-        if verdict.kind == "ack" and verdict.reason.startswith(("deferred", "lease lost")):
+        deferred = verdict.kind == "ack" and verdict.reason.startswith(("deferred", "lease lost"))
+        if deferred or verdict.kind == "requeue" or isinstance(verdict.value, Retry):
             return
         tier = request_header(self.request, headers.WORKFLOW_TIER)
         if not (isinstance(tier, str) and tier in self.app.tiers.names):

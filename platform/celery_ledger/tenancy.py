@@ -132,12 +132,15 @@ class Feeder:
         return FEED_EVERY_SECONDS
 
     def released(self, sender: Any = None, **_: Any) -> None:
-        slot = tenant_slot_of(getattr(sender, "request", None))
+        request: Any = getattr(sender, "request", None)
+        # A ledger task's delivery keeps its slot on its request (the guard notes there whether
+        # it started without it); any other task's is read from its message
+        if "ledger_tenant_slot" in getattr(request, "__dict__", {}):
+            slot = request.ledger_tenant_slot
+        else:
+            slot = tenant_slot_of(request)
         if slot is not None:  # (a pool process's own client: made again after the fork)
-            fair = self._runtime.fair
-            release_slot(
-                fair, self._policies, queue=slot.queue, tenant=slot.tenant, job_id=slot.tag
-            )
+            release_slot(self._runtime.fair, self._policies, slot)
 
 
 def worker_feeder(app: Any, queues: Callable[[], Iterable[str]]) -> list[Callable[[], float]]:

@@ -20,7 +20,7 @@ import redis
 from celery_ledger import Backpressure, State
 from celery_ledger.broker import RedisBroker
 from celery_ledger.embedded.stack import EmbeddedStack
-from celery_ledger.fairness import FairDispatch, TenantPolicy, queue_list
+from celery_ledger.fairness import FairDispatch, TenantPolicy, queue_list, running_key
 from tasks.effects import effects
 
 from .conftest import producer_app, start_healing_worker
@@ -104,6 +104,45 @@ def test_a_slot_lapses_when_its_worker_is_gone(client: redis.Redis) -> None:
         fair.put(queue, "t", 0, envelope(f"t-{n}", "t"))
     assert client.llen(queue) == 1
     wait_for(lambda: fair.refill(queue) == 1, timeout=5, what="the lapsed slot freed")
+
+
+def test_a_start_holds_the_limit_whatever_slot_lapsed(client: redis.Redis) -> None:
+    """``admit`` (where a body starts): its own entry, even lapsed, is its slot until a refill
+    gives it to another message; without one, only a free slot lets it start; and an entry
+    brought back by a late renewal is counted, not trusted."""
+    fair, queue = fed(client, depth=10, lease_seconds=60)
+    fair.write_policies([queue], {"capped": TenantPolicy(concurrency=1)})
+    running = running_key(queue, "capped")
+
+    def lapse(job_id: str) -> None:  # (as a lease passing would, without waiting for it)
+        client.zadd(running, {job_id: 1.0})
+
+    for n in range(2):
+        fair.put(queue, "capped", 0, envelope(f"capped-{n}", "capped"))
+    assert client.llen(queue) == 1  # capped-0 moved, capped-1 held back
+    assert fair.admit(queue, "capped", "capped-0", 60)
+    lapse("capped-0")  # and no refill came since: still its slot
+    assert fair.admit(queue, "capped", "capped-0", 60)
+    lapse("capped-0")
+    assert fair.refill(queue) == 1  # lapsed: capped-1 is moved in its place
+    # Then capped-0, started late, waits; capped-1 starts; once it ended, capped-0 may
+    assert not fair.admit(queue, "capped", "capped-0", 60)
+    assert fair.admit(queue, "capped", "capped-1", 60)
+    assert not fair.admit(queue, "capped", "capped-0", 60)
+    fair.release(queue, "capped", "capped-1")
+    assert fair.admit(queue, "capped", "capped-0", 60)
+    assert fair.running(queue) == {"capped": 1}
+    # And a running body's entry renewed after it lapsed and its slot went to another (a ledger
+    # outage held its heartbeat back) is counted: the other, moved, does not start beside it
+    fair.put(queue, "capped", 0, envelope("capped-2", "capped"))  # (held back: at the limit)
+    lapse("capped-0")
+    assert fair.refill(queue) == 1  # capped-2 moved in capped-0's place
+    fair.renew(queue, "capped", "capped-0", 60)
+    assert not fair.admit(queue, "capped", "capped-2", 60)
+    fair.release(queue, "capped", "capped-0")
+    assert fair.admit(queue, "capped", "capped-2", 60)
+    # and a tenant without a limit (nor a "*" one) always starts
+    assert fair.admit(queue, "free", "free-0", 60) and fair.admit(queue, "free", "free-1", 60)
 
 
 def test_priorities_hold_inside_a_tenant(client: redis.Redis) -> None:
@@ -413,4 +452,64 @@ def test_a_tenants_rate_holds_across_the_fleet_and_others_run_unhindered(
     assert max(at[t] for t in fast) < starts[-1]
     assert [t for t in slow + fast if effect_count("record", t) != 1] == []
     assert all(worker.alive() for worker in workers)
+    producer.close()
+
+
+def test_a_limit_holds_where_bodies_start_when_slots_lapse_in_a_busy_queue(
+    own: EmbeddedStack,
+) -> None:
+    # Given a tenant limited to one body at once, its slots lapsing after 4 s (the lease), and
+    # its jobs published behind 8 s of untenanted work of a higher priority for a worker of
+    # two processes: its moved job waits past its lease, so its slot lapses and the next of
+    # its jobs is moved in its place once the queue is short again; both reach the worker
+    limits = {"capped": {"concurrency": 1}}
+    producer = producer_app(
+        own,
+        f"tenants_{uuid.uuid4().hex[:6]}",
+        fair_queue_depth=2,
+        lease_seconds=4,
+        tenants=limits,
+    )
+    fair, queue = producer.runtime.fair, producer.runtime.tiers.queue("default")
+    fair.write_policies([queue], producer.settings.tenants)  # (what a worker does at its start)
+    fair.feed(queue)
+    spanned = shared_task(producer, "tests.integration.ledger_app.spanned")
+    busy = shared_task(producer, RECORD)
+    run = uuid.uuid4().hex[:8]
+    capped = [f"{run}-capped-{n}" for n in range(4)]
+    others = [f"{run}-other-{n}" for n in range(16)]
+    for token in capped:
+        spanned.apply_async((token, 1.0), tenant="capped", priority=9)
+    for token in others:
+        busy.apply_async((token,), {"sleep_seconds": 1.0}, priority=0)
+    assert fair.waiting(queue) == {"capped": 3}  # one moved, three in the lane
+    env = {
+        **FAIR,
+        "LEDGER_LEASE_SECONDS": "4",
+        "LEDGER_BUSY_RECHECK_SECONDS": "1",
+        "LEDGER_TENANTS": json.dumps(limits),
+    }
+    worker = start_healing_worker(own, "tenants", concurrency=2, env=env)
+    # When they all run
+    wait_for(
+        lambda: (
+            all(effect_count("span", t) >= 1 for t in capped)
+            and all(effect_count("record", t) >= 1 for t in others)
+        ),
+        timeout=120,
+        interval=0.5,
+        what="every job ran",
+    )
+    # Then the tenant never had two bodies at once (the second to start waited its turn)
+    spans = sorted(
+        (e["started"], e["ended"], e["key"])
+        for e in effects().find({"kind": "span", "key": {"$in": capped}})
+    )
+    overlaps = [(a[2], b[2]) for a in spans for b in spans if a[0] < b[0] < a[1] - 0.05]
+    assert overlaps == [], f"capped bodies at once: {overlaps}"
+    # and the case arose (a start found its tenant at its limit), and each job ran once
+    assert "at its concurrency limit (capped)" in worker.log_path.read_text(errors="replace")
+    assert [t for t in capped if effect_count("span", t) != 1] == []
+    assert [t for t in others if effect_count("record", t) != 1] == []
+    assert worker.alive()
     producer.close()

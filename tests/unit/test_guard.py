@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import redis
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from celery_ledger import Settings
@@ -35,6 +36,7 @@ from celery_ledger.identity import Identity, derive_task_id
 from celery_ledger.ledger.record import State
 from celery_ledger.policies.fallback import Fallback, Placeholder
 from celery_ledger.policies.retry import RetryPolicy
+from celery_ledger.policies.tenants import TenantSlot, release_slot
 from celery_ledger.routing import TIERS, Tiers
 from tests.fakes import Clock, MemoryLedger, MemoryRedis, Outbox, server_clocks
 
@@ -232,6 +234,97 @@ def test_a_live_lease_puts_the_delivery_off_until_it_ends(h: Harness) -> None:
     assert 0 < delay <= h.settings.busy_recheck_seconds + 1  # re-check within the recheck time
     assert message_headers["ledger_deferrals"] == 1
     assert h.recorder.names() == ["deferred"]
+
+
+class Lanes:
+    """Fair dispatch's side of a tenant's slot: what ``admit`` answers, what ends free."""
+
+    def __init__(self, admits: bool | Exception) -> None:
+        self.admits = admits
+        self.asked: list[tuple[str, str, str, float]] = []
+        self.released: list[str] = []
+
+    def admit(self, queue: str, tenant: str, job_id: str, lease_seconds: float) -> bool:
+        self.asked.append((queue, tenant, job_id, lease_seconds))
+        if isinstance(self.admits, Exception):
+            raise self.admits
+        return self.admits
+
+    def release(self, queue: str, tenant: str, job_id: str) -> int:
+        self.released.append(job_id)
+        return 0
+
+
+def acme_slot() -> TenantSlot:
+    """A delivery's slot of tenant ``acme`` (one per delivery: it notes what that one did)."""
+    return TenantSlot("acme", "app.default", "tag-1")
+
+
+def capped(admits: bool | Exception) -> tuple[Harness, Lanes]:
+    """A harness whose tenant ``acme`` may run one body at once; its lanes answer ``admits``."""
+    h = Harness(tenants={"acme": {"concurrency": 1}})
+    lanes = Lanes(admits)
+    h.runtime.fair = lanes
+    h.runtime.tenant_rates = SimpleNamespace(bucket=lambda tenant: None)
+    return h, lanes
+
+
+def ended(h: Harness, lanes: Lanes, slot: TenantSlot) -> list[str]:
+    """What the delivery's end (Celery's task_postrun) freed."""
+    release_slot(lanes, h.settings.tenants, slot)  # type: ignore[arg-type]
+    return lanes.released
+
+
+def test_a_tenant_at_its_limit_where_a_body_starts_puts_it_off_unclaimed() -> None:
+    h, lanes = capped(False)
+    slot = acme_slot()
+    verdict, body = h.run(delivery=h.delivery(tenant_slot=slot))
+
+    assert verdict.kind == "ack" and body.runs == 0 and RECORD not in h.ledger.docs
+    [(delay, _)] = body.deferred
+    assert 0.5 * h.settings.busy_recheck_seconds <= delay <= h.settings.busy_recheck_seconds
+    [(_, (_, reason, _))] = [e for e in h.recorder.events if e[0] == "deferred"]
+    assert reason == "tenant at its concurrency limit (acme)"
+    assert lanes.asked == [("app.default", "acme", "tag-1", 60.0)]  # (the task's lease)
+    # and its end frees nothing (it held no slot); a later delivery of the tag's does
+    assert ended(h, lanes, slot) == [] and ended(h, lanes, acme_slot()) == ["tag-1"]
+
+
+def test_a_tenants_admitted_body_runs_and_frees_its_slot_at_its_end() -> None:
+    h, lanes = capped(True)
+    slot = acme_slot()
+    _, body = h.run(delivery=h.delivery(tenant_slot=slot))
+
+    assert body.runs == 1 and h.record["state"] == State.SUCCEEDED
+    assert ended(h, lanes, slot) == ["tag-1"]
+
+
+def test_a_delivery_whose_job_another_delivery_runs_leaves_that_ones_slot() -> None:
+    # (a copy of the message that came back while its body runs: the same delivery tag)
+    h, lanes = capped(True)
+    h.ledger.claim(RECORD, task=TASK, key=KEY, tier="critical", owner="other:9")
+    running, copy = acme_slot(), acme_slot()
+    _, body = h.run(delivery=h.delivery(tenant_slot=copy))
+
+    assert body.runs == 0 and len(body.deferred) == 1
+    # The running delivery of the same tag, in the same process (a threads pool), ending
+    # first frees its own; the copy's end, later, frees nothing
+    assert ended(h, lanes, running) == ["tag-1"]
+    assert ended(h, lanes, copy) == ["tag-1"]
+
+
+def test_a_broker_that_does_not_answer_does_not_hold_a_tenants_body_back() -> None:
+    h, lanes = capped(redis.ConnectionError("refused"))
+    _, body = h.run(delivery=h.delivery(tenant_slot=acme_slot()))
+
+    assert body.runs == 1 and lanes.asked
+
+
+def test_a_tenant_without_a_limit_is_not_asked_about() -> None:
+    h, lanes = capped(False)
+    _, body = h.run(delivery=h.delivery(tenant_slot=TenantSlot("free", "app.default", "t")))
+
+    assert body.runs == 1 and lanes.asked == []
 
 
 @pytest.mark.parametrize(

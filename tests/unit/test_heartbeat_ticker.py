@@ -7,6 +7,9 @@ import threading
 import time
 from typing import Any, cast
 
+import pytest
+
+from celery_ledger.errors import LeaseLost, LedgerUnavailable
 from celery_ledger.ledger.store import Ledger
 from celery_ledger.progress import _TICKER, Heartbeat
 
@@ -77,3 +80,40 @@ def test_a_stopped_heartbeat_extends_nothing_more_and_the_others_go_on() -> None
     finally:
         first.stop()
         second.stop()
+
+
+class _Ledger:
+    """A ledger whose heartbeat raises ``error`` (None: answers)."""
+
+    def __init__(self, error: Exception | None) -> None:
+        self.error = error
+
+    def heartbeat(self, record_id: str, fence: int, lease_seconds: float | None = None) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "kept"),
+    [
+        (None, True),
+        (LedgerUnavailable("down"), True),  # the body runs on through an outage: so does its slot
+        (LeaseLost("r", 1), False),  # a newer claim runs the job: the slot is not this one's
+    ],
+)
+def test_a_beat_keeps_the_tenants_slot_unless_the_lease_was_lost(
+    error: Exception | None, kept: bool
+) -> None:
+    slot: list[str] = []
+    heartbeat = Heartbeat(
+        cast(Ledger, cast(Any, _Ledger(error))),
+        "r",
+        1,
+        lease_seconds=30,
+        interval_seconds=10,
+        also=lambda: slot.append("kept"),
+    )
+    heartbeat.tick(time.monotonic() + 11)  # (due: the ticker's call; errors logged, not raised)
+    assert slot == (["kept"] if kept else [])
+    heartbeat.tick(time.monotonic() + 22)
+    assert len(slot) == (2 if kept else 0)

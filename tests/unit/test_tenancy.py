@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kombu.transport import redis as kombu_redis
 
-from celery_ledger import Settings, headers
+from celery_ledger import Settings, create_app, headers
 from celery_ledger.errors import Backpressure, ConfigurationError, PayloadError
 from celery_ledger.fairness import (
     OTHER_TENANTS,
@@ -21,9 +21,10 @@ from celery_ledger.fairness import (
     check_tenant,
     top_shares,
 )
+from celery_ledger.guard import Verdict
 from celery_ledger.policies.rate_limit import first_wait
-from celery_ledger.policies.tenants import TenantGate, TenantRates, policy_of
-from celery_ledger.tenancy import tenant_of_call, tenant_slot_of
+from celery_ledger.policies.tenants import TenantGate, TenantRates, leave_slot, policy_of
+from celery_ledger.tenancy import Feeder, tenant_of_call, tenant_slot_of
 
 
 def run(customer: str, amount: int = 0) -> None: ...
@@ -259,6 +260,57 @@ def test_a_deliverys_unusable_tenant_is_ignored_not_fatal() -> None:
     )
     for bad in ("*", "", "x" * 129, "a\nb", 5):
         assert tenant_slot_of(request(bad)) is None  # (run as no tenant's; its retry publishes)
+
+
+def test_a_deliverys_end_frees_its_slot_unless_that_delivery_started_without_it() -> None:
+    app = create_app(
+        "unit",
+        settings=Settings(
+            broker_url="redis://127.0.0.1:1/0",
+            mongo_uri="mongodb://127.0.0.1:1/",
+            tenants={"acme": {"concurrency": 1}},
+        ),
+        set_as_current=False,
+    )
+
+    @app.task(shared=False, name="unit.job")  # type: ignore[untyped-decorator]
+    def job(x: int) -> None:
+        pass
+
+    freed: list[tuple[str, str, str]] = []
+    fair = SimpleNamespace(release=lambda *slot: freed.append(slot))
+    runtime = SimpleNamespace(settings=app.settings, tiers=app.tiers, fair=fair)
+    feeder = Feeder(runtime, queues=lambda: [])
+
+    class Guard:  # (the guard's part: a delivery refused, or a copy of a running one)
+        without_slot = False
+
+        def run(self, delivery: Any, *_: Any, **__: Any) -> Verdict:
+            if self.without_slot:
+                leave_slot(delivery.tenant_slot)
+            return Verdict("return", 1)
+
+    guard = app.__dict__["guard"] = Guard()  # (a cached property: the instance's own)
+
+    def delivered(*, started_without_its_slot: bool) -> None:
+        guard.without_slot = started_without_its_slot
+        job.push_request(
+            id="m-1",
+            retries=0,
+            called_directly=False,
+            properties={"ledger_tenant": "acme", "delivery_tag": "tag-1"},
+            delivery_info={"routing_key": "unit.default"},
+        )
+        try:
+            assert job(1) == 1  # a pool's call of the task (LedgerTask.__call__)
+            feeder.released(sender=job)  # Celery's task_postrun, the request still pushed
+        finally:
+            job.pop_request()
+
+    delivered(started_without_its_slot=True)
+    assert freed == []
+    delivered(started_without_its_slot=False)
+    assert freed == [("unit.default", "acme", "tag-1")]
 
 
 class Bucket:

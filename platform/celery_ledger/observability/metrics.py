@@ -264,6 +264,7 @@ DEFERRAL_REASONS = frozenset(
         "ledger unavailable (in the body)",
         "ledger lost a commit",
         "rate limited",
+        "tenant at its concurrency limit",
         "arguments do not bind",
     }
 )

@@ -8,7 +8,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -125,14 +125,19 @@ class TenantRates:
         return bucket
 
 
-@dataclass(frozen=True)
+@dataclass
 class TenantSlot:
     """Whose job a delivery is, from the queue it was taken from, and its message's delivery
-    tag: the slot its tenant's concurrency limit counts (fairness.py)."""
+    tag: the slot its tenant's concurrency limit counts (fairness.py). One per delivery: its
+    request carries it from the guard to Celery's ``task_postrun`` (:func:`release_slot`)."""
 
     tenant: str
     queue: str | None
     tag: str | None
+    # This delivery started without the slot (see :func:`leave_slot`). Kept on the delivery,
+    # not in the process: two deliveries of one tag in one process (a copy of the message
+    # under a threads pool) each end by what they did.
+    left: bool = field(default=False, compare=False)
 
 
 def slot_keeper(runtime: Any, delivery: Any, lease_seconds: float) -> Callable[[], None] | None:
@@ -159,16 +164,45 @@ def slot_keeper(runtime: Any, delivery: Any, lease_seconds: float) -> Callable[[
     return keep
 
 
+def leave_slot(slot: TenantSlot | None) -> None:
+    """This delivery starts without its slot: refused at its start, or its claim found its job
+    run by another delivery (a copy of the same message: the same tag). Its end then leaves the
+    entry of its tag as it is (the running delivery's, or one that lapses within a lease)."""
+    if slot is not None:
+        slot.left = True
+
+
+def slot_admitted(runtime: Any, slot: TenantSlot | None, lease_seconds: float) -> bool:
+    """Whether a delivery (its ``slot``) may start its body under its tenant's concurrency
+    limit, holding the slot ``lease_seconds`` ahead (its body's first heartbeat renews it) if
+    so: its own entry (moved from its lane), or a free one. False: its tenant is at its limit
+    (the entry lapsed while it waited and went to another message, or it came back to the queue
+    past its lane), and it waits. True without a limit or a slot, and when the broker does not
+    answer (a deferral's publish would fail as well: the limit may be passed meanwhile)."""
+    fair = runtime.fair
+    if fair is None or slot is None or not slot.queue or not slot.tag:
+        return True
+    if policy_of(runtime.settings.tenants, slot.tenant).concurrency is None:
+        return True
+    try:
+        admitted = bool(fair.admit(slot.queue, slot.tenant, slot.tag, lease_seconds))
+    except redis.RedisError as exc:
+        logger.warning("could not hold %s's slot of tenant %s: %s", slot.tag, slot.tenant, exc)
+        return True
+    if not admitted:
+        leave_slot(slot)
+    return admitted
+
+
 def release_slot(
-    fair: FairDispatch | None,
-    policies: Mapping[str, TenantPolicy],
-    *,
-    queue: str | None,
-    tenant: Any,
-    job_id: str | None,
+    fair: FairDispatch | None, policies: Mapping[str, TenantPolicy], slot: TenantSlot | None
 ) -> None:
     """A delivery of a tenant's job ended: free its concurrency slot (if its tenant has a
-    limit) and feed the queue. A failure leaves the slot to lapse within a lease."""
+    limit) and feed the queue, unless it started without one (:func:`leave_slot`). A failure
+    leaves the slot to lapse within a lease."""
+    if slot is None or slot.left:
+        return
+    queue, tenant, job_id = slot.queue, slot.tenant, slot.tag
     if fair is None or not queue or not isinstance(tenant, str) or not job_id:
         return
     if policy_of(policies, tenant).concurrency is None:
