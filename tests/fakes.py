@@ -839,7 +839,12 @@ class MemoryLedger:
         marked = 0
         for record_id in record_ids:
             doc = self.docs.get(record_id)
-            if doc is not None and doc.get("state") == State.DEAD and not doc.get("purged_at"):
+            if (
+                doc is not None
+                and doc.get("state") == State.DEAD
+                and not doc.get("purged_at")
+                and doc.get("claimable_at") == FOREVER  # (one due or being made: left)
+            ):
                 doc["claimable_at"] = self.now() + COPY_DUE_SHIFT
                 marked += 1
         return marked

@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Protocol, cast
 
 import redis
@@ -43,6 +44,36 @@ def queue_lists(queue: str) -> list[str]:
 
 
 # Move one unacked message back to the front of its queue, atomically.
+_DELETE_IF_UNCHANGED = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+# Owe the copies since ARGV[1] (unix seconds, or 'all'), widening what is owed already, under a
+# new token (ARGV[2]): in one step, as the sweep lock may pass to another worker while a slow
+# sweep still runs, and a payment of the older note must not clear this one. A value this
+# script did not write owes everything. KEYS[2] holds the note for ARGV[3] ms (0: not held, an
+# earlier hold dropped: see RedisBroker.owe_copies).
+_OWE = """
+if tonumber(ARGV[3]) > 0 then
+  redis.call('SET', KEYS[2], '1', 'PX', ARGV[3])
+else
+  redis.call('DEL', KEYS[2])
+end
+local since = ARGV[1]
+local found = redis.call('GET', KEYS[1])
+if found then
+  local before = string.match(found, '^([^|]*)|')
+  local a, b = tonumber(before), tonumber(since)
+  local odd = a == nil or a ~= a or a == math.huge or a == -math.huge
+  if before == nil or before == 'all' or since == 'all' or odd or b == nil then
+    since = 'all'
+  elseif a < b then
+    since = before
+  end
+end
+redis.call('SET', KEYS[1], since .. '|' .. ARGV[2])
+return since
+"""
 _RESTORE = """
 local payload = redis.call('HGET', KEYS[1], ARGV[1])
 if not payload then return 0 end
@@ -141,6 +172,22 @@ def data_lost(before: Continuity | None, now: Continuity) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class CopiesOwed:
+    """Dead letters' queue copies a broker's data loss took, still to be made again: those of
+    the deaths since ``since`` (every one within retention: None). ``token`` is how the broker
+    holds it (what :meth:`BrokerView.copies_paid` compares)."""
+
+    since: datetime | None
+    token: str
+    held: bool = False  # paid at every sweep until the hold lapses (see RedisBroker.owe_copies)
+
+    @staticmethod
+    def wider(a: datetime | None, b: datetime | None) -> datetime | None:
+        """The window covering both (None: all)."""
+        return None if a is None or b is None else min(a, b)
+
+
 class BrokerView(Protocol):
     """The reconciler's view of the broker (a fake one in unit tests)."""
 
@@ -161,6 +208,17 @@ class BrokerView(Protocol):
 
     def continuity(self) -> Continuity | None:
         """The broker's marker and primary now (None if it cannot be read)."""
+
+    def owe_copies(self, since: datetime | None, hold_seconds: float) -> None:
+        """Record that the dead letters' copies made since ``since`` (all: None) are owed,
+        widening what is owed already, held for ``hold_seconds`` (paid again at each sweep
+        meanwhile; 0: not held, and a hold under way dropped)."""
+
+    def copies_owed(self) -> CopiesOwed | None:
+        """The copies owed (by any process's sweep), or None."""
+
+    def copies_paid(self, owed: CopiesOwed) -> None:
+        """Forget ``owed``, unless a later loss changed it meanwhile."""
 
 
 class RedisBroker:
@@ -189,6 +247,10 @@ class RedisBroker:
         self._unacked_key = unacked_key
         self._unacked_index_key = unacked_index_key
         self._restore = client.register_script(_RESTORE)
+        self._owed_key = f"{marker_key}:copies-owed"
+        self._held_key = f"{marker_key}:copies-owed:held"
+        self._paid = client.register_script(_DELETE_IF_UNCHANGED)
+        self._owe = client.register_script(_OWE)
 
     def unacked(self) -> dict[str, Unacked]:
         found: dict[str, Unacked] = {}
@@ -330,6 +392,36 @@ class RedisBroker:
             created,
             seen if isinstance(seen, str) else None,
         )
+
+    # The copies owed are kept in the broker, not in the sweeper's memory: the sweep lock may
+    # move to another worker (this one stopped, or could not renew it) before the copies are
+    # made, and a loss is noticed only once (by the sweep that compares the marker).
+    def owe_copies(self, since: datetime | None, hold_seconds: float) -> None:
+        """(A failover's old primary may take writes for a while after the fleet noticed the
+        new one: from clients still connected to it, until the sentinels make it a replica,
+        which drops them. Copies made meanwhile are owed as well: the note is held, and paid
+        again at each sweep, until ``hold_seconds`` have passed.)"""
+        at = "all" if since is None else repr(since.timestamp())
+        hold_ms = max(int(hold_seconds * 1000), 0)
+        self._owe(keys=[self._owed_key, self._held_key], args=[at, uuid.uuid4().hex, hold_ms])
+
+    def copies_owed(self) -> CopiesOwed | None:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.get(self._owed_key)
+        pipe.exists(self._held_key)
+        found, held = pipe.execute()
+        if found is None:
+            return None
+        token = found.decode() if isinstance(found, bytes) else str(found)
+        at, _, _ = token.partition("|")
+        try:
+            since = None if at == "all" else datetime.fromtimestamp(float(at), UTC)
+        except (ValueError, OverflowError, OSError):  # not this module's: owe everything
+            since = None
+        return CopiesOwed(since, token, held=bool(held))
+
+    def copies_paid(self, owed: CopiesOwed) -> None:
+        self._paid(keys=[self._owed_key], args=[owed.token])
 
     def restore(self, message: Unacked) -> bool:
         return bool(

@@ -53,13 +53,17 @@ def held(redis: Any, queue: str, cap: int) -> set[str]:
 
 
 def copied(doc: Mapping[str, Any], since: datetime | None) -> bool:
-    """Whether a dead record's queue copy was made (since ``since``, if given). A record of an
-    earlier release has no ``copied_at``: copied if its copy is not due (``FOREVER``) and it is
-    not a workflow's own record (those have no copy)."""
+    """Whether a dead record's queue copy was made (since ``since``, if given), and no copy is
+    due or being made now (``claimable_at`` is ``FOREVER`` once one is confirmed: a pass that
+    marked one due again, or took one to publish, must not be followed by another marking it:
+    two workers would publish it). A record of an earlier release has no ``copied_at``: copied
+    if it is not a workflow's own record (those have no copy)."""
+    if doc.get("claimable_at") != FOREVER:
+        return False
     copied_at = doc.get("copied_at")
     if isinstance(copied_at, datetime):
         return since is None or copied_at >= since
-    return since is None and doc.get("claimable_at") == FOREVER and not doc.get("workflow_status")
+    return since is None and not doc.get("workflow_status")
 
 
 def lost(

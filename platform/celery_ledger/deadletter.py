@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import re
@@ -199,8 +200,12 @@ class DeadLetters:
         queue, cap = runtime.tiers.dead_letter_queue, runtime.settings.dead_letter_queue_max
         oldest = self.ledger_now() - timedelta(seconds=runtime.settings.dead_retention_seconds)
         read_since = oldest if since is None else max(oldest, since - feed.COPY_LOOKBACK)
+        # The records first, then the queue: a copy published and confirmed between the two
+        # reads is then seen in the queue (read the other way, it was missing from the queue
+        # and confirmed in its record: made twice)
+        records = list(itertools.islice(self.each(since=read_since, page_size=feed.PAGE), cap))
         due = feed.lost(
-            self.each(since=read_since, page_size=feed.PAGE),
+            records,
             present=feed.held(runtime.redis, queue, cap),
             since=since,
             cap=cap,

@@ -44,7 +44,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from .broker import BrokerView, Continuity, Stranded, SweepLock, Unacked, data_lost
+from .broker import (
+    BrokerView,
+    Continuity,
+    CopiesOwed,
+    Stranded,
+    SweepLock,
+    Unacked,
+    data_lost,
+)
 from .ledger.message import KeptMessage
 from .ledger.ports import ReconcilerStore
 from .ledger.record import State
@@ -73,7 +81,10 @@ MISSING_PER_SWEEP = 5_000
 # absent from both looks, this far apart.
 MISSING_CONFIRM_SECONDS = 1.0
 # After a failover, the dead letters' copies made within three sweeps and this long before it
-# noticed are made again (a replica's lag and the sweep lock's move, with room to spare).
+# noticed are made again (a replica's lag and the sweep lock's move, with room to spare), and
+# those missing at the sweeps of this long and two sweeps more after it (those a stopped old
+# primary took from clients still connected to it once continued, until the sentinels made it
+# a replica: seen in the soak).
 FAILOVER_MARGIN_SECONDS = 30.0
 # Right after the broker may have lost data, jobs untouched this long are looked for.
 AFTER_DATA_LOSS_SECONDS = 2.0
@@ -157,7 +168,8 @@ class Reconciler:
         self._unrecorded = unrecorded
         # Makes the dead letters' queue copies the broker lost due again (deadletter.py), after
         # a loss (those made since a time, or all: None); at the end of each sweep until it
-        # succeeds once.
+        # succeeds once. What is owed is noted in the broker (any sweeper pays it) and here
+        # (should the broker refuse the note).
         self._copy_dead_letters_again = copy_dead_letters_again
         self._dead_letters_lost = False
         self._dead_letters_since: datetime | None = None
@@ -251,17 +263,57 @@ class Reconciler:
         except Exception as exc:  # the ledger or the broker is away: the next sweep's
             report.failed += 1
             logger.warning("reconcile: restoring stranded messages failed: %s", exc)
-        if self._dead_letters_lost and self._copy_dead_letters_again is not None:
-            try:  # last: the jobs come first
-                since = self._dead_letters_since
-                report.dead_letters_copied_again = self._copy_dead_letters_again(since)
-                self._dead_letters_lost = False
-            except Exception as exc:  # the ledger or the broker is away: the next sweep's
-                report.failed += 1
-                logger.warning("reconcile: copying dead letters again failed: %s", exc)
+        if self._copy_dead_letters_again is not None:
+            self._pay_copies(report)  # last: the jobs come first
         if report.found_any:
             logger.warning("reconcile: %s", report.as_dict())
         return report
+
+    def _owe_copies(self, since: datetime | None) -> None:
+        """Owe the dead letters' copies made since ``since`` (all: None) again: in the broker,
+        so whichever process sweeps next makes them should this one stop first; in this
+        process only should the broker refuse the note (kept here as well, a debt another
+        worker paid meanwhile would be paid twice)."""
+        if self._copy_dead_letters_again is None:
+            return
+        try:
+            # (held after a failover, for the margin and two sweeps more: see the margin's note;
+            # not after a wipe, whose every copy is owed, and whose lost copies are lost already)
+            every = self._runtime.settings.reconcile_every_seconds
+            hold = 0.0 if since is None else FAILOVER_MARGIN_SECONDS + 2 * every
+            self._broker.owe_copies(since, hold_seconds=hold)
+        except Exception as exc:  # this process still owes them
+            logger.warning("reconcile: could not note the dead letters' copies owed: %s", exc)
+            own = self._dead_letters_since if self._dead_letters_lost else since
+            self._dead_letters_since = CopiesOwed.wider(own, since)
+            self._dead_letters_lost = True
+
+    def _pay_copies(self, report: ReconcileReport) -> None:
+        """Make the dead letters' copies owed again (see :meth:`_owe_copies`), if any are."""
+        assert self._copy_dead_letters_again is not None
+        try:
+            owed = self._broker.copies_owed()
+        except Exception as exc:  # the broker is away: what this process owes, if anything
+            logger.warning("reconcile: could not read the dead letters' copies owed: %s", exc)
+            owed = None
+        if owed is None and not self._dead_letters_lost:
+            return
+        if owed is not None and self._dead_letters_lost:
+            since = CopiesOwed.wider(owed.since, self._dead_letters_since)
+        else:
+            since = owed.since if owed is not None else self._dead_letters_since
+        try:
+            report.dead_letters_copied_again = self._copy_dead_letters_again(since)
+        except Exception as exc:  # the ledger or the broker is away: the next sweep's
+            report.failed += 1
+            logger.warning("reconcile: copying dead letters again failed: %s", exc)
+            return
+        self._dead_letters_lost = False
+        if owed is not None and not owed.held:  # (held: paid again at the next sweeps)
+            try:
+                self._broker.copies_paid(owed)
+            except Exception as exc:  # the next sweep makes them again: copies are idempotent
+                logger.warning("reconcile: could not note the dead letters' copies made: %s", exc)
 
     def _notice_data_loss(self, report: ReconcileReport) -> None:
         """Compare the broker with this process's last look (see :func:`data_lost`)."""
@@ -280,12 +332,9 @@ class Reconciler:
         # A broker without its marker lost everything; a failover, only the last writes its
         # replica had not received: the copies made since this fleet's previous sweeps
         wiped = now.created or (before is not None and before.marker != now.marker)
-        if not self._dead_letters_lost or wiped:
-            window = self._runtime.settings.reconcile_every_seconds * 3 + FAILOVER_MARGIN_SECONDS
-            self._dead_letters_since = (
-                None if wiped else self._ledger.now() - timedelta(seconds=window)
-            )
-        self._dead_letters_lost = True
+        window = self._runtime.settings.reconcile_every_seconds * 3 + FAILOVER_MARGIN_SECONDS
+        since = None if wiped else self._ledger.now() - timedelta(seconds=window)
+        self._owe_copies(since)
         logger.warning("reconcile: the broker may have lost data: %s", why)
         if self._declare_queues is not None:
             try:

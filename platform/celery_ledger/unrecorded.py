@@ -25,15 +25,20 @@ job's message; only the ledger's records outlive that, and these jobs had none y
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
+import redis
+
 from .errors import LedgerUnavailable, StoreError
+from .headers import SIGNATURE
 from .ledger.message import KeptMessage
 from .ledger.store import ENQUEUE_BATCH, EnqueueOutcome, QueuedJob
+from .signing import Signer
 from .wire import dumps, loads
 
 logger = logging.getLogger("celery_ledger.unrecorded")
@@ -41,6 +46,8 @@ logger = logging.getLogger("celery_ledger.unrecorded")
 # How long one sweep writes records (bulk writes of ENQUEUE_BATCH, about 1,000 a second on the
 # embedded server); the rest are the next sweep's. Well within the sweep lock's time to live.
 RECORD_BUDGET_SECONDS = 10.0
+# Pages of the notes beside the entries (see Unrecorded.aside) one sweep tidies at most
+TIDY_PAGES = 20
 
 EnqueueMany = Callable[[Sequence[QueuedJob]], list[EnqueueOutcome]]
 
@@ -50,23 +57,52 @@ def unrecorded_key(namespace: str) -> str:
     return f"{namespace}:ledger:unrecorded" if namespace else "ledger:unrecorded"
 
 
-def encode(job: QueuedJob, kept_at: float) -> str:
+class UnknownSigningKey(ValueError):
+    """An entry signed with a key this process does not hold (another worker of the fleet may:
+    a key added by a deploy under way)."""
+
+
+def _signed(scope: str, record_id: str, fields: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """What an entry's signature covers, as (headers, body) for :class:`Signer`: what it is,
+    where it is kept (its app's hash: an entry moved to another app's is refused), its record
+    id (moved to another id: refused) and the whole entry but its signature."""
+    return {"task": fields.get("task")}, ["unrecorded", scope, record_id, fields]
+
+
+def encode(job: QueuedJob, kept_at: float, signer: Signer | None = None, scope: str = "") -> str:
     """An entry's value: the job's record as :class:`QueuedJob` holds it, and when it was kept
-    (the broker's time)."""
+    (the broker's time); signed when ``signer`` signs."""
     fields = job.arguments()
     fields["message"] = job.message.document()
     fields["kept_at"] = kept_at
+    if signer is not None and signer.enabled:
+        fields["sig"] = signer.sign(*_signed(scope, job.record_id, fields))
     return dumps(fields)
 
 
-def decode(record_id: str, raw: bytes | str) -> tuple[QueuedJob, float]:
-    """The job an entry keeps, and when it was kept.
+def decode(
+    record_id: str, raw: bytes | str, signer: Signer | None = None, scope: str = ""
+) -> tuple[QueuedJob, float]:
+    """The job an entry keeps, and when it was kept. With ``signer`` holding keys, the entry
+    must carry a good signature of one of them (whether or not signatures are required of
+    messages yet: no release kept unsigned entries).
 
     Raises:
-        ValueError: not an entry this module wrote.
+        UnknownSigningKey: signed with a key this process does not hold.
+        ValueError: not an entry this module wrote, or not signed as it must be.
     """
     try:
         fields: Any = loads(raw)
+        if not isinstance(fields, dict):
+            raise ValueError("not an object")
+        signature = fields.pop("sig", None)
+        if signer is not None and signer.enabled:
+            if signer.lacks_key({SIGNATURE: signature}):
+                raise UnknownSigningKey(f"unrecorded entry {record_id!r}: {signature!r}")
+            headers, body = _signed(scope, record_id, fields)
+            problem = signer.problem({**headers, SIGNATURE: signature}, body, strict=True)
+            if problem is not None:
+                raise ValueError(f"not signed as this fleet signs: {problem}")
         message = KeptMessage.from_document(fields["message"])
         if message is None or not all(
             isinstance(fields.get(name), str) for name in ("task", "key", "tier")
@@ -85,6 +121,8 @@ def decode(record_id: str, raw: bytes | str) -> tuple[QueuedJob, float]:
             claimable_at=claimable_at,
         )
         return job, float(fields["kept_at"])
+    except UnknownSigningKey:
+        raise
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"unrecorded entry {record_id!r} is not a job's record: {exc}") from exc
 
@@ -100,12 +138,20 @@ class Unrecorded:
         namespace: str,
         now: Callable[[], float] = time.time,
         retention_seconds: float = float("inf"),
+        signer: Signer | None = None,
+        unverified_seconds: float = float("inf"),
     ) -> None:
         self._client = client
+        self._signer = signer
         self.key = unrecorded_key(namespace)
+        # When each entry signed with a key this worker lacks was first seen so: the entry's own
+        # times cannot be trusted before its signature is checked
+        self.aside = f"{self.key}:unverified"
         self._now = now  # the broker's clock
         # How long the ledger keeps an ended job's record (the shortest of its kinds)
         self._retention = retention_seconds
+        # How long such an entry waits for a worker that holds its key (a deploy adding it)
+        self._unverified = unverified_seconds
 
     def keep(self, jobs: Sequence[QueuedJob]) -> bool:
         """Keep these jobs until their records are written (one round trip); False if the
@@ -117,7 +163,10 @@ class Unrecorded:
             return True
         try:
             now = self._now()
-            self._client.hset(self.key, mapping={job.record_id: encode(job, now) for job in jobs})
+            self._client.hset(
+                self.key,
+                mapping={job.record_id: encode(job, now, self._signer, self.key) for job in jobs},
+            )
         except Exception as exc:  # the publish that follows says whether the broker is away
             logger.warning(
                 "could not keep %d jobs published without their records: %s", len(jobs), exc
@@ -160,7 +209,15 @@ class Unrecorded:
             for field, raw in found.items():
                 record_id = field.decode() if isinstance(field, bytes) else str(field)
                 try:
-                    job, kept_at = decode(record_id, raw)
+                    job, kept_at = decode(record_id, raw, self._signer, self.key)
+                except UnknownSigningKey as exc:  # left for a worker that holds the key...
+                    if self._waited(field) <= self._unverified:
+                        logger.warning("leaving %s: this worker lacks its signing key", exc)
+                        continue
+                    # ...for as long as a deploy adding it takes, then dropped as unverifiable
+                    logger.error("dropping %s: no worker has verified it since it was seen", exc)
+                    dropped.append(field)
+                    continue
                 except ValueError as exc:
                     logger.error("dropping %s", exc)
                     dropped.append(field)
@@ -186,7 +243,40 @@ class Unrecorded:
                 self._client.hdel(self.key, *dropped)
             if cursor == 0:
                 break
+        self._tidy_aside()
         return done
+
+    def _waited(self, field: Any) -> float:
+        """Seconds since the entry ``field`` was first found signed with an unknown key (0 if
+        that cannot be noted: a broker full to its memory limit refuses the note, and the
+        entries it can verify are recorded all the same)."""
+        now = self._now()
+        try:
+            if self._client.hsetnx(self.aside, field, repr(now)):
+                return 0.0
+            return now - float(self._client.hget(self.aside, field))
+        except redis.ResponseError as exc:
+            logger.warning("could not note an unverified entry's first sight: %s", exc)
+            return 0.0
+        except (TypeError, ValueError):  # (not a time this wrote: from now on, then)
+            with contextlib.suppress(redis.ResponseError):
+                self._client.hset(self.aside, field, repr(now))
+            return 0.0
+
+    def _tidy_aside(self) -> None:
+        """Forget when entries no longer kept (written or dropped since, by this worker or
+        another) were first seen unverified; one ``HLEN`` when there are none. (The sweep lock
+        holder sweeps: an entry is judged by the workers that hold it in turn.)"""
+        if not self._client.hlen(self.aside):
+            return
+        cursor = 0
+        for _ in range(TIDY_PAGES):
+            cursor, seen = self._client.hscan(self.aside, cursor, count=ENQUEUE_BATCH)
+            gone = [field for field in seen if not self._client.hexists(self.key, field)]
+            if gone:
+                self._client.hdel(self.aside, *gone)
+            if cursor == 0:
+                return
 
     @staticmethod
     def _write(enqueue_many: EnqueueMany, jobs: list[QueuedJob]) -> None:

@@ -88,18 +88,22 @@ def group_worker(
             break
         except redis.ConnectionError:  # (the probe's own connection, right after a failover)
             if attempt == 2:
+                worker.stop()  # (not left running past the test)
                 raise
             time.sleep(1.0)
+        except BaseException:
+            worker.stop()
+            raise
     return worker
 
 
 def group_producer(stack: EmbeddedStack, group: SentinelGroup, name: str, **settings: Any) -> Any:
     """An app publishing through the group's sentinels (the test app's queues by default)."""
     settings.setdefault("queue_namespace", NAMESPACE)
+    settings.setdefault("broker_url", group.url)
     return producer_app(
         EmbeddedStack(APP_MODULE, Path("."), broker=group.nodes[0], ledger=stack.ledger),
         name,
-        broker_url=group.url,
         sentinel_master=group.master_name,
         sentinel_password=group.sentinel_password,
         **settings,
@@ -164,8 +168,14 @@ def first_run_after(load: Load, since: float, since_wall: float) -> float:
     return float(found["at"].timestamp() - since_wall)
 
 
-def workers_primary(producer: Any, port: int) -> str | None:
-    """The health check's finding once it names ``port`` the primary and the worker on it."""
+def workers_primary(producer: Any, group: SentinelGroup) -> str | None:
+    """The health check's finding once it names the primary that a majority of the sentinels
+    name now, and the worker on it. (Not the one a failover promoted: on a loaded machine the
+    sentinels may fail over again within seconds, a new primary being slow to answer its first
+    pings, and the check must follow them.)"""
+    port = group.primary_port()
+    if port is None:  # (no majority now: mid-failover)
+        return None
     checks = run_checks(producer, required=(), timeout=2)
     check = next((c for c in checks if c.name == "primary"), None)
     if check is None:  # (not reported this time: the broker's check did not answer in time)
@@ -223,8 +233,10 @@ def node_client(group: SentinelGroup, node: ServerProcess, **options: Any) -> re
     return redis.Redis(host="127.0.0.1", port=node.port, password=group.password, **options)
 
 
-def replicates(group: SentinelGroup, node: ServerProcess, primary: ServerProcess) -> bool:
-    """Whether ``node`` is a replica of ``primary`` now, its link up and its sync done."""
+def replicates(group: SentinelGroup, node: ServerProcess, primary: ServerProcess | int) -> bool:
+    """Whether ``node`` is a replica of ``primary`` (a node, or the port it is reached at) now,
+    its link up and its sync done."""
+    port = primary if isinstance(primary, int) else group.reached_at(primary)
     try:
         with node_client(group, node, socket_timeout=1) as client:
             info: Any = client.info("replication")
@@ -232,7 +244,7 @@ def replicates(group: SentinelGroup, node: ServerProcess, primary: ServerProcess
         return False
     return (
         info.get("role") == "slave"
-        and int(info.get("master_port") or 0) == primary.port
+        and int(info.get("master_port") or 0) == port
         and info.get("master_link_status") == "up"
         and int(info.get("master_sync_in_progress") or 0) == 0
     )

@@ -9,14 +9,18 @@ once, not after the stale time meant for deep queues), and no worker ends.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import shutil
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 
 import pytest
+import redis
 
 from celery_ledger import State
+from celery_ledger.broker import RedisBroker
 from celery_ledger.embedded.stack import EmbeddedStack
 
 from .conftest import broker_client, producer_app, start_healing_worker
@@ -114,3 +118,44 @@ def test_the_dead_letters_copies_a_broker_lost_are_copied_again(own: EmbeddedSta
         what="every dead letter's copy on the queue again",
     )
     producer.close()
+
+
+def test_the_copies_a_loss_owes_are_noted_in_the_broker_widened_and_paid_once(
+    client: redis.Redis,
+) -> None:
+    """What the reconciler owes after a loss lives in the broker (any sweeper pays it)."""
+    broker = RedisBroker(client, queues=["q"], delayed_key="q:delayed", marker_key="m")
+    assert broker.copies_owed() is None
+    later = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+    broker.owe_copies(later, hold_seconds=2)
+    broker.owe_copies(later + timedelta(minutes=5), hold_seconds=2)  # (a narrower one: no wider)
+    owed = broker.copies_owed()
+    assert owed is not None and owed.since == later and owed.held  # (paid at every sweep)
+    time.sleep(2.1)
+    assert broker.copies_owed() == dataclasses.replace(owed, held=False)  # (then paid off)
+    owed = broker.copies_owed()
+    assert owed is not None
+    broker.owe_copies(later - timedelta(minutes=5), hold_seconds=0)
+    wider = broker.copies_owed()
+    assert wider is not None and wider.since == later - timedelta(minutes=5)
+    broker.copies_paid(owed)  # paid for an older note: the wider one stays owed
+    assert broker.copies_owed() == wider
+    broker.owe_copies(None, hold_seconds=0)  # a wipe: every copy
+    every = broker.copies_owed()
+    assert every is not None and every.since is None
+    broker.owe_copies(later, hold_seconds=0)  # ...whatever a later loss owes
+    again = broker.copies_owed()
+    assert again is not None and again.since is None
+    # A sweeper paying the note it read while another loss was noted meanwhile (the lock
+    # passed to another worker during a slow sweep) leaves the newer note owed
+    broker.copies_paid(every)
+    assert broker.copies_owed() == again
+    broker.copies_paid(again)
+    assert broker.copies_owed() is None
+    for foreign in ("garbage", "2026-01-01|x", "nan|x", "1e400|x"):  # not this module's: all
+        client.set("m:copies-owed", foreign)
+        odd = broker.copies_owed()
+        assert odd is not None and odd.since is None, foreign
+        broker.owe_copies(later, hold_seconds=0)
+        widened = broker.copies_owed()
+        assert widened is not None and widened.since is None, foreign

@@ -7,12 +7,21 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+import redis
 
 from celery_ledger.crypto import Sealer
 from celery_ledger.errors import LedgerUnavailable, StoreError
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.store import EnqueueOutcome, QueuedJob
-from celery_ledger.unrecorded import Unrecorded, decode, encode, unrecorded_key
+from celery_ledger.signing import Signer
+from celery_ledger.unrecorded import (
+    UnknownSigningKey,
+    Unrecorded,
+    decode,
+    encode,
+    unrecorded_key,
+)
+from celery_ledger.wire import dumps, loads
 
 KEY = "q2Kx3bX6v8n8k0yJ0mJr3m2m3m2m3m2m3m2m3m2m3m0="
 
@@ -67,24 +76,45 @@ def test_each_namespace_keeps_its_own() -> None:
     assert unrecorded_key("") == "ledger:unrecorded"
 
 
+def _b(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
 class OneHash:
-    """A Redis hash as ``Unrecorded`` reads it (HSET, HSCAN in one page, HDEL, HLEN)."""
+    """Redis hashes as ``Unrecorded`` reads them (HSET, HSETNX, HGET, HEXISTS, HSCAN in one
+    page, HDEL, HLEN): ``fields`` the entries', ``aside`` the one beside it."""
 
     def __init__(self) -> None:
         self.fields: dict[bytes, bytes] = {}
+        self.aside: dict[bytes, bytes] = {}
 
-    def hset(self, key: str, mapping: dict[str, str]) -> None:
-        self.fields.update({k.encode(): v.encode() for k, v in mapping.items()})
+    def _of(self, key: str) -> dict[bytes, bytes]:
+        return self.aside if key.endswith(":unverified") else self.fields
+
+    def hset(self, key: str, field: Any = None, value: Any = None, mapping: Any = None) -> None:
+        found = self._of(key)
+        found.update({_b(k): _b(v) for k, v in (mapping or {}).items()})
+        if field is not None:
+            found[_b(field)] = _b(value)
+
+    def hsetnx(self, key: str, field: Any, value: Any) -> int:
+        return int(self._of(key).setdefault(_b(field), _b(value)) == _b(value))
+
+    def hget(self, key: str, field: Any) -> bytes | None:
+        return self._of(key).get(_b(field))
+
+    def hexists(self, key: str, field: Any) -> bool:
+        return _b(field) in self._of(key)
 
     def hscan(self, key: str, cursor: int, count: int) -> tuple[int, dict[bytes, bytes]]:
-        return 0, dict(self.fields)
+        return 0, dict(self._of(key))
 
     def hdel(self, key: str, *fields: Any) -> int:
-        gone = [f if isinstance(f, bytes) else f.encode() for f in fields]
-        return sum(self.fields.pop(f, None) is not None for f in gone)
+        found = self._of(key)
+        return sum(found.pop(_b(f), None) is not None for f in fields)
 
     def hlen(self, key: str) -> int:
-        return len(self.fields)
+        return len(self._of(key))
 
 
 def job(record_id: str) -> QueuedJob:
@@ -135,18 +165,22 @@ def test_a_lost_copy_is_one_made_since_the_loss_and_no_longer_held_of_this_app()
     from celery_ledger.ledger.core import FOREVER
 
     at = datetime(2026, 11, 29, 12, tzinfo=UTC)
+    made = {"claimable_at": FOREVER}  # (a copy confirmed: none due)
     docs = [
-        {"_id": "held", "copied_at": at},  # still in the queue
-        {"_id": "recent", "copied_at": at},
-        {"_id": "older", "copied_at": at.replace(hour=11)},  # before the failover's window
-        {"_id": "legacy", "claimable_at": FOREVER},  # copied by an earlier release
-        {"_id": "flow", "claimable_at": FOREVER, "workflow_status": "compensated"},  # no copy
+        {"_id": "held", "copied_at": at, **made},  # still in the queue
+        {"_id": "recent", "copied_at": at, **made},
+        {"_id": "older", "copied_at": at.replace(hour=11), **made},  # before the window
+        {"_id": "legacy", **made},  # copied by an earlier release
+        {"_id": "flow", "workflow_status": "compensated", **made},  # a workflow's: no copy
         {"_id": "due", "claimable_at": at},  # its copy not made yet: due already
-        {"_id": "theirs", "copied_at": at},  # another app's, sharing the ledger
-        {"_id": "past-cap", "copied_at": at},
+        # made once, and due again or being made now (a pass before this one marked it, or a
+        # worker publishes it): not marked again, or two workers would publish it
+        {"_id": "pending", "copied_at": at, "claimable_at": at},
+        {"_id": "theirs", "copied_at": at, **made},  # another app's, sharing the ledger
+        {"_id": "past-cap", "copied_at": at, **made},
     ]
 
-    def lost(since: datetime | None, cap: int = 7) -> list[str]:
+    def lost(since: datetime | None, cap: int = 8) -> list[str]:
         return feed.lost(
             docs, present={"held"}, since=since, cap=cap, ours=lambda d: d["_id"] != "theirs"
         )
@@ -156,3 +190,103 @@ def test_a_lost_copy_is_one_made_since_the_loss_and_no_longer_held_of_this_app()
     # a failover: only the copies made since its window began
     assert lost(at.replace(minute=0, hour=11, second=30)) == ["recent"]
     assert lost(None, cap=2) == ["recent"]
+
+
+SIGNING_KEY, OTHER_KEY = "unrecorded-signing-key-" + "a" * 16, "unrecorded-other-key-" + "b" * 16
+
+
+@pytest.mark.parametrize("required", [True, False], ids=["required", "rolling-out"])
+def test_with_signing_keys_only_an_entry_a_producer_of_the_fleet_signed_is_written(
+    required: bool,
+) -> None:
+    """A record written from an entry is republished, signed, by a worker if its message is
+    gone: a writer to the broker must not get a task run by forging or changing an entry (even
+    while signatures are not yet required of messages: no release kept unsigned entries)."""
+    signer = Signer([SIGNING_KEY], required=required)
+    good = encode(job("r-1"), 10.0, signer)
+    back, _ = decode("r-1", good, signer)
+    assert back.key == "r-1"
+
+    unsigned = encode(job("r-1"), 10.0)
+    changed = loads(good)
+    changed["task"] = "t.drain_account"
+    for raw in (unsigned, dumps(changed)):
+        with pytest.raises(ValueError, match="not signed as this fleet signs"):
+            decode("r-1", raw, signer)
+    with pytest.raises(ValueError, match="not signed as this fleet signs"):
+        decode("r-2", good, signer)  # a signed entry moved to another job's id
+    with pytest.raises(ValueError, match="not signed as this fleet signs"):
+        decode("r-1", good, signer, "other:ledger:unrecorded")  # ...or to another app's hash
+    # One signed with a key this worker lacks (a deploy adding it under way) is left for a
+    # worker that holds it
+    newer = encode(job("r-1"), 10.0, Signer([OTHER_KEY, SIGNING_KEY]))
+    with pytest.raises(UnknownSigningKey):
+        decode("r-1", newer, signer)
+
+    # A sweep writes the signed entries and drops the others
+    client = OneHash()
+    store = Unrecorded(client, namespace="shop", now=lambda: 10.0, signer=signer)
+    store.keep([job("a"), job("b")])
+    client.fields[b"forged"] = unsigned.encode()
+    written: list[str] = []
+
+    def enqueue_many(jobs: Any) -> list[EnqueueOutcome]:
+        written.extend(j.record_id for j in jobs)
+        return [EnqueueOutcome.NEW] * len(jobs)
+
+    client.fields[b"newer"] = encode(job("newer"), 10.0, Signer([OTHER_KEY]), store.key).encode()
+    assert store.record(enqueue_many) == 2
+    assert sorted(written) == ["a", "b"]
+    assert list(client.fields) == [b"newer"]
+
+
+def test_an_entry_no_worker_can_verify_is_dropped_once_a_deploy_would_have_ended() -> None:
+    """Signed with a key this worker lacks, an entry waits for a worker that holds it (a
+    deploy adding the key); one that none verifies within the window (a made-up key id, a key
+    withdrawn) is dropped, not warned about for ever; its job is left to its message."""
+    signer = Signer([SIGNING_KEY])
+    client, now = OneHash(), [1_000.0]
+    store = Unrecorded(
+        client, namespace="shop", now=lambda: now[0], signer=signer, unverified_seconds=900
+    )
+    for name in ("newer", "made-up"):
+        client.fields[name.encode()] = encode(
+            job(name), 0.0, Signer([OTHER_KEY]), store.key
+        ).encode()
+
+    def enqueue_many(jobs: Any) -> list[EnqueueOutcome]:
+        return [EnqueueOutcome.NEW] * len(jobs)
+
+    assert store.record(enqueue_many) == 0
+    assert sorted(client.fields) == [b"made-up", b"newer"]  # left, and when noted aside
+    now[0] += 600
+    del client.fields[b"newer"]  # (a worker holding the key wrote its record meanwhile)
+    assert store.record(enqueue_many) == 0
+    assert list(client.fields) == [b"made-up"] and list(client.aside) == [b"made-up"]
+    now[0] += 301  # past the window since it was first seen (its own times are not trusted)
+    assert store.record(enqueue_many) == 0
+    assert client.fields == {} and client.aside == {}
+
+
+def test_a_broker_full_to_its_limit_still_lets_the_verifiable_entries_be_recorded() -> None:
+    """Noting when an unverifiable entry was first seen is a write, which a broker at its
+    memory limit refuses (recording needs only deletes): the entry is left, the others are
+    written all the same."""
+
+    class Full(OneHash):
+        def hsetnx(self, key: str, field: Any, value: Any) -> int:
+            raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'")
+
+    signer = Signer([SIGNING_KEY])
+    client = Full()
+    store = Unrecorded(client, namespace="shop", now=lambda: 10.0, signer=signer)
+    store.keep([job("a")])
+    client.fields[b"newer"] = encode(job("newer"), 0.0, Signer([OTHER_KEY]), store.key).encode()
+    written: list[str] = []
+
+    def enqueue_many(jobs: Any) -> list[EnqueueOutcome]:
+        written.extend(j.record_id for j in jobs)
+        return [EnqueueOutcome.NEW] * len(jobs)
+
+    assert store.record(enqueue_many) == 1
+    assert written == ["a"] and list(client.fields) == [b"newer"]

@@ -228,7 +228,9 @@ class DeadRecords(LedgerBase):
         return bool(taken.modified_count)
 
     def mark_copies_due(self, record_ids: Sequence[str]) -> int:
-        """Make these dead letters' copies due now (a broker lost them); returns how many."""
+        """Make these dead letters' copies due now (a broker lost them), unless one is due or
+        being made already (not ``FOREVER``: marked again, two workers would publish it);
+        returns how many."""
         ids = list(record_ids)
         marked = 0
         with translate_errors("dead-letter copies due"):
@@ -239,6 +241,7 @@ class DeadRecords(LedgerBase):
                         "_id": {"$in": ids[start : start + 100]},
                         "state": State.DEAD.value,
                         "purged_at": None,
+                        "claimable_at": FOREVER,
                     },
                     {"$set": {"claimable_at": self.now() + COPY_DUE_SHIFT}},
                 )
