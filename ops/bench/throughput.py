@@ -89,6 +89,79 @@ GOALS: list[tuple[str, str, str, float]] = [
     ("stretch, threads: ledger / plain-redis", "ledger-threads", "plain-redis-threads", 0.6),
 ]
 
+# (ratio, processes, numerator, denominator, goal): CPU per task, medians of the same run, at
+# most the goal. What celery-ledger adds to each task's work in the worker's processes and in
+# the producer, against Celery with its MongoDB backend (the ledger server's share is the
+# throughput goals' above).
+CPU_GOALS: list[tuple[str, tuple[str, ...], str, str, float]] = [
+    (
+        "worker + pool CPU a task: ledger / plain-mongo",
+        ("worker", "pool"),
+        "ledger",
+        "plain-mongo",
+        1.2,
+    ),
+    # The issue's producer goal was set when a publish wrote nothing to the ledger; dedupe on
+    # publish (on by default since) adds one ledger write a publish, reported beside it
+    (
+        "producer CPU a task: ledger-no-dedupe / plain-mongo",
+        ("producer",),
+        "ledger-no-dedupe",
+        "plain-mongo",
+        1.2,
+    ),
+]
+# (ratio, processes, numerator, denominator): CPU ratios reported without a goal.
+CPU_REPORTED: list[tuple[str, tuple[str, ...], str, str]] = [
+    (
+        "producer CPU a task, dedupe on publish (default): ledger / plain-mongo",
+        ("producer",),
+        "ledger",
+        "plain-mongo",
+    ),
+    (
+        "dedupe on publish's producer cost: ledger / ledger-no-dedupe",
+        ("producer",),
+        "ledger",
+        "ledger-no-dedupe",
+    ),
+    (
+        "worker + pool, Celery writing twice: ledger / plain-mongo-durable",
+        ("worker", "pool"),
+        "ledger",
+        "plain-mongo-durable",
+    ),
+]
+
+
+def cpu_ratios(profile: dict[str, dict[str, float]]) -> list[tuple[str, float, float]]:
+    """(label, ratio, goal) of each CPU goal whose two configurations ran."""
+    found = []
+    for label, parts, numerator, denominator, goal in CPU_GOALS:
+        ratio = _cpu_ratio(profile, parts, numerator, denominator)
+        if ratio is not None:
+            found.append((label, ratio, goal))
+    return found
+
+
+def cpu_reported(profile: dict[str, dict[str, float]]) -> list[tuple[str, float]]:
+    """(label, ratio) of each CPU ratio reported without a goal whose configurations ran."""
+    found = []
+    for label, parts, numerator, denominator in CPU_REPORTED:
+        ratio = _cpu_ratio(profile, parts, numerator, denominator)
+        if ratio is not None:
+            found.append((label, ratio))
+    return found
+
+
+def _cpu_ratio(
+    profile: dict[str, dict[str, float]], parts: tuple[str, ...], numerator: str, denominator: str
+) -> float | None:
+    if not {numerator, denominator} <= profile.keys():
+        return None
+    baseline = sum(profile[denominator][p] for p in parts)
+    return sum(profile[numerator][p] for p in parts) / baseline if baseline > 0 else None
+
 
 @dataclass(frozen=True)
 class Configuration:
@@ -149,6 +222,13 @@ CONFIGURATIONS = (
         "bench_plain_mongo_durable",
     ),
     Configuration("ledger", "ops.bench.apps.ledger", "celery-ledger (LedgerTask)", "bench_ledger"),
+    Configuration(
+        "ledger-no-dedupe",
+        "ops.bench.apps.ledger",
+        "celery-ledger, LEDGER_DEDUPE_ON_PUBLISH=false (a publish writes no record)",
+        "bench_ledger_no_dedupe",
+        extra_env=(("BENCH_DEDUPE_ON_PUBLISH", "0"),),
+    ),
     Configuration(
         "ledger-secured",
         "ops.bench.apps.ledger_secured",
@@ -468,6 +548,23 @@ def main(argv: list[str] | None = None) -> int:
         ],
     )
 
+    cpu_goals = cpu_ratios(profile)
+    reported = cpu_reported(profile)
+    if cpu_goals or reported:
+        print_table(
+            "CPU a task (medians): what celery-ledger adds, at most the goal",
+            ["ratio", "value", "goal", "met"],
+            [
+                *(
+                    [label, f"{ratio:.2f}", f"<= {goal}", "yes" if ratio <= goal else "NO"]
+                    for label, ratio, goal in cpu_goals
+                ),
+                *([label, f"{ratio:.2f}", "-", "-"] for label, ratio in reported),
+            ],
+        )
+    ratios.update({label: ratio for label, ratio, _ in cpu_goals})
+    ratios.update(dict(reported))
+
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(8, 4))
     names = [c.name for c in chosen]
@@ -495,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             "median_tasks_per_second": medians,
             "ratios": ratios,
             "goals": {label: goal for label, _, _, goal in GOALS},
+            "cpu_goals_at_most": {label: goal for label, _, _, _, goal in CPU_GOALS},
             "cpu_ms_per_task": profile,
             "ledger_commands_per_task": commands,
         },

@@ -15,6 +15,8 @@ def build(env: Mapping[str, str]) -> LedgerCelery:
         mongo_uri=env["LEDGER_MONGO_URI"],
         mongo_db=env.get("LEDGER_MONGO_DB", "bench_ledger"),
         group_commit_max=int(env.get("BENCH_GROUP_COMMIT_MAX", "128")),
+        # The default (on) unless a configuration measures the producer without it
+        dedupe_on_publish=env.get("BENCH_DEDUPE_ON_PUBLISH", "1") != "0",
     )
     app = create_app("bench_ledger", settings=settings, set_as_current=False)
     app.conf.task_default_queue = env.get("BENCH_QUEUE", "bench")

@@ -12,9 +12,7 @@ from typing import Any
 
 from pymongo import UpdateOne
 from pymongo.client_session import ClientSession
-from pymongo.errors import (
-    BulkWriteError,
-)
+from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from .. import headers
 from ..errors import LedgerUnavailable, StoreError
@@ -56,7 +54,8 @@ class Publishing(LedgerBase):
         session: ClientSession | None = None,
         claimable_at: datetime | None = None,
     ) -> EnqueueOutcome:
-        """Write a ``queued`` record unless the job is known (one round trip).
+        """Write a ``queued`` record unless the job is known (one round trip; a second for a
+        known job, outside a transaction).
 
         ``claimable_at``: a job published for later, claimable when it is due (an early
         message is told to come back then, and the reconciler looks for its message only once
@@ -82,14 +81,6 @@ class Publishing(LedgerBase):
         if session is not None:
             fields |= {"claimable_at": UNPUBLISHED, "unpublished_at": now, "outbox": True}
             collection = self.collection_for(session)
-        ops = [
-            UpdateOne({"_id": record_id}, {"$setOnInsert": fields}, upsert=True),
-            UpdateOne(
-                {"_id": record_id, "state": State.QUEUED.value, "unpublished_at": {"$ne": None}},
-                {"$set": {"publish_retried_at": now}},
-            ),
-        ]
-        if session is not None:
             # pymongo's own errors, untranslated: the app's ``with_transaction`` retries the
             # whole transaction on those labelled transient (a write conflict, an election).
             # A known job is left as it is: if its publish failed, the relay already has it.
@@ -100,21 +91,28 @@ class Publishing(LedgerBase):
                 return EnqueueOutcome.KNOWN
             self._track_objective(record_id, objective, session=session)
             return EnqueueOutcome.NEW
-        else:
-            with translate_errors("enqueue"):
-                try:
-                    result = collection.bulk_write(ops, ordered=False)
-                except BulkWriteError as exc:
-                    if exc.details.get("writeConcernErrors"):
-                        raise LedgerUnavailable(f"enqueue of {record_id}: outcome unknown") from exc
+        # An insert, one statement: a first publish is the common case. Only a job the ledger
+        # knows (a duplicate publish) costs a second round trip, to say whether its first
+        # publish failed (then this caller publishes it after all).
+        with translate_errors("enqueue"):
+            try:
+                collection.insert_one({"_id": record_id, **fields})
+                outcome = EnqueueOutcome.NEW
+            except DuplicateKeyError as exc:
+                if (exc.details or {}).get("keyPattern", {"_id": 1}) != {"_id": 1}:
+                    # (no other unique index today: one added later must not read as known)
                     raise StoreError(f"enqueue of {record_id} failed: {exc.details}") from exc
-        outcome = (
-            EnqueueOutcome.NEW
-            if result.upserted_count
-            else EnqueueOutcome.UNPUBLISHED
-            if result.modified_count
-            else EnqueueOutcome.KNOWN
-        )
+                retried = collection.update_one(
+                    {
+                        "_id": record_id,
+                        "state": State.QUEUED.value,
+                        "unpublished_at": {"$ne": None},
+                    },
+                    {"$set": {"publish_retried_at": now}},
+                )
+                outcome = (
+                    EnqueueOutcome.UNPUBLISHED if retried.modified_count else EnqueueOutcome.KNOWN
+                )
         # A known job's duplicate publish writes nothing more: its claims track it.
         if outcome is not EnqueueOutcome.KNOWN:
             self._track_objective(record_id, objective)
@@ -123,12 +121,14 @@ class Publishing(LedgerBase):
     def enqueue_many(self, jobs: Sequence[QueuedJob]) -> list[EnqueueOutcome]:
         """:meth:`enqueue` for up to ``ENQUEUE_BATCH`` jobs: their outcomes, in order.
 
-        One unordered bulk write of each job's two statements (the same as :meth:`enqueue`'s),
-        and a second round trip only when it found a known job whose first publish failed: the
-        bulk write counts the records it marked (``publish_retried_at``) but does not say which,
-        so they are read back by that mark, this call's own time. A concurrent upsert of the
-        same new job that loses the race (duplicate key) finds it known, as a later one would.
-        Jobs with a latency objective add one write for their objectives.
+        One unordered bulk write of two statements a job (its record's insert, as an upsert,
+        and the mark of a known job whose first publish failed, which :meth:`enqueue` sends
+        only for a known job), and a second round trip only when it found a known job whose
+        first publish failed: the bulk write counts the records it marked
+        (``publish_retried_at``) but does not say which, so they are read back by that mark,
+        this call's own time. A concurrent upsert of the same new job that loses the race
+        (duplicate key) finds it known, as a later one would. Jobs with a latency objective
+        add one write for their objectives.
 
         Raises:
             LedgerUnavailable: the write's outcome is unknown (a write concern error): any of
