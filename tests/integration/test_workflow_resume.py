@@ -20,12 +20,14 @@ from ops.bench.workflows import ThreadCommands, at_marks, drive_long_workflow
 STEPS = 1000
 
 
-# 85 s alone; a loaded machine's parallel suite took it past the default 300 s (a thousand
-# wakes of three ledger commands each, on a server every test of its process shares)
+# 85 s alone; a loaded machine's parallel suite took it past the default 300 s, and once to
+# 10 and 20 minutes at a suite's end on the server every test of its process had used (a
+# thousand wakes of three ledger commands each): it has servers of its own
 @pytest.mark.timeout(900)
 def test_a_thousand_step_workflow_reads_as_little_per_resume_at_the_end_as_at_the_start(
-    stack: Any,
+    isolated: Any,
 ) -> None:
+    stack = isolated
     listener = ThreadCommands()
     app = build(
         {
