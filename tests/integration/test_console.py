@@ -255,6 +255,7 @@ def shoot(driver: Any, tmp_path: Path, name: str) -> None:
 def test_an_operator_finds_a_job_replays_a_dead_group_and_forces_a_breaker(
     app: Any, console: str, browser: Any, token: str, tmp_path: Path
 ) -> None:
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as seen
     from selenium.webdriver.support.ui import Select, WebDriverWait
@@ -329,9 +330,14 @@ def test_an_operator_finds_a_job_replays_a_dead_group_and_forces_a_breaker(
     browser.get(f"{console}/breakers")
     row = f'tr[data-breaker="{name}"]'
     wait.until(seen.element_to_be_clickable((By.CSS_SELECTOR, f"{row} button.open"))).click()
-    wait.until(seen.text_to_be_present_in_element((By.CSS_SELECTOR, f"{row} td.state"), "open"))
+    # (the click posts a form and the page loads again: an element found in the page before
+    # may be gone by the time its text is read, which Chromium reports as an unknown error,
+    # not a stale element; so these waits look again on any WebDriver error until they time out)
+    reloading = WebDriverWait(browser, 30, ignored_exceptions=(WebDriverException,))
+    state = (By.CSS_SELECTOR, f"{row} td.state")
+    reloading.until(seen.text_to_be_present_in_element(state, "open"))
     assert app.breakers[name].status().forced
-    wait.until(seen.element_to_be_clickable((By.CSS_SELECTOR, f"{row} button.clear"))).click()
+    reloading.until(seen.element_to_be_clickable((By.CSS_SELECTOR, f"{row} button.clear"))).click()
     wait.until(lambda _: not app.breakers[name].status().forced)
 
     # And the audit page shows each action, by this user, done
