@@ -960,7 +960,9 @@ class MemoryLedger:
         self._enter("states_of")
         return {i: RecordState.of(d) for i in record_ids if (d := self.docs.get(i)) is not None}
 
-    def quiet(self, *, older_than_seconds: float, limit: int) -> list[dict[str, Any]]:
+    def quiet(
+        self, *, older_than_seconds: float, limit: int, touched_since: datetime | None = None
+    ) -> list[dict[str, Any]]:
         self._enter("quiet")
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
         return [
@@ -970,6 +972,7 @@ class MemoryLedger:
             and d["claimable_at"] < cutoff
             and d["claimable_at"] != UNPUBLISHED
             and d["updated_at"] < cutoff
+            and (touched_since is None or d["updated_at"] >= touched_since)
         ][:limit]
 
     def records(self, record_ids: Sequence[str]) -> list[dict[str, Any]]:

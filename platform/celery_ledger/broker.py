@@ -10,6 +10,7 @@ guard derives it, so an alias message (a canvas member) is recognised as its job
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -35,6 +36,8 @@ _PAGE = 500  # unacknowledged messages read per command
 # q itself), for these steps: restated here, kombu staying above this layer (a unit test holds
 # them equal to kombu's).
 PRIORITY_STEPS = (0, 3, 6, 9)
+# The note of a watch's end is kept this long at most (no sweeper at all meanwhile: it is moot).
+WATCH_END_KEPT_SECONDS = 86_400
 _PRIORITY_SEPARATOR = "\x06\x16"
 
 
@@ -80,6 +83,21 @@ if not payload then return 0 end
 redis.call('RPUSH', ARGV[2], ARGV[3])
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+"""
+
+# Start or widen the watch after a failover: KEYS = the watch (expiring after ARGV[2] ms), its
+# end's note (until the sweep after it has seen to it, or ARGV[3] s); ARGV[1] = since (unix
+# seconds). A watch under way keeps the earlier since and the later end.
+_WATCH = """
+local since = tonumber(ARGV[1])
+local before = tonumber(redis.call('GET', KEYS[2]))
+if before and before < since then since = before end
+local ms = tonumber(ARGV[2])
+local left = redis.call('PTTL', KEYS[1])
+if left > ms then ms = left end
+redis.call('SET', KEYS[1], since, 'PX', ms)
+redis.call('SET', KEYS[2], since, 'EX', ARGV[3])
 return 1
 """
 
@@ -188,6 +206,26 @@ class CopiesOwed:
         return None if a is None or b is None else min(a, b)
 
 
+class Watch(enum.Enum):
+    """Where a sweep stands in the watch after a failover (failover_watch.py)."""
+
+    NONE = 0
+    WATCHING = 1
+    ENDED = 2  # (lapsed, its end not seen to yet: this sweep's look is the watch's last)
+
+
+@dataclass(frozen=True)
+class WatchState:
+    """Where a sweep stands in the watch, and since when the records it looks at were touched
+    (the jobs a stale primary took are recent: under a backlog, the oldest would hide them)."""
+
+    phase: Watch
+    since: datetime | None = None
+
+
+NOT_WATCHING = WatchState(Watch.NONE)
+
+
 class BrokerView(Protocol):
     """The reconciler's view of the broker (a fake one in unit tests)."""
 
@@ -220,6 +258,17 @@ class BrokerView(Protocol):
     def copies_paid(self, owed: CopiesOwed) -> None:
         """Forget ``owed``, unless a later loss changed it meanwhile."""
 
+    def watch_after_failover(self, seconds: float, since: datetime) -> None:
+        """Note, for every sweeper, that the jobs touched since ``since`` whose message is
+        missing are looked for at each sweep for ``seconds`` (a failover's old primary may take
+        writes it then drops), and once more after that (a watch under way: the wider one)."""
+
+    def watch(self) -> WatchState:
+        """Where a sweep stands in such a watch."""
+
+    def watch_done(self) -> None:
+        """Forget the watch's end (its last look made)."""
+
 
 class RedisBroker:
     """:class:`BrokerView` over kombu's Redis transport and the delayed set."""
@@ -249,8 +298,11 @@ class RedisBroker:
         self._restore = client.register_script(_RESTORE)
         self._owed_key = f"{marker_key}:copies-owed"
         self._held_key = f"{marker_key}:copies-owed:held"
+        self._watch_key = f"{marker_key}:watch"
+        self._watch_end_key = f"{marker_key}:watch:end"
         self._paid = client.register_script(_DELETE_IF_UNCHANGED)
         self._owe = client.register_script(_OWE)
+        self._watch = client.register_script(_WATCH)
 
     def unacked(self) -> dict[str, Unacked]:
         found: dict[str, Unacked] = {}
@@ -422,6 +474,29 @@ class RedisBroker:
 
     def copies_paid(self, owed: CopiesOwed) -> None:
         self._paid(keys=[self._owed_key], args=[owed.token])
+
+    # (In the broker, as the copies owed: the sweep lock may move to another worker meanwhile.
+    # A wipe of the primary ends a watch under way; the wipe's own notice starts another.)
+    def watch_after_failover(self, seconds: float, since: datetime) -> None:
+        ms = max(int(seconds * 1000), 1)
+        args = [int(since.timestamp()), ms, WATCH_END_KEPT_SECONDS]
+        self._watch(keys=[self._watch_key, self._watch_end_key], args=args)
+
+    def watch(self) -> WatchState:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.exists(self._watch_key)
+        pipe.get(self._watch_end_key)
+        watching, end = pipe.execute()
+        if end is None:  # (a watch without its end's note: not this module's, moot)
+            return NOT_WATCHING
+        try:
+            since = datetime.fromtimestamp(int(end), UTC)
+        except (ValueError, OverflowError, OSError):  # not this module's: the whole window
+            since = None
+        return WatchState(Watch.WATCHING if watching else Watch.ENDED, since)
+
+    def watch_done(self) -> None:
+        self._client.delete(self._watch_end_key)
 
     def restore(self, message: Unacked) -> bool:
         return bool(

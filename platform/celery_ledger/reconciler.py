@@ -20,14 +20,15 @@ once, whatever their depth, when the broker may have lost data (its marker gone 
 primary moved: :func:`celery_ledger.broker.data_lost`); the queues' bindings are declared
 again then, since a wiped broker forgot them too, and every active workflow is woken again (at
 the timer it waits for), since its wakes lived only in the broker, and the dead letters' queue
-copies it no longer holds are made due again. For each of (1) to (3), a job
-whose message still waits in its tier's queue or the delayed set is only slow and is left alone
-(under a deep backlog, copies would cost a claim each). Else it puts the job's unacknowledged
-message back on its queue, so it comes back as sent (marked redelivered, as kombu marks the copies
-it restores), or republishes it from the message
-kept on the record, under the job's own identity and with its headers (age, retry state).
-Fencing keeps this safe against a slow original holder: the new delivery claims with a higher
-token, and the old holder's late writes are refused.
+copies it no longer holds are made due again; and for a while after, it looks at each sweep
+(failover_watch.py: a failover's old primary may take writes, then drop them). For each of (1)
+to (3), a job whose message still waits in its tier's queue or the delayed set is only slow
+and is left alone (under a deep backlog, copies would cost a claim each). Else it puts the
+job's unacknowledged message back on its queue, so it comes back as sent (marked redelivered,
+as kombu marks the copies it restores), or republishes it from the message kept on the
+record, under the job's own identity and with its headers (age, retry state). Fencing keeps
+this safe against a slow original holder: the new delivery claims with a higher token, and
+the old holder's late writes are refused.
 
 Every worker's housekeeping runs it (:meth:`Reconciler.sweep_if_leader`), one sweeper at a
 time across the fleet; ``celery -A APP ledger reconcile`` and the periodic task
@@ -45,14 +46,18 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from .broker import (
+    NOT_WATCHING,
     BrokerView,
     Continuity,
     CopiesOwed,
     Stranded,
     SweepLock,
     Unacked,
+    Watch,
+    WatchState,
     data_lost,
 )
+from .failover_watch import FailoverWatch
 from .ledger.message import KeptMessage
 from .ledger.ports import ReconcilerStore
 from .ledger.record import State
@@ -81,13 +86,17 @@ MISSING_PER_SWEEP = 5_000
 # absent from both looks, this far apart.
 MISSING_CONFIRM_SECONDS = 1.0
 # After a failover, the dead letters' copies made within three sweeps and this long before it
-# noticed are made again (a replica's lag and the sweep lock's move, with room to spare), and
-# those missing at the sweeps of this long and two sweeps more after it (those a stopped old
-# primary took from clients still connected to it once continued, until the sentinels made it
-# a replica: seen in the soak).
+# noticed are made again (a replica's lag and the sweep lock's move, with room to spare); and
+# for this long and two sweeps more after it, the copies missing are made at each sweep and
+# the jobs whose message is missing looked for (failover_watch.py: what an old primary, stopped
+# or stalled, took from clients still connected to it once it ran again, until the sentinels
+# made it a replica, which dropped it: seen in the soak, and in a double failover under load).
 FAILOVER_MARGIN_SECONDS = 30.0
-# Right after the broker may have lost data, jobs untouched this long are looked for.
+# Right after the broker may have lost data, and within the watch after a failover, jobs
+# untouched this long are looked for...
 AFTER_DATA_LOSS_SECONDS = 2.0
+# ...within the watch, at most this often (each look reads the queues twice, a second apart).
+WATCH_LOOK_EVERY_SECONDS = 5.0
 
 
 @dataclass
@@ -180,6 +189,10 @@ class Reconciler:
         # sweep has looked for the missing jobs.
         self._continuity: Continuity | None = None
         self._data_lost: str | None = None
+        # After a failover, missing messages are looked for at each sweep for a while
+        self._watch = FailoverWatch(
+            broker, monotonic=monotonic, sweep_every=runtime.settings.reconcile_every_seconds
+        )
 
     def sweep_if_leader(self) -> ReconcileReport | None:
         """Sweep if this process holds (or takes) the fleet's sweep lock; else None."""
@@ -234,6 +247,7 @@ class Reconciler:
         if dry_run:
             return report
         self._notice_data_loss(report)
+        watch = self._watch.now()
         if self._unrecorded is not None:
             try:  # first: a job recorded now is one the looks below can bring back
                 report.recorded = self._unrecorded.record(self._ledger.enqueue_many)
@@ -253,11 +267,15 @@ class Reconciler:
                     logger.warning("reconcile: %s failed: %s", doc.get("_id"), exc)
                     self._set_aside(doc)
         handled = {d["_id"] for _, d in candidates}
+        looked = False
         try:
-            self._bring_back_missing(report, handled, unacked, waiting, limit=limit)
+            self._bring_back_missing(report, handled, unacked, waiting, limit=limit, watch=watch)
+            looked = True
         except Exception as exc:  # the ledger or the broker is away: the next sweep's
             report.failed += 1
             logger.warning("reconcile: looking for missing messages failed: %s", exc)
+        if watch.phase is Watch.ENDED and looked and self._wake_at_watch_end(report):
+            self._watch.done()  # (else the next sweep sees to the watch's end again)
         try:  # after the records' part: what it brought back is not stranded
             self._restore_stranded(report, grace=grace, handled=handled)
         except Exception as exc:  # the ledger or the broker is away: the next sweep's
@@ -335,6 +353,11 @@ class Reconciler:
         window = self._runtime.settings.reconcile_every_seconds * 3 + FAILOVER_MARGIN_SECONDS
         since = None if wiped else self._ledger.now() - timedelta(seconds=window)
         self._owe_copies(since)
+        # (after a wipe too: a new primary whose replication had not begun lacks the marker as
+        # well, and its old primary may run again)
+        every = self._runtime.settings.reconcile_every_seconds
+        recent = self._ledger.now() - timedelta(seconds=window)
+        self._watch.start(recent, FAILOVER_MARGIN_SECONDS + 2 * every)
         logger.warning("reconcile: the broker may have lost data: %s", why)
         if self._declare_queues is not None:
             try:
@@ -351,6 +374,22 @@ class Reconciler:
                 report.failed += 1
                 logger.warning("reconcile: waking the workflows again failed: %s", exc)
 
+    def _wake_at_watch_end(self, report: ReconcileReport) -> bool:
+        """Wake every active workflow once more at the watch's end (failover_watch.py): a wake
+        a stale primary took and dropped is only in the broker. False if it failed."""
+        if self._wake_workflows_after_loss is None:
+            return True
+        try:
+            held = self._runtime.gate.held(self._runtime.tiers.names)
+            woken = self._wake_workflows_after_loss(held)
+        except Exception as exc:  # the next sweep, the watch's end still, tries again
+            report.failed += 1
+            logger.warning("reconcile: waking the workflows after the watch failed: %s", exc)
+            return False
+        report.workflows_rewoken += woken
+        logger.warning("reconcile: the watch after a failover ended: %d workflow(s) woken", woken)
+        return True
+
     def _bring_back_missing(
         self,
         report: ReconcileReport,
@@ -359,17 +398,26 @@ class Reconciler:
         waiting: set[str] | None,
         *,
         limit: int,
+        watch: WatchState = NOT_WATCHING,
     ) -> None:
-        """(5) of the module docstring: jobs whose message is nowhere in the broker."""
+        """(5) of the module docstring: jobs whose message is nowhere in the broker; within
+        the watch after a failover (or at its end), those touched since its start."""
         lost = self._data_lost
         settings = self._runtime.settings
-        after = AFTER_DATA_LOSS_SECONDS if lost else settings.reconcile_missing_after_seconds
         now = self._monotonic()
+        after, since = AFTER_DATA_LOSS_SECONDS, None
         if lost is None:
             # At most once a wait (the look reads the queues and asks the ledger for every quiet
             # job: once per sweep, every few seconds, it slowed a soak's whole fleet); a job
-            # missing is then brought back within twice the wait
-            if self._looked_at is not None and now - self._looked_at < after:
+            # missing is then brought back within twice the wait. Within a watch, at most once
+            # every few seconds, and the end's look always.
+            if watch.phase is Watch.NONE:
+                after = settings.reconcile_missing_after_seconds
+                every = after
+            else:
+                since = watch.since
+                every = 0.0 if watch.phase is Watch.ENDED else WATCH_LOOK_EVERY_SECONDS
+            if self._looked_at is not None and now - self._looked_at < every:
                 return
             if self._broker.depth() > MISSING_SCAN_MAX_MESSAGES:
                 return
@@ -377,7 +425,9 @@ class Reconciler:
         runtime = self._runtime
         quiet = [
             str(doc["_id"])
-            for doc in self._ledger.quiet(older_than_seconds=after, limit=MISSING_PER_SWEEP)
+            for doc in self._ledger.quiet(
+                older_than_seconds=after, limit=MISSING_PER_SWEEP, touched_since=since
+            )
             if doc["_id"] not in handled
             # (another app's job sharing the ledger: its queues are not read here)
             and runtime.tiers.for_record(doc, runtime.tier_of(str(doc.get("task")))) is not None

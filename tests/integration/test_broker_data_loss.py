@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from celery_ledger import State
-from celery_ledger.broker import RedisBroker
+from celery_ledger.broker import RedisBroker, Watch, WatchState
 from celery_ledger.embedded.stack import EmbeddedStack
 
 from .conftest import broker_client, producer_app, start_healing_worker
@@ -159,3 +159,23 @@ def test_the_copies_a_loss_owes_are_noted_in_the_broker_widened_and_paid_once(
         broker.owe_copies(later, hold_seconds=0)
         widened = broker.copies_owed()
         assert widened is not None and widened.since is None, foreign
+
+
+def test_the_watch_after_a_failover_is_the_fleets_widened_and_its_end_kept_until_seen_to(
+    client: redis.Redis,
+) -> None:
+    """The watch after a failover lives in the broker (the sweep lock may move meanwhile); a
+    second failover within it widens it; its end stays until a sweep has seen to it."""
+    one = RedisBroker(client, queues=["q"], delayed_key="q:delayed", marker_key="w")
+    other = RedisBroker(client, queues=["q"], delayed_key="q:delayed", marker_key="w")
+    assert one.watch() == WatchState(Watch.NONE)
+    at = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+    one.watch_after_failover(1.0, at)
+    other.watch_after_failover(0.2, at + timedelta(minutes=1))  # (within it: no narrower)
+    assert one.watch() == other.watch() == WatchState(Watch.WATCHING, at)
+    time.sleep(1.1)
+    assert [one.watch(), other.watch()] == [WatchState(Watch.ENDED, at)] * 2  # (until seen to)
+    other.watch_done()
+    assert one.watch() == WatchState(Watch.NONE)
+    client.set("w:watch:end", "garbage")  # (not this module's: the whole window)
+    assert one.watch() == WatchState(Watch.ENDED, None)

@@ -3,7 +3,8 @@ own (a primary, two replicas, three sentinels: real valkey-server processes on l
 real worker: the primary paused past the sentinels' down-after time and continued (it comes back
 as a replica, and what it took meanwhile is lost with it); a failover while a job's retry waits
 in the delayed set; while a durable workflow waits on a timer; while the reconciler's sweep lock
-and a change-stream trigger's lease are held.
+and a change-stream trigger's lease are held; when the replica promoted stalls at once (twice
+in a row).
 
 Each asserts that every job's body ran once (its effects counted), nothing was lost, no worker
 ended, and reports the time to recover (``-s`` prints it). Where the promoted replica may or may
@@ -34,7 +35,9 @@ from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from tasks.effects import effects
 from tests.integration.apps import triggers as trigger_app
 
+from .conftest import APP_MODULE, producer_app
 from .failover import (
+    NAMESPACE,
     RECORD,
     SETTLE_SECONDS,
     assert_worker_stayed,
@@ -419,8 +422,9 @@ def test_the_sweep_lock_and_a_trigger_lease_held_at_a_failover_are_taken_again(
         sweeping = holder(group, TRIGGER_SWEEP_LOCK)
         assert sweeping is not None
         survivor = next(w for w in workers.values() if w.pid == pid_of(sweeping[0]))
-        # (its sweeps run: a marker gone is noticed at its next sweep)
-        with node_client(group, new) as primary:
+        # (its sweeps run: a marker gone is noticed at its next sweep; on the primary now, the
+        # sentinels may have failed over again since, on a loaded machine)
+        with node_client(group, group.primary()) as primary:
             primary.delete(TRIGGER_MARKER)
         wait_for(
             lambda: "its marker was missing" in survivor.log_path.read_text(errors="replace"),
@@ -482,3 +486,76 @@ def test_a_sweeper_that_first_looks_after_a_failover_notices_it(
     assert data_lost(None, again.reconciler._broker.continuity()) is None
     for app in (before, after, again):
         app.close()
+
+
+# -- 5. twice in a row: the promoted replica stalls at once --------------------------------------
+
+STALE_JOBS = 20
+
+
+def test_a_promoted_replica_that_stalls_at_once_is_failed_over_too_and_nothing_is_lost(
+    stack: EmbeddedStack, group: SentinelGroup, worker: WorkerProcess
+) -> None:
+    """On a loaded machine the replica just promoted may miss the sentinels' pings for their
+    down-after time (a busy core, a fork for its first sync): they fail over again, to the last
+    replica, while clients may hold connections to the stalled one, which runs again believing
+    itself the primary, taking their writes, until the sentinels make it a replica and it drops
+    them. Every job must still run, once, and those it dropped come back at the reconciler's
+    next sweeps (it watches for missing messages for a while after a failover), not after its
+    ordinary wait for a quiet job (30 s)."""
+    producer = group_producer(stack, group, "stalled-producer")
+    worker_pid = worker.pid
+    with loaded(shared_task(producer, RECORD)) as load:
+        # Given jobs published and run through the sentinels
+        wait_for(lambda: len(load.published) > 10, timeout=60, what="the load")
+        # When the primary is killed, and the replica promoted stalls (SIGSTOP) at once, past
+        # the down-after time, then runs again
+        first = group.primary()
+        killed_at = time.monotonic()
+        first.kill()
+        second = group.wait_for_new_primary(first.port)
+        with paused(second):
+            third = group.wait_for_new_primary(second.port)
+            promoted = time.monotonic() - killed_at
+        continued = time.monotonic()
+        # ...and a client still connected to it publishes there meanwhile
+        stale = producer_app(
+            EmbeddedStack(APP_MODULE, Path("."), broker=second, ledger=stack.ledger),
+            "stale-producer",
+            queue_namespace=NAMESPACE,
+        )
+        assert role(group, second) == "master"
+        stale_tokens = [f"stale-{uuid.uuid4().hex[:12]}" for _ in range(STALE_JOBS)]
+        for token in stale_tokens:
+            shared_task(stale, RECORD).delay(token=token)
+        stale_published = time.monotonic()
+        # Then those jobs run soon, their messages missing from the primary (brought back by
+        # the sweeps of the watch, before or after it drops them)
+        stale_ran = wait_all_ran(stale_tokens, timeout=90)
+        # And it becomes a replica of the last one (what it took meanwhile dropped)
+        wait_for(
+            lambda: replicates(group, second, third), timeout=60, what="the stalled one demoted"
+        )
+        demoted_at = time.monotonic()
+        time.sleep(3)  # (jobs published and run on the last primary)
+    # And every job ran, once
+    tokens = load.tokens() + stale_tokens
+    wait_all_ran(tokens)
+    drained = time.monotonic() - demoted_at
+    time.sleep(SETTLE_SECONDS)
+    assert runs_not_once(tokens) == {}
+    # (the ordinary look finds a job missing only once it was quiet for 30 s)
+    assert stale_ran < 20, f"the stale primary's jobs ran {stale_ran:.1f} s after their publish"
+    # and the worker never ended
+    assert_worker_stayed(worker, worker_pid)
+    counts = worker_log_counts(worker)
+    print(
+        f"\nprimary {first.port} killed, {second.port} promoted and stalled, {third.port}"
+        f" promoted {promoted:.1f} s after the kill; {STALE_JOBS} jobs published to the stalled"
+        f" one {stale_published - continued:.1f} s after it ran again ran {stale_ran:.1f} s"
+        f" later; it was a replica {demoted_at - continued:.1f} s after it ran again;"
+        f" {len(tokens)} jobs, all ran"
+        f" {drained:.1f} s after that; refusals {load.refusals}; reconciler: {counts}"
+    )
+    producer.close()
+    stale.close()

@@ -639,6 +639,12 @@ def test_the_sweeps_reads_find_every_kind_of_waiting_job_and_only_those(
     assert seen(age=25) == ({"failed", "published", "retrying"}, {"published", "retrying"})
     # A limit holds across the kinds (what it returns is some of them)
     assert len(ledger.quiet(older_than_seconds=10, limit=2)) == 2
+    # Touched since a moment: those only (the watch after a failover reads the recent ones)
+    young = enqueue()
+    clock.advance(15)
+    since = clock() - timedelta(seconds=20)
+    recent = ledger.quiet(older_than_seconds=10, limit=10_000, touched_since=since)
+    assert {d["_id"] for d in recent} & {*names, young} == {young}
     assert len(ledger.stale(State.QUEUED, older_than_seconds=10, limit=1)) == 1
 
 

@@ -12,7 +12,15 @@ from typing import Any
 import pytest
 
 from celery_ledger import Settings
-from celery_ledger.broker import Continuity, CopiesOwed, Stranded, Unacked, data_lost
+from celery_ledger.broker import (
+    Continuity,
+    CopiesOwed,
+    Stranded,
+    Unacked,
+    Watch,
+    WatchState,
+    data_lost,
+)
 from celery_ledger.crypto import Sealer
 from celery_ledger.errors import StoreError
 from celery_ledger.identity import derive_task_id
@@ -40,6 +48,10 @@ class FakeBroker:
     owed: CopiesOwed | None = None  # the dead letters' copies owed (noted in the broker)
     notes: int = 0
     holding: bool = False  # (a note held: paid again at each sweep until it is not)
+    watching: bool = False  # (a watch after a failover noted, not lapsed yet)
+    watch_end: datetime | None = None  # (its end's note, with its since: not seen to yet)
+    watch_noted: list[tuple[float, datetime]] = field(default_factory=list)
+    refuse_notes: bool = False
 
     def stranded(self, *, older_than_seconds: float, limit: int) -> list[Stranded]:
         return list(self.taken)[:limit]
@@ -72,6 +84,20 @@ class FakeBroker:
     def copies_paid(self, owed: CopiesOwed) -> None:
         if self.owed == owed:
             self.owed = None
+
+    def watch_after_failover(self, seconds: float, since: datetime) -> None:
+        if self.refuse_notes:
+            raise ConnectionError("the broker refuses")
+        self.watch_noted.append((seconds, since))
+        self.watching, self.watch_end = True, since
+
+    def watch(self) -> WatchState:
+        if self.watch_end is None:
+            return WatchState(Watch.NONE)
+        return WatchState(Watch.WATCHING if self.watching else Watch.ENDED, self.watch_end)
+
+    def watch_done(self) -> None:
+        self.watch_end = None
 
 
 @dataclass
@@ -649,7 +675,7 @@ def test_a_broker_that_lost_its_data_has_its_jobs_back_at_once_whatever_the_dept
     assert world.reconciler.sweep().broker_data_lost is None and world.declared == [1]
 
 
-def test_a_broker_that_lost_its_data_has_every_active_workflow_woken_again_once(
+def test_a_broker_that_lost_its_data_has_every_active_workflow_woken_at_once_and_after_the_watch(
     world: World,
 ) -> None:
     # Given a reconciler that wakes the workflows again after a data loss, a tier held
@@ -664,8 +690,14 @@ def test_a_broker_that_lost_its_data_has_every_active_workflow_woken_again_once(
     report = world.reconciler.sweep()
     # Then the workflows are woken again, their held tiers' left to their checks
     assert report.workflows_rewoken == 3 and asked == [frozenset({"bulk"})]
-    # and the next sweep is an ordinary one
+    # and the next sweeps within the watch after it wake none
     assert world.reconciler.sweep().workflows_rewoken == 0 and len(asked) == 1
+    assert world.reconciler.sweep().workflows_rewoken == 0 and len(asked) == 1
+    # And the first sweep after the watch (any process's) wakes them once more: a wake an old
+    # primary took meanwhile, then dropped, is only in the broker; none after that
+    world.broker.watching = False
+    assert world.reconciler.sweep().workflows_rewoken == 3 and len(asked) == 2
+    assert world.reconciler.sweep().workflows_rewoken == 0 and len(asked) == 2
 
 
 @pytest.mark.parametrize(
@@ -792,6 +824,151 @@ def test_copies_a_failovers_old_primary_took_after_the_notice_are_made_while_the
     assert world.reconciler.sweep().dead_letters_copied_again == 1
     assert world.broker.owed is None
     assert world.reconciler.sweep().dead_letters_copied_again == 0 and len(asked) == 4
+
+
+WATCH_SECONDS = 30.0 + 2 * 30  # (the margin, and two sweeps of 30 s)
+
+
+def notice_a_failover(world: World) -> None:
+    world.broker.marker = Continuity("m1", "h1:1", False)
+    world.reconciler.sweep()
+    world.broker.marker = Continuity("m1", "h2:1", False)
+    assert world.reconciler.sweep().broker_data_lost is not None
+
+
+def test_a_job_a_failovers_old_primary_dropped_after_the_notice_is_back_at_the_next_look(
+    world: World,
+) -> None:
+    """The jobs' side of the held copies: a job published to the old primary after the fleet
+    noticed the failover (a client's connection to it waited through its stall) is dropped when
+    the sentinels make it a replica. Its record is queued, its message nowhere: the looks of the
+    watch find it at once, not once every 30 s."""
+    # Given a failover noticed (the watch noted in the broker, for every sweeper, with the
+    # records to look at: those touched since the copies' window before the notice)
+    notice_a_failover(world)
+    [(seconds, since)] = world.broker.watch_noted
+    assert seconds == WATCH_SECONDS and since == world.ledger.now() - timedelta(seconds=120)
+    # When a job published after the notice loses its message a few seconds later
+    world.clock.advance(3)
+    record_id = world.queued_job("late")
+    world.clock.advance(3)
+    # Then the next sweep, an ordinary one but within the watch, publishes it again at once
+    report = world.reconciler.sweep()
+    assert report.broker_data_lost is None and report.missing == 1
+    assert [t.options["task_id"] for t in world.outbox.tasks] == [record_id]
+
+
+def test_the_watchs_looks_are_few_read_the_recent_records_and_spare_deep_queues(
+    world: World,
+) -> None:
+    notice_a_failover(world)
+    # A job lost a moment after the notice is looked for at most once every few seconds...
+    world.clock.advance(1)
+    lost = world.queued_job("a")
+    world.clock.advance(2.5)
+    looked = []
+    for _ in range(7):
+        looked.append(world.reconciler.sweep().missing)
+        if looked[-1]:
+            world.broker.waiting_ids.add(lost)  # (its new copy waits in its queue)
+        world.clock.advance(1)
+    assert looked == [0, 0, 1, 0, 0, 0, 0]  # (the notice's look was 3.5 s before the first)
+    # ...only among the records touched since its window (an old quiet one waits its turn)
+    world.clock.advance(10)
+    old = world.queued_job("old")
+    world.ledger.docs[old]["updated_at"] -= timedelta(seconds=600)
+    world.clock.advance(6)
+    assert world.reconciler.sweep().missing == 0
+    # ...and not while the queues are deep (their read is the look's cost)
+    world.queued_job("deep")
+    world.broker.queued_messages = 20_001
+    world.clock.advance(6)
+    assert world.reconciler.sweep().missing == 0
+
+
+def test_the_watchs_end_looks_once_more_wakes_the_workflows_and_is_seen_to_once(
+    world: World,
+) -> None:
+    asked: list[frozenset[str]] = []
+    world.reconciler._wake_workflows_after_loss = lambda held: asked.append(held) or 3
+    notice_a_failover(world)
+    assert len(asked) == 1  # (the notice's own wake)
+    # Given a job lost just before the watch lapsed
+    world.clock.advance(10)
+    world.reconciler.sweep()
+    world.clock.advance(1)
+    record_id = world.queued_job("just before")
+    world.clock.advance(3)
+    world.broker.watching = False
+    # When its end fails to wake the workflows, the next sweep sees to the end again
+    world.reconciler._wake_workflows_after_loss = lambda held: 1 / 0
+    report = world.reconciler.sweep()
+    assert report.failed == 1 and world.broker.watch_end is not None
+    assert report.missing == 1 and [t.options["task_id"] for t in world.outbox.tasks] == [record_id]
+    world.broker.waiting_ids.add(record_id)  # (its new copy waits in its queue)
+    # Then the next sweep wakes them, and forgets the end; none after it does
+    world.reconciler._wake_workflows_after_loss = lambda held: asked.append(held) or 3
+    assert world.reconciler.sweep().workflows_rewoken == 3 and world.broker.watch_end is None
+    assert world.reconciler.sweep().workflows_rewoken == 0 and len(asked) == 2
+    # And after it, the looks are the ordinary ones again (a job missing now waits its wait)
+    world.clock.advance(40)
+    world.queued_job("later")
+    world.clock.advance(3)
+    assert world.reconciler.sweep().missing == 0
+
+
+def test_the_watch_is_the_fleets_and_this_processs_own_while_the_broker_refuses_it(
+    world: World,
+) -> None:
+    # Given a watch another process noted (this one never saw the failover)
+    world.broker.watching, world.broker.watch_end = True, world.ledger.now()
+    world.clock.advance(1)
+    record_id = world.queued_job("late")
+    world.clock.advance(3)
+    # Then this process's sweep looks at once too
+    assert world.reconciler.sweep().missing == 1
+    assert [t.options["task_id"] for t in world.outbox.tasks] == [record_id]
+    # And a process whose note the broker refused watches for its own part...
+    other = World()
+    other.broker.refuse_notes = True
+    notice_a_failover(other)
+    other.clock.advance(3)
+    late = other.queued_job("late")
+    other.clock.advance(3)
+    assert other.reconciler.sweep().missing == 1
+    assert [t.options["task_id"] for t in other.outbox.tasks] == [late]
+    # ...and notes it in the broker once it takes it, for the time left
+    other.broker.refuse_notes = False
+    other.clock.advance(30)
+    other.reconciler.sweep()
+    [(left, _)] = other.broker.watch_noted
+    assert 0 < left < WATCH_SECONDS and other.broker.watching
+
+
+def test_a_watch_this_process_kept_ends_as_the_fleets_unless_outlived_by_far(
+    world: World,
+) -> None:
+    asked: list[frozenset[str]] = []
+    world.reconciler._wake_workflows_after_loss = lambda held: asked.append(held) or 3
+    world.broker.refuse_notes = True
+    notice_a_failover(world)
+    world.clock.advance(WATCH_SECONDS + 1)
+    assert world.reconciler.sweep().workflows_rewoken == 3 and len(asked) == 2
+    assert world.reconciler.sweep().workflows_rewoken == 0
+    # (one it swept no more for long after, the lock elsewhere: dropped, no one woken)
+    world.broker.marker = Continuity("m1", "h3:1", False)
+    world.reconciler.sweep()
+    world.clock.advance(WATCH_SECONDS + 2 * 30 + 1)
+    assert world.reconciler.sweep().workflows_rewoken == 0 and len(asked) == 3
+
+
+def test_a_wipe_is_watched_as_well(world: World) -> None:
+    """(A new primary whose replication had not begun lacks the marker too: read as a wipe,
+    while its old primary may run again.)"""
+    world.reconciler.sweep()
+    world.broker.marker = Continuity("m2", None, True)
+    assert world.reconciler.sweep().broker_data_lost is not None
+    assert [seconds for seconds, _ in world.broker.watch_noted] == [WATCH_SECONDS]
 
 
 def test_a_failure_to_wake_the_workflows_again_never_stops_the_sweep(world: World) -> None:

@@ -115,12 +115,16 @@ class Views(LedgerBase):
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
         return self._untouched(state, cutoff, unpublished=True, limit=limit)
 
-    def quiet(self, *, older_than_seconds: float, limit: int) -> list[dict[str, Any]]:
+    def quiet(
+        self, *, older_than_seconds: float, limit: int, touched_since: datetime | None = None
+    ) -> list[dict[str, Any]]:
         """The published jobs waiting for a claim (queued, or retrying and due) and untouched
         for ``older_than_seconds``: those whose message the broker may have lost. Their id,
         task, tier and fleet only: the reconciler passes over another app's (sharing the
         ledger) by these, looks for the rest's messages in the broker, and reads the few it does
-        not find with :meth:`records`. Never-published records are the outbox relay's."""
+        not find with :meth:`records`. Never-published records are the outbox relay's.
+        ``touched_since``: only those last touched since then (after a failover, the recent
+        ones: under a backlog, the oldest would fill ``limit``)."""
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
         found: list[dict[str, Any]] = []
         for state in (State.QUEUED, State.RETRYING):
@@ -130,6 +134,7 @@ class Views(LedgerBase):
                 unpublished=False,
                 limit=limit - len(found),
                 projection={"_id": 1, "task": 1, "tier": 1, "fleet": 1},
+                since=touched_since,
             )
             if len(found) >= limit:
                 break
@@ -143,8 +148,10 @@ class Views(LedgerBase):
         unpublished: bool,
         limit: int,
         projection: Mapping[str, Any] | None = None,
+        since: datetime | None = None,
     ) -> list[dict[str, Any]]:
-        """Records of ``state``, claimable and untouched since ``cutoff``, up to ``limit``.
+        """Records of ``state``, claimable and untouched since ``cutoff`` (and touched since
+        ``since``, if given), up to ``limit``.
 
         A published queued record is claimable from EPOCH: read with ``claimable_at`` equal to
         EPOCH, its "untouched since" is a bound of the sweepers' index, and a deep backlog of
@@ -158,7 +165,9 @@ class Views(LedgerBase):
         """
         if limit <= 0:
             return []
-        untouched = {"$lt": cutoff}
+        untouched: dict[str, datetime] = {"$lt": cutoff}
+        if since is not None:
+            untouched["$gte"] = since
         exact: list[datetime] = []
         due = {"$lt": cutoff}
         if state is State.QUEUED:
@@ -174,7 +183,7 @@ class Views(LedgerBase):
                     return found
             for doc in self.collection.find({"state": state.value, "claimable_at": due}, fields):
                 touched = _aware(doc.get("updated_at"))
-                if touched is not None and touched < cutoff:
+                if touched is not None and touched < cutoff and (since is None or touched >= since):
                     found.append(doc)
                     if len(found) >= limit:
                         break
