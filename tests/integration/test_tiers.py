@@ -210,16 +210,23 @@ def test_bulk_throttles_under_foreground_latency_and_resumes_without_loss(
 def test_a_shared_rate_limit_holds_across_worker_processes(app: Any) -> None:
     from tests.integration.ledger_app import rate_limited
 
-    token = uuid.uuid4().hex[:8]
-    tokens = [f"{token}-{i}" for i in range(14)]
-    started = time.monotonic()
-    for result in [rate_limited.delay(t) for t in tokens]:
-        result.get(timeout=60)
-    elapsed = time.monotonic() - started
-    # 4 per second with a burst of 2, whatever the number of processes: >= (14 - 2) / 4 = 3 s
-    assert elapsed >= 2.7
-    records = [app.ledger.get(rate_limited.name, t) for t in tokens]
-    assert {r.state for r in records} == {State.SUCCEEDED}
-    assert all(effect_count("limited", t) == 1 for t in tokens)
-    pids = {d["pid"] for d in effects().find({"kind": "limited", "key": {"$in": tokens}})}
+    # A batch proves the bucket shared only if its jobs ran in two processes or more; which
+    # process takes a job is the pool's choice (on a loaded machine one may take them all),
+    # so a batch that ran in one is followed by another, each held to the limit
+    pids: set[int] = set()
+    for _ in range(3):
+        token = uuid.uuid4().hex[:8]
+        tokens = [f"{token}-{i}" for i in range(14)]
+        started = time.monotonic()
+        for result in [rate_limited.delay(t) for t in tokens]:
+            result.get(timeout=60)
+        elapsed = time.monotonic() - started
+        # 4 per second with a burst of 2, whatever the number of processes: >= (14 - 2) / 4 s
+        assert elapsed >= 2.7
+        records = [app.ledger.get(rate_limited.name, t) for t in tokens]
+        assert {r.state for r in records} == {State.SUCCEEDED}
+        assert all(effect_count("limited", t) == 1 for t in tokens)
+        pids = {d["pid"] for d in effects().find({"kind": "limited", "key": {"$in": tokens}})}
+        if len(pids) >= 2:
+            break
     assert len(pids) >= 2  # the bucket is shared, not per process
