@@ -350,13 +350,11 @@ class Reconciler:
         # A broker without its marker lost everything; a failover, only the last writes its
         # replica had not received: the copies made since this fleet's previous sweeps
         wiped = now.created or (before is not None and before.marker != now.marker)
-        window = self._runtime.settings.reconcile_every_seconds * 3 + FAILOVER_MARGIN_SECONDS
-        since = None if wiped else self._ledger.now() - timedelta(seconds=window)
-        self._owe_copies(since)
+        every = self._runtime.settings.reconcile_every_seconds
+        recent = self._ledger.now() - timedelta(seconds=every * 3 + FAILOVER_MARGIN_SECONDS)
+        self._owe_copies(None if wiped else recent)
         # (after a wipe too: a new primary whose replication had not begun lacks the marker as
         # well, and its old primary may run again)
-        every = self._runtime.settings.reconcile_every_seconds
-        recent = self._ledger.now() - timedelta(seconds=window)
         self._watch.start(recent, FAILOVER_MARGIN_SECONDS + 2 * every)
         logger.warning("reconcile: the broker may have lost data: %s", why)
         if self._declare_queues is not None:
