@@ -580,13 +580,11 @@ class Guard:
         return self._defer(delivery, body, delay, "ledger unavailable", released=released)
 
     def unavailable_delay(self, delivery: Delivery) -> float:
-        settings = self.settings
-        delay = backoff_seconds(
-            delivery.deferrals,
-            base_seconds=settings.unavailable_backoff_base_seconds,
-            cap_seconds=settings.unavailable_backoff_cap_seconds,
+        base, cap = (
+            self.settings.unavailable_backoff_base_seconds,
+            self.settings.unavailable_backoff_cap_seconds,
         )
-        return max(delay, 0.2)
+        return max(backoff_seconds(delivery.deferrals, base_seconds=base, cap_seconds=cap), 0.2)
 
     def _duplicate(self, delivery: Delivery) -> Verdict:
         self.observers.duplicate(delivery.job)
@@ -1275,8 +1273,8 @@ class Attempt:
         return self.guard._defer(self.delivery, self.body, delay, reason, released=False)
 
     def _persist(self, write: Callable[[], Any], what: str) -> None:
-        """Run a fenced write, retrying while the ledger is unreachable (until most of the
-        lease is spent: past that, another delivery may take over anyway).
+        """Run a fenced write, retrying while the ledger is unreachable until most of the lease
+        is spent (past that, another delivery may take over anyway; no pause outlasts it).
 
         Raises:
             _Settled: the lease was lost (acknowledge), or the write could not be made
@@ -1311,7 +1309,8 @@ class Attempt:
                         self.record_id,
                     )
                     raise _Settled(self._hand_back(f"{what} failed: {exc}")) from exc
-                self.guard.sleep(backoff_seconds(attempt, base_seconds=0.2, cap_seconds=5.0) + 0.05)
+                pause = backoff_seconds(attempt, base_seconds=0.2, cap_seconds=5.0) + 0.05
+                self.guard.sleep(min(pause, max(0.0, deadline - self.guard.monotonic())))
                 attempt += 1
             except StoreError as exc:
                 raise _Settled(self._unstorable(what, exc)) from exc

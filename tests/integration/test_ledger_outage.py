@@ -15,7 +15,7 @@ from celery_ledger import State
 from celery_ledger.embedded.stack import EmbeddedStack
 
 from .conftest import make_isolated_stack, producer_app
-from .helpers import shared_task
+from .helpers import shared_task, wait_for
 
 
 @pytest.fixture
@@ -119,7 +119,8 @@ def test_workers_that_outlive_ledger_outages_are_not_counted_as_lost(
 
         # Given a job whose first 3 attempts each outlive the ledger
         result = task.delay(token, str(pid_file), 3)
-        for _ in range(3):
+        log_path = running.workers[0].log_path
+        for killed in range(1, 4):
             deadline = time.monotonic() + 60
             while running.ledger.alive() and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -129,7 +130,13 @@ def test_workers_that_outlive_ledger_outages_are_not_counted_as_lost(
                     f"no attempt came to kill the ledger; the job is {doc.get('state')}:"
                     f" {doc.get('dead_reason')}"
                 )
-            time.sleep(4)  # longer than most of the lease: the worker hands the message back
+            # The worker hands the message back once most of the lease is spent; the ledger
+            # comes back only then (a fixed pause raced the worker's last write under load)
+            wait_for(
+                lambda n=killed: log_path.read_text().count("handing the message back") >= n,
+                timeout=30,
+                what=f"attempt {killed}'s worker handing its message back",
+            )
             running.ledger.restart()
             pid_file.write_text(str(running.ledger.pid))
 
