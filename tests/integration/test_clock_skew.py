@@ -214,7 +214,9 @@ def test_a_producers_clock_moves_neither_a_due_time_nor_an_age(
     token = f"cd-{uuid.uuid4().hex[:8]}"
     published = produce_on(isolated, clock, "record", token, "countdown")
     wait_for(lambda: effects_of(isolated, "record", token), timeout=30, what="it running")
-    assert 3.5 <= time.monotonic() - published <= 12.0
+    # (not early; late by no more than a loaded machine's worker takes: 12.4 s was seen under
+    # a load of 36 on 2 cores; an hour's offset would show as 3,600 s)
+    assert 3.5 <= time.monotonic() - published <= 30.0
     # And the fleet's clock book (``ledger health``'s clock check) shows that producer's host
     book = ClockBook(producer.runtime.redis, namespace=producer.runtime.tiers.namespace)
     offsets = [
