@@ -1281,7 +1281,7 @@ class Attempt:
                 (requeue: the ledger decides again on redelivery).
         """
         deadline = self.guard.monotonic() + self.policy.lease_seconds * 0.8
-        attempt = 0
+        attempt, spent = 0, False
         while True:
             try:
                 write()
@@ -1302,7 +1302,8 @@ class Attempt:
                 )
                 continue
             except LedgerUnavailable as exc:
-                if self.guard.monotonic() >= deadline:
+                left = deadline - self.guard.monotonic()
+                if spent or left <= 0:
                     logger.error(
                         "%s of %s failed, ledger unreachable; handing the message back",
                         what,
@@ -1310,8 +1311,8 @@ class Attempt:
                     )
                     raise _Settled(self._hand_back(f"{what} failed: {exc}")) from exc
                 pause = backoff_seconds(attempt, base_seconds=0.2, cap_seconds=5.0) + 0.05
-                self.guard.sleep(min(pause, max(0.0, deadline - self.guard.monotonic())))
-                attempt += 1
+                attempt, spent = attempt + 1, pause >= left  # (spent: no more pauses after it)
+                self.guard.sleep(min(pause, left))
             except StoreError as exc:
                 raise _Settled(self._unstorable(what, exc)) from exc
 
