@@ -107,6 +107,8 @@ class BulkPublish:
         Raises:
             StoreError: a record could not be written (none of the batch is sent; the records
                 written are marked unpublished).
+            PublishError: the ledger away, the broker's replicas did not confirm the records
+                kept in it (unrecorded.py; none of the batch is sent).
             Exception: what sending raised (the batch's records are marked unpublished).
         """
         held, self.held = self.held, []
@@ -117,14 +119,14 @@ class BulkPublish:
         except LedgerUnavailable as exc:
             # As a single publish: the claim still runs each job once, and their records are
             # kept in the broker until the reconciler writes them (unrecorded.py)
+            self.app.runtime.ledger_absence.seen_away()
+            self.app.runtime.unrecorded.keep([entry.job for entry in held])
             logger.warning(
                 "ledger unreachable; %d jobs published, their queued records kept in the broker"
                 " until the ledger is back: %s",
                 len(held),
                 exc,
             )
-            self.app.runtime.ledger_absence.seen_away()
-            self.app.runtime.unrecorded.keep([entry.job for entry in held])
             self._send(held, new=True)  # (if it fails, the records are kept: as below)
             return
         self._send(

@@ -214,6 +214,9 @@ class Runtime:
             ),
             signer=self.signer,
             unverified_seconds=settings.unrunnable_window_seconds,  # (a deploy's length)
+            confirm_replicas=settings.replicas_to_confirm(),
+            # (within the client's own timeout, which would end the wait as a broker away)
+            confirm_seconds=settings.broker_timeout_seconds / 2,
         )
 
     @cached_property

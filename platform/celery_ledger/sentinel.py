@@ -79,6 +79,25 @@ class SentinelSettings(BaseSettings):
         " times this, then reconnect.",
     )
 
+    broker_confirm_replicas: int | None = Field(
+        None,
+        ge=0,
+        description="A job published while the ledger is away has no record yet: its record is"
+        " kept in the broker until the ledger is back, and a failover that drops the old"
+        " primary's last writes would drop the job with it. So such a publish waits (Redis WAIT,"
+        " up to half of LEDGER_BROKER_TIMEOUT_SECONDS) until this many replicas hold the record,"
+        " and is refused (PublishError: publish again, the key runs it once) if they do not."
+        " Unset: 1 with sentinel:// URLs, 0 with one server (nothing to wait for). Set 0 for a"
+        " Sentinel group without replicas, 1 for a managed Redis that fails over behind one URL.",
+    )
+
+    def replicas_to_confirm(self) -> int:
+        """How many replicas must hold a publish's record kept in the broker (see
+        ``broker_confirm_replicas``)."""
+        if self.broker_confirm_replicas is not None:
+            return self.broker_confirm_replicas
+        return 1 if is_sentinel_url(self.broker_url) else 0
+
     @field_validator("sentinel_password")
     @classmethod
     def _sentinel_password(cls, value: SecretStr | None) -> SecretStr | None:

@@ -798,7 +798,7 @@ class LedgerTask(Task):  # type: ignore[misc]
                     # Publishing never needs the ledger: the claim still runs the job once, and
                     # the reconciler writes its record once the ledger is back
                     logger.warning(
-                        "ledger unreachable; %s published, its queued record kept in the broker"
+                        "ledger unreachable; publishing %s, its queued record kept in the broker"
                         " until the ledger is back: %s",
                         task_id,
                         exc,

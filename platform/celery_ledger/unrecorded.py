@@ -20,7 +20,13 @@ may have ended and its record expired: a record written then would run it again)
 
 Why the broker: it is the one server the publish is known to reach (the message goes there
 next). A broker that loses its data loses these entries with the messages, as it loses any
-job's message; only the ledger's records outlive that, and these jobs had none yet.
+job's message; only the ledger's records outlive that, and these jobs had none yet. So where the
+broker fails over (Sentinel, or a managed Redis: ``LEDGER_BROKER_CONFIRM_REPLICAS``), an entry
+is not enough until a replica holds it: Redis replicates after it answers, and a failover
+promotes a replica that may never have received the primary's last writes (or leaves a stalled
+old primary taking writes until it is demoted and drops them). The entry's write is followed by
+``WAIT`` on the same connection, and a publish whose entry no replica confirms in time is
+refused before its message is sent (the caller publishes again; the key runs it once).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from typing import Any
 
 import redis
 
-from .errors import LedgerUnavailable, StoreError
+from .errors import LedgerUnavailable, PublishError, StoreError
 from .headers import SIGNATURE
 from .ledger.message import KeptMessage
 from .ledger.store import ENQUEUE_BATCH, EnqueueOutcome, QueuedJob
@@ -140,8 +146,13 @@ class Unrecorded:
         retention_seconds: float = float("inf"),
         signer: Signer | None = None,
         unverified_seconds: float = float("inf"),
+        confirm_replicas: int = 0,
+        confirm_seconds: float = 1.0,
     ) -> None:
         self._client = client
+        # How many replicas must hold an entry before its publish goes on, and how long for
+        self._confirm = confirm_replicas
+        self._confirm_ms = max(1, round(confirm_seconds * 1000))  # (WAIT 0 waits for ever)
         self._signer = signer
         self.key = unrecorded_key(namespace)
         # When each entry signed with a key this worker lacks was first seen so: the entry's own
@@ -154,24 +165,43 @@ class Unrecorded:
         self._unverified = unverified_seconds
 
     def keep(self, jobs: Sequence[QueuedJob]) -> bool:
-        """Keep these jobs until their records are written (one round trip); False if the
-        broker refused (logged: the jobs are then published as
+        """Keep these jobs until their records are written (one round trip, the replicas'
+        confirmation in it); False if the broker refused (logged: the jobs are then published as
         before, without a record). An entry stays if the publish then fails, as a record
         written at publish stays (marked unpublished): the caller may not know whether the
-        message went out, and the job's claim and a retried publish dedupe it."""
+        message went out, and the job's claim and a retried publish dedupe it.
+
+        Raises:
+            PublishError: fewer replicas than asked confirmed that they hold the entries (see
+                the module docstring); the jobs' messages must not be sent.
+        """
         if not jobs:
             return True
+        acked = self._confirm
         try:
             now = self._now()
-            self._client.hset(
-                self.key,
-                mapping={job.record_id: encode(job, now, self._signer, self.key) for job in jobs},
-            )
+            mapping = {job.record_id: encode(job, now, self._signer, self.key) for job in jobs}
+            if not self._confirm:
+                self._client.hset(self.key, mapping=mapping)
+            else:  # (WAIT counts the writes of its own connection: one pipeline, no MULTI)
+                with self._client.pipeline(transaction=False) as pipe:
+                    pipe.hset(self.key, mapping=mapping)
+                    pipe.execute_command("WAIT", self._confirm, self._confirm_ms)
+                    acked = int(pipe.execute()[-1])
         except Exception as exc:  # the publish that follows says whether the broker is away
             logger.warning(
                 "could not keep %d jobs published without their records: %s", len(jobs), exc
             )
             return False
+        if acked < self._confirm:
+            raise PublishError(
+                f"not published: the ledger is away, so {len(jobs)} job(s) ({jobs[0].task},"
+                f" {jobs[0].record_id}...) have only the broker to keep them, and"
+                f" {acked} of the {self._confirm} replica(s) asked confirmed them within"
+                f" {self._confirm_ms} ms (a failover under way, or replicas behind): publish"
+                " again, the same key runs once (if the broker kept them after all, they may"
+                " run without it)"
+            )
         return True
 
     def count(self) -> int:

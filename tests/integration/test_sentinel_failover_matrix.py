@@ -28,9 +28,10 @@ import pytest
 import redis
 from pymongo import MongoClient
 
-from celery_ledger import State
+from celery_ledger import PublishError, State
 from celery_ledger.broker import data_lost
 from celery_ledger.embedded.sentinel import SentinelGroup
+from celery_ledger.embedded.servers import free_port
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from tasks.effects import effects
 from tests.integration.apps import triggers as trigger_app
@@ -47,6 +48,7 @@ from .failover import (
     loaded,
     node_client,
     paused,
+    ran,
     replicas_paused,
     replicated,
     replicates,
@@ -559,3 +561,86 @@ def test_a_promoted_replica_that_stalls_at_once_is_failed_over_too_and_nothing_i
     )
     producer.close()
     stale.close()
+
+
+# -- 6. published while the ledger is away, the primary's last writes lost ------------------------
+
+AWAY_JOBS = 6
+AWAY_BULK = 4
+
+
+@pytest.mark.parametrize("confirmed", [True, False], ids=["confirmed", "unconfirmed"])
+def test_jobs_published_while_the_ledger_is_away_survive_a_failover_that_loses_their_writes(
+    tmp_path: Path, stack: EmbeddedStack, group: SentinelGroup, confirmed: bool
+) -> None:
+    """A job published while the ledger is away has no record: only the broker keeps it (its
+    message, and its record kept beside it until the ledger is back). If the primary took
+    those writes and a failover promoted a replica that never received them, nothing would
+    know the job existed. So such a publish returns only once a replica holds its record, and
+    is refused otherwise; the caller publishes again (the key runs it once). ``unconfirmed``
+    is the same without the wait (``LEDGER_BROKER_CONFIRM_REPLICAS=0``): the jobs are lost,
+    which is what this test exists to catch."""
+    unreachable = f"mongodb://127.0.0.1:{free_port()}/"  # (the producer's ledger: away)
+    producer = group_producer(
+        stack,
+        group,
+        "away-producer",
+        mongo_uri=unreachable,
+        mongo_timeout_ms=300,
+        broker_timeout_seconds=2.0,  # (the replicas' confirmation waited for: 1 s)
+        broker_confirm_replicas=None if confirmed else 0,
+    )
+    task = shared_task(producer, RECORD)
+    run = uuid.uuid4().hex[:8]
+    singles = [f"away-{run}-one{n}" for n in range(AWAY_JOBS)]
+    bulk = [f"away-{run}-bulk{n}" for n in range(AWAY_BULK)]
+    refused: list[str] = []
+    reasons: list[str] = []
+    replicated(group)
+    # Given the ledger away, when jobs are published (one by one, and in a bulk publish) while
+    # the replicas receive none of the primary's writes, and the primary is killed
+    with replicas_paused(group) as old:
+        for token in singles:
+            try:
+                task.delay(token=token)
+            except PublishError as exc:
+                refused.append(token)
+                reasons.append(str(exc))
+        try:
+            producer.publish_many([task.s(token=token) for token in bulk])
+        except PublishError as exc:
+            refused.extend(bulk)
+            reasons.append(str(exc))
+        old.kill()
+    group.wait_for_new_primary(old.port)
+    # Then, confirmed, every publish was refused, saying why (and none was, unconfirmed)
+    tokens = singles + bulk
+    assert refused == (tokens if confirmed else [])
+    assert all("not published: the ledger is away" in reason for reason in reasons)
+    # And when the caller publishes the refused ones again (the ledger still away)...
+    for token in refused:
+        wait_for(lambda token=token: _published(task, token), timeout=60, what="a publish again")
+    # ...and a worker runs (its ledger reachable)
+    worker = group_worker(tmp_path / "stack", stack, group, tiers=())
+    try:
+        # Then every job runs, once: its record kept on a replica that became the primary
+        if not confirmed:
+            with pytest.raises(AssertionError, match="published jobs to run"):
+                wait_all_ran(tokens, timeout=15)
+            assert ran(tokens) == set(), "a job published to the lost primary ran"
+            return
+        took = wait_all_ran(tokens, timeout=90)
+        time.sleep(SETTLE_SECONDS)
+        assert runs_not_once(tokens) == {}
+        print(f"\n{len(tokens)} jobs refused, published again, all ran {took:.1f} s later")
+    finally:
+        worker.stop()
+        producer.close()
+
+
+def _published(task: Any, token: str) -> bool:
+    try:
+        task.delay(token=token)
+    except PublishError:  # (the new primary's replica not in sync yet)
+        return False
+    return True

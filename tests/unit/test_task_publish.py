@@ -925,6 +925,28 @@ def test_a_publish_that_fails_with_the_ledger_away_keeps_its_record_as_with_the_
     assert [job.key for job in unrecorded.kept] == [add.key_of((2, n), {}) for n in range(2)]
 
 
+def test_a_publish_whose_kept_record_no_replica_confirms_sends_no_message(
+    app: LedgerCelery, add: LedgerTask, published: list[Published]
+) -> None:
+    """The ledger away, the broker failing over: the record kept in the broker not confirmed
+    by a replica (unrecorded.py) refuses the publish before its message goes out, both ways
+    the ledger is found away (a write that fails, then seen away)."""
+    app.runtime.ledger = FakeLedger(down=True)  # type: ignore[assignment]
+    add.dedupe_on_publish = True
+
+    @dataclass
+    class Unconfirmed(FakeUnrecorded):
+        def keep(self, jobs: Any) -> bool:
+            super().keep(jobs)
+            raise PublishError("not published: the ledger is away, 0 of 1 replica(s) confirmed")
+
+    app.runtime.__dict__["unrecorded"] = unrecorded = Unconfirmed()
+    for n in range(2):
+        with pytest.raises(PublishError, match="not published"):
+            add.apply_async((3, n))
+    assert published == [] and len(unrecorded.kept) == 2
+
+
 # -- the first claim's hint ---------------------------------------------------------------------
 
 

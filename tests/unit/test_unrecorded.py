@@ -10,9 +10,10 @@ import pytest
 import redis
 
 from celery_ledger.crypto import Sealer
-from celery_ledger.errors import LedgerUnavailable, StoreError
+from celery_ledger.errors import LedgerUnavailable, PublishError, StoreError
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.store import EnqueueOutcome, QueuedJob
+from celery_ledger.sentinel import SentinelSettings
 from celery_ledger.signing import Signer
 from celery_ledger.unrecorded import (
     UnknownSigningKey,
@@ -290,3 +291,75 @@ def test_a_broker_full_to_its_limit_still_lets_the_verifiable_entries_be_recorde
 
     assert store.record(enqueue_many) == 1
     assert written == ["a"] and list(client.fields) == [b"newer"]
+
+
+class Replicated(OneHash):
+    """:class:`OneHash` behind a primary whose replicas confirm ``acks`` of them (``WAIT``),
+    its pipelines run on the one connection (what ``WAIT`` counts)."""
+
+    def __init__(self, acks: int) -> None:
+        super().__init__()
+        self.acks = acks
+        self.waits: list[tuple[Any, ...]] = []
+
+    def pipeline(self, transaction: bool = True) -> Any:
+        assert not transaction  # (WAIT is refused inside MULTI)
+        client, queued = self, []
+
+        class Pipe:
+            def __enter__(self) -> Pipe:
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                pass
+
+            def hset(self, *args: Any, **kwargs: Any) -> None:
+                queued.append(lambda: client.hset(*args, **kwargs))
+
+            def execute_command(self, *args: Any) -> None:
+                assert args[0] == "WAIT"
+                queued.append(lambda: client.waits.append(args[1:]) or client.acks)
+
+            def execute(self) -> list[Any]:
+                return [call() for call in queued]
+
+        return Pipe()
+
+
+@pytest.mark.parametrize("acks", [0, 1, 2])
+def test_a_kept_entry_goes_on_only_once_the_replicas_asked_for_hold_it(acks: int) -> None:
+    """Where the broker fails over, an entry only the primary holds is lost with it: the
+    publish is refused (before its message is sent) unless as many replicas as asked confirm
+    it in time. The entry is written either way (the caller may publish again)."""
+    client = Replicated(acks)
+    store = Unrecorded(client, namespace="shop", confirm_replicas=1, confirm_seconds=2.5)
+    if acks >= 1:
+        assert store.keep([job("a"), job("b")])
+    else:
+        with pytest.raises(PublishError, match=r"0 of the 1 replica\(s\) asked .* 2500 ms"):
+            store.keep([job("a"), job("b")])
+    assert client.waits == [(1, 2500)]
+    assert sorted(client.fields) == [b"a", b"b"]
+
+
+def test_without_replicas_to_confirm_an_entry_is_not_waited_for() -> None:
+    client = Replicated(0)
+    store = Unrecorded(client, namespace="shop", confirm_replicas=0)
+    assert store.keep([job("a")]) and client.waits == [] and list(client.fields) == [b"a"]
+
+
+@pytest.mark.parametrize(
+    ("url", "asked", "confirmed"),
+    [
+        ("redis://127.0.0.1:6379/0", None, 0),
+        ("sentinel://127.0.0.1:26379;sentinel://127.0.0.1:26380", None, 1),
+        ("sentinel://127.0.0.1:26379", 0, 0),
+        ("redis://127.0.0.1:6379/0", 1, 1),
+        ("SENTINEL://127.0.0.1:26379", 2, 2),
+    ],
+)
+def test_the_replicas_to_confirm_follow_the_broker_unless_set(
+    url: str, asked: int | None, confirmed: int
+) -> None:
+    settings = SentinelSettings(broker_url=url, broker_confirm_replicas=asked)
+    assert settings.replicas_to_confirm() == confirmed
