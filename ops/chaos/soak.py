@@ -196,6 +196,7 @@ class Soak:
         # celery-ledger's broker when the profile says ``sentinel`` (plain Celery keeps its own)
         self.group: SentinelGroup | None = None
         self.publish_refusals = 0  # publishes refused (a failover under way), tried again
+        self.refused_by: Counter[str] = Counter()  # ...by the refusal's exception type
         self.ledger: ServerProcess
         self.world_server: ServerProcess
         self.broker_proxy: Proxy
@@ -352,6 +353,7 @@ class Soak:
                             break
                         except Exception as exc:
                             self.publish_refusals += 1
+                            self.refused_by[type(exc).__name__] += 1
                             if time.monotonic() > deadline:
                                 self.log(f"job {job.key} not published: {exc!r}")
                                 break
@@ -1284,6 +1286,7 @@ class Soak:
                 self.log(
                     f"faults over after {faults_ended - self.started:.1f}s: {dict(self.faults)}"
                     f"; publishes refused and tried again: {self.publish_refusals}"
+                    f" {dict(self.refused_by)}"
                 )
                 drained = self.drain(faults_ended)
             finally:

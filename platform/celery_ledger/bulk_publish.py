@@ -107,7 +107,7 @@ class BulkPublish:
         Raises:
             StoreError: a record could not be written (none of the batch is sent; the records
                 written are marked unpublished).
-            PublishError: the ledger away, the broker's replicas did not confirm the records
+            NotReplicated: the ledger away, the broker's replicas did not confirm the records
                 kept in it (unrecorded.py; none of the batch is sent).
             Exception: what sending raised (the batch's records are marked unpublished).
         """
@@ -209,6 +209,8 @@ class BulkPublishing:
                 ``apply_async``; the jobs before the one refused are published.
             StoreError: a batch's records could not be written (its jobs are not published;
                 earlier batches are).
+            NotReplicated: the ledger away, the broker's replicas did not confirm a batch's jobs
+                (its jobs are not published; earlier batches are): publish them all again.
         """
         app: Any = self
         found = [_signature_of(item, app) for item in signatures]

@@ -6,7 +6,8 @@ LedgerError
 │   ├── PayloadError            arguments are not JSON-serialisable or exceed the size limit
 │   ├── IdentityError           a task id that is not the id of the job's key
 │   ├── Backpressure            the tier's queue is above its high-water mark
-│   └── RetryNotPublished       a retry's message could not be published
+│   ├── RetryNotPublished       a retry's message could not be published
+│   └── NotReplicated           the ledger away, no broker replica confirmed the job in time
 ├── StoreError                  the ledger store failed (not worth retrying as is)
 │   └── LedgerUnavailable       unreachable, or the outcome of a write is unknown (transient)
 │       └── NotApplied          unavailable, and the operation surely did not apply
@@ -63,6 +64,14 @@ class Backpressure(PublishError):
 
 class RetryNotPublished(PublishError):
     """The message of a retry could not be published (broker down, backpressure)."""
+
+
+class NotReplicated(PublishError, ConnectionError):
+    """The ledger is away, so the broker alone keeps the job until it is back, and fewer of
+    the broker's replicas than ``LEDGER_BROKER_CONFIRM_REPLICAS`` confirmed in time that they
+    hold it (a failover under way, replicas behind): its message was not sent. Publish again
+    (the key runs the job once). A ``ConnectionError``: like a broker away, a task body's
+    publish refused so is retried by default."""
 
 
 class StoreError(LedgerError):

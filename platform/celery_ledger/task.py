@@ -625,8 +625,8 @@ class LedgerTask(Task):  # type: ignore[misc]
         Raises:
             PayloadError: the arguments are not JSON-serialisable or exceed the size limit.
             IdentityError: ``task_id`` is not the id of the job's key.
-            Backpressure: the tier is above its high-water mark (policy reject, or block
-                timed out).
+            Backpressure: the tier is above its high-water mark (reject, or a block timed out).
+            NotReplicated: the ledger away, no broker replica confirmed the job (send it again).
             ConfigurationError: a Celery setting changed after create_app breaks a guarantee
                 (the first publish of the process checks).
         """

@@ -56,7 +56,7 @@ from pymongo.helpers_shared import _RETRYABLE_ERROR_CODES
 
 from .admission import ADMITTED, NEVER_SHED
 from .broker import SweepLock
-from .errors import Backpressure, ConfigurationError, LedgerUnavailable, PayloadError
+from .errors import Backpressure, ConfigurationError, LedgerUnavailable, NotReplicated, PayloadError
 from .events import Observer
 from .identity import derive_task_id
 from .ledger.dead import DeadJob
@@ -154,10 +154,13 @@ def argument_of(change: Mapping[str, Any], argument: Argument) -> Any:
     return json_safe(dict(change))
 
 
+_OUTAGES = (ConnectionFailure, LedgerUnavailable, redis.RedisError, Backpressure, NotReplicated)
+
+
 def _is_outage(exc: BaseException) -> bool:
     """An error that passes by itself (a server, a primary or the broker away, a full tier):
     retried, never reported stuck."""
-    if isinstance(exc, ConnectionFailure | LedgerUnavailable | redis.RedisError | Backpressure):
+    if isinstance(exc, _OUTAGES):
         return True
     if isinstance(exc, OperationFailure):
         labels = ("RetryableError", "TransientTransactionError", "RetryableWriteError")

@@ -40,7 +40,7 @@ from typing import Any
 
 import redis
 
-from .errors import LedgerUnavailable, PublishError, StoreError
+from .errors import LedgerUnavailable, NotReplicated, StoreError
 from .headers import SIGNATURE
 from .ledger.message import KeptMessage
 from .ledger.store import ENQUEUE_BATCH, EnqueueOutcome, QueuedJob
@@ -166,18 +166,21 @@ class Unrecorded:
 
     def keep(self, jobs: Sequence[QueuedJob]) -> bool:
         """Keep these jobs until their records are written (one round trip, the replicas'
-        confirmation in it); False if the broker refused (logged: the jobs are then published as
-        before, without a record). An entry stays if the publish then fails, as a record
-        written at publish stays (marked unpublished): the caller may not know whether the
-        message went out, and the job's claim and a retried publish dedupe it.
+        confirmation in it). An entry stays if the publish then fails, as a record written at
+        publish stays (marked unpublished): the caller may not know whether the message went
+        out, and the job's claim and a retried publish dedupe it.
+
+        With no replica to confirm (one server), False if the broker refused (logged: the jobs
+        are then published as before, without a record: the publish that follows says whether
+        the broker is away).
 
         Raises:
-            PublishError: fewer replicas than asked confirmed that they hold the entries (see
-                the module docstring); the jobs' messages must not be sent.
+            NotReplicated: replicas to confirm, and fewer than asked confirmed that they hold
+                the entries (or the broker could not be asked): the messages must not be sent.
         """
         if not jobs:
             return True
-        acked = self._confirm
+        acked, failure = self._confirm, None
         try:
             now = self._now()
             mapping = {job.record_id: encode(job, now, self._signer, self.key) for job in jobs}
@@ -188,20 +191,29 @@ class Unrecorded:
                     pipe.hset(self.key, mapping=mapping)
                     pipe.execute_command("WAIT", self._confirm, self._confirm_ms)
                     acked = int(pipe.execute()[-1])
-        except Exception as exc:  # the publish that follows says whether the broker is away
-            logger.warning(
-                "could not keep %d jobs published without their records: %s", len(jobs), exc
-            )
-            return False
+        except Exception as exc:
+            if not self._confirm:
+                logger.warning(
+                    "could not keep %d jobs published without their records: %s", len(jobs), exc
+                )
+                return False
+            acked, failure = 0, exc
         if acked < self._confirm:
-            raise PublishError(
+            # (a WAIT that counts one replica is no proof against every failover: the sentinels
+            # promote the replica furthest along, which is the one that confirmed unless it is
+            # out of their reach; the wait makes a loss that needs two faults at once)
+            raise NotReplicated(
                 f"not published: the ledger is away, so {len(jobs)} job(s) ({jobs[0].task},"
                 f" {jobs[0].record_id}...) have only the broker to keep them, and"
-                f" {acked} of the {self._confirm} replica(s) asked confirmed them within"
-                f" {self._confirm_ms} ms (a failover under way, or replicas behind): publish"
-                " again, the same key runs once (if the broker kept them after all, they may"
-                " run without it)"
-            )
+                + (
+                    f" {acked} of the {self._confirm} replica(s) asked confirmed them within"
+                    f" {self._confirm_ms} ms (a failover under way, or replicas behind)"
+                    if failure is None
+                    else f" the broker could not be asked to keep them ({failure!r})"
+                )
+                + ": publish again, the same key runs once (if the broker kept them after all,"
+                " they may run without it)"
+            ) from failure
         return True
 
     def count(self) -> int:

@@ -192,6 +192,24 @@ def test_with_the_ledger_unreachable_the_batch_is_sent_with_the_first_publish_hi
     assert [job.record_id for job in unrecorded.kept] == [s.task_id for s in sent]
 
 
+def test_with_the_ledger_unreachable_a_batch_no_replica_confirms_is_not_sent(
+    app: LedgerCelery, add: LedgerTask, ledger: MemoryLedger, sent: list[Sent]
+) -> None:
+    """The batch's records kept in the broker (the ledger away) and not confirmed by a
+    replica: none of its messages goes out, and the caller is told to publish again."""
+    from celery_ledger import NotReplicated
+    from celery_ledger.unrecorded import Unrecorded
+    from tests.unit.test_unrecorded import Replicated
+
+    client = Replicated(0)
+    app.runtime.__dict__["unrecorded"] = Unrecorded(client, namespace="t", confirm_replicas=1)
+    ledger.fail("enqueue_many", LedgerUnavailable("ledger unreachable: timed out"))
+    producer = FakeProducer()
+    with pytest.raises(NotReplicated, match=r"3 job\(s\)"):
+        app.publish_many([add.s(i, 7) for i in range(3)], producer=producer)
+    assert producer.pipelines == [] and producer.alone == [] and len(client.fields) == 3
+
+
 def test_with_the_ledger_unreachable_a_failed_pipeline_keeps_the_records(
     app: LedgerCelery, add: LedgerTask, ledger: MemoryLedger, sent: list[Sent]
 ) -> None:

@@ -32,7 +32,7 @@ PUBLIC_API = {
     "Alternate", "Backpressure", "CatchUp", "CircuitOpen", "CommitLost", "ConfigurationError",
     "ControlFlow", "DeadlineExceeded", "ErrorEntry", "Fallback", "IdentityError", "Interrupted",
     "Job", "LastGood", "LeaseLost", "LedgerCelery", "LedgerError", "LedgerRecord", "LedgerTask",
-    "LedgerUnavailable", "NonDeterminism", "Observer", "Overlap", "PayloadError",
+    "LedgerUnavailable", "NonDeterminism", "NotReplicated", "Observer", "Overlap", "PayloadError",
     "PermanentError", "Placeholder", "PublishError", "RetryNotPublished", "SchedulePolicy",
     "Settings", "State", "StepFailed", "StoreError", "TaskError", "Workflow",
     "WorkflowCancelled", "WorkflowContext", "WorkflowError", "WorkflowEvent", "WorkflowFailed",

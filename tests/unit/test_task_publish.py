@@ -24,6 +24,7 @@ from celery_ledger import (
     LedgerCelery,
     LedgerTask,
     LedgerUnavailable,
+    NotReplicated,
     PayloadError,
     PublishError,
     Settings,
@@ -925,26 +926,27 @@ def test_a_publish_that_fails_with_the_ledger_away_keeps_its_record_as_with_the_
     assert [job.key for job in unrecorded.kept] == [add.key_of((2, n), {}) for n in range(2)]
 
 
+@pytest.mark.parametrize("acks", [0, 1])
 def test_a_publish_whose_kept_record_no_replica_confirms_sends_no_message(
-    app: LedgerCelery, add: LedgerTask, published: list[Published]
+    app: LedgerCelery, add: LedgerTask, published: list[Published], acks: int
 ) -> None:
     """The ledger away, the broker failing over: the record kept in the broker not confirmed
     by a replica (unrecorded.py) refuses the publish before its message goes out, both ways
-    the ledger is found away (a write that fails, then seen away)."""
+    the ledger is found away (a write that fails, then seen away); confirmed, it goes out."""
+    from celery_ledger.unrecorded import Unrecorded
+    from tests.unit.test_unrecorded import Replicated
+
     app.runtime.ledger = FakeLedger(down=True)  # type: ignore[assignment]
     add.dedupe_on_publish = True
-
-    @dataclass
-    class Unconfirmed(FakeUnrecorded):
-        def keep(self, jobs: Any) -> bool:
-            super().keep(jobs)
-            raise PublishError("not published: the ledger is away, 0 of 1 replica(s) confirmed")
-
-    app.runtime.__dict__["unrecorded"] = unrecorded = Unconfirmed()
+    client = Replicated(acks)
+    app.runtime.__dict__["unrecorded"] = Unrecorded(client, namespace="t", confirm_replicas=1)
     for n in range(2):
-        with pytest.raises(PublishError, match="not published"):
+        if acks:
             add.apply_async((3, n))
-    assert published == [] and len(unrecorded.kept) == 2
+        else:
+            with pytest.raises(NotReplicated, match="not published: the ledger is away"):
+                add.apply_async((3, n))
+    assert len(published) == 2 * acks and len(client.fields) == 2 and len(client.waits) == 2
 
 
 # -- the first claim's hint ---------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from celery_ledger.crypto import Sealer
-from celery_ledger.errors import LedgerUnavailable, PublishError, StoreError
+from celery_ledger.errors import LedgerUnavailable, NotReplicated, StoreError
 from celery_ledger.ledger.message import KeptMessage
 from celery_ledger.ledger.store import EnqueueOutcome, QueuedJob
 from celery_ledger.sentinel import SentinelSettings
@@ -336,10 +336,32 @@ def test_a_kept_entry_goes_on_only_once_the_replicas_asked_for_hold_it(acks: int
     if acks >= 1:
         assert store.keep([job("a"), job("b")])
     else:
-        with pytest.raises(PublishError, match=r"0 of the 1 replica\(s\) asked .* 2500 ms"):
+        with pytest.raises(NotReplicated, match=r"0 of the 1 replica\(s\) asked .* 2500 ms"):
             store.keep([job("a"), job("b")])
     assert client.waits == [(1, 2500)]
     assert sorted(client.fields) == [b"a", b"b"]
+
+
+@pytest.mark.parametrize("confirm", [0, 1])
+def test_a_broker_that_cannot_be_asked_refuses_only_where_replicas_must_confirm(
+    confirm: int,
+) -> None:
+    """A write or WAIT that fails (a timeout on a stalled primary, OOM): with replicas to
+    confirm the publish is refused (its message may reach another primary while its record
+    reaches none); with one server it goes on without the record, as before."""
+
+    class Broken(Replicated):
+        def hset(self, *args: Any, **kwargs: Any) -> None:
+            raise redis.TimeoutError("Timeout reading from socket")
+
+    store = Unrecorded(Broken(1), namespace="shop", confirm_replicas=confirm)
+    if confirm:
+        with pytest.raises(NotReplicated, match="could not be asked") as refused:
+            store.keep([job("a")])
+        assert isinstance(refused.value.__cause__, redis.TimeoutError)
+        assert isinstance(refused.value, ConnectionError)  # (retried by default in a body)
+    else:
+        assert store.keep([job("a")]) is False
 
 
 def test_without_replicas_to_confirm_an_entry_is_not_waited_for() -> None:
