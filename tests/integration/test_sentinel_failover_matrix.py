@@ -660,6 +660,66 @@ def test_jobs_published_while_the_ledger_is_away_survive_a_failover_that_loses_t
 def _published(task: Any, token: str) -> bool:
     try:
         task.delay(token=token)
-    except NotReplicated:  # (the new primary's replica not in sync yet)
+    except Exception:  # (the new primary's replica not in sync yet; a demoted one's refusal)
         return False
     return True
+
+
+def test_jobs_published_while_the_ledger_is_away_to_a_stalled_old_primary_are_not_lost(
+    tmp_path: Path, stack: EmbeddedStack, group: SentinelGroup
+) -> None:
+    """The failover soak's case: the primary stops past the sentinels' down-after time, a
+    replica is promoted, and the old one runs again believing itself the primary until the
+    sentinels demote it, a producer's pooled connections still on it. What it takes meanwhile
+    is dropped at its demotion; with the ledger away a publish there has nothing else to keep
+    it, so it must be refused (no replica of its confirms it), never lost."""
+    producer = group_producer(
+        stack,
+        group,
+        "stalled-away-producer",
+        mongo_uri=f"mongodb://127.0.0.1:{free_port()}/",  # (the producer's ledger: away)
+        mongo_timeout_ms=300,
+        broker_timeout_seconds=2.0,  # (the replicas' confirmation waited for: 1 s)
+    )
+    task = shared_task(producer, RECORD)
+    run = uuid.uuid4().hex[:8]
+    # Given a producer's connections to the primary of now (a publish, the ledger away)
+    tokens = [f"stale-{run}-warm"]
+    replicated(group)  # (the replicas' first sync done: one of them confirms it)
+    task.delay(token=tokens[0])
+    old = group.primary()
+    # When the primary stops until a replica is promoted, then runs again
+    with paused(old):
+        new = group.wait_for_new_primary(old.port)
+    # ...and jobs are published while it is still a primary (the sentinels demote it later)
+    refused: list[str] = []
+    refusals: Counter[str] = Counter()
+    deadline = time.monotonic() + 8.0
+    while time.monotonic() < deadline and role(group, old) == "master":
+        token = f"stale-{run}-{len(tokens)}"
+        tokens.append(token)
+        try:
+            task.delay(token=token)
+        except Exception as exc:  # (or what a demoted primary's connection answers)
+            refused.append(token)
+            refusals[type(exc).__name__] += 1
+    # Then the publishes that reached it were refused for want of a replica's confirmation
+    assert refusals["NotReplicated"] >= 1, f"refusals {dict(refusals)} of {len(tokens) - 1}"
+    # And when it is a replica, and the caller has published the refused ones again...
+    wait_for(lambda: role(group, old) == "slave", timeout=60, what="the old primary demoted")
+    for token in refused:
+        wait_for(lambda token=token: _published(task, token), timeout=60, what="a publish again")
+    # ...and a worker runs: every job ran, once
+    worker = group_worker(tmp_path / "stack", stack, group, tiers=())
+    try:
+        took = wait_all_ran(tokens, timeout=90)
+        time.sleep(SETTLE_SECONDS)
+        assert runs_not_once(tokens) == {}
+        print(
+            f"\nold primary {old.port} stopped, {new.port} promoted; {len(tokens) - 1} publishes"
+            f" while it ran again as a primary: refused {dict(refusals)}; published again, all"
+            f" {len(tokens)} jobs ran {took:.1f} s after a worker was started"
+        )
+    finally:
+        worker.stop()
+        producer.close()
