@@ -61,7 +61,7 @@ from .policies.backoff import Jitter
 from .policies.fallback import Fallback
 from .policies.retry import RetryPolicy
 from .progress import Execution, Step, batches
-from .publish_checks import due_time, payload_json
+from .publish_checks import PUBLISH_OUTAGES, due_time, payload_json
 from .schedules import BEAT_HEADER, note_foreign_beat
 from .tenancy import TenantSpec, tenant_of_call, tenant_slot_of
 from .untrusted import (
@@ -373,7 +373,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             rate_bucket=self.rate_bucket,
             max_age_seconds=self.max_age_seconds,
             max_attempts=self.max_attempts,
-            retry_on=tuple(self.retry_on or ()),
+            retry_on=(*(self.retry_on or ()), *PUBLISH_OUTAGES),
             fail_on=tuple(self.fail_on or ()),
             soft_time_limit=soft,
             deadline_seconds=self.deadline_seconds,

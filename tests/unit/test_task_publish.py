@@ -17,8 +17,10 @@ from typing import Any
 
 import celery.app.task
 import pytest
+from kombu.exceptions import OperationalError
 
 from celery_ledger import (
+    Backpressure,
     ConfigurationError,
     IdentityError,
     LedgerCelery,
@@ -1013,3 +1015,31 @@ def test_celery_is_never_handed_an_error_that_ends_a_worker(exc: BaseException) 
 
     with pytest.raises(PermanentError, match=type(exc).__name__):
         _follow(Verdict.raises(exc))
+
+
+# -- a body's own publish refused for an outage -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused."),
+        Backpressure("default", 1_001, 1_000),
+        NotReplicated("not published: the ledger is away, ..."),
+    ],
+    ids=lambda exc: type(exc).__name__,
+)
+def test_a_body_whose_own_publish_meets_an_outage_is_retried_not_dead_lettered(
+    app: LedgerCelery, add: LedgerTask, refusal: Exception
+) -> None:
+    """A child's ``delay()`` in a body while the broker is away past kombu's retries (or the
+    tier is full, or no replica confirms): the job is retried with backoff, as after a
+    connection error, not dead-lettered as an unknown bug; a task's ``fail_on`` still wins."""
+    from celery_ledger.policies.retry import classify
+
+    policy = add.policy("default")
+    assert classify(refusal, retry_on=policy.retry_on, fail_on=policy.fail_on)
+    assert not classify(ValueError("a bug"), retry_on=policy.retry_on, fail_on=policy.fail_on)
+    add.fail_on = (type(refusal),)
+    policy = add.policy("default")
+    assert not classify(refusal, retry_on=policy.retry_on, fail_on=policy.fail_on)
