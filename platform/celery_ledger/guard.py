@@ -57,7 +57,7 @@ from .ledger.dead import DeadJob, DeadLetter, error_entry, format_traceback
 from .ledger.message import KeptMessage
 from .ledger.ports import GuardStore
 from .ledger.record import ErrorEntry
-from .ledger.store import ClaimOutcome, Fenced, HeldBy, Unclaimed, new_op
+from .ledger.store import ClaimOutcome, Fenced, HeldBy, Unclaimed, new_op, objective
 from .policies.backoff import backoff_seconds
 from .policies.breaker import Admission, CircuitBreaker
 from .policies.deadline import deadline
@@ -97,6 +97,7 @@ class TaskPolicy:
     max_attempts: int | None = None
     retry_on: tuple[type[BaseException], ...] = ()
     fail_on: tuple[type[BaseException], ...] = ()
+    outages: tuple[type[BaseException], ...] = ()  # the platform's own: retried, no fallback
     soft_time_limit: float | None = None
     deadline_seconds: float | None = None  # bounds the body's bounded()/hedged() calls
     fallback: Fallback | None = None  # what to serve instead of waiting (policies/fallback.py)
@@ -1019,11 +1020,11 @@ class Attempt:
             retry_on=policy.retry_on,
             fail_on=policy.fail_on,
         )
-        trigger = cause_of(
-            exc,
-            retryable=classify(exc, retry_on=policy.retry_on, fail_on=policy.fail_on),
-            retry_left=decision.retry,
-        )
+        # (a body's publish refused by the platform's own servers, out of retries, is kept
+        # dead to be replayed: a fallback served then would hide the work it could not start)
+        ours = isinstance(exc, policy.outages)
+        retryable = not ours and classify(exc, retry_on=policy.retry_on, fail_on=policy.fail_on)
+        trigger = cause_of(exc, retryable=retryable, retry_left=decision.retry)
         served = self.degrade(trigger, exc, None)
         if served is not None:
             return served
@@ -1377,8 +1378,8 @@ class Attempt:
 
     def _report_to_breaker(self, exc: BaseException | None) -> None:
         """Count the call's outcome: retryable errors are the dependency's failures."""
-        if self.breaker is None or self.admission is None:
-            return
+        if self.breaker is None or self.admission is None or isinstance(exc, self.policy.outages):
+            return  # (nor the platform's own outages: not the dependency's failure or success)
         failed = exc is not None and classify(
             exc, retry_on=self.policy.retry_on, fail_on=self.policy.fail_on
         )
@@ -1399,19 +1400,6 @@ def _seconds_until(when: Any, now: datetime) -> float:
     if isinstance(when, int | float) and not isinstance(when, bool):
         return max(float(when), 0.0)
     return 0.0
-
-
-def objective(slo_seconds: float | None, since: datetime) -> dict[str, Any]:
-    """The latency objective fields of a new record (``slo_at``, ``slo_seconds``): due
-    ``slo_seconds`` after ``since``, the job's first enqueue (its publish, or its due time when
-    published for later; now, when the message does not say) on the ledger's clock (see
-    ``Runtime.on_ledger_clock``)."""
-    if slo_seconds is None:
-        return {}
-    return {
-        "slo_at": since + timedelta(seconds=slo_seconds),
-        "slo_seconds": slo_seconds,
-    }
 
 
 _E = TypeVar("_E", bound=BaseException)

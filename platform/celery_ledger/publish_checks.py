@@ -11,14 +11,16 @@ from typing import Any
 from kombu.exceptions import OperationalError
 from kombu.utils import json as kombu_json
 
-from .errors import Backpressure, PayloadError
+from .errors import Backpressure, NotReplicated, PayloadError
 from .identity import canonical_json
 
-# What a task body's own publish (a child, a chain's next, a replace) raises while the
-# platform's servers are away or full: the broker past kombu's publish retries, the tier above
-# its high-water mark. It passes by itself, so the body is retried with backoff as after a
-# connection error (NotReplicated is one), not dead-lettered as an unknown bug would be.
-PUBLISH_OUTAGES: tuple[type[BaseException], ...] = (OperationalError, Backpressure)
+# What a task body's own publish (a child, a replace) raises while the platform's servers are
+# away or full: the broker past kombu's publish retries, the tier above its high-water mark, no
+# replica confirming a job the ledger could not record. It passes by itself: the body is
+# retried with backoff, not dead-lettered as an unknown bug would be; it is not the failure of
+# the task's own dependency (its breaker counts nothing), and once the retries are spent the
+# job is dead, to be replayed, never hidden behind a fallback.
+PUBLISH_OUTAGES: tuple[type[BaseException], ...] = (OperationalError, Backpressure, NotReplicated)
 
 # The latest time a publish may be due: every due time is kept as a date (in the ledger and
 # its records' leases, which add to it), and a countdown that is no time (infinite, or of

@@ -47,7 +47,7 @@ from .policies.tenants import TenantGate, TenantRates
 from .policies.throttle import Throttle, ThrottleRule
 from .pressure import Pressure
 from .routing import DEAD_LETTER, Tiers
-from .sentinel import RedisTarget, connection_options, redis_client
+from .sentinel import RedisTarget, connection_options, primary_moved, redis_client
 from .signing import Signer
 from .unrecorded import Unrecorded
 from .wakes import PendingWakes
@@ -217,6 +217,7 @@ class Runtime:
             confirm_replicas=settings.replicas_to_confirm(),
             # (within the client's own timeout, which would end the wait as a broker away)
             confirm_seconds=settings.broker_timeout_seconds / 2,
+            primary_moved=primary_moved(self.redis),
         )
 
     @cached_property

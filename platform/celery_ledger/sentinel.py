@@ -328,6 +328,23 @@ def _address(node: redis.Redis) -> tuple[str, int]:
     return (kwargs["host"], kwargs["port"])
 
 
+def primary_moved(client: redis.Redis) -> Callable[[], bool] | None:
+    """For a client through Sentinel, whether the sentinels now name another primary than the
+    one its connections were last made to (asks them; its idle connections to the old one are
+    dropped then, so the next command reaches the new one); None for a plain URL (one server).
+    Such a primary, stalled and running again until the sentinels demote it, may still have a
+    replica they have not moved yet, whose confirmation of a write is lost with it."""
+    pool = client.connection_pool
+    if not isinstance(pool, SentinelConnectionPool):
+        return None
+
+    def moved() -> bool:
+        before = pool.master_address
+        return before is not None and tuple(pool.get_master_address()) != tuple(before)
+
+    return moved
+
+
 def primary_of(target: RedisTarget, client: redis.Redis) -> Callable[[], str] | None:
     """How to read the primary's address behind Sentinel (None for a plain URL: one server)."""
     return (lambda: target.primary(client)) if target.sentinel else None

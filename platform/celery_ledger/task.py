@@ -41,7 +41,7 @@ from .errors import (
     PermanentError,
     RetryNotPublished,
 )
-from .guard import Delivery, Replaced, TaskPolicy, Verdict, objective
+from .guard import Delivery, Replaced, TaskPolicy, Verdict
 from .identity import (
     Identity,
     KeySpec,
@@ -56,7 +56,7 @@ from .identity import (
 )
 from .ledger.dead import DeadJob
 from .ledger.message import KeptMessage
-from .ledger.store import EnqueueOutcome, QueuedJob, Unclaimed
+from .ledger.store import EnqueueOutcome, QueuedJob, Unclaimed, objective
 from .policies.backoff import Jitter
 from .policies.fallback import Fallback
 from .policies.retry import RetryPolicy
@@ -374,6 +374,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             max_age_seconds=self.max_age_seconds,
             max_attempts=self.max_attempts,
             retry_on=(*(self.retry_on or ()), *PUBLISH_OUTAGES),
+            outages=PUBLISH_OUTAGES,
             fail_on=tuple(self.fail_on or ()),
             soft_time_limit=soft,
             deadline_seconds=self.deadline_seconds,
@@ -627,8 +628,7 @@ class LedgerTask(Task):  # type: ignore[misc]
             IdentityError: ``task_id`` is not the id of the job's key.
             Backpressure: the tier is above its high-water mark (reject, or a block timed out).
             NotReplicated: the ledger away, no broker replica confirmed the job (send it again).
-            ConfigurationError: a Celery setting changed after create_app breaks a guarantee
-                (the first publish of the process checks).
+            ConfigurationError: a Celery setting changed since create_app breaks a guarantee.
         """
         eager = self.app.conf.task_always_eager  # (read once: a lookup in Celery's ChainMap)
         if not eager:  # (eager runs no worker's guarantees)

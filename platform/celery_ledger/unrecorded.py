@@ -25,8 +25,10 @@ broker fails over (Sentinel, or a managed Redis: ``LEDGER_BROKER_CONFIRM_REPLICA
 is not enough until a replica holds it: Redis replicates after it answers, and a failover
 promotes a replica that may never have received the primary's last writes (or leaves a stalled
 old primary taking writes until it is demoted and drops them). The entry's write is followed by
-``WAIT`` on the same connection, and a publish whose entry no replica confirms in time is
-refused before its message is sent (the caller publishes again; the key runs it once).
+``WAIT`` on the same connection (through Sentinel, then one question to the sentinels: a
+replica of an old primary they replaced, not moved yet, confirms in vain), and a publish whose
+entry no replica confirms in time is refused before its message is sent (the caller publishes
+again; the key runs it once).
 """
 
 from __future__ import annotations
@@ -148,11 +150,13 @@ class Unrecorded:
         unverified_seconds: float = float("inf"),
         confirm_replicas: int = 0,
         confirm_seconds: float = 1.0,
+        primary_moved: Callable[[], bool] | None = None,
     ) -> None:
         self._client = client
         # How many replicas must hold an entry before its publish goes on, and how long for
         self._confirm = confirm_replicas
         self._confirm_ms = max(1, round(confirm_seconds * 1000))  # (WAIT 0 waits for ever)
+        self._moved = primary_moved  # (through Sentinel: sentinel.primary_moved)
         self._signer = signer
         self.key = unrecorded_key(namespace)
         # When each entry signed with a key this worker lacks was first seen so: the entry's own
@@ -180,7 +184,7 @@ class Unrecorded:
         """
         if not jobs:
             return True
-        acked, failure = self._confirm, None
+        acked, moved, failure = self._confirm, False, None
         try:
             now = self._now()
             mapping = {job.record_id: encode(job, now, self._signer, self.key) for job in jobs}
@@ -191,6 +195,9 @@ class Unrecorded:
                     pipe.hset(self.key, mapping=mapping)
                     pipe.execute_command("WAIT", self._confirm, self._confirm_ms)
                     acked = int(pipe.execute()[-1])
+                # A confirmation by the replica of an old primary the sentinels have replaced
+                # (one they have not moved yet) is lost with it: asked once confirmed
+                moved = acked >= self._confirm and self._moved is not None and self._moved()
         except Exception as exc:
             if not self._confirm:
                 logger.warning(
@@ -198,21 +205,24 @@ class Unrecorded:
                 )
                 return False
             acked, failure = 0, exc
-        if acked < self._confirm:
-            # (a WAIT that counts one replica is no proof against every failover: the sentinels
+        if acked < self._confirm or moved:
+            # (one replica's confirmation is no proof against every failover: the sentinels
             # promote the replica furthest along, which is the one that confirmed unless it is
             # out of their reach; the wait makes a loss that needs two faults at once)
+            if failure is not None:
+                why = f"the broker could not be asked to keep them ({failure!r})"
+            elif moved:
+                why = "the sentinels name another primary than the one that kept them"
+            else:
+                why = (
+                    f"{acked} of the {self._confirm} replica(s) asked confirmed them within"
+                    f" {self._confirm_ms} ms (a failover under way, or replicas behind)"
+                )
             raise NotReplicated(
                 f"not published: the ledger is away, so {len(jobs)} job(s) ({jobs[0].task},"
-                f" {jobs[0].record_id}...) have only the broker to keep them, and"
-                + (
-                    f" {acked} of the {self._confirm} replica(s) asked confirmed them within"
-                    f" {self._confirm_ms} ms (a failover under way, or replicas behind)"
-                    if failure is None
-                    else f" the broker could not be asked to keep them ({failure!r})"
-                )
-                + ": publish again, the same key runs once (if the broker kept them after all,"
-                " they may run without it)"
+                f" {jobs[0].record_id}...) have only the broker to keep them, and {why}: publish"
+                " again, the same key runs once (if the broker kept them after all, they may"
+                " run without it)"
             ) from failure
         return True
 

@@ -34,6 +34,7 @@ from celery_ledger.broker import data_lost
 from celery_ledger.embedded.sentinel import SentinelGroup
 from celery_ledger.embedded.servers import free_port
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
+from celery_ledger.sentinel import primary_moved
 from tasks.effects import effects
 from tests.integration.apps import triggers as trigger_app
 
@@ -688,9 +689,18 @@ def test_jobs_published_while_the_ledger_is_away_to_a_stalled_old_primary_are_no
     replicated(group)  # (the replicas' first sync done: one of them confirms it)
     task.delay(token=tokens[0])
     old = group.primary()
+    watcher = producer.runtime.broker_target.client()  # (a client of its own, as the producer's)
+    watcher.ping()
+    moved = primary_moved(watcher)
+    assert moved is not None and not moved()
     # When the primary stops until a replica is promoted, then runs again
     with paused(old):
         new = group.wait_for_new_primary(old.port)
+    # (a client's check after a confirmed WAIT: the sentinels name another primary than its
+    # connections', and once asked its next connection is made to the new one)
+    assert moved()
+    assert watcher.ping() and not moved()
+    watcher.close()
     # ...and jobs are published while it is still a primary (the sentinels demote it later)
     refused: list[str] = []
     refusals: Counter[str] = Counter()

@@ -12,6 +12,7 @@ import pytest
 
 from celery_ledger import headers
 from celery_ledger.errors import (
+    Backpressure,
     CircuitOpen,
     ConfigurationError,
     DeadlineExceeded,
@@ -319,6 +320,49 @@ def test_a_retryable_error_retries_first_and_degrades_when_the_budget_ends() -> 
     )
     assert verdict == Verdict.returns(PLACEHOLDER)
     assert h.record["degraded"]["reason"] == "retries-exhausted"
+
+
+class CountingBreaker(Breaker):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.outcomes: list[str] = []
+
+    def record_success(self, *, probe: bool = False) -> None:
+        self.outcomes.append("success")
+
+    def record_failure(self, *, probe: bool = False) -> None:
+        self.outcomes.append("failure")
+
+
+def test_a_body_whose_own_publish_meets_an_outage_is_retried_then_dead_never_degraded() -> None:
+    """The platform's own servers away or full (a child's publish refused): retried with
+    backoff, never counted by the task's breaker (its dependency did nothing wrong, nor right),
+    and once the budget is spent the job is dead, to be replayed, not hidden behind a fallback
+    that would stand for work it never started."""
+    breaker = CountingBreaker("gateway")
+    h = harness(breaker)
+    outage = (Backpressure,)
+    refused = Backpressure("default", 1_001, 1_000)
+
+    verdict, body = degraded_run(
+        h, Placeholder(PLACEHOLDER), fails(refused), retry_on=outage, outages=outage
+    )
+    assert verdict.kind == "raise" and len(body.retries) == 1  # budget left: retried
+    verdict, _ = degraded_run(
+        h,
+        Placeholder(PLACEHOLDER),
+        fails(refused),
+        retry_on=outage,
+        outages=outage,
+        delivery=h.delivery(retries=2),
+    )
+    assert verdict.kind == "raise"
+    assert h.record["state"] == State.DEAD and "degraded" not in h.record
+    assert breaker.outcomes == []
+    # (the dependency's own failure still counts, and is still degraded at the budget's end)
+    other = harness(breaker)  # (another job on the same breaker)
+    degraded_run(other, Placeholder(PLACEHOLDER), fails(ConnectionError("down")), outages=outage)
+    assert breaker.outcomes == ["failure"]
 
 
 def test_a_permanent_error_is_never_hidden_by_a_fallback() -> None:

@@ -16,7 +16,7 @@ MAX_LINES = 600
 # Modules over the limit, each to be split by concern (issue 37); none may grow past its cap,
 # and a module that shrinks under the limit leaves this list.
 OVERSIZED = {
-    "guard.py": 1430,
+    "guard.py": 1418,
     "task.py": 1140,
     "schedules.py": 1015,
     "app.py": 960,

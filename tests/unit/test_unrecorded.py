@@ -364,6 +364,27 @@ def test_a_broker_that_cannot_be_asked_refuses_only_where_replicas_must_confirm(
         assert store.keep([job("a")]) is False
 
 
+@pytest.mark.parametrize("acks", [0, 1])
+def test_a_confirmation_on_a_primary_the_sentinels_replaced_is_not_one(acks: int) -> None:
+    """A stalled old primary running again may still hold a replica the sentinels have not
+    moved: its confirmation is lost with it. Confirmed, the sentinels are asked once whether
+    they name another primary now; not confirmed, there is nothing to ask."""
+    asked: list[bool] = []
+
+    def moved() -> bool:
+        asked.append(True)
+        return True
+
+    client = Replicated(acks)
+    store = Unrecorded(client, namespace="shop", confirm_replicas=1, primary_moved=moved)
+    reason = "another primary" if acks else "0 of the 1 replica"
+    with pytest.raises(NotReplicated, match=reason):
+        store.keep([job("a")])
+    assert asked == [True] * acks
+    calm = Unrecorded(Replicated(1), namespace="shop", confirm_replicas=1, primary_moved=bool)
+    assert calm.keep([job("a")])
+
+
 def test_without_replicas_to_confirm_an_entry_is_not_waited_for() -> None:
     client = Replicated(0)
     store = Unrecorded(client, namespace="shop", confirm_replicas=0)

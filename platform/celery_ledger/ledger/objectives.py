@@ -4,6 +4,7 @@ once.
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from typing import Any
 
 from pymongo import ASCENDING, DeleteOne
@@ -17,6 +18,19 @@ from .core import (
     translate_errors,
 )
 from .indexes import Indexes
+
+
+def objective(slo_seconds: float | None, since: datetime) -> dict[str, Any]:
+    """The latency objective fields of a new record (``slo_at``, ``slo_seconds``): due
+    ``slo_seconds`` after ``since``, the job's first enqueue (its publish, or its due time when
+    published for later; now, when the message does not say) on the ledger's clock (see
+    ``Runtime.on_ledger_clock``)."""
+    if slo_seconds is None:
+        return {}
+    return {
+        "slo_at": since + timedelta(seconds=slo_seconds),
+        "slo_seconds": slo_seconds,
+    }
 
 
 class Objectives(Indexes):

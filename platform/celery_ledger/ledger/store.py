@@ -80,7 +80,7 @@ from .dead_records import DeadRecords
 from .indexes import Indexes
 from .last_good import LastGood
 from .long_jobs import LongJobs
-from .objectives import Objectives
+from .objectives import Objectives, objective
 from .publishing import ENQUEUE_BATCH, Publishing
 from .resealing import Resealing
 from .results import Results
@@ -116,6 +116,7 @@ __all__ = [
     "Unclaimed",
     "_on_one_record",
     "new_op",
+    "objective",
     "translate_errors",
     "utcnow",
 ]
