@@ -15,8 +15,10 @@ and workers (the session fixtures are per process).
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,24 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     if len(files) == 1 and next(iter(files)).is_file():
         return 0
     return max(XDIST_WORKERS_MIN, min(os.cpu_count() or 1, XDIST_WORKERS_MAX))
+
+
+# ``SUITE_TIMELINE=PATH``: each test's start and end (wall clock) and the process that ran
+# it, one JSON line per test appended to PATH, for ``python -m tests.timeline PATH`` (where a
+# run's time went: which tests held the last minutes; docs/contributing/testing.md).
+TIMELINE = os.environ.get("SUITE_TIMELINE")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    started = time.time()
+    yield
+    if TIMELINE:
+        line = {
+            "test": item.nodeid,
+            "process": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+            "start": started,
+            "end": time.time(),
+        }
+        with open(TIMELINE, "a", encoding="utf-8") as out:  # (one short line: one write)
+            out.write(json.dumps(line) + "\n")
