@@ -86,9 +86,10 @@ class SentinelSettings(BaseSettings):
         " kept in the broker until the ledger is back, and a failover that drops the old"
         " primary's last writes would drop the job with it. So such a publish waits (Redis WAIT,"
         " up to half of LEDGER_BROKER_TIMEOUT_SECONDS) until this many replicas hold the record,"
-        " and is refused (PublishError: publish again, the key runs it once) if they do not."
+        " and is refused (NotReplicated: publish again, the key runs it once) if they do not."
         " Unset: 1 with sentinel:// URLs, 0 with one server (nothing to wait for). Set 0 for a"
-        " Sentinel group without replicas, 1 for a managed Redis that fails over behind one URL.",
+        " Sentinel group without replicas, 1 for a managed Redis that fails over behind one URL;"
+        " never more than the replicas a primary has (every such publish would be refused).",
     )
 
     def replicas_to_confirm(self) -> int:
