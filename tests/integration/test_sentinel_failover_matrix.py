@@ -423,8 +423,10 @@ def test_the_sweep_lock_and_a_trigger_lease_held_at_a_failover_are_taken_again(
             assert taken[1] > held_by[1]
             insert(5)  # (jobs run meanwhile)
             wait_for(all_ran, timeout=60, interval=0.5, what="the orders inserted meanwhile")
-        sweeping = holder(group, TRIGGER_SWEEP_LOCK)
-        assert sweeping is not None
+        # (held, or between one sweep's lapse and the next take: the loop's own wait)
+        sweeping = wait_for(
+            lambda: holder(group, TRIGGER_SWEEP_LOCK), timeout=30, what="a sweeper now"
+        )
         survivor = next(w for w in workers.values() if w.pid == pid_of(sweeping[0]))
         # (its sweeps run: a marker gone is noticed at its next sweep; on the primary now, the
         # sentinels may have failed over again since, on a loaded machine)
