@@ -103,6 +103,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 own = item.get_closest_marker("timeout")
                 base = float(own.args[0]) if own and own.args else float(config.getini("timeout"))
                 item.add_marker(pytest.mark.timeout(base * WIDE_FACTOR), append=False)
+    if hasattr(config, "workerinput"):  # a process of a parallel run (xdist's workers collect)
+        longest_files_first(config, items)
+
+
+# Test files by their seconds in a recorded run (tests/durations.json, written by ``python -m
+# tests.timeline PATH --durations``): a parallel run starts the longest files first, so that no
+# process is left with a long test while the others have finished (xdist hands each process
+# its next test in collection order). A file not recorded yet counts as a typical one of its
+# directory; within a file the order is the file's own.
+DURATIONS = Path(__file__).with_name("durations.json")
+UNRECORDED_SECONDS = {"integration": 20.0, "unit": 1.0}
+
+
+def expected_seconds(path: str, recorded: dict[str, float]) -> float:
+    if path in recorded:
+        return recorded[path]
+    return UNRECORDED_SECONDS["integration" if "/integration/" in f"/{path}" else "unit"]
+
+
+def longest_files_first(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest test files first (each file's tests in their order)."""
+    if not DURATIONS.exists():
+        return
+    recorded = json.loads(DURATIONS.read_text())
+    root = config.rootpath
+    position = {item.nodeid: n for n, item in enumerate(items)}
+
+    def longest_first(item: pytest.Item) -> tuple[float, str, int]:
+        path = item.path.relative_to(root).as_posix()
+        return (-expected_seconds(path, recorded), path, position[item.nodeid])
+
+    items.sort(key=longest_first)
 
 
 # The suite mostly waits on servers and workers (about one core of 2 busy with 4 processes): on 2

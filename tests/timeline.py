@@ -4,6 +4,10 @@ tests with when they started, and what was still running in the last minutes.
 
     SUITE_TIMELINE=/tmp/timeline.jsonl ./run test -q
     python -m tests.timeline /tmp/timeline.jsonl
+    python -m tests.timeline /tmp/timeline.jsonl --durations   # rewrite tests/durations.json
+
+``--durations`` writes each test file's total time in that run to :data:`DURATIONS`, which
+tests/conftest.py reads to start the longest files first.
 """
 
 from __future__ import annotations
@@ -13,11 +17,28 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+DURATIONS = Path(__file__).with_name("durations.json")
 
-def main(path: str, tail_seconds: float = 180.0) -> None:
+
+def read(path: str) -> list[dict[str, float | str]]:
     tests = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     if not tests:
         raise SystemExit(f"{path}: no test recorded")
+    return tests
+
+
+def write_durations(path: str) -> None:
+    """Each test file's total seconds in the run at ``path``, into :data:`DURATIONS`."""
+    totals: dict[str, float] = defaultdict(float)
+    for test in read(path):
+        totals[str(test["test"]).split("::", 1)[0]] += float(test["end"]) - float(test["start"])
+    ordered = dict(sorted((file, round(seconds, 1)) for file, seconds in totals.items()))
+    DURATIONS.write_text(json.dumps(ordered, indent=1) + "\n")
+    print(f"{DURATIONS}: {len(ordered)} files, {sum(ordered.values()):.0f} s in all")
+
+
+def main(path: str, tail_seconds: float = 180.0) -> None:
+    tests = read(path)
     first = min(t["start"] for t in tests)
     last = max(t["end"] for t in tests)
     print(f"{len(tests)} tests, {last - first:.0f} s from the first start to the last end")
@@ -47,4 +68,7 @@ def main(path: str, tail_seconds: float = 180.0) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(float(a) for a in sys.argv[2:3]))
+    if "--durations" in sys.argv[2:]:
+        write_durations(sys.argv[1])
+    else:
+        main(sys.argv[1], *(float(a) for a in sys.argv[2:3]))
