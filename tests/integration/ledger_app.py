@@ -68,9 +68,16 @@ class FlakyError(ConnectionError):
 
 
 @app.task(idempotency_key="{token}")
-def record(token: str, sleep_seconds: float = 0.0) -> dict[str, Any]:
-    """Sleep, then record one effect."""
-    time.sleep(sleep_seconds)
+def record(token: str, sleep_seconds: float = 0.0, held: bool = False) -> dict[str, Any]:
+    """Sleep, then record one effect. ``held``: sleep only until the test releases the job (a
+    ``release`` effect of the token), at most ``sleep_seconds`` (a body that must outlast what
+    the test does meanwhile, however long that takes, and then end at once)."""
+    deadline = time.monotonic() + sleep_seconds
+    while held and time.monotonic() < deadline:
+        if effects().count_documents({"kind": "release", "key": token}, limit=1):
+            break
+        time.sleep(0.2)
+    time.sleep(0.0 if held else sleep_seconds)
     record_effect("record", token)
     return {"token": token, "pid": os.getpid()}
 

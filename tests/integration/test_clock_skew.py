@@ -61,6 +61,13 @@ def effects_of(stack: EmbeddedStack, kind: str, token: str) -> list[dict[str, An
     return list(world.effects.find({"kind": kind, "key": token}))
 
 
+def release(stack: EmbeddedStack, token: str) -> None:
+    """Let a held ``record`` body of ``token`` end (see ``ledger_app.record``)."""
+    assert stack.ledger is not None
+    with MongoClient(stack.ledger.url) as client:
+        client.get_database("reference_world").effects.insert_one({"kind": "release", "key": token})
+
+
 def holder_of(producer: Any, task: Any, token: str) -> str | None:
     record = producer.ledger.get(task.name, token)
     if record is None or record.state is not State.RUNNING:
@@ -482,9 +489,10 @@ def test_a_running_jobs_message_is_not_put_back_early_whatever_the_clocks(
     record = shared_task(producer, RECORD)
     token = f"vis-{uuid.uuid4().hex[:8]}"
     skewed_worker(isolated, "holder", clocks("holder", holder_offset))
-    # (a body of 30 s: the sweep below runs while it does, even on a loaded machine, where the
-    # sweeper's own start once took longer than a shorter body)
-    record.apply_async((token,), {"sleep_seconds": 30.0})
+    # (a body held until the test releases it, at most 60 s: the sweep below runs while it
+    # does, even on a loaded machine, where the sweeper's own start once took longer than a
+    # body of a fixed shorter time)
+    record.apply_async((token,), {"sleep_seconds": 60.0, "held": True})
     wait_for(lambda: holder_of(producer, record, token) == "holder", what="the holder running")
     # When a sweeper with a visibility timeout of 60 s sweeps soon after the take (seconds;
     # a loaded machine's parallel suite once took over 5 s to get there: the timeout is far
@@ -494,6 +502,7 @@ def test_a_running_jobs_message_is_not_put_back_early_whatever_the_clocks(
     assert holder_of(producer, record, token) == "holder", "the body ended before the sweep"
     assert taken_messages(isolated) == 1
     assert broker_client(isolated).llen(DEFAULT_QUEUE) == 0
+    release(isolated, token)
     wait_for(lambda: effects_of(isolated, "record", token), timeout=60, what="the job ending")
     assert len(effects_of(isolated, "record", token)) == 1
     producer.close()
@@ -514,9 +523,10 @@ def test_a_dead_workers_message_is_put_back_when_due_whatever_the_clocks(
     record = shared_task(producer, RECORD)
     token = f"dead-{uuid.uuid4().hex[:8]}"
     holder = skewed_worker(isolated, "holder", clocks("holder", holder_offset))
-    record.apply_async((token,), {"sleep_seconds": 30.0})
+    record.apply_async((token,), {"sleep_seconds": 60.0, "held": True})
     wait_for(lambda: holder_of(producer, record, token) == "holder", what="the holder running")
     holder.kill()
+    release(isolated, token)  # (the heir's body ends at once)
     assert taken_messages(isolated) == 1
     # When a sweeper with a visibility timeout of 2 s sweeps 3 s after the take or later
     time.sleep(3.0)
