@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -64,13 +65,18 @@ class WatchedStack(EmbeddedStack):
         return worker
 
     def stop(self) -> None:
-        """Stop everything as :class:`EmbeddedStack` does (the workers warm, first), but end the
-        ledger with SIGKILL once they are gone: nothing reads a test stack's data afterwards,
-        and SecantusDB takes 2-3 s to exit on SIGTERM (a test that stops its ledger on purpose
-        calls ``ledger.stop()`` itself)."""
+        """End everything as :class:`EmbeddedStack` does, but the workers and the ledger with
+        SIGKILL: nothing reads a test stack's workers or data afterwards, a worker's warm
+        shutdown takes about 2.5 s (a test stack's teardown once waited out hundreds of them),
+        and SecantusDB takes 2-3 s to exit on SIGTERM. A test that stops a worker or its ledger
+        on purpose (a warm shutdown's promises: test_worker_stops.py) calls ``stop()`` on it
+        itself."""
         for worker in self.workers:
             if isinstance(worker, WatchedWorker):
                 worker.expect_exit()
+        for worker in self.workers:
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                worker.kill()  # (its process group: the pool with it)
         ledger, self.ledger = self.ledger, None
         try:
             super().stop()
