@@ -334,8 +334,10 @@ class TriggerWatcher:
         slice_seconds: float = SLICE_SECONDS,
         clock: Callable[[], float] = time.monotonic,
         observers: Observer | None = None,
+        outages: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.trigger = trigger
+        self._outages = outages  # (the publisher's, which this layer cannot name: kombu's)
         self._observers = observers or Observer()  # metrics, Sentry: the app's observers
         self._source = source
         self._store = store
@@ -379,7 +381,7 @@ class TriggerWatcher:
         would hold the trigger there for good with only a lane's warning to show: after
         STUCK_AFTER_FAILURES in a row it is reported as the problem ``stuck`` (stopped, counted,
         Sentry, health down) for an operator's reset and backfill."""
-        if _is_outage(exc):
+        if _is_outage(exc) or isinstance(exc, self._outages):
             self._failures = 0
             return
         same = self._failures and place == self._failed_at
@@ -740,9 +742,9 @@ def _bury_unpublishable(
     logger.error("trigger %s: change %s recorded dead: %s", task.name, record_id, exc)
 
 
-def watchers_for(app: Any) -> list[TriggerWatcher]:
+def watchers_for(app: Any, outages: tuple[type[BaseException], ...] = ()) -> list[TriggerWatcher]:
     """A watcher per trigger of ``app``, for a worker's housekeeping (none when
-    ``LEDGER_TRIGGERS_IN_WORKERS`` is off)."""
+    ``LEDGER_TRIGGERS_IN_WORKERS`` is off); a publish's ``outages`` are never ``stuck``."""
     runtime = app.runtime
     settings = runtime.settings
     if not app.triggers or not settings.triggers_in_workers:
@@ -776,6 +778,7 @@ def watchers_for(app: Any) -> list[TriggerWatcher]:
                 save_every=settings.trigger_save_every,
                 slice_seconds=min(SLICE_SECONDS, turn),
                 observers=runtime.observers,
+                outages=outages,
             )
         )
     return watchers

@@ -19,7 +19,7 @@ from celery.worker.consumer import Consumer
 from celery.worker.control import inspect_command
 from kombu import serialization
 from kombu.entity import Exchange, Queue
-from kombu.exceptions import ContentDisallowed, DecodeError
+from kombu.exceptions import ContentDisallowed, DecodeError, OperationalError
 from kombu.utils import json as kombu_json
 
 from .clock import REPORT_EVERY_SECONDS
@@ -320,7 +320,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         # Change-stream triggers: the lease holder of each reads in a lane of its own (its
         # reads wait on the server); every worker competes, whatever tiers it consumes.
         triggers: list[Callable[[], object]] = []
-        watchers = watchers_for(app)
+        watchers = watchers_for(app, (OperationalError,))  # (the broker away: not stuck)
         if watchers:
             runner = TriggerRunner(watchers)
             triggers.append(runner)

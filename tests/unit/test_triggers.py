@@ -249,7 +249,13 @@ class FullRoom:
 
 
 class Harness:
-    def __init__(self, changes: int = 5, *, save_every: int = 2) -> None:
+    def __init__(
+        self,
+        changes: int = 5,
+        *,
+        save_every: int = 2,
+        outages: tuple[type[BaseException], ...] = (),
+    ) -> None:
         self.source = FakeSource([change(n) for n in range(1, changes + 1)])
         self.store = FakeStore()
         self.lease = FakeLease()
@@ -267,10 +273,14 @@ class Harness:
             tier="bulk",
             save_every=save_every,
             slice_seconds=60.0,
+            outages=outages,
         )
+        self.publish_fails_with: Exception | None = None
 
     def publish(self, trigger: Trigger, event: Mapping[str, Any], recovering: bool) -> bool:
         key = change_key(event)
+        if self.publish_fails_with is not None:
+            raise self.publish_fails_with
         if key == self.fail_on:
             raise Backpressure("bulk", 11, 10)
         self.published.append((key, recovering))
@@ -558,3 +568,30 @@ def test_an_outage_however_long_is_never_stuck() -> None:
         with pytest.raises(OperationFailure):
             h.watcher.tick()
     assert h.store.problems == []
+
+
+class BrokerAway(Exception):
+    """Stands for kombu's OperationalError (the broker away past the publish's retries), which
+    this layer cannot import: the worker names it as an outage of the watchers' publish."""
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_a_publish_outage_the_worker_names_however_long_is_never_stuck(named: bool) -> None:
+    from celery_ledger.triggers import STUCK_AFTER_FAILURES
+
+    # Given a watcher whose every publish fails at the same change with the broker away
+    h = Harness(outages=(BrokerAway,) if named else ())
+    h.store.state = {"token": token(1), "fence": 1}
+    h.publish_fails_with = BrokerAway("[Errno 111] Connection refused")
+    raised = 0
+    for _ in range(STUCK_AFTER_FAILURES * 2):
+        try:
+            h.watcher.tick()
+        except BrokerAway:
+            raised += 1
+    # Then it is retried for as long as it lasts, never reported stuck (unless nobody said
+    # it is an outage: then it is an error that comes back at the same place, and stops it)
+    if named:
+        assert h.store.problems == [] and raised == STUCK_AFTER_FAILURES * 2
+    else:
+        assert h.store.problems == ["stuck"] and raised == STUCK_AFTER_FAILURES
