@@ -739,18 +739,18 @@ class Attempt:
         )
         if interval:
             heartbeat.start()
-        sealer = self.guard.runtime.sealer if self.policy.sensitive else None
         execution = Execution(
             self.ledger,
             self.record_id,
             self.fence,
             heartbeat,
             lease,
-            sealer=sealer,
+            sealer=self.guard.runtime.sealer if self.policy.sensitive else None,
             time_limit=self.policy.soft_time_limit,
             on_skip=lambda step, reason: self.guard.observers.step_skipped(
                 self.delivery.job, step, reason
             ),
+            outages=self.policy.outages,
         )
         self.execution = execution
         try:

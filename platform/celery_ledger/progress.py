@@ -220,8 +220,13 @@ class Execution:
         sealer: Sealer | None = None,
         time_limit: float | None = None,
         on_skip: Callable[[str, str], None] | None = None,
+        outages: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.ledger = ledger
+        # The platform's own outages (the broker refusing a publish, a full tier): passing, and
+        # no sign of a step's dependency, so they never skip an optional step (a skip is for
+        # good: the step's effect would be lost); the job is retried instead.
+        self.outages = outages
         self.record_id = record_id
         self.fence = fence
         self.heartbeat = heartbeat
@@ -388,6 +393,8 @@ class Step:
         return handled
 
     def _down(self, exc: BaseException) -> bool:
+        if isinstance(exc, self._execution.outages) and not isinstance(exc, self.skip_on):
+            return False
         return _dependency_down(exc, self.skip_on)
 
     def _short_of_time(self) -> str:

@@ -155,3 +155,37 @@ def test_a_with_block_step_is_a_span_of_its_own_ended_with_its_outcome(
         raise ValueError("bug")
 
     assert spans == [("step reserve", "ok"), ("step enrich", "ok"), ("step charge", "ValueError")]
+
+
+@pytest.mark.parametrize("kind", ["block", "run"])
+def test_the_platforms_own_outage_fails_the_attempt_and_never_skips_the_step(kind: str) -> None:
+    """A publish the broker refused during a failover (NotReplicated, a ConnectionError) or a
+    full tier passes in seconds: skipping the step for it would lose its effect for good."""
+    from celery_ledger.errors import Backpressure, NotReplicated
+    from celery_ledger.publish_checks import PUBLISH_OUTAGES
+
+    ledger = MemoryLedger()
+    claim = ledger.claim(RECORD, task="t", key="k", tier="default", owner="w")
+    heartbeat: Any = SimpleNamespace(lost=False, shutdown_requested=False)
+    execution = Execution(ledger, RECORD, claim.fence, heartbeat, 60.0, outages=PUBLISH_OUTAGES)
+    for refused in (NotReplicated("1 of 1 replicas did not confirm"), Backpressure("bulk", 11, 10)):
+
+        def notify(refused: Exception = refused) -> Any:
+            raise refused  # (a child's delay() inside the step)
+
+        step = execution.step("notify", optional=True, default=None)
+        with pytest.raises(type(refused)):
+            if kind == "run":
+                step.run(notify)
+            else:
+                with step:
+                    notify()
+        assert "notify" not in (ledger.find_raw(RECORD) or {}).get("steps", {})
+
+    # (a step that names it in skip_on still skips for it: the task's author chose so)
+    def refused_again() -> Any:
+        raise NotReplicated("again")
+
+    named = execution.step("notify", optional=True, skip_on=(NotReplicated,))
+    assert named.run(refused_again) is None
+    assert ledger.find_raw(RECORD)["steps"]["notify"]["skipped"]  # type: ignore[index]
