@@ -3,7 +3,8 @@
 Each with a short timeout: the broker (PING, and which server answered it: through Sentinel,
 the primary the sentinels name), the ledger (ping and a read), workers per tier
 (``inspect active_queues``: which tiers have a worker consuming), open breakers (reported, never
-failing). A required tier without a worker is down.
+failing), the broker's replicas a publish waits for while the ledger is away (warned when
+fewer answer). A required tier without a worker is down.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def run_checks(app: Any, *, required: Iterable[str], timeout: float) -> list[Che
         checks.append(_timed("breakers", lambda: _breakers(app)))
         checks.append(_timed("parked", lambda: _parked(app, timeout)))
         checks.append(_timed("unrecorded", lambda: _unrecorded(app, timeout)))
+        checks.append(_timed("replicas", lambda: _replicas(app, timeout)))
     else:
         required_tiers = set(required)
         for tier in tiers:
@@ -279,6 +281,45 @@ def _unrecorded(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
         " workers' reconciler writes them once the ledger answers)"
     )
     return "warn", detail, {"waiting": waiting}
+
+
+def _replicas(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
+    """Whether the broker's primary has the replicas that a publish made while the ledger is
+    away waits for (``LEDGER_BROKER_CONFIRM_REPLICAS``), asked as such a publish asks: a write,
+    then ``WAIT`` on the same connection (a ``WAIT`` alone counts a replica stopped since its
+    last acknowledgement; the platform's least-privileged broker user may run both, not
+    ``INFO``)."""
+    wanted = int(app.runtime.settings.replicas_to_confirm())
+    if not wanted:
+        return "skipped", "no replica confirms a publish (LEDGER_BROKER_CONFIRM_REPLICAS)", {}
+    client = _short_redis(app, timeout)
+    try:
+        probe = client.pipeline(transaction=False)
+        probe.set(f"{app.runtime.tiers.namespace}:ledger:health:replicas", "1", px=60_000)
+        probe.execute_command("WAIT", wanted, max(1, int(timeout * 500)))
+        acked = int(probe.execute()[-1])
+    except redis.ResponseError as exc:  # (not the broker down: that is the broker's check)
+        detail = f"the primary refused the probe ({exc}): a publish while the ledger is away too"
+        return "warn", detail, {"wanted": wanted}
+    finally:
+        client.close()
+    return replicas_status(wanted, acked)
+
+
+def replicas_status(wanted: int, acked: int) -> tuple[Status, str, dict[str, Any]]:
+    data = {"wanted": wanted, "replicas": acked}
+    if acked >= wanted:
+        return (
+            "ok",
+            f"{acked} replica(s) of the primary answer (a publish waits for {wanted})",
+            data,
+        )
+    detail = (
+        f"{acked} replica(s) of the primary answer and LEDGER_BROKER_CONFIRM_REPLICAS asks"
+        f" {wanted}: while the ledger is away every publish is refused (NotReplicated) until"
+        " they are back"
+    )
+    return "warn", detail, data
 
 
 def parked_status(

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from celery_ledger.embedded.stack import EmbeddedStack
+from celery_ledger.health import Check, run_checks
 
 from .failover import (
     RECORD,
@@ -37,6 +38,10 @@ pytestmark = pytest.mark.integration
 MAX_LAG_SECONDS = 2
 
 
+def replicas_check(producer: Any) -> Check:
+    return next(c for c in run_checks(producer, required=(), timeout=2) if c.name == "replicas")
+
+
 def test_a_primary_refusing_writes_without_its_replicas_loses_no_job_and_ends_no_worker(
     tmp_path: Path, stack: EmbeddedStack
 ) -> None:
@@ -54,6 +59,7 @@ def test_a_primary_refusing_writes_without_its_replicas_loses_no_job_and_ends_no
         refused: list[Any] = []
         with loaded(shared_task(producer, RECORD)) as load:
             time.sleep(2.0)  # (jobs published and run before)
+            assert replicas_check(producer).status == "ok"
             # When the replicas stop (not past the sentinels' timeout for a primary: no
             # failover), so that the primary refuses writes once their lag passes the bound
             with paused(*replicas):
@@ -68,6 +74,10 @@ def test_a_primary_refusing_writes_without_its_replicas_loses_no_job_and_ends_no
                     return False
 
                 wait_for(refusing, timeout=30, what="the primary refusing writes")
+                # (and the health check warns: a publish while the ledger is away would be
+                # refused too, NotReplicated, for want of a replica to confirm it)
+                warned = replicas_check(producer)
+                assert warned.status == "warn", warned
                 refusals = load.refusals
                 time.sleep(6.0)  # the worker and the producer meet the refusals meanwhile
                 during = load.refusals - refusals

@@ -81,3 +81,12 @@ def test_parked_messages_warn_then_are_down_past_half_their_window() -> None:
     assert data["parked"] == {"shop.new (unknown-task)": 2, "shop.pay (no-key)": 1}
     # Past half the window its jobs are dead-lettered soon: someone must finish the deploy
     assert parked_status((counts, 451.0), window_seconds=900)[0] == "down"
+
+
+def test_fewer_replicas_than_a_publish_waits_for_warn_before_the_ledger_is_away() -> None:
+    from celery_ledger.health import replicas_status
+
+    assert replicas_status(1, 2)[0] == "ok"
+    status, detail, data = replicas_status(2, 1)
+    assert status == "warn" and data == {"wanted": 2, "replicas": 1}
+    assert "LEDGER_BROKER_CONFIRM_REPLICAS asks 2" in detail and "NotReplicated" in detail
