@@ -110,29 +110,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # Test files by their seconds in a recorded run (tests/durations.json, written by ``python -m
 # tests.timeline PATH --durations``): a parallel run starts the longest files first, so that no
 # process is left with a long test while the others have finished (xdist hands each process
-# its next test in collection order). A file not recorded yet counts as a typical one of its
-# directory; within a file the order is the file's own.
+# its next test in collection order). The integration tests still come before the unit tests,
+# as in collection order (a unit test that leaves state behind cannot reach a server's test).
+# A file not recorded yet counts as a typical one of its directory; within a file the order
+# is the file's own.
 DURATIONS = Path(__file__).with_name("durations.json")
 UNRECORDED_SECONDS = {"integration": 20.0, "unit": 1.0}
 
 
 def expected_seconds(path: str, recorded: dict[str, float]) -> float:
     if path in recorded:
-        return recorded[path]
+        return float(recorded[path])
     return UNRECORDED_SECONDS["integration" if "/integration/" in f"/{path}" else "unit"]
 
 
 def longest_files_first(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest test files first (each file's tests in their order)."""
-    if not DURATIONS.exists():
+    """The longest test files first, integration before unit (each file's tests in order)."""
+    try:
+        recorded = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):  # (none recorded, or unreadable: collection order)
         return
-    recorded = json.loads(DURATIONS.read_text())
-    root = config.rootpath
     position = {item.nodeid: n for n, item in enumerate(items)}
 
-    def longest_first(item: pytest.Item) -> tuple[float, str, int]:
-        path = item.path.relative_to(root).as_posix()
-        return (-expected_seconds(path, recorded), path, position[item.nodeid])
+    def longest_first(item: pytest.Item) -> tuple[bool, float, str, int]:
+        path = item.nodeid.split("::", 1)[0]  # (the key timeline.py writes)
+        unit = "/integration/" not in f"/{path}"
+        return (unit, -expected_seconds(path, recorded), path, position[item.nodeid])
 
     items.sort(key=longest_first)
 

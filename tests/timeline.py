@@ -16,11 +16,12 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 DURATIONS = Path(__file__).with_name("durations.json")
 
 
-def read(path: str) -> list[dict[str, float | str]]:
+def read(path: str) -> list[dict[str, Any]]:
     tests = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     if not tests:
         raise SystemExit(f"{path}: no test recorded")

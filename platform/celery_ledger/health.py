@@ -286,21 +286,24 @@ def _unrecorded(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
 def _replicas(app: Any, timeout: float) -> tuple[Status, str, dict[str, Any]]:
     """Whether the broker's primary has the replicas that a publish made while the ledger is
     away waits for (``LEDGER_BROKER_CONFIRM_REPLICAS``), asked as such a publish asks: a write,
-    then ``WAIT`` on the same connection (a ``WAIT`` alone counts a replica stopped since its
-    last acknowledgement; the platform's least-privileged broker user may run both, not
-    ``INFO``)."""
-    wanted = int(app.runtime.settings.replicas_to_confirm())
+    then ``WAIT`` on the same connection for as long as it waits (within the check's own
+    timeout). A ``WAIT`` alone counts a replica stopped since its last acknowledgement; the
+    platform's least-privileged broker user may run both, not ``INFO``. Never ``down``: a
+    broker away is the broker check's finding."""
+    settings = app.runtime.settings
+    wanted = int(settings.replicas_to_confirm())
     if not wanted:
         return "skipped", "no replica confirms a publish (LEDGER_BROKER_CONFIRM_REPLICAS)", {}
+    wait_ms = max(1, int(min(settings.broker_timeout_seconds, timeout) * 500))
     client = _short_redis(app, timeout)
     try:
         probe = client.pipeline(transaction=False)
         probe.set(f"{app.runtime.tiers.namespace}:ledger:health:replicas", "1", px=60_000)
-        probe.execute_command("WAIT", wanted, max(1, int(timeout * 500)))
+        probe.execute_command("WAIT", wanted, wait_ms)
         acked = int(probe.execute()[-1])
-    except redis.ResponseError as exc:  # (not the broker down: that is the broker's check)
-        detail = f"the primary refused the probe ({exc}): a publish while the ledger is away too"
-        return "warn", detail, {"wanted": wanted}
+    except redis.RedisError as exc:
+        detail = f"the primary did not answer the probe ({exc}): a publish while the ledger is"
+        return "warn", detail + " away would be refused too", {"wanted": wanted}
     finally:
         client.close()
     return replicas_status(wanted, acked)

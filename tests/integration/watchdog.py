@@ -75,8 +75,10 @@ class WatchedStack(EmbeddedStack):
             if isinstance(worker, WatchedWorker):
                 worker.expect_exit()
         for worker in self.workers:
-            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-                worker.kill()  # (its process group: the pool with it)
+            if worker.alive():  # (one a test killed is reaped: its pid may be another's now)
+                with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                    worker.kill()  # (its process group: the pool with it)
+        self.workers.clear()
         ledger, self.ledger = self.ledger, None
         try:
             super().stop()

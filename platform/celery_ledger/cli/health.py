@@ -1,8 +1,9 @@
 """``celery -A APP ledger health``: is the platform up? Exit 1 when something required is down.
 
 Checks, each with a short timeout: the broker (PING), the ledger (ping and a read), workers per
-tier (``inspect active_queues``: which tiers have a worker consuming), dead letters and open
-breakers (reported, never failing). ``--tiers`` names the tiers that must have a worker.
+tier (``inspect active_queues``: which tiers have a worker consuming), dead letters, open
+breakers and the broker's replicas a publish waits for while the ledger is away (reported, never
+failing), the clocks. ``--tiers`` names the tiers that must have a worker.
 """
 
 from __future__ import annotations
