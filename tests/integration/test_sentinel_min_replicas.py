@@ -54,45 +54,47 @@ def test_a_primary_refusing_writes_without_its_replicas_loses_no_job_and_ends_no
         worker = group_worker(tmp_path / "stack", stack, group)
         pid = worker.pid
         producer = group_producer(stack, group, "min-replicas-producer")
-        primary = group.primary()
-        replicas = [node for node in group.nodes if node is not primary]
-        refused: list[Any] = []
-        with loaded(shared_task(producer, RECORD)) as load:
-            time.sleep(2.0)  # (jobs published and run before)
-            assert replicas_check(producer).status == "ok"
-            # When the replicas stop (not past the sentinels' timeout for a primary: no
-            # failover), so that the primary refuses writes once their lag passes the bound
-            with paused(*replicas):
+        try:
+            primary = group.primary()
+            replicas = [node for node in group.nodes if node is not primary]
+            refused: list[Any] = []
+            with loaded(shared_task(producer, RECORD)) as load:
+                time.sleep(2.0)  # (jobs published and run before)
+                assert replicas_check(producer).status == "ok"
+                # When the replicas stop (not past the sentinels' timeout for a primary: no
+                # failover), so that the primary refuses writes once their lag passes the bound
+                with paused(*replicas):
 
-                def refusing() -> bool:
-                    with node_client(group, primary) as client:
-                        try:
-                            client.set("min-replicas-probe", "1")
-                        except Exception as exc:
-                            refused.append(exc)
-                            return True
-                    return False
+                    def refusing() -> bool:
+                        with node_client(group, primary) as client:
+                            try:
+                                client.set("min-replicas-probe", "1")
+                            except Exception as exc:
+                                refused.append(exc)
+                                return True
+                        return False
 
-                wait_for(refusing, timeout=30, what="the primary refusing writes")
-                # (and the health check warns: a publish while the ledger is away would be
-                # refused too, NotReplicated, for want of a replica to confirm it)
-                warned = replicas_check(producer)
-                assert warned.status == "warn", warned
-                refusals = load.refusals
-                time.sleep(6.0)  # the worker and the producer meet the refusals meanwhile
-                during = load.refusals - refusals
-            wait_for(lambda: not refusing(), timeout=30, what="the primary taking writes")
-            time.sleep(3.0)  # (jobs published after)
-        tokens = load.tokens()
-        # Then every job runs, once, and the worker never ended
-        took = wait_all_ran(tokens, timeout=180)
-        time.sleep(SETTLE_SECONDS)
-        assert runs_not_once(tokens) == {}
-        assert_worker_stayed(worker, pid)
-        assert "NOREPLICAS" in str(refused[0])
-        print(
-            f"{len(tokens)} jobs, {during} publishes refused while the replicas were away,"
-            f" all ran {took:.1f} s after the load stopped"
-        )
-        worker.stop()
-        producer.close()
+                    wait_for(refusing, timeout=30, what="the primary refusing writes")
+                    # (and the health check warns: a publish while the ledger is away would be
+                    # refused too, NotReplicated, for want of a replica to confirm it)
+                    warned = replicas_check(producer)
+                    assert warned.status == "warn", warned
+                    refusals = load.refusals
+                    time.sleep(6.0)  # the worker and the producer meet the refusals meanwhile
+                    during = load.refusals - refusals
+                wait_for(lambda: not refusing(), timeout=30, what="the primary taking writes")
+                time.sleep(3.0)  # (jobs published after)
+            tokens = load.tokens()
+            # Then every job runs, once, and the worker never ended
+            took = wait_all_ran(tokens, timeout=180)
+            time.sleep(SETTLE_SECONDS)
+            assert runs_not_once(tokens) == {}
+            assert_worker_stayed(worker, pid)
+            assert "NOREPLICAS" in str(refused[0])
+            print(
+                f"{len(tokens)} jobs, {during} publishes refused while the replicas were away,"
+                f" all ran {took:.1f} s after the load stopped"
+            )
+        finally:  # (a failed assertion leaves no worker running past the test)
+            worker.stop()
+            producer.close()
