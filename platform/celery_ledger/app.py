@@ -36,8 +36,8 @@ from .crypto import (
     REDACTED,
     SEALED_CONTENT_TYPE,
     SEALED_SERIALIZER,
-    RedactSensitive,
     Sealer,
+    redact_task_logs,
     register_sealed_codec,
     sealing,
 )
@@ -911,7 +911,7 @@ def _create_app(
     # producer's first publish against later changes (conf_check.py)
     app.pinned_conf = pinned(app.conf)
     app.steps["worker"].add(LedgerWorkerStep)
-    logging.getLogger("celery.app.trace").addFilter(RedactSensitive(app.is_sensitive))
+    redact_task_logs(app)
     install_observability(app, app.runtime)  # metrics, Sentry, JSON logs: as the settings say
 
     @app.task(name="celery_ledger.reconcile", base=Task, shared=False)  # type: ignore[untyped-decorator]
