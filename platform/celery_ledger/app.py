@@ -37,7 +37,6 @@ from .crypto import (
     SEALED_CONTENT_TYPE,
     SEALED_SERIALIZER,
     Sealer,
-    redact_task_logs,
     register_sealed_codec,
     sealing,
 )
@@ -52,6 +51,7 @@ from .ledger.store import Ledger
 from .ledger.workflow_log import WorkflowLog
 from .observability import install as install_observability
 from .observability import ledger_listeners
+from .observability.logs import redact_task_logs
 from .outbox import Outbox
 from .policies.breaker import Breakers
 from .policies.deadline import deadline
@@ -554,9 +554,9 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
             return "retrying"
 
     def is_sensitive(self, task_name: Any) -> bool:
-        """Whether ``task_name`` is a sensitive task of this app. The log filter of every app of
-        the process asks about every task log line: an app not finalized runs no task, so it
-        answers without finalizing (a declaration of its own that fails would raise there)."""
+        """Whether ``task_name`` is a sensitive task of this app. The task log filter asks each
+        live app about every task log line: an app not finalized runs no task, so it answers
+        without finalizing (a declaration of its own that fails would raise there)."""
         if not isinstance(task_name, str) or not self.finalized:
             return False
         task = self.tasks.get(task_name)

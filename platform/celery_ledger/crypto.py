@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -93,58 +91,21 @@ class Sealer:
 
 class RedactSensitive(logging.Filter):
     """Redacts return values, arguments and exception text of sensitive tasks in Celery's own
-    task log lines (``celery.app.trace``), which would otherwise print them."""
+    task log lines (``celery.app.trace``), which would otherwise print them.
+    ``is_sensitive(name, task_id)`` is asked with the line's task name and id."""
 
-    def __init__(self, is_sensitive: Any) -> None:
+    def __init__(self, is_sensitive: Callable[[Any, Any], bool]) -> None:
         super().__init__()
         self._is_sensitive = is_sensitive
 
     def filter(self, record: logging.LogRecord) -> bool:
         data = record.args
-        if isinstance(data, dict) and self._is_sensitive(data.get("name")):
+        if isinstance(data, dict) and (self._is_sensitive(data.get("name"), data.get("id"))):
             redacted = ("return_value", "args", "kwargs", "exc", "description")
             record.args = {**data, **{k: REDACTED for k in redacted if k in data}}
             record.exc_info = None  # a traceback ends with the exception's message
             record.exc_text = None
         return True
-
-
-class _LiveApps:
-    """Every ledger app of this process, held weakly, asked by one filter on Celery's task
-    logger. (A filter per app, as before, kept every app ever built alive for the process's life
-    and ran once more for each on every task log line.) The references are a tuple replaced
-    whole under a lock, so a log line read while another thread builds an app never sees a
-    collection change under it (a ``WeakSet`` raises then, and a filter that raises breaks the
-    task's own log call)."""
-
-    def __init__(self) -> None:
-        self._refs: tuple[weakref.ref[Any], ...] = ()
-        self._lock = threading.Lock()
-
-    def add(self, app: Any) -> None:
-        with self._lock:
-            kept = tuple(r for r in self._refs if r() is not None and r() is not app)
-            self._refs = (*kept, weakref.ref(app))
-
-    def sensitive(self, task_name: Any) -> bool:
-        for ref in self._refs:
-            app = ref()
-            if app is not None and app.is_sensitive(task_name):
-                return True
-        return False
-
-
-_redacting_apps = _LiveApps()
-_trace_filter = RedactSensitive(_redacting_apps.sensitive)
-
-
-def redact_task_logs(app: Any) -> None:
-    """Redact ``app``'s sensitive tasks in Celery's task log lines (``app.is_sensitive``), for
-    as long as the app lives."""
-    _redacting_apps.add(app)
-    logger = logging.getLogger("celery.app.trace")
-    if _trace_filter not in logger.filters:
-        logger.addFilter(_trace_filter)
 
 
 # -- the sealed message codec -------------------------------------------------------------------

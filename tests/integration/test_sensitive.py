@@ -157,3 +157,21 @@ def test_a_sensitive_tasks_events_carry_no_result_exception_text_or_traceback(
         e for e in received if e.get("uuid") == plain.id and e["type"] == "task-succeeded"
     )
     assert f"{token}-echo" in echoed["result"]
+
+
+def test_a_sensitive_job_logged_under_a_shadow_name_logs_no_value(
+    stack: Any, app: Any, token: str
+) -> None:
+    from tests.integration.ledger_app import reject_card, store_card
+
+    # Given a caller that names each job for its logs (Celery's ``shadow``), a name the app does
+    # not know as sensitive, when one succeeds and one fails with the card in its error
+    shadow = f"billing.innocent-{token}"
+    result = store_card.apply_async((token, CARD), shadow=shadow)
+    assert result.get(timeout=30)["last4"] == "1111"
+    with pytest.raises(Exception, match=r"PermanentError|declined|redacted"):
+        reject_card.apply_async((f"{token}-r", CARD), shadow=shadow).get(timeout=30)
+    # Then the worker logged both under that name, with no card in any line
+    log = stack.workers[0].log_path
+    wait_for(lambda: log.read_text().count(shadow) >= 2, what="both outcomes logged")
+    assert CARD not in log.read_text()

@@ -1,16 +1,20 @@
-"""JSON logs: one object per line, with the running task's fields."""
+"""JSON logs: one object per line, with the running task's fields; sensitive tasks' values
+redacted from Celery's task log lines."""
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import logging
+import weakref
 from typing import Any
 
 import pytest
-from celery import signals
+from celery import Celery, Task, signals
 
 from celery_ledger import Settings, create_app
+from celery_ledger.crypto import REDACTED
 from celery_ledger.observability import logs
 
 
@@ -83,3 +87,67 @@ def test_json_logs_follow_the_setting_through_celery_signals() -> None:
         assert any(isinstance(f, logs.TaskContextFilter) for f in handler.filters)
     finally:
         logger.removeHandler(handler)
+
+
+def test_one_filter_redacts_for_every_live_app_and_holds_none() -> None:
+    logger = logging.getLogger("celery.app.trace")
+
+    class App:
+        def __init__(self, secret: str) -> None:
+            self.secret = secret
+
+        def is_sensitive(self, name: object) -> bool:
+            return name == self.secret
+
+    def line(name: str) -> str:
+        record = logging.LogRecord(
+            logger.name, logging.INFO, __file__, 1, "%(name)s: %(return_value)s", None, None
+        )
+        record.args = {"name": name, "return_value": "4111"}
+        assert all(f.filter(record) for f in logger.filters)  # type: ignore[union-attr]
+        return record.getMessage()
+
+    # Given two apps, each with a sensitive task of its own
+    first, second = App("a.secret"), App("b.secret")
+    logs.redact_task_logs(first)
+    logs.redact_task_logs(second)
+    logs.redact_task_logs(first)  # (built twice: still one filter)
+    # Then one filter on Celery's task logger redacts each app's task and nothing else
+    assert len([f for f in logger.filters if type(f).__name__ == "RedactSensitive"]) == 1
+    assert line("a.secret") == f"a.secret: {REDACTED}"
+    assert line("b.secret") == f"b.secret: {REDACTED}"
+    assert line("c.public") == "c.public: 4111"
+    # And an app dropped by its owner is not kept alive by the logging module
+    gone = weakref.ref(second)
+    del second
+    gc.collect()
+    assert gone() is None
+    assert line("b.secret") == "b.secret: 4111"
+
+
+def test_a_sensitive_task_is_redacted_under_any_name_it_is_logged_by(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given a task that says it is sensitive, of an app that does not know it by its logged
+    # name (as when a caller gives it a ``shadow`` name, which Celery logs it under)
+    class Sensitive(Task):  # type: ignore[misc]
+        sensitive = True
+
+    class Unaware:
+        def is_sensitive(self, name: object) -> bool:
+            return False
+
+    owner = Unaware()
+    logs.redact_task_logs(owner)
+    app = Celery("shadowed", broker="memory://", backend="cache+memory://")
+
+    @app.task(base=Sensitive, name="billing.charge", shared=False)  # type: ignore[untyped-decorator]
+    def charge(card: str) -> str:
+        return card
+
+    # When it runs and Celery logs its outcome
+    with caplog.at_level(logging.INFO, "celery.app.trace"):
+        assert charge.apply(("4111",)).get() == "4111"
+    # Then the line names the task and holds no value of it
+    (line,) = [r.getMessage() for r in caplog.records if "billing.charge" in r.getMessage()]
+    assert "4111" not in line and REDACTED in line
