@@ -139,7 +139,7 @@ def test_a_sensitive_task_is_redacted_under_any_name_it_is_logged_by(
 
     owner = Unaware()
     logs.redact_task_logs(owner)
-    app = Celery("shadowed", broker="memory://", backend="cache+memory://")
+    app = Celery("shadowed", broker="memory://", backend="cache+memory://", set_as_current=False)
 
     @app.task(base=Sensitive, name="billing.charge", shared=False)  # type: ignore[untyped-decorator]
     def charge(card: str) -> str:
