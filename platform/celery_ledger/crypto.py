@@ -103,6 +103,9 @@ class RedactSensitive(logging.Filter):
         if isinstance(data, dict) and (self._is_sensitive(data.get("name"), data.get("id"))):
             redacted = ("return_value", "args", "kwargs", "exc", "description")
             record.args = {**data, **{k: REDACTED for k in redacted if k in data}}
+            shown = record.__dict__.get("data")  # (Celery's copy, for custom handlers)
+            if isinstance(shown, dict):
+                record.__dict__["data"] = {**shown, **{k: REDACTED for k in redacted if k in shown}}
             record.exc_info = None  # a traceback ends with the exception's message
             record.exc_text = None
         return True

@@ -35,6 +35,7 @@ import redis
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from . import headers, tracecontext, wire
+from .crypto import REDACTED, Sealer
 from .deadletter import DeadLetters
 from .errors import (
     CircuitOpen,
@@ -359,9 +360,8 @@ class Guard:
 
     def _degraded_already(self, delivery: Delivery) -> bool:
         """Whether the job's record holds a degraded result (read only while the breaker is
-        open, for a task with a fallback): then this delivery is its replacement, which waits
-        for the breaker instead of serving the fallback again. Unknown counts as degraded (it
-        waits, as a task without a fallback does)."""
+        open, for a task with a fallback): then this delivery, its replacement, waits for the
+        breaker instead of serving the fallback again (unknown: it waits, as without one)."""
         try:
             doc = self.ledger.find_raw(delivery.record_id)
         except LedgerError:
@@ -1081,12 +1081,11 @@ class Attempt:
 
     def dead(self, exc: BaseException, *, reason: str, verdict: Verdict | None) -> Verdict:
         """Record the job dead with its reason and its kept message, then announce it."""
-        sealer = self.guard.runtime.sealer if self.policy.sensitive else None
         job = DeadJob.of_exception(
             exc,
             reason=reason,
             error=self._error(exc, "dead"),
-            message=self.delivery.kept(sealer),
+            message=self.delivery.kept(self._sealer()),
             sensitive=self.policy.sensitive,
         )
         self._bury(job)
@@ -1100,10 +1099,8 @@ class Attempt:
             artefacts = list(self.ledger.load_progress(self.record_id).get("artefacts", []))
         except LedgerError:
             artefacts = []
-        sealer = self.guard.runtime.sealer if self.policy.sensitive else None
-        job = DeadJob.of_reason(
-            "retired", reason, task=self.policy.name, message=self.delivery.kept(sealer)
-        )
+        kept = self.delivery.kept(self._sealer())
+        job = DeadJob.of_reason("retired", reason, task=self.policy.name, message=kept)
         self._bury(job)
         logger.error("%s retired: %s", self.record_id, reason)
         try:
@@ -1198,19 +1195,19 @@ class Attempt:
 
     def ignored(self, exc: Ignore) -> Verdict:
         """The body raised ``Ignore``: the job ends here, terminal, with its reason."""
-        op, steps = new_op(), self._atomic_steps()
+        op, steps, told = new_op(), self._atomic_steps(), self._told(text_of(exc) or "")
         self._persist(
             lambda: self.ledger.finish_without_result(
                 self.record_id,
                 self.fence,
                 outcome="ignored",
-                note=storable(text_of(exc) or ""),
+                note=storable(told),
                 op=op,
                 atomic_steps=steps,
             ),
             "finish",
         )
-        return Verdict.ack(f"ignored by the task: {exc}")
+        return Verdict.ack(f"ignored by the task: {told}")
 
     def replaced(self, exc: Replaced) -> Verdict:
         """The body replaced itself (``Task.replace``): the job ends, naming its replacement."""
@@ -1233,15 +1230,18 @@ class Attempt:
         """``Reject(requeue=True)`` hands the message back; ``Reject(requeue=False)`` ends the
         job dead (replayable) with the task's reason."""
         if exc.requeue:
-            return self._release(f"rejected by the task (requeue): {exc.reason}")
-        reason = f"rejected by the task: {exc.reason}"
-        sealer = self.guard.runtime.sealer if self.policy.sensitive else None
-        self._bury(
-            DeadJob.of_reason(
-                "rejected", reason, task=self.policy.name, message=self.delivery.kept(sealer)
-            )
-        )
+            return self._release(f"rejected by the task (requeue): {self._told(exc.reason)}")
+        reason = f"rejected by the task: {self._told(exc.reason)}"
+        kept = self.delivery.kept(self._sealer())
+        self._bury(DeadJob.of_reason("rejected", reason, task=self.policy.name, message=kept))
         return Verdict.ack(reason)
+
+    def _told(self, text: object) -> str:
+        """An ``Ignore``'s or ``Reject``'s text as kept and logged (a sensitive task's: none)."""
+        return REDACTED if self.policy.sensitive else str(text)
+
+    def _sealer(self) -> Sealer | None:
+        return self.guard.runtime.sealer if self.policy.sensitive else None
 
     # -- persistence ---------------------------------------------------------------------------
 

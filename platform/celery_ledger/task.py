@@ -129,22 +129,22 @@ class LedgerRequest(Request):  # type: ignore[misc]
     retired here, but only while the lease is still held by that process (a takeover by a newer
     claim is never undone by the old holder's limit).
 
-    A sensitive task's events (what Flower and ``celery events`` show) carry no result, no
-    exception message and no traceback: Celery puts ``repr(result)`` and the exception's text
-    in them, which hold what the arguments held. The exception's type stays (what failed,
-    not on what).
-
-    Nor does what the worker says about the message when asked (``inspect active``,
-    ``reserved``, ``scheduled``, ``query_task``, which Flower's worker page calls): Celery puts
-    the opened arguments in that reply, and the reply is a list on the broker, kept in its
-    append-only file. The arguments are the redaction marker there, as in ``argsrepr``.
+    A sensitive task's events (what Flower and ``celery events`` show) carry no result and no
+    exception text or traceback (which hold what the arguments held), only the exception's
+    type. Nor does the worker's reply when asked (``inspect active``, ``reserved``,
+    ``query_task``: Flower's worker page), a list kept in the broker's append-only file. Its
+    arguments are the redaction marker, as is ``argsrepr`` whatever the publisher wrote (one
+    that did not know the task as sensitive, ``send_task`` by name, wrote the arguments).
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if getattr(self.task, "sensitive", False):
+            self._argsrepr = self._kwargsrepr = REDACTED
 
     def info(self, safe: bool = False) -> dict[str, Any]:
         described: dict[str, Any] = super().info(safe=safe)
-        if getattr(self.task, "sensitive", False):
-            # Whatever ``safe`` asks: argsrepr is the publisher's text, and a publisher that
-            # is not ours may have put the arguments there.
+        if getattr(self.task, "sensitive", False):  # (whatever ``safe`` asks)
             described["args"] = described["kwargs"] = REDACTED
         return described
 

@@ -392,6 +392,16 @@ def reject_card(token: str, card_number: str) -> None:
     raise PermanentError(f"card {card_number} declined")
 
 
+@app.task(idempotency_key="{token}", sensitive=True)
+def refuse_card(token: str, card_number: str, how: str) -> None:
+    """Ends the job with Celery's own verdicts, whose text names the card."""
+    from celery.exceptions import Ignore, Reject
+
+    if how == "ignore":
+        raise Ignore(f"card {card_number} handled by hand")
+    raise Reject(f"card {card_number} refused", requeue=False)
+
+
 @app.task(
     bind=True,
     idempotency_key="{token}",

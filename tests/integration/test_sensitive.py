@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 
 from celery_ledger import State
 from celery_ledger.crypto import REDACTED
@@ -121,6 +122,12 @@ def test_a_sensitive_tasks_events_carry_no_result_exception_text_or_traceback(
         rejected = shared_task(producer, task + "reject_card").delay(f"{token}-r", CARD)
         resumed = shared_task(producer, task + "sensitive_progress").delay(f"{token}-p", CARD)
         plain = shared_task(producer, task + "echo").delay(f"{token}-echo")
+        # and a publisher that does not know the task as sensitive (plain Celery, by name),
+        # which writes the arguments' text in the message (argsrepr)
+        foreign = Celery("foreign", broker=running.broker.url, set_as_current=False)
+        queue = producer.tiers.queue(producer.tier_of(task + "store_card"))
+        by_name = foreign.send_task(task + "store_card", (f"{token}-f", CARD), queue=queue)
+        foreign.close()
         assert stored.get(timeout=60)["last4"] == "1111"
         with pytest.raises(Exception, match=r"PermanentError|redacted|declined"):
             rejected.get(timeout=60)
@@ -137,6 +144,8 @@ def test_a_sensitive_tasks_events_carry_no_result_exception_text_or_traceback(
                 and any(
                     e.get("uuid") == plain.id and e["type"] == "task-succeeded" for e in received
                 )
+                and {"task-received", "task-succeeded"}
+                <= {e["type"] for e in received if e.get("uuid") == by_name.id}
             ),
             what="the jobs' events",
         )
@@ -147,8 +156,11 @@ def test_a_sensitive_tasks_events_carry_no_result_exception_text_or_traceback(
         running.stop()
 
     # Then no event of a sensitive job holds the card; their exception types remain
-    ours = [e for e in received if e.get("uuid") in (stored.id, rejected.id, resumed.id)]
+    sensitive = (stored.id, rejected.id, resumed.id, by_name.id)
+    ours = [e for e in received if e.get("uuid") in sensitive]
     assert ours and not any(CARD in json.dumps(e, default=str) for e in ours)
+    (arrived,) = [e for e in ours if e["uuid"] == by_name.id and e["type"] == "task-received"]
+    assert arrived["args"] == arrived["kwargs"] == REDACTED
     failed = next(e for e in ours if e["type"] == "task-failed")
     assert failed["exception"] == f"PermanentError({REDACTED!r})"
     assert failed["traceback"] == REDACTED
@@ -175,3 +187,38 @@ def test_a_sensitive_job_logged_under_a_shadow_name_logs_no_value(
     log = stack.workers[0].log_path
     wait_for(lambda: log.read_text().count(shadow) >= 2, what="both outcomes logged")
     assert CARD not in log.read_text()
+
+
+def test_a_sensitive_job_that_ignores_or_rejects_itself_keeps_no_card(
+    stack: Any, app: Any, token: str
+) -> None:
+    from tests.integration.ledger_app import refuse_card
+
+    # When one job ends with Ignore and another with Reject, both naming the card
+    refuse_card.delay(f"{token}-i", CARD, "ignore")
+    refuse_card.delay(f"{token}-r", CARD, "reject")
+    wait_for(
+        lambda: (
+            (i := app.ledger.get(refuse_card.name, f"{token}-i")) is not None
+            and i.state is State.SUCCEEDED
+            and (r := app.ledger.get(refuse_card.name, f"{token}-r")) is not None
+            and r.state is State.DEAD
+        ),
+        what="ignored and rejected",
+    )
+    # Then their records say how they ended, without the card
+    ignored = app.ledger.find_raw(app.ledger.get(refuse_card.name, f"{token}-i").id)
+    rejected = app.ledger.find_raw(app.ledger.get(refuse_card.name, f"{token}-r").id)
+    assert ignored["outcome"] == "ignored" and ignored["note"] == REDACTED
+    assert rejected["dead_reason"] == f"rejected by the task: {REDACTED}"
+    assert CARD not in json.dumps([ignored, rejected], default=str)
+    # nor does the dead letter's copy on the broker (its headers included), nor the log
+    broker = redis.Redis.from_url(stack.broker.url)
+
+    def copies() -> list[str]:  # each whole message, and its body decoded
+        raw = [m.decode() for m in broker.lrange(app.tiers.dead_letter_queue, 0, -1)]
+        return [m + base64.b64decode(json.loads(m)["body"]).decode() for m in raw]
+
+    wait_for(lambda: any(rejected["_id"] in m for m in copies()), what="dead-letter copy")
+    assert not any(CARD in m for m in copies())
+    assert CARD not in stack.workers[0].log_path.read_text()

@@ -40,8 +40,10 @@ def test_celery_trace_lines_of_sensitive_tasks_are_redacted() -> None:
         None,
     )
     record.args = {"name": "secret.task", "return_value": "4111", "id": "1"}
+    record.__dict__["data"] = record.args  # (Celery's copy of the same, for custom handlers)
     assert RedactSensitive(lambda name, _id: name == "secret.task").filter(record)
     assert record.getMessage() == f"Task secret.task succeeded: {REDACTED}"
+    assert record.__dict__["data"] == {"name": "secret.task", "return_value": REDACTED, "id": "1"}
 
 
 # -- the sealed message codec ---------------------------------------------------------------------
