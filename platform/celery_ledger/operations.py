@@ -16,6 +16,7 @@ from .deadletter import ReplayOutcome
 from .errors import ConfigurationError
 from .ledger.schedule_controls import ScheduleControls
 from .policies.breaker import BreakerState
+from .schedule_definitions import sealed_definition
 from .schedules import entry_of, fleet_entries, send_slot, slots_between
 
 BREAKER_ACTIONS: dict[str, tuple[BreakerState | None, str]] = {
@@ -142,6 +143,8 @@ def create_schedule(app: Any, name: str, definition: dict[str, Any], *, actor: s
     if definition["task"] not in app.tasks:
         known = ", ".join(sorted(t for t in app.tasks if not t.startswith("celery.")))
         raise ConfigurationError(f"no task {definition['task']!r} in this app (tasks: {known})")
+    if getattr(app.tasks[definition["task"]], "sensitive", False):  # (the audit's copy too)
+        definition = sealed_definition(definition, app.runtime.sealer)
     with audit.action(app.ledger, "schedule created", f"schedule:{name}", actor=actor) as e:
         created = ScheduleControls(app.ledger).declare(name, definition, actor=actor)
         e.note(created=created, definition=definition)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -60,6 +60,7 @@ from .policies.schedule import (
     jitter_of,
     overlap,
 )
+from .schedule_definitions import definition_of, stored_entries
 from .untrusted import utc_of_unix
 
 logger = logging.getLogger("celery_ledger.schedules")
@@ -128,83 +129,6 @@ def fleet_entries(beat_schedule: Mapping[str, Any] | None) -> dict[str, Any]:
         for name, entry in (beat_schedule or {}).items()
         if not (isinstance(entry, Mapping) and entry.get("task") in IN_HOUSEKEEPING)
     }
-
-
-# -- entries declared at run time (stored in the ledger: ledger/schedule_controls.py) -------------
-
-
-def definition_of(
-    task: str,
-    *,
-    every: float | None = None,
-    cron: str | None = None,
-    args: Sequence[Any] = (),
-    kwargs: Mapping[str, Any] | None = None,
-    queue: str | None = None,
-    policy: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The stored definition of an entry declared at run time (a plain document), checked:
-    a mistake is a ``ConfigurationError`` saying what is wrong."""
-    if (every is None) == (cron is None):
-        raise ConfigurationError("a schedule is every N seconds or a cron expression: one of them")
-    if every is not None and not (isinstance(every, int | float) and every >= 1):
-        raise ConfigurationError(f"every must be at least 1 second, not {every!r}")
-    stored_policy = {
-        name: value.isoformat() if isinstance(value, datetime) else value
-        for name, value in (policy or {}).items()
-    }
-    definition = {
-        "task": task,
-        "every": None if every is None else float(every),
-        "cron": cron,
-        "args": list(args),
-        "kwargs": dict(kwargs or {}),
-        "options": {"queue": queue} if queue else {},
-        "policy": stored_policy,
-    }
-    stored_spec(definition)  # (every check of the stored form: the schedule and the policy)
-    return definition
-
-
-def stored_spec(definition: Mapping[str, Any]) -> dict[str, Any]:
-    """A stored definition as a ``beat_schedule`` entry (raises ``ConfigurationError``)."""
-    cron = definition.get("cron")
-    if cron is not None:
-        try:
-            when: Any = crontab.from_string(str(cron))
-        except (ValueError, TypeError) as exc:
-            raise ConfigurationError(
-                f"cron {cron!r}: {exc} (five fields: minute hour day-of-month month day-of-week)"
-            ) from None
-    else:
-        when = float(definition["every"])
-    policy = dict(definition.get("policy") or {})
-    for name in ("start", "end"):
-        if isinstance(policy.get(name), str):
-            try:
-                policy[name] = datetime.fromisoformat(policy[name])
-            except ValueError:
-                raise ConfigurationError(f"schedule policy: {name} {policy[name]!r}") from None
-    return {
-        "task": str(definition["task"]),
-        "schedule": when,
-        "args": tuple(definition.get("args") or ()),
-        "kwargs": dict(definition.get("kwargs") or {}),
-        "options": dict(definition.get("options") or {}),
-        "policy": SchedulePolicy.of(policy or None),
-    }
-
-
-def stored_entries(definitions: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The entries of the stored definitions; one that no longer reads (stored by a later
-    release, or damaged) is left out with a warning, never fails the others."""
-    found = {}
-    for name, definition in definitions.items():
-        try:
-            found[name] = stored_spec(definition)
-        except (ConfigurationError, KeyError, TypeError, ValueError) as exc:
-            logger.warning("schedule %s stored in the ledger does not read: %s", name, exc)
-    return found
 
 
 def is_interval(entry: ScheduleEntry) -> bool:
@@ -435,7 +359,8 @@ class LedgerScheduling:
             if name not in code:
                 self.schedule.pop(name, None)
         changed = {n: d for n, d in declared.items() if merged.get(n) != d and n not in code}
-        self.update_from_dict(stored_entries(changed))  # type: ignore[attr-defined]
+        entries = stored_entries(changed, self.app.runtime.sealer)
+        self.update_from_dict(entries)  # type: ignore[attr-defined]
         self.__dict__["_ledger_merged"] = dict(declared)
         self._heap = None  # (a changed definition of a kept name too: see schedules_equal)
 
@@ -872,7 +797,8 @@ def fleet_state(app: Any) -> tuple[str | None, str | None, list[EntryState]]:
     stored = {
         name: spec
         for name, spec in stored_entries(
-            {name: doc["definition"] for name, doc in controls.declared().items()}
+            {name: doc["definition"] for name, doc in controls.declared().items()},
+            app.runtime.sealer,
         ).items()
         if name not in code
     }
@@ -916,7 +842,9 @@ def entry_of(app: Any, name: str) -> ScheduleEntry:
     if name not in entries:
         declared = ScheduleControls(app.ledger).declared()
         entries = {
-            **stored_entries({n: doc["definition"] for n, doc in declared.items()}),
+            **stored_entries(
+                {n: doc["definition"] for n, doc in declared.items()}, app.runtime.sealer
+            ),
             **entries,
         }
     spec = entries.get(name)
@@ -1005,6 +933,7 @@ __all__ = [
     "FleetScheduler",
     "LedgerEntry",
     "LedgerScheduler",
+    "definition_of",  # (its documented path: defined in schedule_definitions)
     "fleet_state",
     "marked_options",
     "note_foreign_beat",

@@ -383,6 +383,34 @@ def test_an_entry_created_at_run_time_runs_each_slot_once_until_deleted(fleet: F
     assert name not in ledger_cli(fleet, "list")
 
 
+def test_a_sensitive_task_scheduled_at_run_time_keeps_its_arguments_sealed(fleet: Fleet) -> None:
+    from pymongo import MongoClient
+
+    card = "4111111111111111"
+    fleet.worker("sealed-1")
+    name = f"charge-{fleet.run}"
+    # When an operator schedules a sensitive task with the card as its argument
+    out = ledger_cli(
+        fleet, "create", name, "--task", "periodic.charge", "--every", "2", "--args",
+        json.dumps([card]),
+    )  # fmt: skip
+    assert f"{name}: created" in out
+    # Then its runs get the card
+    wait_for(lambda: len(fleet.runs("charge")) >= 2, timeout=30, what="two runs")
+    assert {run["last4"] for run in fleet.runs("charge")} == {"1111"}
+    # and no document of the app's ledger holds it: the entry, the audit trail's copy, the jobs
+    client: MongoClient[dict[str, Any]] = MongoClient(fleet.stack.ledger.url)
+    read = []
+    for database in client.list_database_names():
+        for collection in client[database].list_collection_names():
+            if collection.startswith("periodic_ledger"):
+                read.append(collection)
+                found = list(client[database][collection].find({}))
+                assert card not in json.dumps(found, default=str), collection
+    assert {"periodic_ledger", "periodic_ledger_schedules", "periodic_ledger_audit"} <= set(read)
+    ledger_cli(fleet, "delete", name)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -3,6 +3,7 @@ start and end. The pure decisions, then each through Celery's own tick over a mo
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -289,6 +290,34 @@ def test_a_stored_entry_that_no_longer_reads_is_left_out_not_fatal() -> None:
     found = stored_entries({"good": good, "bad": {**good, "cron": "nonsense"}, "worse": {}})
     assert list(found) == ["good"]
     assert found["good"]["policy"].catch_up is CatchUp.ALL
+
+
+def test_a_sensitive_entrys_arguments_are_stored_sealed_and_read_with_the_keys_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from cryptography.fernet import Fernet
+
+    from celery_ledger.crypto import Sealer
+    from celery_ledger.schedule_definitions import (
+        definition_of,
+        sealed_definition,
+        stored_entries,
+    )
+
+    keys = Sealer([Fernet.generate_key().decode()])
+    plain = definition_of("shop.charge", every=60, args=["4111"], kwargs={"amount": 5})
+    stored = sealed_definition(plain, keys)
+    # Stored: no argument in clear
+    assert "4111" not in repr(stored) and stored["args"] == [] and stored["kwargs"] == {}
+    # Read with the keys: the arguments as declared
+    found = stored_entries({"charge": stored}, keys)
+    assert found["charge"]["args"] == ("4111",) and found["charge"]["kwargs"] == {"amount": 5}
+    # Without them, or with other keys: left out, said why, the others still read
+    other = Sealer([Fernet.generate_key().decode()])
+    for sealer in (None, other):
+        with caplog.at_level(logging.WARNING, "celery_ledger"):
+            assert list(stored_entries({"charge": stored, "tick": plain}, sealer)) == ["tick"]
+    assert "sealed" in caplog.text and "cannot be opened" in caplog.text
 
 
 def test_interval_windows_a_stalled_scheduler_passed_run_late_or_are_counted_as_missed() -> None:

@@ -10,11 +10,16 @@ import pytest
 from celery import Celery
 from celery.beat import ScheduleEntry
 from celery.schedules import crontab, schedule, solar
+from cryptography.fernet import Fernet
 
 from celery_ledger import headers
+from celery_ledger.crypto import Sealer
 from celery_ledger.events import Observer, Observers
 from celery_ledger.identity import slot_key, slot_of_key
 from celery_ledger.schedules import fleet_entries, marked_options, slot_of
+
+# (a run-time entry of a sensitive task reads with these keys)
+SEALER = Sealer([Fernet.generate_key().decode()])
 
 APP = Celery("schedules-unit", set_as_current=False)
 APP.conf.update(enable_utc=True, timezone="UTC")
@@ -219,7 +224,7 @@ def scheduler(clock: dict[str, float]) -> Any:
 
     app.observers = Observers(Lags())  # type: ignore[attr-defined]
     app.runtime = SimpleNamespace(  # type: ignore[attr-defined]
-        name="shop", redis=Hashes(), message_time=lambda: clock["now"]
+        name="shop", redis=Hashes(), message_time=lambda: clock["now"], sealer=SEALER
     )
     app.ledger = Records()  # type: ignore[attr-defined]
     app.now = lambda: datetime.fromtimestamp(clock["now"], UTC)  # type: ignore[method-assign]

@@ -21,7 +21,8 @@ from ..operations import (
     resume_schedule,
     trigger_schedule,
 )
-from ..schedules import definition_of, fleet_state
+from ..schedule_definitions import definition_of
+from ..schedules import fleet_state
 from .dlq import parse_since
 from .options import actor_option
 

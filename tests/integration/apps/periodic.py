@@ -33,6 +33,13 @@ def tick_keyed(self: Any, report: str) -> None:
     _record("tick-keyed", self)
 
 
+@app.task(bind=True, name="periodic.charge", sensitive=True, idempotency_key="charge")
+def charge(self: Any, card: str) -> None:
+    """A sensitive task an operator schedules at run time, with the card as its argument (a
+    slot's job is keyed by its slot; the template, of no secret, serves a call by hand)."""
+    record_effect("charge", RUN, slot=self.scheduled_for.timestamp(), last4=card[-4:])
+
+
 app.conf.beat_schedule = {
     "tick": {"task": "periodic.tick", "schedule": 2.0},
     "tick-keyed": {"task": "periodic.tick_keyed", "schedule": 2.0, "args": ("daily",)},

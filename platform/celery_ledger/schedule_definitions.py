@@ -1,0 +1,118 @@
+"""Schedule entries declared at run time: their stored definition (a plain document in the
+ledger's schedule controls, ``ledger/schedule_controls.py``), checked when declared, and read
+back as ``beat_schedule`` entries by every scheduler.
+
+A sensitive task's arguments are sealed in the definition (one token for both), as its jobs'
+are in their records: an entry lives as long as the schedule, and the ledger's other readers
+(the audit trail's copy of what was declared, a backup) see ciphertext. ``ledger reseal``
+finds the token with every other sealed value of the ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from celery.schedules import crontab
+
+from . import wire
+from .crypto import Sealer
+from .errors import ConfigurationError, StoreError
+from .policies.schedule import SchedulePolicy
+
+logger = logging.getLogger("celery_ledger.schedules")  # (where these lines were before)
+
+
+def definition_of(
+    task: str,
+    *,
+    every: float | None = None,
+    cron: str | None = None,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    queue: str | None = None,
+    policy: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The stored definition of an entry declared at run time (a plain document), checked:
+    a mistake is a ``ConfigurationError`` saying what is wrong."""
+    if (every is None) == (cron is None):
+        raise ConfigurationError("a schedule is every N seconds or a cron expression: one of them")
+    if every is not None and not (isinstance(every, int | float) and every >= 1):
+        raise ConfigurationError(f"every must be at least 1 second, not {every!r}")
+    stored_policy = {
+        name: value.isoformat() if isinstance(value, datetime) else value
+        for name, value in (policy or {}).items()
+    }
+    definition = {
+        "task": task,
+        "every": None if every is None else float(every),
+        "cron": cron,
+        "args": list(args),
+        "kwargs": dict(kwargs or {}),
+        "options": {"queue": queue} if queue else {},
+        "policy": stored_policy,
+    }
+    stored_spec(definition)  # (every check of the stored form: the schedule and the policy)
+    return definition
+
+
+def sealed_definition(definition: Mapping[str, Any], sealer: Sealer) -> dict[str, Any]:
+    """A sensitive task's definition as stored: its arguments sealed (one token)."""
+    both = wire.dumps({"args": definition["args"], "kwargs": definition["kwargs"]})
+    return {**definition, "args": [], "kwargs": {}, "sealed": sealer.seal(both)}
+
+
+def stored_spec(definition: Mapping[str, Any], sealer: Sealer | None = None) -> dict[str, Any]:
+    """A stored definition as a ``beat_schedule`` entry (raises ``ConfigurationError``, and
+    ``StoreError`` for sealed arguments no key of ``sealer`` opens)."""
+    args, kwargs = definition.get("args") or (), definition.get("kwargs") or {}
+    if definition.get("sealed"):
+        if sealer is None:
+            raise ConfigurationError("its arguments are sealed: it reads with the app's keys")
+        opened = wire.loads(sealer.open(str(definition["sealed"])))
+        args, kwargs = opened["args"], opened["kwargs"]
+    cron = definition.get("cron")
+    if cron is not None:
+        try:
+            when: Any = crontab.from_string(str(cron))
+        except (ValueError, TypeError) as exc:
+            raise ConfigurationError(
+                f"cron {cron!r}: {exc} (five fields: minute hour day-of-month month day-of-week)"
+            ) from None
+    else:
+        when = float(definition["every"])
+    policy = dict(definition.get("policy") or {})
+    for name in ("start", "end"):
+        if isinstance(policy.get(name), str):
+            try:
+                policy[name] = datetime.fromisoformat(policy[name])
+            except ValueError:
+                raise ConfigurationError(f"schedule policy: {name} {policy[name]!r}") from None
+    return {
+        "task": str(definition["task"]),
+        "schedule": when,
+        "args": tuple(args),
+        "kwargs": dict(kwargs),
+        "options": dict(definition.get("options") or {}),
+        "policy": SchedulePolicy.of(policy or None),
+    }
+
+
+def stored_entries(
+    definitions: Mapping[str, Mapping[str, Any]], sealer: Sealer | None = None
+) -> dict[str, dict[str, Any]]:
+    """The entries of the stored definitions; one that no longer reads (stored by a later
+    release, or damaged, or sealed with no key here) is left out with a warning, never fails
+    the others."""
+    found = {}
+    for name, definition in definitions.items():
+        try:
+            found[name] = stored_spec(definition, sealer)
+        except (ConfigurationError, StoreError, KeyError, TypeError, ValueError) as exc:
+            logger.warning("schedule %s stored in the ledger does not read: %s", name, exc)
+    return found
+
+
+__all__ = ["definition_of", "sealed_definition", "stored_entries", "stored_spec"]
