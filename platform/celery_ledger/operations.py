@@ -86,7 +86,7 @@ def force_breaker(app: Any, name: str, action: str, *, actor: str) -> str:
 def pause_schedule(app: Any, name: str, *, actor: str, reason: str = "") -> bool:
     """Pause schedule entry ``name`` (its slots pass without runs until resumed), audited;
     False if it was paused already."""
-    entry_of(app, name)  # a name the schedule declares
+    entry_of(app, name, opened=False)  # a name the schedule declares
     with audit.action(app.ledger, "schedule paused", f"schedule:{name}", actor=actor) as e:
         changed = ScheduleControls(app.ledger).set_paused(name, True, actor=actor, reason=reason)
         e.note(changed=changed, reason=reason)
@@ -96,7 +96,7 @@ def pause_schedule(app: Any, name: str, *, actor: str, reason: str = "") -> bool
 def resume_schedule(app: Any, name: str, *, actor: str) -> bool:
     """Resume schedule entry ``name`` from its next slot, audited; False if it was not
     paused."""
-    entry_of(app, name)
+    entry_of(app, name, opened=False)
     with audit.action(app.ledger, "schedule resumed", f"schedule:{name}", actor=actor) as e:
         changed = ScheduleControls(app.ledger).set_paused(name, False, actor=actor)
         e.note(changed=changed)
@@ -147,7 +147,8 @@ def create_schedule(app: Any, name: str, definition: dict[str, Any], *, actor: s
         definition = sealed_definition(definition, app.runtime.sealer)
     with audit.action(app.ledger, "schedule created", f"schedule:{name}", actor=actor) as e:
         created = ScheduleControls(app.ledger).declare(name, definition, actor=actor)
-        e.note(created=created, definition=definition)
+        # (a sealed definition's token is the ledger's to keep, and to reseal: not the trail's)
+        e.note(created=created, definition={**definition, "sealed": bool(definition.get("sealed"))})
     return created
 
 

@@ -4,8 +4,8 @@ back as ``beat_schedule`` entries by every scheduler.
 
 A sensitive task's arguments are sealed in the definition (one token for both), as its jobs'
 are in their records: an entry lives as long as the schedule, and the ledger's other readers
-(the audit trail's copy of what was declared, a backup) see ciphertext. ``ledger reseal``
-finds the token with every other sealed value of the ledger.
+(a backup, the console) see ciphertext; the audit trail notes that they were sealed, not the
+token. ``ledger reseal`` finds the token with every other sealed value of the ledger.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 from celery.schedules import crontab
 
 from . import wire
-from .crypto import Sealer
+from .crypto import REDACTED, Sealer
 from .errors import ConfigurationError, StoreError
 from .policies.schedule import SchedulePolicy
 
@@ -59,20 +59,27 @@ def definition_of(
 
 
 def sealed_definition(definition: Mapping[str, Any], sealer: Sealer) -> dict[str, Any]:
-    """A sensitive task's definition as stored: its arguments sealed (one token)."""
+    """A sensitive task's definition as stored: its arguments sealed (one token), and its
+    timing under ``timing``, where a release before sealing does not look: such a scheduler
+    leaves the entry out (a definition it cannot read) instead of running it without them."""
     both = wire.dumps({"args": definition["args"], "kwargs": definition["kwargs"]})
-    return {**definition, "args": [], "kwargs": {}, "sealed": sealer.seal(both)}
+    kept = {k: v for k, v in definition.items() if k not in ("args", "kwargs", "every", "cron")}
+    timing = {"every": definition.get("every"), "cron": definition.get("cron")}
+    return {**kept, "timing": timing, "sealed": sealer.seal(both)}
 
 
 def stored_spec(definition: Mapping[str, Any], sealer: Sealer | None = None) -> dict[str, Any]:
     """A stored definition as a ``beat_schedule`` entry (raises ``ConfigurationError``, and
-    ``StoreError`` for sealed arguments no key of ``sealer`` opens)."""
+    ``StoreError`` for sealed arguments no key of ``sealer`` opens). ``sealer`` None: sealed
+    arguments are not opened but shown as the redaction marker (to list or pause an entry,
+    never to send it)."""
     args, kwargs = definition.get("args") or (), definition.get("kwargs") or {}
     if definition.get("sealed"):
-        if sealer is None:
-            raise ConfigurationError("its arguments are sealed: it reads with the app's keys")
-        opened = wire.loads(sealer.open(str(definition["sealed"])))
-        args, kwargs = opened["args"], opened["kwargs"]
+        args, kwargs = (REDACTED,), {}
+        if sealer is not None:
+            opened = wire.loads(sealer.open(str(definition["sealed"])))
+            args, kwargs = opened["args"], opened["kwargs"]
+        definition = {**definition, **definition["timing"]}
     cron = definition.get("cron")
     if cron is not None:
         try:

@@ -48,7 +48,7 @@ from celery.schedules import schedule as interval_schedule
 
 from . import headers
 from .broker import SweepLock
-from .errors import ConfigurationError, LedgerError
+from .errors import ConfigurationError, LedgerError, StoreError
 from .identity import slot_key
 from .ledger.record import TERMINAL
 from .ledger.schedule_controls import ScheduleControls
@@ -60,7 +60,7 @@ from .policies.schedule import (
     jitter_of,
     overlap,
 )
-from .schedule_definitions import definition_of, stored_entries
+from .schedule_definitions import definition_of, stored_entries, stored_spec
 from .untrusted import utc_of_unix
 
 logger = logging.getLogger("celery_ledger.schedules")
@@ -796,9 +796,8 @@ def fleet_state(app: Any) -> tuple[str | None, str | None, list[EntryState]]:
     code = fleet_entries(app.conf.beat_schedule)
     stored = {
         name: spec
-        for name, spec in stored_entries(
-            {name: doc["definition"] for name, doc in controls.declared().items()},
-            app.runtime.sealer,
+        for name, spec in stored_entries(  # (shown, never sent: sealed arguments stay so)
+            {name: doc["definition"] for name, doc in controls.declared().items()}
         ).items()
         if name not in code
     }
@@ -835,19 +834,22 @@ def fleet_state(app: Any) -> tuple[str | None, str | None, list[EntryState]]:
     return _text(holder), _text(foreign), states
 
 
-def entry_of(app: Any, name: str) -> ScheduleEntry:
+def entry_of(app: Any, name: str, *, opened: bool = True) -> ScheduleEntry:
     """Entry ``name`` of the app's schedule, declared in code or at run time (raises
-    ``ConfigurationError`` naming the others)."""
+    ``ConfigurationError`` naming the others). ``opened`` False: a sensitive entry's arguments
+    are left sealed (to pause or resume it, where no key is needed); else a key that cannot
+    open them raises ``StoreError``."""
     entries = fleet_entries(app.conf.beat_schedule)
     if name not in entries:
         declared = ScheduleControls(app.ledger).declared()
-        entries = {
-            **stored_entries(
-                {n: doc["definition"] for n, doc in declared.items()}, app.runtime.sealer
-            ),
-            **entries,
-        }
-    spec = entries.get(name)
+        if isinstance((found := declared.get(name, {}).get("definition")), dict):
+            try:
+                stored = stored_spec(found, app.runtime.sealer if opened else None)
+            except (StoreError, KeyError, TypeError, ValueError) as exc:
+                raise ConfigurationError(f"schedule entry {name!r} does not read: {exc}") from None
+            return LedgerEntry(**dict(stored, name=name, app=app))
+        entries = {**stored_entries({n: d["definition"] for n, d in declared.items()}), **entries}
+    spec: dict[str, Any] | None = entries.get(name)
     if spec is None:
         known = ", ".join(sorted(entries)) or "none"
         raise ConfigurationError(f"no schedule entry {name!r} in beat_schedule (entries: {known})")

@@ -408,6 +408,22 @@ def test_a_sensitive_task_scheduled_at_run_time_keeps_its_arguments_sealed(fleet
                 found = list(client[database][collection].find({}))
                 assert card not in json.dumps(found, default=str), collection
     assert {"periodic_ledger", "periodic_ledger_schedules", "periodic_ledger_audit"} <= set(read)
+    # An operator without the keys (the CLI loads the app without them) still lists, pauses
+    # and resumes it; triggering it (a run with its arguments) says what is missing
+    keyless = {"LEDGER_ENCRYPTION_KEYS": "[]"}
+    listed = json.loads(ledger_cli(fleet, "list", "--json", **keyless))
+    assert name in [r["schedule"] for r in listed["schedules"]]
+    assert f"{name}: paused" in ledger_cli(fleet, "pause", name, **keyless)
+    assert f"{name}: resumed" in ledger_cli(fleet, "resume", name, **keyless)
+    refused = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", MODULE, "ledger", "schedules", "trigger", name],
+        env=app_env(fleet.stack.env, {"LEDGER_ACTOR": "ops-test", **keyless}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode != 0 and "LEDGER_ENCRYPTION_KEYS" in refused.stderr
+    assert "Traceback" not in refused.stderr
     ledger_cli(fleet, "delete", name)
 
 

@@ -297,7 +297,7 @@ def test_a_sensitive_entrys_arguments_are_stored_sealed_and_read_with_the_keys_o
 ) -> None:
     from cryptography.fernet import Fernet
 
-    from celery_ledger.crypto import Sealer
+    from celery_ledger.crypto import REDACTED, Sealer
     from celery_ledger.schedule_definitions import (
         definition_of,
         sealed_definition,
@@ -307,17 +307,22 @@ def test_a_sensitive_entrys_arguments_are_stored_sealed_and_read_with_the_keys_o
     keys = Sealer([Fernet.generate_key().decode()])
     plain = definition_of("shop.charge", every=60, args=["4111"], kwargs={"amount": 5})
     stored = sealed_definition(plain, keys)
-    # Stored: no argument in clear
-    assert "4111" not in repr(stored) and stored["args"] == [] and stored["kwargs"] == {}
-    # Read with the keys: the arguments as declared
+    # Stored: no argument in clear, and no timing where a release before sealing reads it (it
+    # leaves such an entry out, as one that does not read, rather than run it without them)
+    assert "4111" not in repr(stored) and not {"args", "kwargs", "every", "cron"} & set(stored)
+    with pytest.raises(KeyError):
+        float(stored["every"])  # (what that release's reader does first)
+    # Read with the keys: the arguments and timing as declared
     found = stored_entries({"charge": stored}, keys)
     assert found["charge"]["args"] == ("4111",) and found["charge"]["kwargs"] == {"amount": 5}
-    # Without them, or with other keys: left out, said why, the others still read
+    assert found["charge"]["schedule"] == 60.0
+    # Read to be shown (no sealer): there, its arguments the redaction marker
+    assert stored_entries({"charge": stored})["charge"]["args"] == (REDACTED,)
+    # With keys that do not open it: left out, said why, the others still read
     other = Sealer([Fernet.generate_key().decode()])
-    for sealer in (None, other):
-        with caplog.at_level(logging.WARNING, "celery_ledger"):
-            assert list(stored_entries({"charge": stored, "tick": plain}, sealer)) == ["tick"]
-    assert "sealed" in caplog.text and "cannot be opened" in caplog.text
+    with caplog.at_level(logging.WARNING, "celery_ledger"):
+        assert list(stored_entries({"charge": stored, "tick": plain}, other)) == ["tick"]
+    assert "cannot be opened" in caplog.text
 
 
 def test_interval_windows_a_stalled_scheduler_passed_run_late_or_are_counted_as_missed() -> None:
