@@ -360,7 +360,10 @@ class LedgerScheduling:
                 self.schedule.pop(name, None)
         changed = {n: d for n, d in declared.items() if merged.get(n) != d and n not in code}
         entries = stored_entries(changed, self.app.runtime.sealer)
+        kept = {name: self.schedule[name] for name in entries if name in self.schedule}
         self.update_from_dict(entries)  # type: ignore[attr-defined]
+        for name, old in kept.items():  # (its last run kept, as Celery's merge keeps it: a
+            self.schedule[name].last_run_at = old.last_run_at  # slot due now is still sent)
         self.__dict__["_ledger_merged"] = dict(declared)
         self._heap = None  # (a changed definition of a kept name too: see schedules_equal)
 

@@ -283,6 +283,26 @@ def test_a_mistaken_run_time_entry_says_what_is_wrong(given: dict[str, Any], mes
         definition_of("shop.tick", **given)
 
 
+@pytest.mark.parametrize("at", [59.0, 59.75, 60.0, 60.25, 61.0])
+def test_an_entry_redefined_at_run_time_as_a_slot_falls_due_still_sends_it(
+    monkeypatch: Any, at: float
+) -> None:
+    import celery_ledger.schedules as schedules_module
+    from celery_ledger.schedules import definition_of
+
+    monkeypatch.setattr(schedules_module, "PAUSED_READ_SECONDS", 0.0)  # read at every tick
+    clock = {"now": START + 0.3}
+    run = scheduler(clock)
+    policy = {"jitter_seconds": 0}
+    run.declared["m"] = definition_of("shop.m", cron="* * * * *", args=[1], policy=policy)
+    run_until(run, clock, START + at, step=0.25)
+    # When its definition changes around a minute's slot (new arguments, a resealed token)
+    run.declared["m"] = definition_of("shop.m", cron="* * * * *", args=[2], policy=policy)
+    run_until(run, clock, START + 125, step=0.25)
+    # Then every slot is sent once, that one included
+    assert slots_sent(run) == [START + 60, START + 120]
+
+
 def test_a_stored_entry_that_no_longer_reads_is_left_out_not_fatal() -> None:
     from celery_ledger.schedules import definition_of, stored_entries
 
