@@ -44,7 +44,7 @@ from .deadletter import DeadLetters, poison_key
 from .errors import Backpressure, ConfigurationError, PayloadError, PermanentError
 from .escalation import Escalation
 from .events import Observers
-from .explain import exiting_on_mistakes, install_excepthook
+from .explain import declaring, exiting_on_mistakes, install_excepthook
 from .guard import Guard
 from .headers import TENANT
 from .ledger.store import Ledger
@@ -59,6 +59,7 @@ from .policies.schedule import SchedulePolicy
 from .reconciler import Reconciler
 from .routing import DEAD_LETTER, TIERS, Tiers
 from .runtime import Runtime, forget_after_fork
+from .schedule_definitions import beat_problems, schedule_problem
 from .schedules import (
     CELERY_BEAT_SCHEDULER,
     LEDGER_BEAT_SCHEDULER,
@@ -252,8 +253,7 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
     def enqueue(self, session: ClientSession, work: Signature | WorkflowCall) -> Any:
         """Enqueue ``work`` (a task's signature, ``charge.s(7, 100)``, or a workflow's,
         ``fulfil.s(order_id)``) in ``session``'s transaction: it exists, and runs once, only
-        if the transaction commits (see outbox.py). Returns its ``AsyncResult`` or
-        ``WorkflowHandle``.
+        if the transaction commits (see outbox.py). Returns its ``AsyncResult`` or handle.
 
         Raises:
             ConfigurationError: ``session`` is not in a transaction, or the signature carries
@@ -299,6 +299,7 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
             clock=lambda: self.ledger.now().timestamp(),
         )
 
+    @declaring
     def workflow(
         self,
         fn: Callable[..., Any] | None = None,
@@ -313,9 +314,8 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
 
         The function's first parameter is the workflow context (``wf``); the others are the
         workflow's arguments (JSON). ``tier`` is where its wakes run; ``snapshot_every`` how
-        many events pass between snapshots of its log. ``sensitive``: its arguments, every
-        step's arguments, signals' payloads and its result are sealed in the log, its code's
-        exception text is withheld, and a key derived from its arguments is a keyed HMAC.
+        many events pass between snapshots of its log. ``sensitive``: its and its steps'
+        arguments, signals and result sealed, its exception text withheld, its key an HMAC.
         """
         secret = self.settings.key_secret  # checked at a worker's start and at start()
 
@@ -344,6 +344,7 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
 
         return declare if fn is None else declare(fn)
 
+    @declaring
     def periodic(
         self,
         schedule: Any,
@@ -354,22 +355,22 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
         options: Mapping[str, Any] | None = None,
         **policy: Any,
     ) -> Callable[[Any], Any]:
-        """Run the task (or start the durable workflow) below on ``schedule`` (seconds, a
-        ``timedelta``, a ``crontab`` or a ``solar``), each slot once, whoever fires it (the
-        workers, ``celery beat``, both; a workflow's id is keyed by the slot):
+        """Run the task (or start the durable workflow) below on ``schedule`` (seconds or a
+        ``timedelta`` of more than 0, a ``crontab``, a ``solar``), each slot once, whoever
+        fires it (the workers, ``celery beat``, both; a workflow's id is keyed by the slot):
 
             @app.periodic(crontab(minute=5), overlap="skip", jitter_seconds=30)
             @app.task
             def hourly_rollup(): ...
 
         The keywords left are its policy (:class:`~celery_ledger.policies.schedule.
-        SchedulePolicy`: ``catch_up``, ``catch_up_window_seconds``, ``late_after_seconds``,
-        ``overlap``, ``jitter_seconds``, ``start``, ``end``), checked here. It is the entry
-        ``name`` (the task's or workflow's name unless given) of ``beat_schedule``, where
-        Celery's own declarations go too: ``ledger schedules`` and the console manage it by
-        that name.
+        SchedulePolicy`), checked here with the schedule. It is the entry ``name`` (the task's
+        or workflow's name unless given) of ``beat_schedule``, by which ``ledger schedules``
+        and the console manage it.
         """
         chosen = SchedulePolicy.of(policy or None)
+        if (problem := schedule_problem(schedule)) is not None:
+            raise ConfigurationError(f"@app.periodic: {problem}")
 
         def declare(target: Any) -> Any:
             if isinstance(target, Workflow):  # started by a task of its own, keyed by the slot
@@ -419,6 +420,7 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
         """Celery settings changed after create_app, and ledger tasks' options, that would break
         a guarantee (:mod:`celery_ledger.conf_check`); a worker refuses to start with any."""
         problems = conf_problems(self.conf, self.pinned_conf)
+        problems += beat_problems(self.conf.beat_schedule)
         for task in self.tasks.values():
             if isinstance(task, LedgerTask):
                 problems += task_problems(task)
@@ -447,6 +449,7 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
         """The change-stream triggers declared on this app, by name (their task's name)."""
         return {}
 
+    @declaring
     def on_change(
         self,
         namespace: str,
@@ -488,12 +491,10 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
             raise Backpressure(tier, depth, getattr(limits, "high_water", depth))
 
     def wake_where_step_ended(self, workflow_id: str, tier: str) -> str:
-        """Advance a workflow in the process where one of its steps just ended: the step's
-        outcome is read at once, and its next step published, instead of after a wake message
-        has waited its turn in the tier's queue (under a backlog, each step of a workflow
-        waited for the whole queue twice: its own message, then its workflow's wake). A
-        workflow this worker cannot advance (defined in another app, or written by a newer
-        release), and any failure here, get a wake message as before. Never raises."""
+        """Advance a workflow where one of its steps just ended: its next step is published at
+        once, not after a wake has waited its turn in the tier's queue (under a backlog each
+        step waited for the whole queue twice). A workflow this worker cannot advance (another
+        app's, a newer release's), and any failure here, get a wake as before. Never raises."""
         try:
             try:  # (as any wake: later ones are sent again; one not cleared is only folded)
                 self.runtime.pending_wakes.started(workflow_id)
@@ -569,11 +570,10 @@ class LedgerCelery(BulkPublishing, Celery):  # type: ignore[misc]
             return None
         return self.tiers.of_task(task_name, getattr(task, "tier", None))
 
+    @declaring
     def task(self, *args: Any, **options: Any) -> Any:
-        """Declare a task (a :class:`LedgerTask` unless ``base=`` says otherwise).
-
-        Unknown options are refused, so a misspelt option never passes silently.
-        """
+        """Declare a task (a :class:`LedgerTask` unless ``base=`` says otherwise); an unknown
+        option is refused, so a misspelt one never passes silently."""
         if str(options.get("name", "")).startswith("celery."):
             # Celery's own tasks (chord_unlock, backend_cleanup, ...) stay plain tasks.
             options.setdefault("base", Task)

@@ -16,6 +16,7 @@ from kombu.serialization import prepare_accept_content
 from kombu.transport import resolve_transport
 from kombu.utils.imports import symbol_by_name
 
+from .identity import template_problem
 from .sentinel import is_sentinel_url
 
 # Celery settings create_app pins, and why each matters. (Results are not Celery's to encode:
@@ -147,7 +148,35 @@ def task_problems(task: Any) -> list[str]:
             f"task {name}: ignore_result=True: the ledger keeps every job's result, and"
             " AsyncResult.get() would return None at once, before the job ran"
         )
+    specs = {"idempotency_key": "key_spec", "tenant": "tenant_spec"}  # (as the task gives them)
+    for option, method in specs.items():
+        spec = getattr(task, method, None)
+        template = spec() if callable(spec) else None
+        problem = template_problem(template, task.run) if isinstance(template, str) else None
+        if problem is not None:
+            problems.append(f"task {name}: {option}: {problem}")
+    for option, least in NUMBER_OPTIONS.items():
+        value = getattr(task, option, None)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if value is not None and not (number and value >= least and value == value):
+            at_least = "more than 0" if least > 0 else "0 or more"
+            problems.append(f"task {name}: {option}={value!r}: a number of {at_least}")
     return problems
+
+
+# A ledger task's numeric options and their least value (unset: the settings' default). A lease
+# of 0 or less, say, would be lost as soon as it is taken: the body would run unfenced.
+NUMBER_OPTIONS: dict[str, float] = {
+    "lease_seconds": 1e-3,
+    "heartbeat_seconds": 0,  # (0 turns the heartbeat off)
+    "max_retries": 0,
+    "retry_base_seconds": 0,
+    "retry_cap_seconds": 0,
+    "max_age_seconds": 1e-3,
+    "deadline_seconds": 1e-3,
+    "slo_seconds": 1e-3,
+    "max_attempts": 1,
+}
 
 
 def _subclass_of(have: Any, want: Any, *, transport: bool) -> bool:

@@ -6,9 +6,9 @@ user through :func:`explain` as what is wrong and what to do, never as a traceba
 
 - the ``ledger`` commands show it through click's own error (``cli/commands.py``'s group);
 - Celery's command line prints a traceback for whatever its ``-A`` app raises while loading,
-  and so does a worker that refuses to start: :func:`exiting_on_mistakes` wraps those two
-  places (``create_app`` and the worker's start) and, on Celery's command line only, prints the
-  lines and exits 2;
+  and so does a worker that refuses to start: :func:`exiting_on_mistakes` wraps those places
+  (``create_app``, the app's declarations through :func:`declaring`, and the worker's start)
+  and, on Celery's command line only, prints the lines and exits 2;
 - anything else uncaught on Celery's command line (``celery call`` without a broker) goes
   through the hook :func:`install_excepthook` puts in place there.
 
@@ -19,12 +19,14 @@ a bug, and keeps its traceback.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -160,6 +162,32 @@ def exiting_on_mistakes(settings: Settings | None = None) -> Iterator[None]:
             raise
         click.echo(f"Error: {message}", err=True)
         raise SystemExit(2) from None
+
+
+Declaration = TypeVar("Declaration", bound=Callable[..., Any])
+
+
+def declaring(method: Declaration) -> Declaration:
+    """An app's declaration method (``task``, ``workflow``, ``periodic``), and the decorator it
+    returns, under :func:`exiting_on_mistakes`: a mistake in a task's declaration is raised as
+    the app's module loads, where Celery's command line would print a traceback."""
+
+    @functools.wraps(method)
+    def declare(app: Any, *args: Any, **kwargs: Any) -> Any:
+        with exiting_on_mistakes(app.settings):
+            made = method(app, *args, **kwargs)
+        if not inspect.isfunction(made):  # (a task or a workflow: declared)
+            return made
+        decorator = made
+
+        @functools.wraps(decorator)
+        def declare_on(*inner: Any, **options: Any) -> Any:
+            with exiting_on_mistakes(app.settings):
+                return decorator(*inner, **options)
+
+        return declare_on
+
+    return declare  # type: ignore[return-value]
 
 
 def install_excepthook(settings: Settings | None = None) -> None:

@@ -15,6 +15,7 @@ import hmac
 import inspect
 import json
 import re
+import string
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -232,16 +233,42 @@ def apply_spec(
                 f"{option} of {task_name} cannot take these arguments: {exc}"
             ) from exc
     if isinstance(spec, str):
+        bound = bind_arguments(run, args, kwargs)
         try:
-            return spec.format(**bind_arguments(run, args, kwargs))
+            return spec.format(**bound)
         except (KeyError, IndexError) as exc:
             raise ConfigurationError(
                 f"{option} template {spec!r} of {task_name} names unknown argument {exc}"
+            ) from exc
+        except (ValueError, AttributeError, TypeError) as exc:  # ("{x", "{x.no}", "{x!z}")
+            raise ConfigurationError(
+                f"{option} template {spec!r} of {task_name} does not format: {exc}"
             ) from exc
     raise ConfigurationError(
         f"{option} of {task_name} must be a callable or a str.format template,"
         f" not {type(spec).__name__}"
     )
+
+
+def template_problem(spec: str, run: Callable[..., Any]) -> str | None:
+    """What is wrong with a ``str.format`` template over ``run``'s arguments by name (None:
+    nothing found before a call: a field's attribute or index is read only then)."""
+    try:
+        fields = [field for _, field, _, _ in string.Formatter().parse(spec) if field is not None]
+    except ValueError as exc:
+        return f"template {spec!r} does not parse: {exc}"
+    try:
+        parameters = _signature(run).parameters
+    except (TypeError, ValueError):  # (no signature to read: checked at each call)
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    for field in fields:
+        name = field.split(".", 1)[0].split("[", 1)[0]
+        if name not in parameters:
+            known = ", ".join(parameters) or "none"
+            return f"template {spec!r} names {name or '{}'!r}, not an argument ({known})"
+    return None
 
 
 def validate_key(key: Any, *, task_name: str) -> str:

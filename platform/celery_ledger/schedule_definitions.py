@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from celery.schedules import crontab
+from celery.schedules import BaseSchedule, crontab
 
 from . import wire
 from .crypto import REDACTED, Sealer
@@ -23,6 +23,39 @@ from .errors import ConfigurationError, StoreError
 from .policies.schedule import SchedulePolicy
 
 logger = logging.getLogger("celery_ledger.schedules")  # (where these lines were before)
+
+
+def schedule_problem(schedule: Any) -> str | None:
+    """What is wrong with an entry's schedule, or None: seconds or a ``timedelta`` of more than
+    0, or one of Celery's schedules. (Celery takes a negative number as due at every tick, and
+    fails on a string only when it first asks it when it is due.)"""
+    if isinstance(schedule, BaseSchedule) or callable(getattr(schedule, "is_due", None)):
+        every = getattr(schedule, "run_every", None)  # (an app's own class: Celery's duck type)
+        if isinstance(every, timedelta) and not every.total_seconds() > 0:
+            return f"schedule {schedule!r}: its period must be more than 0 seconds"
+        return None
+    if isinstance(schedule, timedelta):
+        seconds = schedule.total_seconds()
+    elif isinstance(schedule, int | float) and not isinstance(schedule, bool):
+        seconds = float(schedule)
+    else:
+        return (
+            f"schedule {schedule!r}: seconds, a timedelta, a crontab or a solar (a cron"
+            " expression: crontab.from_string('*/5 * * * *'))"
+        )
+    return None if seconds > 0 else f"schedule {schedule!r}: more than 0 seconds"
+
+
+def beat_problems(beat_schedule: Mapping[str, Any] | None) -> list[str]:
+    """The entries of ``beat_schedule`` (``@app.periodic`` or Celery's own) whose schedule
+    cannot run, one line each."""
+    problems = []
+    for name, entry in (beat_schedule or {}).items():
+        schedule = entry.get("schedule") if isinstance(entry, Mapping) else None
+        problem = schedule_problem(schedule)
+        if problem is not None:
+            problems.append(f"beat_schedule entry {name!r}: {problem}")
+    return problems
 
 
 def definition_of(
@@ -122,4 +155,11 @@ def stored_entries(
     return found
 
 
-__all__ = ["definition_of", "sealed_definition", "stored_entries", "stored_spec"]
+__all__ = [
+    "beat_problems",
+    "definition_of",
+    "schedule_problem",
+    "sealed_definition",
+    "stored_entries",
+    "stored_spec",
+]

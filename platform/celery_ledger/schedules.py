@@ -49,6 +49,7 @@ from celery.schedules import schedule as interval_schedule
 from . import headers
 from .broker import SweepLock
 from .errors import ConfigurationError, LedgerError, StoreError
+from .explain import exiting_on_mistakes
 from .identity import slot_key
 from .ledger.record import TERMINAL
 from .ledger.schedule_controls import ScheduleControls
@@ -60,7 +61,7 @@ from .policies.schedule import (
     jitter_of,
     overlap,
 )
-from .schedule_definitions import definition_of, stored_entries, stored_spec
+from .schedule_definitions import beat_problems, definition_of, stored_entries, stored_spec
 from .untrusted import utc_of_unix
 
 logger = logging.getLogger("celery_ledger.schedules")
@@ -684,6 +685,9 @@ class LedgerScheduler(LedgerScheduling, Scheduler):  # type: ignore[misc]
     policy, its app, its schedule's clock.)"""
 
     def setup_schedule(self) -> None:
+        with exiting_on_mistakes(self.app.settings):  # (beat's start: one line, not a traceback)
+            if problems := beat_problems(self.app.conf.beat_schedule):
+                raise ConfigurationError("; ".join(problems))
         self._reset_to_code_and_stored()
 
     def _code_entries(self) -> Mapping[str, Any]:
@@ -789,6 +793,8 @@ def fleet_state(app: Any) -> tuple[str | None, str | None, list[EntryState]]:
     sending runs (or None), and each entry of the app's schedule with its last slot sent and
     when it is next due (reads from the broker)."""
     app.loader.import_default_modules()  # (where entries are declared with @app.periodic)
+    if problems := beat_problems(app.conf.beat_schedule):
+        raise ConfigurationError("; ".join(problems))
     runtime = app.runtime
     client = runtime.redis
     holder, foreign = client.get(lease_key(runtime.name)), client.get(foreign_key(runtime.name))

@@ -4,10 +4,13 @@ naming the setting and why; the changes that are the app's to make pass."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from celery.schedules import crontab
+from celery.schedules import schedule as celery_schedule
 
 from celery_ledger import ConfigurationError, LedgerCelery, Settings, create_app
 from celery_ledger.crypto import SEALED_CONTENT_TYPE
@@ -123,6 +126,17 @@ def test_ledger_tasks_keep_json_and_their_results_whatever_the_task_settings_say
         {"serializer": "yaml"},
         {"ignore_result": True},
         {"max_retries": None},
+        # values that cannot work: a lease lost as soon as taken, a string for a number
+        {"lease_seconds": -1},
+        {"lease_seconds": "sixty"},
+        {"max_attempts": 0},
+        {"heartbeat_seconds": -5},
+        {"deadline_seconds": float("nan")},
+        # templates that fail at every publish: malformed, or naming no argument
+        {"idempotency_key": "order-{order_id"},
+        {"idempotency_key": "order-{order_id}"},
+        {"idempotency_key": "o-{0}"},
+        {"tenant": "{customer!z}"},
     ],
     ids=lambda o: "=".join(map(str, next(iter(o.items())))),
 )
@@ -139,6 +153,27 @@ def test_a_task_option_that_breaks_a_guarantee_is_refused_where_it_is_declared(
         app.tasks["conf.bad"]
 
 
+def test_options_that_work_are_not_refused(app: LedgerCelery) -> None:
+    @app.task(
+        name="conf.good",
+        shared=False,
+        idempotency_key="order-{order_id}-{item[sku]}",
+        tenant="{order_id.__class__}",
+        lease_seconds=0.5,
+        heartbeat_seconds=0,  # (off)
+        max_attempts=1,
+    )
+    def good(order_id: int, item: dict[str, str]) -> None:
+        pass
+
+    @app.task(name="conf.open", shared=False, idempotency_key="{anything}")
+    def open_ended(**fields: Any) -> None:
+        pass
+
+    app.tasks["conf.good"], app.tasks["conf.open"]
+    assert app.configuration_problems() == []
+
+
 def test_a_task_class_with_such_an_attribute_is_refused_too(app: LedgerCelery) -> None:
     with pytest.raises(ConfigurationError, match="acks_late"):
 
@@ -150,3 +185,41 @@ def test_a_task_class_with_such_an_attribute_is_refused_too(app: LedgerCelery) -
                 pass
 
         app.register_task(Early())
+
+
+@pytest.mark.parametrize(
+    ("schedule", "ok"),
+    [
+        (60, True),
+        (0.5, True),
+        (timedelta(minutes=5), True),
+        (crontab(minute="*/5"), True),
+        (celery_schedule(timedelta(seconds=10)), True),
+        (-60, False),
+        (0, False),
+        (timedelta(0), False),
+        (celery_schedule(timedelta(seconds=-1)), False),
+        ("every 5 minutes", False),
+        ("*/5 * * * *", False),
+        (True, False),
+        (None, False),
+    ],
+    ids=repr,
+)
+def test_a_schedule_that_cannot_run_is_refused_where_it_is_declared_and_at_start(
+    app: LedgerCelery, schedule: Any, ok: bool
+) -> None:
+    @app.task(name="conf.tick", shared=False)
+    def tick() -> None:
+        pass
+
+    # @app.periodic refuses it at once
+    if ok:
+        app.periodic(schedule)(tick)
+    else:
+        with pytest.raises(ConfigurationError, match=r"@app\.periodic: schedule"):
+            app.periodic(schedule)(tick)
+    # and Celery's own beat_schedule entry with it stops a worker's start (and a first publish)
+    app.conf.beat_schedule = {"by-hand": {"task": "conf.tick", "schedule": schedule}}
+    problems = app.configuration_problems()
+    assert problems == [] if ok else (len(problems) == 1 and "'by-hand'" in problems[0])

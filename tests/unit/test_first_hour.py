@@ -13,6 +13,7 @@ cores), and still part of ``./run test``: it is what a new user sees first.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import textwrap
 
@@ -153,3 +154,46 @@ def test_a_missing_extra_names_the_pip_command(newcomer: Newcomer) -> None:
         env={"LEDGER_METRICS_PORT": str(closed_port()), "PYTHONPATH": str(hide)},
     )
     ran.refused("pip install 'celery-ledger[metrics]'")
+
+
+# A mistake in the app's own module (a declaration of a task, a workflow, a schedule): Celery's
+# command line loads the module itself, and printed a traceback of whatever it raised.
+MISTAKES = {
+    "misspelt-option": (
+        '@app.task(idempotncy_key="{x}")\ndef add(x):\n    return x\n',
+        "did you mean 'idempotency_key'",
+    ),
+    "negative-period": (
+        "@app.periodic(-60)\n@app.task\ndef tick():\n    pass\n",
+        "more than 0 seconds",
+    ),
+    "period-in-words": (
+        '@app.periodic("every 5 minutes")\n@app.task\ndef tick():\n    pass\n',
+        "crontab.from_string",
+    ),
+    "periodic-below-task": (
+        "@app.task\n@app.periodic(60)\ndef tick():\n    pass\n",
+        "put it above @app.task",
+    ),
+    "workflow-tier": (
+        '@app.workflow(tier="urgent")\ndef flow(wf):\n    pass\n',
+        "urgent",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_a_mistaken_declaration_is_one_line_not_a_traceback(
+    newcomer: Newcomer, mistake: str
+) -> None:
+    code, says = MISTAKES[mistake]
+    module = f"mistaken_{mistake.replace('-', '_')}"
+    header = 'from celery_ledger import create_app\n\napp = create_app("mistaken")\n\n'
+    (newcomer.home / f"{module}.py").write_text(header + code)
+    ran = dataclasses.replace(newcomer, app=module).run("ledger", "show", "some-id")
+    ran.refused(says)
+
+
+def test_a_ledger_command_without_an_app_says_to_name_it(newcomer: Newcomer) -> None:
+    ran = newcomer.shell("celery ledger show some-id")
+    ran.refused("celery -A your.module ledger")

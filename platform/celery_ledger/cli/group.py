@@ -26,6 +26,11 @@ class LedgerGroup(click.Group):
             raise
         except Exception as exc:
             app = getattr(ctx.obj, "app", None)
+            if isinstance(exc, AttributeError) and "ledger" not in dir(app):  # (no -A given)
+                raise click.UsageError(
+                    "name your app: celery -A your.module ledger ... (the module whose"
+                    " create_app(...) made it)"
+                ) from exc
             message = explain(exc, getattr(app, "settings", None))
             if message is None:
                 raise
