@@ -217,7 +217,15 @@ def unknown_settings(known: set[str]) -> str | None:
     )
     if not unknown:
         return None
-    hints = [difflib.get_close_matches(name, known, n=1) for name in unknown]
+    # (by the part after LEDGER_: the shared prefix made any name look close to some setting)
+    by_suffix = {name.removeprefix("LEDGER_"): name for name in known}
+    hints = [
+        [
+            by_suffix[m]
+            for m in difflib.get_close_matches(name.removeprefix("LEDGER_"), by_suffix, n=1)
+        ]
+        for name in unknown
+    ]
     return (
         "unknown setting "
         + "; ".join(

@@ -349,6 +349,15 @@ def test_a_misspelt_ledger_variable_is_refused_with_a_hint(monkeypatch: pytest.M
         create_app("misspelt", set_as_current=False)
 
 
+def test_a_ledger_variable_like_no_setting_is_refused_without_a_far_fetched_hint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LEDGER_FOO", "1")
+    with pytest.raises(ConfigurationError, match="unknown setting LEDGER_FOO") as refused:
+        create_app("foo", set_as_current=False)
+    assert "did you mean" not in str(refused.value)  # (LEDGER_MONGO_DB was offered)
+
+
 def test_recording_a_revocation_never_raises_in_the_workers_main_process(
     app: LedgerCelery, monkeypatch: pytest.MonkeyPatch
 ) -> None:

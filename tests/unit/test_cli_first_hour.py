@@ -265,3 +265,29 @@ def test_a_publish_without_a_broker_url_connects_to_nothing(
         app.send_task("nobroker.add", (1, 2))
     with pytest.raises(ConfigurationError, match="LEDGER_BROKER_URL is not set"):
         app.connection_for_write().connect()
+
+
+def test_a_misspelt_workflow_status_names_the_statuses() -> None:
+    log = SimpleNamespace(count_by_status=lambda: {"running": 2}, listing=lambda **_: [])
+    app = fake_app(workflow_engine=SimpleNamespace(log=log))
+    result = run(app, "workflows", "list", "--status", "runing")
+    assert result.exit_code == 2 and "'runing': one of" in result.output
+    assert "running" in result.output and "Traceback" not in result.output
+    assert run(app, "workflows", "list", "--limit", "-1").exit_code == 2
+
+
+def test_forcing_a_breaker_no_task_declares_says_which_exist(monkeypatch: Any) -> None:
+    import celery_ledger.cli.breakers as breakers_cli
+
+    forced: list[str] = []
+
+    def force(app: Any, name: str, action: str, *, actor: str) -> str:
+        forced.append(name)
+        return "forced open"
+
+    monkeypatch.setattr(breakers_cli, "force_breaker", force)
+    app = fake_app(breakers=SimpleNamespace(statuses=lambda: [SimpleNamespace(name="mail")]))
+    result = run(app, "breakers", "open", "mial")
+    assert result.exit_code == 0 and forced == ["mial"]  # (forced all the same)
+    assert "no task declares breaker 'mial' (known: mail)" in result.output
+    assert "no task declares" not in run(app, "breakers", "open", "mail").output

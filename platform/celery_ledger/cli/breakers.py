@@ -54,8 +54,17 @@ def list_(ctx: click.Context, as_json: bool) -> None:
 
 
 def _force(ctx: click.Context, name: str, action: str, actor: str | None) -> None:
-    label = force_breaker(ctx.obj.app, name, action, actor=audit.current_actor(actor))
+    app = ctx.obj.app
+    app.loader.import_default_modules()
+    seen = {status.name for status in app.breakers.statuses()}  # (before this one is written)
+    declared = {str(t.breaker) for t in app.tasks.values() if getattr(t, "breaker", None)}
+    label = force_breaker(app, name, action, actor=audit.current_actor(actor))
     console.print(f"breaker {name}: {label}")
+    if name not in seen | declared:
+        # Forced all the same (a step's breaker may be named only in code), but most often a
+        # typo: say which breakers exist
+        known = ", ".join(sorted(seen | declared)) or "none"
+        console.print(f"[yellow]note: no task declares breaker {name!r} (known: {known})[/]")
 
 
 @breakers.command(name="open", short_help="Force a breaker open until cleared.")

@@ -312,10 +312,9 @@ def purge(
     if len(docs) == PURGE_LIMIT:
         console.print(f"at most {PURGE_LIMIT} records per purge: run it again for the rest")
     if not yes:
-        what = (
-            "every dead record" if not (task_name or reason or since or tenant) else "dead records"
-        )
-        click.confirm(f"Delete {len(docs)} {what} for good?", abort=True)
+        every = not (task_name or reason or since or tenant)
+        what = f"{len(docs)} dead records" + (" (every one, no filter given)" if every else "")
+        click.confirm(f"Delete {what} for good?", abort=True)
     purged = purge_dead(
         ctx.obj.app,
         docs,

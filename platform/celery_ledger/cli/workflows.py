@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import LedgerError
+from ..ledger.workflow_log import ACTIVE
+from ..workflow.history import TERMINAL
 from .dlq import parse_since
 from .options import actor_option
 
@@ -62,15 +64,19 @@ def workflows() -> None:
 
 @workflows.command(name="list", short_help="List workflows, most recent first.")
 @click.option("--status", help="Only this status (running, stuck, completed, failed, ...).")
-@click.option("--limit", type=int, default=100, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 @_acting
 def list_(ctx: click.Context, status: str | None, limit: int, as_json: bool) -> None:
     """Workflows, most recently changed first, and how many there are by status."""
     log = ctx.obj.app.workflow_engine.log
-    docs = log.listing(status=status, limit=limit)
     counts = log.count_by_status()
+    known = {*ACTIVE, *TERMINAL, *counts}  # (a misspelt one listed none, as if all were well)
+    if status is not None and status not in known:
+        choices = ", ".join(sorted(known))
+        raise click.BadParameter(f"{status!r}: one of {choices}", param_hint="--status")
+    docs = log.listing(status=status, limit=limit)
     rows = [
         {
             "id": d["_id"],
