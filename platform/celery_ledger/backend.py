@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 from celery import states
 from celery.backends.base import BaseBackend
+from celery.exceptions import TimeoutError
 from celery.result import GroupResult
 from pymongo.errors import ConnectionFailure
 
@@ -51,6 +54,9 @@ LEDGER_STATE = {
 # objective and unfinished.
 LATE = "LATE"
 _MAX_REPLACEMENTS = 10  # replaced_by pointers followed when reading a result
+# The deadline of the wait in progress in this context (``AsyncResult.get(timeout=...)``):
+# Celery's retry of a read asks the backend whether to retry, and sleeps through it.
+_deadline: ContextVar[float | None] = ContextVar("celery_ledger_result_deadline", default=None)
 
 
 class LedgerBackend(BaseBackend):  # type: ignore[misc]
@@ -73,7 +79,52 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
         return super().apply_chord(header_result_args, body, **kwargs)
 
     def exception_safe_to_retry(self, exc: Exception) -> bool:
-        return isinstance(exc, ConnectionFailure | LedgerUnavailable)
+        if not isinstance(exc, ConnectionFailure | LedgerUnavailable):
+            return False
+        deadline = _deadline.get()
+        return deadline is None or time.monotonic() < deadline  # (no retry past a get's timeout)
+
+    def _sleep(self, amount: float) -> None:
+        deadline = _deadline.get()  # (a retry's backoff, up to 10 s, never past it either)
+        time.sleep(
+            amount if deadline is None else max(0.0, min(amount, deadline - time.monotonic()))
+        )
+
+    def wait_for(
+        self,
+        task_id: str,
+        timeout: float | None = None,
+        interval: float = 0.5,
+        no_ack: bool = True,
+        on_interval: Callable[[], Any] | None = None,
+    ) -> dict[str, Any]:
+        """Celery's wait (``AsyncResult.get``), its timeout kept on the clock: Celery counts only
+        its own sleeps, so polls the ledger held up (retried while it was away) ran past it (a
+        ``get(timeout=3)`` took 15 s). A ledger still away at the deadline is a ``TimeoutError``
+        that says so."""
+        self._ensure_not_eager()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        token = _deadline.set(deadline)
+        try:
+            while True:
+                try:
+                    meta: dict[str, Any] = self.get_task_meta(task_id)
+                except (ConnectionFailure, LedgerUnavailable) as exc:
+                    if deadline is None or time.monotonic() < deadline:
+                        raise
+                    raise TimeoutError(
+                        f"The operation timed out: the ledger is away ({exc})"
+                    ) from exc
+                if meta["status"] in states.READY_STATES:
+                    return meta
+                if on_interval:
+                    on_interval()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("The operation timed out.")
+                time.sleep(interval if left is None else min(interval, left))
+        finally:
+            _deadline.reset(token)
 
     # -- writes ------------------------------------------------------------------------------
 
