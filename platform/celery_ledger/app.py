@@ -800,18 +800,18 @@ def create_app(
     **celery_options: Any,
 ) -> LedgerCelery:
     """Build a Celery app wired to the ledger; settings from ``LEDGER_*`` unless given.
-
     ``command_listeners`` are pymongo command listeners for the ledger's client (to count or
     time its round trips); ``celery_options`` go to :class:`celery.Celery`.
 
     Raises:
-        ConfigurationError: the settings are invalid (the message names the setting). On
-            Celery's command line (``celery -A APP ...``) the message is printed instead, and
-            the command exits 2 (see :mod:`celery_ledger.explain`).
+        ConfigurationError: the settings are invalid (the message names the setting); on
+            Celery's command line it is printed, and the command exits 2 (see ``explain``).
     """
-    with exiting_on_mistakes(settings):
+    with exiting_on_mistakes(settings if isinstance(settings, Settings) else None):
         if settings is None:
             settings = settings_from_environment()
+        elif not isinstance(settings, Settings):  # (a dict, say; not shown: it holds passwords)
+            raise ConfigurationError(f"settings=Settings(...), not a {type(settings).__name__}")
         app = _create_app(name, settings, command_listeners, celery_options)
     install_excepthook(settings)
     return app

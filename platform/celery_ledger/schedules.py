@@ -685,10 +685,12 @@ class LedgerScheduler(LedgerScheduling, Scheduler):  # type: ignore[misc]
     policy, its app, its schedule's clock.)"""
 
     def setup_schedule(self) -> None:
-        with exiting_on_mistakes(self.app.settings):  # (beat's start: one line, not a traceback)
+        # beat's start: a mistake (a schedule that cannot run, the broker away) is one line, not
+        # Celery's critical log of its traceback before ours
+        with exiting_on_mistakes(self.app.settings):
             if problems := beat_problems(self.app.conf.beat_schedule):
                 raise ConfigurationError("; ".join(problems))
-        self._reset_to_code_and_stored()
+            self._reset_to_code_and_stored()
 
     def _code_entries(self) -> Mapping[str, Any]:
         return dict(self.app.conf.beat_schedule or {})  # (beat fires the reconciler's too)

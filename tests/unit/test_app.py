@@ -358,6 +358,14 @@ def test_a_ledger_variable_like_no_setting_is_refused_without_a_far_fetched_hint
     assert "did you mean" not in str(refused.value)  # (LEDGER_MONGO_DB was offered)
 
 
+def test_settings_given_as_a_dict_are_refused_without_showing_them() -> None:
+    given = {"broker_url": "redis://:s3cret@broker:6379/0"}
+    expected = r"settings=Settings\(\.\.\.\), not a dict"
+    with pytest.raises(ConfigurationError, match=expected) as refused:
+        create_app("dict", given, set_as_current=False)  # type: ignore[arg-type]
+    assert "s3cret" not in str(refused.value)
+
+
 def test_recording_a_revocation_never_raises_in_the_workers_main_process(
     app: LedgerCelery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
