@@ -103,7 +103,10 @@ class LedgerBackend(BaseBackend):  # type: ignore[misc]
         ``get(timeout=3)`` took 15 s). A ledger still away at the deadline is a ``TimeoutError``
         that says so."""
         self._ensure_not_eager()
+        outer = _deadline.get()  # (a wait inside another's: the nearer deadline holds)
         deadline = None if timeout is None else time.monotonic() + timeout
+        if outer is not None:
+            deadline = outer if deadline is None else min(outer, deadline)
         token = _deadline.set(deadline)
         try:
             while True:

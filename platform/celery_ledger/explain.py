@@ -20,9 +20,9 @@ a bug, and keeps its traceback.
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import sys
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
@@ -176,7 +176,9 @@ def declaring(method: Declaration) -> Declaration:
     def declare(app: Any, *args: Any, **kwargs: Any) -> Any:
         with exiting_on_mistakes(app.settings):
             made = method(app, *args, **kwargs)
-        if not inspect.isfunction(made):  # (a task or a workflow: declared)
+        # (a task or a workflow: declared. type(), not isinstance(): that would evaluate
+        # Celery's lazy task proxy, binding the task before the app's configuration is done)
+        if type(made) is not types.FunctionType:
             return made
         decorator = made
 

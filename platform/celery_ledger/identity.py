@@ -240,9 +240,9 @@ def apply_spec(
             raise ConfigurationError(
                 f"{option} template {spec!r} of {task_name} names unknown argument {exc}"
             ) from exc
-        except (ValueError, AttributeError, TypeError) as exc:  # ("{x", "{x.no}", "{x!z}")
-            raise ConfigurationError(
-                f"{option} template {spec!r} of {task_name} does not format: {exc}"
+        except (ValueError, AttributeError, TypeError) as exc:  # ("{x.id}" of a dict, say)
+            raise PayloadError(
+                f"{option} template {spec!r} of {task_name} does not format these arguments: {exc}"
             ) from exc
     raise ConfigurationError(
         f"{option} of {task_name} must be a callable or a str.format template,"

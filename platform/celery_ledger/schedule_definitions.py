@@ -11,6 +11,7 @@ token. ``ledger reseal`` finds the token with every other sealed value of the le
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -36,7 +37,7 @@ def schedule_problem(schedule: Any) -> str | None:
         return None
     if isinstance(schedule, timedelta):
         seconds = schedule.total_seconds()
-    elif isinstance(schedule, int | float) and not isinstance(schedule, bool):
+    elif type(schedule) is not bool and isinstance(schedule, numbers.Real):  # (any number)
         seconds = float(schedule)
     else:
         return (

@@ -403,3 +403,34 @@ def test_delayed_deliveries_belong_to_the_queue_namespace_not_the_apps_name() ->
         "bare", settings=Settings(**UNREACHABLE, queue_namespace=""), set_as_current=False
     )
     assert bare.runtime.delayed.key == "ledger:delayed"
+
+
+def test_a_bare_task_declaration_stays_lazy_until_the_app_is_finalized() -> None:
+    # Celery binds a task declared bare (@app.task) when the app finalizes, after the module
+    # has set its configuration; binding it at declaration loses what is set after it
+    app = create_app("lazy", set_as_current=False)
+
+    @app.task
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    app.conf.task_annotations = {"*": {"rate_limit": "10/s"}}
+    assert not app.finalized and not add.__evaluated__()
+    assert app.tasks[add.name].rate_limit == "10/s"
+
+
+def test_a_template_that_cannot_format_a_calls_arguments_is_a_payload_error() -> None:
+    from celery_ledger.errors import PayloadError
+    from celery_ledger.identity import apply_spec
+
+    def charge(order: dict[str, int]) -> None: ...
+
+    with pytest.raises(PayloadError, match=r"'o-\{order\.id\}' of shop\.charge does not format"):
+        apply_spec(
+            "o-{order.id}",
+            "idempotency_key",
+            task_name="shop.charge",
+            run=charge,
+            args=({"id": 1},),
+            kwargs={},
+        )

@@ -9,15 +9,13 @@ How it is built, and why:
 - Charts (the overview's last hour, a workflow's timeline) are SVG drawn here (``svg``) from
   numbers bucketed by pure functions (``series``, ``timeline``): no charting script, nothing
   the Content-Security-Policy has to allow, and a test can count their bars.
-- It reads and acts through the library, never its own queries: ``operations`` (audited
-  replay, purge, breaker force, the same as the CLI's), ``health``, ``DeadLetters``,
-  ``Ledger``, the workflow handle (whose actions audit themselves).
-- Security: every page needs a login (``LEDGER_CONSOLE_USERS``; no default user, and no
-  console without one); the session is a signed, HTTP-only, same-site cookie; every action
-  is a POST carrying the session's CSRF token (checked in constant time); a viewer reads,
-  only an operator acts; a sensitive task's result, arguments and step results are never
-  shown, as in the CLI; a strict Content-Security-Policy allows only our own script and style.
-  Audit entries name the user as ``<user> [console]``.
+- It reads and acts through the library, never its own queries: ``operations`` (audited, as
+  the CLI's), ``health``, ``DeadLetters``, ``Ledger``, the workflow handle.
+- Security: every page needs a login (``LEDGER_CONSOLE_USERS``; no default user, and no console
+  without one); the session is a signed, HTTP-only, same-site cookie; every action is a POST
+  carrying the session's CSRF token (checked in constant time); a viewer reads, only an operator
+  acts; a sensitive task's result, arguments and step results are never shown, as in the CLI; a
+  strict Content-Security-Policy allows only our own script and style; audits say who.
 """
 
 from __future__ import annotations
@@ -211,8 +209,7 @@ class _Console:
 
     def _who(self, request: Request) -> Any | None:
         """The session's login as configured now (None: logged out, removed, its password
-        changed, or past the session's age): the role is the configuration's, not the
-        cookie's, so a demotion or removal takes effect at the next request."""
+        changed, or too old): the role is the configuration's, a demotion counts at once."""
         session = request.session
         user = self.users.get(str(session.get("user", "")))
         started = session.get("since")
@@ -495,7 +492,10 @@ class _Console:
     # -- schedules -------------------------------------------------------------------------------
 
     def schedules(self, request: Request) -> Response:
-        holder, foreign, states = fleet_state(self.app)
+        try:
+            holder, foreign, states = fleet_state(self.app)
+        except ConfigurationError as exc:  # (an entry that cannot run: workers refuse it too)
+            return HTMLResponse(html.escape(str(exc)), status_code=500)
         return self.render(request, "schedules.html", states=states, holder=holder, foreign=foreign)
 
     def schedule_action(self, request: Request, form: FormData) -> Response:
