@@ -99,12 +99,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # A state machine run by run_state_machine_as_test carries the props mark itself.
         if is_hypothesis_test(getattr(item, "obj", None)) or item.get_closest_marker("props"):
             item.add_marker(pytest.mark.props)
+            validate_now(item)
             if wide:  # the per-test timeout grows with the number of examples
                 own = item.get_closest_marker("timeout")
                 base = float(own.args[0]) if own and own.args else float(config.getini("timeout"))
                 item.add_marker(pytest.mark.timeout(base * WIDE_FACTOR), append=False)
     if hasattr(config, "workerinput"):  # a process of a parallel run (xdist's workers collect)
         longest_files_first(config, items)
+
+
+def validate_now(item: pytest.Item) -> None:
+    """Validate a hypothesis test's strategies at collection, as the test would at its start.
+
+    Validating describes the strategies' lambdas, which hypothesis finds by parsing the test
+    file with ``ast.parse``. CPython 3.11 keeps the AST builder's recursion count per
+    interpreter, not per call: a parse while another thread parses too (a traceback formatted
+    on a worker's or a client's thread: 3.11 parses a source line for its carets) can fail
+    with ``SystemError: AST constructor recursion depth mismatch``, which failed a run. At
+    collection no test has started a thread yet; the test's own validation is then a no-op."""
+    handle = getattr(getattr(item, "obj", None), "hypothesis", None)
+    for strategy in (getattr(handle, "_given_kwargs", None) or {}).values():
+        strategy.validate()
 
 
 # Test files by their seconds in a recorded run (tests/durations.json, written by ``python -m
