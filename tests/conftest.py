@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -178,9 +179,19 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
 TIMELINE = os.environ.get("SUITE_TIMELINE")
 
 
+def cpu_seconds() -> float:
+    """This process's CPU and its reaped children's: a test's servers and workers stopped within
+    it count (the session's own, reaped at its end, do not: a lower bound)."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    started = time.time()
+    started, cpu = time.time(), cpu_seconds()
     yield
     if TIMELINE:
         line = {
@@ -188,6 +199,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             "process": os.environ.get("PYTEST_XDIST_WORKER", "main"),
             "start": started,
             "end": time.time(),
+            "cpu": cpu_seconds() - cpu,
         }
         with open(TIMELINE, "a", encoding="utf-8") as out:  # (one short line: one write)
             out.write(json.dumps(line) + "\n")

@@ -1,6 +1,7 @@
 """Where a run of the suite spent its time, from a timeline ``SUITE_TIMELINE`` wrote
 (tests/conftest.py): the run's length, each process's busy time and last test, the longest
-tests with when they started, and what was still running in the last minutes.
+tests with when they started, the files using the most CPU, and what was still running in the
+last minutes.
 
     SUITE_TIMELINE=/tmp/timeline.jsonl ./run test -q
     python -m tests.timeline /tmp/timeline.jsonl
@@ -59,6 +60,16 @@ def main(path: str, tail_seconds: float = 180.0) -> None:
             f"  {test['start'] - first:6.0f} s  {test['end'] - test['start']:6.1f} s"
             f"  {test['test']}"
         )
+    # CPU: the test's process and the servers and workers it started and stopped (a lower
+    # bound). On 2 cores the suite is bound by CPU as much as by waits: these are the tests
+    # whose shortening shortens the run.
+    cpu: dict[str, float] = defaultdict(float)
+    for test in tests:
+        cpu[str(test["test"]).split("::", 1)[0]] += float(test.get("cpu", 0.0))
+    if any(cpu.values()):
+        print(f"CPU, {sum(cpu.values()):.0f} s in all; the files using most:")
+        for file, seconds in sorted(cpu.items(), key=lambda f: -f[1])[:15]:
+            print(f"  {seconds:6.0f} s  {file}")
     print(f"running in the last {tail_seconds:.0f} s:")
     for test in sorted(tests, key=lambda t: t["start"]):
         if test["end"] > last - tail_seconds and test["end"] - test["start"] > 10:
