@@ -1,4 +1,5 @@
-"""The command implementations (click, with rich tables)."""
+"""The command implementations (click, with rich tables), added to the ``ledger`` group when
+it first lists or finds a command (celery_ledger/cli/__init__.py says why)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from .. import __version__
 from ..ledger.record import State
 from ..routing import TIER_WORKER_DEFAULTS, TIERS
+from . import ledger
 from .breakers import breakers
 from .dlq import dlq
-from .group import LedgerGroup
 from .health import health
 from .keys import keys
 from .schedules import schedules
@@ -41,13 +41,6 @@ def _app_path(ctx: click.Context) -> str:
     if not value:
         raise click.UsageError("name the app: celery -A your.module ledger ...")
     return str(value)
-
-
-@click.group(name="ledger", cls=LedgerGroup, short_help="Exactly-once tasks with a MongoDB ledger.")
-@click.version_option(__version__, prog_name="celery-ledger", message="%(prog)s %(version)s")
-@click.pass_context
-def ledger(ctx: click.Context) -> None:
-    """celery-ledger: exactly-once tasks with a MongoDB ledger."""
 
 
 ledger.add_command(dlq)
