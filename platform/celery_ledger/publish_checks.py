@@ -1,17 +1,26 @@
 """The checks a publish makes of its call before anything leaves the process: the arguments'
-JSON (for the size limit) and when the job is due (a countdown or an eta that is no time is
-the caller's error, not a date that overflows later in the ledger or a worker).
+JSON (for the size limit), when the job is due (a countdown or an eta that is no time is the
+caller's error, not a date that overflows later in the ledger or a worker), and the options'
+names (a misspelt one is an error, not a message property that does nothing).
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
+from collections.abc import Iterable, MutableMapping
 from datetime import UTC, datetime
 from typing import Any
 
+from celery import Celery
+from celery.app.amqp import AMQP
+from celery.app.task import Task
 from kombu.exceptions import OperationalError
+from kombu.messaging import Producer
 from kombu.utils import json as kombu_json
 
-from .errors import Backpressure, NotReplicated, PayloadError
+from .errors import Backpressure, ConfigurationError, NotReplicated, PayloadError
 from .identity import canonical_json
 
 # What a task body's own publish (a child, a replace) raises while the platform's servers are
@@ -69,3 +78,56 @@ def payload_json(args: tuple[Any, ...], kwargs: dict[str, Any], *, republish: bo
         return str(kombu_json.dumps([list(args), kwargs]))
     except (TypeError, ValueError) as exc:
         raise PayloadError(f"not JSON-serialisable: {exc}") from exc
+
+
+# Celery's message sender is made per app (a closure), so its own keywords are named here.
+_SENDER_OPTIONS = ("queue", "exchange_type", "event_dispatcher")
+
+
+@functools.cache
+def _celery_options() -> frozenset[str]:
+    """Every option a publish passes on by name: Celery's task and app calls, its message
+    building and sending, kombu's publish (read from their signatures, so a Celery release's
+    new option is known as soon as it is installed)."""
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(
+        name
+        for call in (Task.apply_async, Celery.send_task, AMQP.as_task_v2, Producer.publish)
+        for name, parameter in inspect.signature(call).parameters.items()
+        if parameter.kind in named
+    ).union(_SENDER_OPTIONS)
+
+
+# The options celery-ledger adds to a publish (its docstring in task.py says what each does).
+LEDGER_CALL_OPTIONS = ("idempotency_key", "tier", "tenant", "session")
+
+
+def check_call_options(
+    task: str, options: MutableMapping[str, Any], *, owned: Iterable[str]
+) -> None:
+    """Drop the ``owned`` options (the ledger sets them itself), and refuse an option whose
+    name is close to one a publish knows (celery-ledger's, Celery's, kombu's) but is none of
+    them: Celery sends an option it does not know as a message property, so ``countdwn=5`` ran
+    the job at once, silently. A name near none of them is left alone (a message property of
+    the app's own), and so is a stamp.
+
+    Raises:
+        ConfigurationError: naming the option and the one meant.
+    """
+    owned = tuple(owned)
+    for name in owned:
+        options.pop(name, None)
+    celery_names = _celery_options()
+    for name in options:
+        if not isinstance(name, str) or name in celery_names or name in LEDGER_CALL_OPTIONS:
+            continue  # (the usual case, on every publish: no set is built)
+        stamped = options.get("stamped_headers")  # (a stamp is an option its visitor named)
+        if isinstance(stamped, (list, tuple)) and name in stamped:
+            continue
+        known = celery_names.union(LEDGER_CALL_OPTIONS, owned)
+        meant = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if meant:
+            raise ConfigurationError(
+                f"{task}: no publish option is named {name!r}; did you mean {meant[0]!r}?"
+                " (Celery would send it as a message property, where it does nothing)"
+            )

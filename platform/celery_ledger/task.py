@@ -61,7 +61,7 @@ from .policies.backoff import Jitter
 from .policies.fallback import Fallback
 from .policies.retry import RetryPolicy
 from .progress import Execution, Step, batches
-from .publish_checks import PUBLISH_OUTAGES, due_time, payload_json
+from .publish_checks import PUBLISH_OUTAGES, check_call_options, due_time, payload_json
 from .schedules import BEAT_HEADER, note_foreign_beat
 from .tenancy import TenantSpec, tenant_of_call, tenant_slot_of
 from .untrusted import (
@@ -645,8 +645,7 @@ class LedgerTask(Task):  # type: ignore[misc]
         admitted = bool(options.pop(ADMITTED, False))
         step = bool(options.pop(WORKFLOW_STEP, False))
         never_shed = bool(options.pop(NEVER_SHED, False))
-        for name in _LEDGER_OWNED_OPTIONS:
-            options.pop(name, None)
+        check_call_options(self.name, options, owned=_LEDGER_OWNED_OPTIONS)
         handed_back = options.pop(_HANDED_BACK, None)
         if isinstance(handed_back, int) and handed_back > 0:
             options[headers.HANDED_BACK] = min(handed_back, headers.MAX_HANDED_BACK)

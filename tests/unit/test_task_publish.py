@@ -236,6 +236,43 @@ def test_explicit_key_call_option_wins(charge: LedgerTask, published: list[Publi
     assert "idempotency_key" not in call.options
 
 
+@pytest.mark.parametrize(
+    ("option", "meant"),
+    [
+        ("countdwn", "countdown"),  # Celery sent it as a message property: the job ran at once
+        ("expire", "expires"),
+        ("priorty", "priority"),
+        ("idempotency_kye", "idempotency_key"),
+        ("tenat", "tenant"),
+        ("link_errors", "link_error"),
+    ],
+)
+def test_a_misspelt_option_is_refused_naming_the_one_meant(
+    charge: LedgerTask, published: list[Published], option: str, meant: str
+) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        charge.apply_async((7,), **{option: 5})
+    assert f"{option!r}; did you mean {meant!r}?" in str(refused.value)
+    assert published == []  # nothing was sent
+
+
+@pytest.mark.parametrize("option", ["x_trace_tag", "my_property", "redelivered"])
+def test_an_option_near_no_known_one_is_passed_on_as_before(
+    charge: LedgerTask, published: list[Published], option: str
+) -> None:
+    # (a message property of the app's own: Celery sends it on, as before)
+    charge.apply_async((7,), **{option: "v"})
+    assert only(published).options[option] == "v"
+
+
+def test_a_stamp_near_a_known_option_is_passed_on(
+    charge: LedgerTask, published: list[Published]
+) -> None:
+    # (the stamping visitor names its stamps: they are options, listed in stamped_headers)
+    charge.apply_async((7,), prioritee="high", stamped_headers=["prioritee"])
+    assert only(published).options["prioritee"] == "high"
+
+
 @pytest.mark.parametrize("key", ["", 42, "k" * 513])
 def test_invalid_explicit_key_is_refused(
     charge: LedgerTask, published: list[Published], key: Any
