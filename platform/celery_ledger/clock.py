@@ -42,6 +42,7 @@ from typing import Any
 import redis
 from pymongo.errors import PyMongoError
 
+from .errors import brief
 from .locks import ForkSafeLock
 
 logger = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ class ServerClock:
                     logger.warning(
                         "cannot read the %s server's clock (%s): using this host's until it can",
                         self.server,
-                        exc,
+                        brief(exc),
                     )
                 return reading
         finally:

@@ -189,3 +189,14 @@ class Interrupted(ControlFlow):
 class WorkflowCancelled(ControlFlow):
     """Raised inside a workflow's code where it waits when the workflow is cancelled; uncaught,
     its registered compensations run and it ends ``cancelled``."""
+
+
+# pymongo's server-selection error ends with the topology it saw, every server's state in full
+# (a screenful for a replica set); what failed is said before it.
+_TOPOLOGY = ", Topology Description: "
+
+
+def brief(exc: BaseException) -> str:
+    """``exc``'s text for a line a person reads (a log line, an error, a health check), less
+    pymongo's topology description: the servers' errors and the timeout stay."""
+    return str(exc).split(_TOPOLOGY, 1)[0]

@@ -26,7 +26,7 @@ from pymongo.errors import (
 )
 
 from .. import headers
-from ..errors import LedgerUnavailable, NotApplied, StoreError
+from ..errors import LedgerUnavailable, NotApplied, StoreError, brief
 from ..locks import ForkSafeLock
 from ..tracecontext import ledger_operation
 from .message import KeptMessage
@@ -226,7 +226,7 @@ class _Translating:
 def _raise_translated(what: str, exc: BaseException) -> None:
     """Raise the platform's error for pymongo's ``exc`` (nothing for any other error)."""
     if isinstance(exc, ServerSelectionTimeoutError):
-        raise NotApplied(f"ledger unreachable during {what}: {exc}") from exc
+        raise NotApplied(f"ledger unreachable during {what}: {brief(exc)}") from exc
     if isinstance(exc, ConnectionFailure):
         raise LedgerUnavailable(f"ledger connection failed during {what}: {exc}") from exc
     if isinstance(exc, BulkWriteError | DuplicateKeyError):
