@@ -291,3 +291,17 @@ def test_forcing_a_breaker_no_task_declares_says_which_exist(monkeypatch: Any) -
     assert result.exit_code == 0 and forced == ["mial"]  # (forced all the same)
     assert "no task declares breaker 'mial' (known: mail)" in result.output
     assert "no task declares" not in run(app, "breakers", "open", "mail").output
+
+
+def test_a_misspelt_tier_is_named_before_anything_else_is_said() -> None:
+    # (fair dispatch off here: that was said instead, as if the tier were fine)
+    app = create_app(
+        "tiers_cli",
+        settings=Settings(broker_url="redis://127.0.0.1:1/0", mongo_uri="mongodb://127.0.0.1:1"),
+        set_as_current=False,
+    )
+    for command in (["tenants", "list"], ["tenants", "drain", "--yes"]):
+        result = run(app, *command, "--tier", "urgent")
+        assert result.exit_code == 1, result.output
+        assert "urgent" in result.output and "critical, default, bulk" in result.output
+        assert "fair dispatch is off" not in result.output and "Traceback" not in result.output

@@ -32,10 +32,11 @@ def list_(ctx: click.Context, tier: str | None, top: int, as_json: bool) -> None
     """The tenants with jobs waiting in each tier's lanes or running (limited tenants), the
     most waiting first, the rest summed as ``other``; and each one's policy."""
     app = ctx.obj.app
+    names = _tiers(app, tier)  # (a tier misspelt is the first thing to say)
     fair = _fair(app)
     policies = app.settings.tenants
     rows: list[dict[str, Any]] = []
-    for name in _tiers(app, tier):
+    for name in names:
         for share in fair.shares(app.tiers.queue(name), top=top):
             policy = policy_of(policies, share.tenant)
             rows.append(
