@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -105,11 +105,8 @@ LEDGER_CALL_OPTIONS = ("idempotency_key", "tier", "tenant", "session")
 def check_call_options(
     task: str, options: MutableMapping[str, Any], *, owned: Iterable[str]
 ) -> None:
-    """Drop the ``owned`` options (the ledger sets them itself), and refuse an option whose
-    name is close to one a publish knows (celery-ledger's, Celery's, kombu's) but is none of
-    them: Celery sends an option it does not know as a message property, so ``countdwn=5`` ran
-    the job at once, silently. A name near none of them is left alone (a message property of
-    the app's own), and so is a stamp.
+    """Drop the ``owned`` options (the ledger sets them itself), and refuse a misspelt one
+    (see :func:`misspelt_option`).
 
     Raises:
         ConfigurationError: naming the option and the one meant.
@@ -117,6 +114,17 @@ def check_call_options(
     owned = tuple(owned)
     for name in owned:
         options.pop(name, None)
+    problem = misspelt_option(options, owned)
+    if problem is not None:
+        raise ConfigurationError(f"{task}: {problem}")
+
+
+def misspelt_option(options: Mapping[str, Any], owned: Iterable[str] = ()) -> str | None:
+    """What is wrong with the first option whose name is close to one a publish knows
+    (celery-ledger's, Celery's, kombu's, ``owned``) but is none of them, or None. Celery sends
+    an option it does not know as a message property, so ``countdwn=5`` ran the job at once,
+    silently. A name near none of them is left alone (a message property of the app's own),
+    and so is a stamp."""
     celery_names = _celery_options()
     for name in options:
         if not isinstance(name, str) or name in celery_names or name in LEDGER_CALL_OPTIONS:
@@ -127,7 +135,8 @@ def check_call_options(
         known = celery_names.union(LEDGER_CALL_OPTIONS, owned)
         meant = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
         if meant:
-            raise ConfigurationError(
-                f"{task}: no publish option is named {name!r}; did you mean {meant[0]!r}?"
-                " (Celery would send it as a message property, where it does nothing)"
+            return (
+                f"no publish option is named {name!r}; did you mean {meant[0]!r}? (Celery"
+                " would send it as a message property, where it does nothing)"
             )
+    return None

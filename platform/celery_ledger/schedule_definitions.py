@@ -22,6 +22,7 @@ from . import wire
 from .crypto import REDACTED, Sealer
 from .errors import ConfigurationError, StoreError
 from .policies.schedule import SchedulePolicy
+from .publish_checks import misspelt_option
 
 logger = logging.getLogger("celery_ledger.schedules")  # (where these lines were before)
 
@@ -49,11 +50,15 @@ def schedule_problem(schedule: Any) -> str | None:
 
 def beat_problems(beat_schedule: Mapping[str, Any] | None) -> list[str]:
     """The entries of ``beat_schedule`` (``@app.periodic`` or Celery's own) whose schedule
-    cannot run, one line each."""
+    cannot run, or whose options name one misspelt, one line each."""
     problems = []
     for name, entry in (beat_schedule or {}).items():
         schedule = entry.get("schedule") if isinstance(entry, Mapping) else None
         problem = schedule_problem(schedule)
+        if problem is None and isinstance(entry, Mapping):
+            # (beat passes them to every run's publish, which refuses a misspelt one)
+            options = entry.get("options")
+            problem = misspelt_option(options) if isinstance(options, Mapping) else None
         if problem is not None:
             problems.append(f"beat_schedule entry {name!r}: {problem}")
     return problems

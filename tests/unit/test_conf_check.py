@@ -223,3 +223,17 @@ def test_a_schedule_that_cannot_run_is_refused_where_it_is_declared_and_at_start
     app.conf.beat_schedule = {"by-hand": {"task": "conf.tick", "schedule": schedule}}
     problems = app.configuration_problems()
     assert problems == [] if ok else (len(problems) == 1 and "'by-hand'" in problems[0])
+
+
+def test_a_schedule_entrys_misspelt_option_stops_the_start(app: LedgerCelery) -> None:
+    # (beat passes an entry's options to each run's publish, which refuses a misspelt one: the
+    # entry would never run; Celery's own publish sent it as a message property, unheard)
+    @app.task(name="conf.tick2", shared=False)
+    def tick() -> None:
+        pass
+
+    app.periodic(60, options={"expire": 30})(tick)
+    app.conf.beat_schedule["by-hand"] = {"task": "conf.tick2", "schedule": 5, "options": {}}
+    problems = app.configuration_problems()
+    assert len(problems) == 1 and "did you mean 'expires'?" in problems[0], problems
+    assert "'by-hand'" not in problems[0]
