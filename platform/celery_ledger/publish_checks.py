@@ -98,6 +98,11 @@ def _celery_options() -> frozenset[str]:
     ).union(_SENDER_OPTIONS)
 
 
+# The options celery-ledger's parts pass one another (a deferral's count of hand-backs, a
+# republish, an admitted publish, a workflow's step) are named with this prefix; an app's
+# caller never passes one.
+INTERNAL_PREFIX = "ledger_"
+
 # The options celery-ledger adds to a publish (its docstring in task.py says what each does).
 LEDGER_CALL_OPTIONS = ("idempotency_key", "tier", "tenant", "session")
 
@@ -129,6 +134,8 @@ def misspelt_option(options: Mapping[str, Any], owned: Iterable[str] = ()) -> st
     for name in options:
         if not isinstance(name, str) or name in celery_names or name in LEDGER_CALL_OPTIONS:
             continue  # (the usual case, on every publish: no set is built)
+        if name.startswith(INTERNAL_PREFIX):
+            continue  # (a mark one part of celery-ledger passes another: a deferral's count)
         stamped = options.get("stamped_headers")  # (a stamp is an option its visitor named)
         if isinstance(stamped, (list, tuple)) and name in stamped:
             continue

@@ -265,6 +265,21 @@ def test_an_option_near_no_known_one_is_passed_on_as_before(
     assert only(published).options[option] == "v"
 
 
+def test_the_platforms_own_marks_are_never_taken_for_misspellings(
+    charge: LedgerTask, published: list[Published]
+) -> None:
+    # (a guard deferral passes its hand-back count: near the ledger_handed_back property, it
+    # was refused, and no deferral could publish)
+    import celery_ledger.task as task_module
+
+    marks = {
+        task_module._HANDED_BACK: 0,
+        task_module._REPUBLISH: True,
+    }
+    charge.apply_async((7,), **marks)
+    assert len(published) == 1
+
+
 def test_a_stamp_near_a_known_option_is_passed_on(
     charge: LedgerTask, published: list[Published]
 ) -> None:

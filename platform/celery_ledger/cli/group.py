@@ -10,6 +10,7 @@ bug and keeps its traceback.
 from __future__ import annotations
 
 import importlib
+from collections.abc import MutableMapping
 from typing import Any
 
 import click
@@ -24,21 +25,23 @@ class LedgerGroup(click.Group):
     the group first lists or looks up a command (the root group: cli/__init__.py says why)."""
 
     def __init__(self, *args: Any, commands_from: str | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
         self._commands_from = commands_from
+        super().__init__(*args, **kwargs)
 
-    def _load_commands(self) -> None:
+    @property
+    def commands(self) -> MutableMapping[str, click.Command]:
+        """The group's commands, loaded at the first read (click's lookups, help, and any
+        tool that reads the mapping itself)."""
         if self._commands_from is not None:
-            module, self._commands_from = self._commands_from, None
-            importlib.import_module(module)
+            # (its commands are added while it runs: their reads here find it in sys.modules;
+            # a module that fails to import is tried again, and says why, at the next read)
+            importlib.import_module(self._commands_from)
+            self._commands_from = None
+        return self._commands
 
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        self._load_commands()
-        return super().list_commands(ctx)
-
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        self._load_commands()
-        return super().get_command(ctx, cmd_name)
+    @commands.setter
+    def commands(self, value: MutableMapping[str, click.Command]) -> None:
+        self._commands = value
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
