@@ -7,7 +7,6 @@ names (a misspelt one is an error, not a message property that does nothing).
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 from collections.abc import Iterable, Mapping, MutableMapping
 from datetime import UTC, datetime
@@ -84,18 +83,23 @@ def payload_json(args: tuple[Any, ...], kwargs: dict[str, Any], *, republish: bo
 _SENDER_OPTIONS = ("queue", "exchange_type", "event_dispatcher")
 
 
-@functools.cache
-def _celery_options() -> frozenset[str]:
-    """Every option a publish passes on by name: Celery's task and app calls, its message
-    building and sending, kombu's publish (read from their signatures, so a Celery release's
-    new option is known as soon as it is installed)."""
+def _options_of(*calls: Any) -> frozenset[str]:
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return frozenset(
         name
-        for call in (Task.apply_async, Celery.send_task, AMQP.as_task_v2, Producer.publish)
+        for call in calls
         for name, parameter in inspect.signature(call).parameters.items()
         if parameter.kind in named
-    ).union(_SENDER_OPTIONS)
+    )
+
+
+# Every option a publish passes on by name: Celery's task and app calls, its message building
+# and sending, kombu's publish. Read from their signatures (a Celery release's new option is
+# known as soon as it is installed) once, at import: a test or an app that replaces one of them
+# later (a fake publish taking **kwargs) must not make its names unknown.
+_CELERY_OPTIONS = _options_of(
+    Task.apply_async, Celery.send_task, AMQP.as_task_v2, Producer.publish
+).union(_SENDER_OPTIONS)
 
 
 # The options celery-ledger's parts pass one another (a deferral's count of hand-backs, a
@@ -130,7 +134,7 @@ def misspelt_option(options: Mapping[str, Any], owned: Iterable[str] = ()) -> st
     an option it does not know as a message property, so ``countdwn=5`` ran the job at once,
     silently. A name near none of them is left alone (a message property of the app's own),
     and so is a stamp."""
-    celery_names = _celery_options()
+    celery_names = _CELERY_OPTIONS
     for name in options:
         if not isinstance(name, str) or name in celery_names or name in LEDGER_CALL_OPTIONS:
             continue  # (the usual case, on every publish: no set is built)
