@@ -21,8 +21,8 @@ from ..explain import explain
 class LedgerGroup(click.Group):
     """A click group whose commands' mistakes are shown as click errors (see the module).
 
-    ``commands_from``: a module that adds the group's commands when imported, imported when
-    the group first lists or looks up a command (the root group: cli/__init__.py says why)."""
+    ``commands_from``: a module that adds the group's commands when imported, imported at the
+    first read of :attr:`commands` (the root group: cli/__init__.py says why)."""
 
     def __init__(self, *args: Any, commands_from: str | None = None, **kwargs: Any) -> None:
         self._commands_from = commands_from
