@@ -113,11 +113,12 @@ def validate_now(item: pytest.Item) -> None:
     """Validate a hypothesis test's strategies at collection, as the test would at its start.
 
     Validating describes the strategies' lambdas, which hypothesis finds by parsing the test
-    file with ``ast.parse``. CPython 3.11 keeps the AST builder's recursion count per
-    interpreter, not per call: a parse while another thread parses too (a traceback formatted
-    on a worker's or a client's thread: 3.11 parses a source line for its carets) can fail
-    with ``SystemError: AST constructor recursion depth mismatch``, which failed a run. At
-    collection no test has started a thread yet; the test's own validation is then a no-op."""
+    file with ``ast.parse``. Done at a test's start, deep in the stack and with the earlier
+    tests' threads about (a traceback formatted on one parses source lines too, on 3.11), it
+    failed a run with CPython 3.11's ``SystemError: AST constructor recursion depth mismatch``
+    (not reproduced on demand; the AST builder's depth count is the interpreter's). At
+    collection the stack is shallow and no test has started a thread; the test's own
+    validation is then a no-op."""
     handle = getattr(getattr(item, "obj", None), "hypothesis", None)
     for strategy in (getattr(handle, "_given_kwargs", None) or {}).values():
         try:
