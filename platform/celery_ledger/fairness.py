@@ -11,7 +11,15 @@ One Lua script owns every change, so a lane, the ring of tenants with work and t
 disagree, whoever runs it (a producer, a worker, a crashed one's successor):
 
 - ``put``: the message to its lane (one list per priority step, so kombu's priorities hold
-  inside a tenant), the tenant to the ring if it had no work, then a refill;
+  inside a tenant), the tenant to the ring if it had no work, then a refill. A tenant with
+  nothing waiting and nothing in the queue, arriving while other tenants' backlogs keep the
+  queue full, skips its lane: its message goes to the front of the queue, ahead of what the
+  lanes staged there. Without this it would wait for the staged message to be taken and for
+  its turn of the ring after that: two or three job ends behind a flood that fills every
+  worker process, where an idle tier starts it at once. As in start-time fair queuing, a
+  newcomer is owed the turn before a backlogged tenant's next one; to bound what it costs the
+  backlogged, at most one message goes ahead this way between two moves from the ring (a
+  stream of new tenants never holds the ring back by more than half the takes);
 - ``refill``: while the queue is shallower than ``depth``, the tenant at the ring's head gives
   its oldest message of its highest priority to the queue's list of that priority; after
   ``weight`` messages in a row (its policy) it goes to the ring's tail; a tenant with nothing
@@ -219,12 +227,49 @@ SCRIPT = r"""
 local op, q = ARGV[1], ARGV[2]
 local p = q .. ':fair:'
 local ring, active, credit, policy = p .. 'ring', p .. 'active', p .. 'credit', p .. 'policy'
-local waiting = p .. 'waiting'
+local waiting, jumped = p .. 'waiting', p .. 'jumped'
 local steps = {}
 for s in string.gmatch(ARGV[5], '[^,]+') do steps[#steps + 1] = s end
 local function qlist(s) if s == '0' then return q end return q .. '\6\22' .. s end
 local function lane(t, s) return p .. 'lane:' .. s .. ':' .. t end
 local function running(t) return p .. 'running:' .. t end
+local function rule(tenant)
+  -- "weight,limit"; anything else (another release's form, a hand's) is the default
+  local r = redis.call('HGET', policy, tenant) or redis.call('HGET', policy, '*') or ''
+  local w, l = string.match(r, '^(%d+),(%d+)$')
+  return math.max(tonumber(w) or 1, 1), tonumber(l) or 0
+end
+local function clock_now()
+  local clock = redis.call('TIME')
+  return tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+end
+local function queued()
+  local n = 0
+  for _, s in ipairs(steps) do n = n + redis.call('LLEN', qlist(s)) end
+  return n
+end
+local function envelope_of(item)
+  local ok, envelope = pcall(cjson.decode, item)
+  if ok and type(envelope) == 'table' then return envelope end
+  return {}
+end
+-- A limited tenant's slot for a message moved to the queue (its delivery tag, which a
+-- redelivery keeps and a retry's copy does not, else its task id), a lease ahead
+local function hold(tenant, item, now, lease)
+  local envelope = envelope_of(item)
+  local props, heads, slot = envelope['properties'], envelope['headers'], nil
+  if type(props) == 'table' and type(props['delivery_tag']) == 'string' then
+    slot = props['delivery_tag']
+  elseif type(heads) == 'table' and type(heads['id']) == 'string' then
+    slot = heads['id']
+  end
+  if slot then redis.call('ZADD', running(tenant), now + lease, slot) end
+end
+local function full(tenant, limit, now)
+  if limit <= 0 then return false end
+  redis.call('ZREMRANGEBYSCORE', running(tenant), '-inf', now)
+  return redis.call('ZCARD', running(tenant)) >= limit
+end
 local function idle(tenant)
   for _, s in ipairs(steps) do
     if redis.call('LLEN', lane(tenant, s)) > 0 then return false end
@@ -234,7 +279,7 @@ end
 local function gone(tenant)
   redis.call('SREM', active, tenant)
   redis.call('HDEL', credit, tenant)
-  if redis.call('SCARD', active) == 0 then redis.call('DEL', ring, waiting) end
+  if redis.call('SCARD', active) == 0 then redis.call('DEL', ring, waiting, jumped) end
 end
 -- Moves at most a batch (the broker waits while a script runs); the next call goes on.
 local function drain(budget)
@@ -256,6 +301,27 @@ local function drain(budget)
   end
   return drained
 end
+local target, budget, lease = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[6])
+-- A tenant with nothing waiting, arriving while others' backlogs keep the queue full: its
+-- message goes to the front of the queue, ahead of what the lanes staged there (see put).
+local function jump(tenant, s, item)
+  if redis.call('EXISTS', jumped) == 1 or redis.call('SCARD', active) == 0 then return false end
+  if redis.call('SISMEMBER', active, tenant) == 1 or queued() > target then return false end
+  for _, staged in ipairs(redis.call('LRANGE', qlist(s), 0, -1)) do
+    local props = envelope_of(staged)['properties']
+    if type(props) == 'table' and props['ledger_tenant'] == tenant then return false end
+  end
+  local _, limit = rule(tenant)
+  local now = 0
+  if limit > 0 then
+    now = clock_now()
+    if full(tenant, limit, now) then return false end
+    hold(tenant, item, now, lease)
+  end
+  redis.call('RPUSH', qlist(s), item)
+  redis.call('SET', jumped, '1')
+  return true
+end
 if op == 'put' then
   if redis.call('EXISTS', p .. 'feeder') == 0 then
     -- no worker feeds the lanes now (rolled back to a release without them): a batch of what
@@ -264,6 +330,7 @@ if op == 'put' then
     redis.call('LPUSH', qlist(ARGV[8]), ARGV[9])
     return 0
   end
+  if jump(ARGV[7], ARGV[8], ARGV[9]) then return 1 end
   redis.call('LPUSH', lane(ARGV[7], ARGV[8]), ARGV[9])
   redis.call('INCR', waiting)
   if redis.call('SADD', active, ARGV[7]) == 1 then redis.call('RPUSH', ring, ARGV[7]) end
@@ -281,26 +348,15 @@ if redis.call('LLEN', ring) ~= tenants then
   redis.call('DEL', ring)
   for _, tenant in ipairs(redis.call('SMEMBERS', active)) do redis.call('RPUSH', ring, tenant) end
 end
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-local depth = 0
-for _, s in ipairs(steps) do depth = depth + redis.call('LLEN', qlist(s)) end
-local target, budget, lease = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[6])
+local now = clock_now()
+local depth = queued()
 local moved, passed = 0, 0
 while depth < target and moved < budget do
   local n = redis.call('LLEN', ring)
   if n == 0 or passed >= n or passed >= budget then break end
   local tenant = redis.call('LINDEX', ring, 0)
-  -- "weight,limit"; anything else (another release's form, a hand's) is the default
-  local rule = redis.call('HGET', policy, tenant) or redis.call('HGET', policy, '*') or ''
-  local w, l = string.match(rule, '^(%d+),(%d+)$')
-  local weight, limit = math.max(tonumber(w) or 1, 1), tonumber(l) or 0
-  local full = false
-  if limit > 0 then
-    redis.call('ZREMRANGEBYSCORE', running(tenant), '-inf', now)
-    full = redis.call('ZCARD', running(tenant)) >= limit
-  end
-  if full then
+  local weight, limit = rule(tenant)
+  if full(tenant, limit, now) then
     redis.call('RPUSH', ring, redis.call('LPOP', ring))
     passed = passed + 1
   else
@@ -313,21 +369,7 @@ while depth < target and moved < budget do
       redis.call('LPUSH', qlist(from), item)
       if redis.call('EXISTS', waiting) == 1 then redis.call('DECR', waiting) end
       depth, moved, passed = depth + 1, moved + 1, 0
-      if limit > 0 then
-        -- the slot is the message's (its delivery tag, which a redelivery keeps and a retry's
-        -- copy does not), else its task id
-        local ok, envelope = pcall(cjson.decode, item)
-        local slot = nil
-        if ok and type(envelope) == 'table' then
-          local props, heads = envelope['properties'], envelope['headers']
-          if type(props) == 'table' and type(props['delivery_tag']) == 'string' then
-            slot = props['delivery_tag']
-          elseif type(heads) == 'table' and type(heads['id']) == 'string' then
-            slot = heads['id']
-          end
-        end
-        if slot then redis.call('ZADD', running(tenant), now + lease, slot) end
-      end
+      if limit > 0 then hold(tenant, item, now, lease) end
     end
     if idle(tenant) then
       redis.call('LPOP', ring)
@@ -338,6 +380,8 @@ while depth < target and moved < budget do
     end
   end
 end
+-- a message of the ring moved: the next newcomer may go ahead of it
+if moved > 0 then redis.call('DEL', jumped) end
 return moved
 """
 

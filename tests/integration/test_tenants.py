@@ -20,7 +20,13 @@ import redis
 from celery_ledger import Backpressure, State
 from celery_ledger.broker import RedisBroker
 from celery_ledger.embedded.stack import EmbeddedStack
-from celery_ledger.fairness import FairDispatch, TenantPolicy, queue_list, running_key
+from celery_ledger.fairness import (
+    TENANT_PROPERTY,
+    FairDispatch,
+    TenantPolicy,
+    queue_list,
+    running_key,
+)
 from tasks.effects import effects
 
 from .conftest import producer_app, start_healing_worker
@@ -31,7 +37,9 @@ FAIR = {"LEDGER_FAIR_QUEUE_DEPTH": "2"}  # (fair dispatch is off until set)
 
 
 def envelope(job_id: str, tenant: str) -> str:
-    return json.dumps({"headers": {"id": job_id, "task": "t"}, "properties": {"tenant": tenant}})
+    return json.dumps(
+        {"headers": {"id": job_id, "task": "t"}, "properties": {TENANT_PROPERTY: tenant}}
+    )
 
 
 def take(client: redis.Redis, fair: FairDispatch, queue: str) -> dict[str, Any] | None:
@@ -58,7 +66,8 @@ def test_a_small_tenant_behind_a_big_backlog_waits_a_few_jobs(client: redis.Redi
         fair.put(queue, "big", 0, envelope(f"big-{n}", "big"))
     for n in range(5):
         fair.put(queue, "small", 0, envelope(f"small-{n}", "small"))
-    assert client.llen(queue) == 2  # the queue is kept shallow; the rest waits in lanes
+    # The queue is kept shallow (2 staged, and small-0 ahead of them); the rest waits in lanes
+    assert client.llen(queue) == 3
     order = [take(client, fair, queue)["headers"]["id"] for _ in range(505)]  # type: ignore[index]
     small_at = [i for i, job in enumerate(order) if job.startswith("small")]
     # Round robin: each small job within a turn of the queue's depth, not behind 500
@@ -67,6 +76,78 @@ def test_a_small_tenant_behind_a_big_backlog_waits_a_few_jobs(client: redis.Redi
     assert [j for j in order if j.startswith("big")] == [f"big-{n}" for n in range(500)]
     assert take(client, fair, queue) is None
     assert client.scard(f"{queue}:fair:active") == 0 and client.llen(f"{queue}:fair:ring") == 0
+
+
+def ids(client: redis.Redis, fair: FairDispatch, queue: str, n: int) -> list[str]:
+    return [take(client, fair, queue)["headers"]["id"] for _ in range(n)]  # type: ignore[index]
+
+
+def test_a_tenant_arriving_with_nothing_waiting_goes_ahead_of_what_the_lanes_staged(
+    client: redis.Redis,
+) -> None:
+    # Given a big tenant's backlog: one of its messages staged in the queue, the rest in its lane
+    fair, queue = fed(client, depth=1)
+    for n in range(20):
+        fair.put(queue, "big", 0, envelope(f"big-{n}", "big"))
+    # When a small tenant with nothing waiting arrives, its message skips its lane
+    assert fair.put(queue, "small", 0, envelope("small-0", "small")) == 1
+    assert fair.waiting(queue) == {"big": 19}
+    # Then the next free process takes it, before the staged one: not after a turn of the ring
+    assert ids(client, fair, queue, 3) == ["small-0", "big-0", "big-1"]
+    # ...and so does the next small job, arriving after the ring moved again
+    fair.put(queue, "small", 0, envelope("small-1", "small"))
+    assert ids(client, fair, queue, 2) == ["small-1", "big-2"]
+
+
+def test_a_tenant_whose_message_is_in_the_queue_keeps_its_order(client: redis.Redis) -> None:
+    fair, queue = fed(client, depth=1)
+    for n in range(10):
+        fair.put(queue, "big", 0, envelope(f"big-{n}", "big"))
+    fair.put(queue, "t", 0, envelope("t-0", "t"))  # (goes ahead)
+    fair.put(queue, "t", 0, envelope("t-1", "t"))  # (to its lane: t-0 is queued)
+    assert ids(client, fair, queue, 2) == ["t-0", "big-0"]
+    assert ids(client, fair, queue, 1) == ["big-1"]  # (t-1 staged by its turn of the ring)
+    # t has nothing in its lanes now, but its t-1 is in the queue: t-2 may not pass it
+    assert fair.waiting(queue).get("t") is None
+    fair.put(queue, "t", 0, envelope("t-2", "t"))
+    order = ids(client, fair, queue, 10)
+    assert order.index("t-1") < order.index("t-2")
+    assert [j for j in order if j.startswith("big")] == [f"big-{n}" for n in range(2, 10)]
+
+
+def test_new_tenants_arriving_without_end_never_hold_the_ring_back(client: redis.Redis) -> None:
+    # Given a big tenant's backlog, and a new tenant arriving before every take
+    fair, queue = fed(client, depth=1)
+    for n in range(100):
+        fair.put(queue, "big", 0, envelope(f"big-{n}", "big"))
+    taken = []
+    for n in range(60):
+        fair.put(queue, f"new-{n}", 0, envelope(f"new-{n}", f"new-{n}"))
+        taken += ids(client, fair, queue, 1)
+    # Then at most every other take went ahead of the ring (one between two of its moves): the
+    # big tenant still had its turns of the ring, which it shares with the new tenants that
+    # could not go ahead (each newcomer going ahead, it would have had none), and every new
+    # tenant's job is taken once
+    assert sum(1 for j in taken if j.startswith("big")) >= 5
+    assert [i for i, job in enumerate(taken) if job == f"new-{i}"] == list(range(0, 60, 2))
+    taken += ids(client, fair, queue, 100)
+    assert sorted(j for j in taken if j.startswith("new")) == sorted(f"new-{n}" for n in range(60))
+    assert [j for j in taken if j.startswith("big")] == [f"big-{n}" for n in range(100)]
+    assert take(client, fair, queue) is None
+
+
+def test_a_tenant_at_its_concurrency_limit_does_not_go_ahead(client: redis.Redis) -> None:
+    fair, queue = fed(client, depth=1)
+    fair.write_policies([queue], {"capped": TenantPolicy(concurrency=1)})
+    for n in range(5):
+        fair.put(queue, "big", 0, envelope(f"big-{n}", "big"))
+    fair.renew(queue, "capped", "capped-running", 60)  # (its one slot, held by a running body)
+    assert fair.put(queue, "capped", 0, envelope("capped-0", "capped")) == 0
+    assert fair.waiting(queue) == {"big": 4, "capped": 1}
+    # With a slot free, it goes ahead, and the slot is its own until it ends
+    fair.release(queue, "capped", "capped-running")
+    fair.put(queue, "capped2", 0, envelope("other-0", "capped2"))  # (no limit: goes ahead)
+    assert ids(client, fair, queue, 1) == ["other-0"]
 
 
 def test_weights_are_honoured_while_both_have_work(client: redis.Redis) -> None:

@@ -15,6 +15,7 @@ from celery_ledger.errors import Backpressure, ConfigurationError, PayloadError
 from celery_ledger.fairness import (
     OTHER_TENANTS,
     PRIORITY_STEPS,
+    SCRIPT,
     TENANT_PROPERTY,
     TenantPolicy,
     TenantShare,
@@ -34,6 +35,8 @@ def test_the_restated_names_are_the_owners() -> None:
     assert TENANT_PROPERTY == headers.TENANT
     assert tuple(kombu_redis.Channel.priority_steps) == PRIORITY_STEPS
     assert headers.TENANT in headers.PROPERTIES and headers.TENANT in headers.CARRIED
+    # the dispatch script reads a queued message's tenant by that name
+    assert f"props['{TENANT_PROPERTY}'] == tenant" in SCRIPT
 
 
 @pytest.mark.parametrize(
