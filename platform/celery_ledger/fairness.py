@@ -12,14 +12,17 @@ disagree, whoever runs it (a producer, a worker, a crashed one's successor):
 
 - ``put``: the message to its lane (one list per priority step, so kombu's priorities hold
   inside a tenant), the tenant to the ring if it had no work, then a refill. A tenant with
-  nothing waiting and nothing in the queue, arriving while other tenants' backlogs keep the
-  queue full, skips its lane: its message goes to the front of the queue, ahead of what the
-  lanes staged there. Without this it would wait for the staged message to be taken and for
-  its turn of the ring after that: two or three job ends behind a flood that fills every
-  worker process, where an idle tier starts it at once. As in start-time fair queuing, a
-  newcomer is owed the turn before a backlogged tenant's next one; to bound what it costs the
-  backlogged, at most one message goes ahead this way between two moves from the ring (a
-  stream of new tenants never holds the ring back by more than half the takes);
+  nothing waiting (in its lanes, nor of the same priority in the queue, which is at most
+  ``depth`` deep), arriving while other tenants have backlogs, skips its lane: its message goes
+  to the front of the queue, ahead of what the lanes staged there. Without this it would wait
+  for the staged message to be taken and for its turn of the ring after that: two or three job
+  ends behind a flood that fills every worker process, where an idle tier starts it at once. As
+  in start-time fair queuing, a newcomer is owed the turn before a backlogged tenant's next one,
+  and no more: a tenant goes ahead only once every tenant with work had its turn since its own
+  last one (it went ahead, or left the ring), so one that publishes a job whenever its last has
+  started gets the share of a tenant of weight 1 in the ring, not every other start; and at most
+  one message goes ahead this way between two moves from the ring, so a stream of new tenants
+  leaves the ring at least every other start;
 - ``refill``: while the queue is shallower than ``depth``, the tenant at the ring's head gives
   its oldest message of its highest priority to the queue's list of that priority; after
   ``weight`` messages in a row (its policy) it goes to the ring's tail; a tenant with nothing
@@ -51,18 +54,20 @@ running, the ``top`` tenants by waiting each on a row of its own and the rest su
 Redis only holds the policies as the workers last wrote them (``<queue>:fair:policy``, a field
 per tenant and ``*`` for the others): every worker writes the app's at start.
 
-This module imports nothing of the library (the broker view, the transport and the runtime all
-use it); bad policies raise :class:`ValueError`, which the settings turn into their errors.
+This module imports nothing of the library but its scripts (:mod:`celery_ledger.fair_scripts`;
+the broker view, the transport and the runtime all use it); bad policies raise
+:class:`ValueError`, which the settings turn into their errors.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import NoScriptError
+
+from .fair_scripts import ADMIT_SCRIPT, RENEW_SCRIPT, SCRIPT, SCRIPT_SHA, WAITING_SCRIPT
 
 # A message's tenant: a message *property* (a worker of an earlier release refuses an unknown
 # ``ledger_`` header, and ignores an unknown property), set again at each publish.
@@ -217,235 +222,12 @@ def running_key(queue: str, tenant: str) -> str:
     return f"{prefix(queue)}running:{tenant}"
 
 
-# ARGV[1] op: put | refill | release | feed | drain; ARGV[2] queue; ARGV[3] depth; ARGV[4] batch;
-# ARGV[5] the priority steps, comma-separated; ARGV[6] the lease of a moved message's concurrency
-# entry (s); put: ARGV[7] tenant, ARGV[8] step, ARGV[9] message; release: ARGV[7] tenant, ARGV[8]
-# job id; feed: ARGV[7] how long the queue's feeder mark lasts (ms).
-# Keys are made here from the queue's name: kombu's transport runs on one Redis (or a Sentinel
-# primary), never a cluster. Returns the messages moved to the queue.
-SCRIPT = r"""
-local op, q = ARGV[1], ARGV[2]
-local p = q .. ':fair:'
-local ring, active, credit, policy = p .. 'ring', p .. 'active', p .. 'credit', p .. 'policy'
-local waiting, jumped = p .. 'waiting', p .. 'jumped'
-local steps = {}
-for s in string.gmatch(ARGV[5], '[^,]+') do steps[#steps + 1] = s end
-local function qlist(s) if s == '0' then return q end return q .. '\6\22' .. s end
-local function lane(t, s) return p .. 'lane:' .. s .. ':' .. t end
-local function running(t) return p .. 'running:' .. t end
-local function rule(tenant)
-  -- "weight,limit"; anything else (another release's form, a hand's) is the default
-  local r = redis.call('HGET', policy, tenant) or redis.call('HGET', policy, '*') or ''
-  local w, l = string.match(r, '^(%d+),(%d+)$')
-  return math.max(tonumber(w) or 1, 1), tonumber(l) or 0
-end
-local function clock_now()
-  local clock = redis.call('TIME')
-  return tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-end
-local function queued()
-  local n = 0
-  for _, s in ipairs(steps) do n = n + redis.call('LLEN', qlist(s)) end
-  return n
-end
-local function envelope_of(item)
-  local ok, envelope = pcall(cjson.decode, item)
-  if ok and type(envelope) == 'table' then return envelope end
-  return {}
-end
--- A limited tenant's slot for a message moved to the queue (its delivery tag, which a
--- redelivery keeps and a retry's copy does not, else its task id), a lease ahead
-local function hold(tenant, item, now, lease)
-  local envelope = envelope_of(item)
-  local props, heads, slot = envelope['properties'], envelope['headers'], nil
-  if type(props) == 'table' and type(props['delivery_tag']) == 'string' then
-    slot = props['delivery_tag']
-  elseif type(heads) == 'table' and type(heads['id']) == 'string' then
-    slot = heads['id']
-  end
-  if slot then redis.call('ZADD', running(tenant), now + lease, slot) end
-end
-local function full(tenant, limit, now)
-  if limit <= 0 then return false end
-  redis.call('ZREMRANGEBYSCORE', running(tenant), '-inf', now)
-  return redis.call('ZCARD', running(tenant)) >= limit
-end
-local function idle(tenant)
-  for _, s in ipairs(steps) do
-    if redis.call('LLEN', lane(tenant, s)) > 0 then return false end
-  end
-  return true
-end
-local function gone(tenant)
-  redis.call('SREM', active, tenant)
-  redis.call('HDEL', credit, tenant)
-  if redis.call('SCARD', active) == 0 then redis.call('DEL', ring, waiting, jumped) end
-end
--- Moves at most a batch (the broker waits while a script runs); the next call goes on.
-local function drain(budget)
-  local drained = 0
-  for _, tenant in ipairs(redis.call('SMEMBERS', active)) do
-    for _, s in ipairs(steps) do
-      while drained < budget and redis.call('RPOPLPUSH', lane(tenant, s), qlist(s)) do
-        drained = drained + 1
-      end
-    end
-    if idle(tenant) then
-      redis.call('LREM', ring, 0, tenant)
-      gone(tenant)
-    end
-    if drained >= budget then break end
-  end
-  if drained > 0 and redis.call('EXISTS', waiting) == 1 then
-    redis.call('DECRBY', waiting, drained)
-  end
-  return drained
-end
-local target, budget, lease = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[6])
--- A tenant with nothing waiting, arriving while others' backlogs keep the queue full: its
--- message goes to the front of the queue, ahead of what the lanes staged there (see put).
-local function jump(tenant, s, item)
-  if redis.call('EXISTS', jumped) == 1 or redis.call('SCARD', active) == 0 then return false end
-  if redis.call('SISMEMBER', active, tenant) == 1 or queued() > target then return false end
-  for _, staged in ipairs(redis.call('LRANGE', qlist(s), 0, -1)) do
-    local props = envelope_of(staged)['properties']
-    if type(props) == 'table' and props['ledger_tenant'] == tenant then return false end
-  end
-  local _, limit = rule(tenant)
-  local now = 0
-  if limit > 0 then
-    now = clock_now()
-    if full(tenant, limit, now) then return false end
-    hold(tenant, item, now, lease)
-  end
-  redis.call('RPUSH', qlist(s), item)
-  redis.call('SET', jumped, '1')
-  return true
-end
-if op == 'put' then
-  if redis.call('EXISTS', p .. 'feeder') == 0 then
-    -- no worker feeds the lanes now (rolled back to a release without them): a batch of what
-    -- they hold goes to the queue first, then this message
-    if redis.call('SCARD', active) > 0 then drain(tonumber(ARGV[4]) * 10) end
-    redis.call('LPUSH', qlist(ARGV[8]), ARGV[9])
-    return 0
-  end
-  if jump(ARGV[7], ARGV[8], ARGV[9]) then return 1 end
-  redis.call('LPUSH', lane(ARGV[7], ARGV[8]), ARGV[9])
-  redis.call('INCR', waiting)
-  if redis.call('SADD', active, ARGV[7]) == 1 then redis.call('RPUSH', ring, ARGV[7]) end
-elseif op == 'release' then
-  redis.call('ZREM', running(ARGV[7]), ARGV[8])
-elseif op == 'feed' then
-  redis.call('SET', p .. 'feeder', '1', 'PX', ARGV[7])
-elseif op == 'drain' then
-  return drain(tonumber(ARGV[4]) * 10)
-end
-local tenants = redis.call('SCARD', active)
-if tenants == 0 then return 0 end
-if redis.call('LLEN', ring) ~= tenants then
-  -- the ring lost or doubled a tenant (an eviction, a hand): made again from the set
-  redis.call('DEL', ring)
-  for _, tenant in ipairs(redis.call('SMEMBERS', active)) do redis.call('RPUSH', ring, tenant) end
-end
-local now = clock_now()
-local depth = queued()
-local moved, passed = 0, 0
-while depth < target and moved < budget do
-  local n = redis.call('LLEN', ring)
-  if n == 0 or passed >= n or passed >= budget then break end
-  local tenant = redis.call('LINDEX', ring, 0)
-  local weight, limit = rule(tenant)
-  if full(tenant, limit, now) then
-    redis.call('RPUSH', ring, redis.call('LPOP', ring))
-    passed = passed + 1
-  else
-    local item, from = nil, nil
-    for _, s in ipairs(steps) do
-      item = redis.call('RPOP', lane(tenant, s))
-      if item then from = s break end
-    end
-    if item then
-      redis.call('LPUSH', qlist(from), item)
-      if redis.call('EXISTS', waiting) == 1 then redis.call('DECR', waiting) end
-      depth, moved, passed = depth + 1, moved + 1, 0
-      if limit > 0 then hold(tenant, item, now, lease) end
-    end
-    if idle(tenant) then
-      redis.call('LPOP', ring)
-      gone(tenant)
-    elseif redis.call('HINCRBY', credit, tenant, 1) >= weight then
-      redis.call('HDEL', credit, tenant)
-      redis.call('RPUSH', ring, redis.call('LPOP', ring))
-    end
-  end
-end
--- a message of the ring moved: the next newcomer may go ahead of it
-if moved > 0 then redis.call('DEL', jumped) end
-return moved
-"""
-
-# ARGV[1] queue, ARGV[2] steps. Returns {tenant, waiting, ...} for every tenant with work.
-WAITING_SCRIPT = r"""
-local p = ARGV[1] .. ':fair:'
-local out = {}
-for _, tenant in ipairs(redis.call('SMEMBERS', p .. 'active')) do
-  local n = 0
-  for s in string.gmatch(ARGV[2], '[^,]+') do
-    n = n + redis.call('LLEN', p .. 'lane:' .. s .. ':' .. tenant)
-  end
-  out[#out + 1] = tenant
-  out[#out + 1] = n
-end
-return out
-"""
-
-
 def waiting_key(queue: str) -> str:
     """How many messages wait in ``queue``'s lanes (kept by the script: a ``GET`` reads it)."""
     return f"{prefix(queue)}waiting"
 
 
-# ARGV[1] queue, ARGV[2] lease (s), ARGV[3] tenant, ARGV[4] job id: keep a running job's
-# concurrency entry a lease ahead (on the broker's clock, as the script's).
-RENEW_SCRIPT = r"""
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-redis.call('ZADD', ARGV[1] .. ':fair:running:' .. ARGV[3], now + tonumber(ARGV[2]), ARGV[4])
-return 1
-"""
-
-# ARGV[1] queue, ARGV[2] lease (s), ARGV[3] tenant, ARGV[4] job id: whether a delivery of a
-# tenant's job may start its body (1) or must wait (0), holding its entry at least a lease ahead
-# if so. It starts while fewer than the limit of the tenant's other entries live: its own entry,
-# even lapsed, is its slot (every move drops lapsed entries before it counts, so none took it),
-# and the others are counted, not trusted (a running body's renewal after a ledger outage may
-# bring back an entry whose slot went to another meanwhile). The limit is read as the refill
-# reads it; none, and every delivery may start.
-ADMIT_SCRIPT = r"""
-local p = ARGV[1] .. ':fair:'
-local running, policy = p .. 'running:' .. ARGV[3], p .. 'policy'
-local rule = redis.call('HGET', policy, ARGV[3]) or redis.call('HGET', policy, '*') or ''
-local _, l = string.match(rule, '^(%d+),(%d+)$')
-local limit = tonumber(l) or 0
-if limit <= 0 then return 1 end
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-local mine = tonumber(redis.call('ZSCORE', running, ARGV[4]))
-if mine then redis.call('ZREM', running, ARGV[4]) end
-redis.call('ZREMRANGEBYSCORE', running, '-inf', now)
-if redis.call('ZCARD', running) >= limit then
-  if mine then redis.call('ZADD', running, mine, ARGV[4]) end
-  return 0
-end
-redis.call('ZADD', running, math.max(mine or 0, now + tonumber(ARGV[2])), ARGV[4])
-return 1
-"""
-
 _STEPS = ",".join(str(step) for step in PRIORITY_STEPS)
-# Run by its digest (EVALSHA): a take's refill sends some 80 bytes, not the script's 3 KB. A
-# broker that does not know it (restarted, failed over) says NOSCRIPT, and it is sent whole once.
-SCRIPT_SHA = hashlib.sha1(SCRIPT.encode()).hexdigest()
 
 
 def _args(op: str, queue: str, depth: int, lease_seconds: float, *rest: Any) -> list[Any]:

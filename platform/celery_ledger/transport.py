@@ -46,7 +46,7 @@ from redis.exceptions import NoScriptError
 from .clock import ServerClock, redis_time
 from .envelope import envelope_problem
 from .errors import ConfigurationError
-from .fairness import SCRIPT as FAIR_SCRIPT
+from .fair_scripts import SCRIPT as FAIR_SCRIPT
 from .fairness import TENANT_PROPERTY, FairDispatch, check_tenant, put_arguments
 from .poller import MultiChannelPoller
 from .sentinel import SentinelSettings, connection_options, is_sentinel_url

@@ -138,16 +138,46 @@ def test_new_tenants_arriving_without_end_never_hold_the_ring_back(client: redis
 
 def test_a_tenant_at_its_concurrency_limit_does_not_go_ahead(client: redis.Redis) -> None:
     fair, queue = fed(client, depth=1)
-    fair.write_policies([queue], {"capped": TenantPolicy(concurrency=1)})
+    limited = {"capped": TenantPolicy(concurrency=1), "limited": TenantPolicy(concurrency=1)}
+    fair.write_policies([queue], limited)
     for n in range(5):
         fair.put(queue, "big", 0, envelope(f"big-{n}", "big"))
     fair.renew(queue, "capped", "capped-running", 60)  # (its one slot, held by a running body)
     assert fair.put(queue, "capped", 0, envelope("capped-0", "capped")) == 0
     assert fair.waiting(queue) == {"big": 4, "capped": 1}
-    # With a slot free, it goes ahead, and the slot is its own until it ends
-    fair.release(queue, "capped", "capped-running")
-    fair.put(queue, "capped2", 0, envelope("other-0", "capped2"))  # (no limit: goes ahead)
-    assert ids(client, fair, queue, 1) == ["other-0"]
+    # A limited tenant with its slot free goes ahead, and the slot is its message's
+    assert fair.put(queue, "limited", 0, envelope("limited-0", "limited")) == 1
+    assert fair.running(queue) == {"capped": 1, "limited": 1}
+    assert ids(client, fair, queue, 1) == ["limited-0"]
+    assert not fair.admit(queue, "limited", "limited-1", 60)  # (its slot is limited-0's)
+
+
+def test_a_tenant_that_went_ahead_waits_for_every_other_tenants_turn_first(
+    client: redis.Redis,
+) -> None:
+    # Given four tenants with backlogs, and a fifth that publishes a job whenever its last one
+    # has started (never a backlog of its own: always arriving with nothing waiting)
+    fair, queue = fed(client, depth=1)
+    for n in range(60):
+        for tenant in ("a", "b", "c", "d"):
+            fair.put(queue, tenant, 0, envelope(f"{tenant}-{n}", tenant))
+    taken: list[str] = []
+    for n in range(100):
+        queued = [json.loads(item)["headers"]["id"] for item in client.lrange(queue, 0, -1)]
+        if not any(job.startswith("paced") for job in queued) and "paced" not in fair.waiting(
+            queue
+        ):
+            fair.put(queue, "paced", 0, envelope(f"paced-{n}", "paced"))
+        taken += ids(client, fair, queue, 1)
+    # Then it gets a tenant's share (one start in five), not every other start
+    share = sum(1 for job in taken if job.startswith("paced")) / len(taken)
+    assert 0.12 <= share <= 0.22, share  # (0.28 before a tenant waited for the others)
+    assert {sum(1 for job in taken if job.startswith(t)) for t in "abcd"} <= set(range(18, 23))
+    # ...and what it leaves behind lapses: the mark of its last turn, nothing else
+    while take(client, fair, queue) is not None:
+        pass
+    assert not client.exists(f"{queue}:fair:jumped", f"{queue}:fair:ring")
+    assert 0 < client.ttl(f"{queue}:fair:turn:paced") <= 3600
 
 
 def test_weights_are_honoured_while_both_have_work(client: redis.Redis) -> None:

@@ -112,7 +112,7 @@ def test_each_tiers_tenants_are_gauged_shown_and_listed(unconsumed: Any) -> None
     assert rows == [("flood", "5", "0"), ("calm", "2", "0"), ("other", "2", "1")]
     assert "(2 tenants)" in page
 
-    # And the flood's sixth job, past its max_waiting of 5, is shed (the tier's policy) and
+    # And the flood's next job, past its max_waiting of 5, is shed (the tier's policy) and
     # reported; another tenant's publish goes on
     time.sleep(1.1)  # (a producer reads a tenant's count at most once a second)
     task.apply_async((f"{run}-flood-shed",), tenant="flood")

@@ -12,10 +12,10 @@ from kombu.transport import redis as kombu_redis
 
 from celery_ledger import Settings, create_app, headers
 from celery_ledger.errors import Backpressure, ConfigurationError, PayloadError
+from celery_ledger.fair_scripts import SCRIPT
 from celery_ledger.fairness import (
     OTHER_TENANTS,
     PRIORITY_STEPS,
-    SCRIPT,
     TENANT_PROPERTY,
     TenantPolicy,
     TenantShare,
