@@ -256,6 +256,6 @@ redis.call('ZADD', running, math.max(mine or 0, now + tonumber(ARGV[2])), ARGV[4
 return 1
 """
 
-# Run by its digest (EVALSHA): a take's refill sends some 80 bytes, not the script's 3 KB. A
+# Run by its digest (EVALSHA): a take's refill sends some 80 bytes, not the script's 7.5 KB. A
 # broker that does not know it (restarted, failed over) says NOSCRIPT, and it is sent whole once.
 SCRIPT_SHA = hashlib.sha1(SCRIPT.encode()).hexdigest()
