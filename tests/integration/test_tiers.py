@@ -162,7 +162,9 @@ def test_bulk_throttles_under_foreground_latency_and_resumes_without_loss(
     bulk_item = shared_task(app, "tests.integration.ledger_app.bulk_item")
 
     pressure = Pressure(redis.Redis.from_url(throttled_stack.broker.url), window_seconds=2)
-    tokens = [f"thr-{uuid.uuid4().hex[:8]}-{i}" for i in range(150)]
+    # (enough that a loaded machine's slower throttle cannot see the bulk work all done first:
+    # 150 were, once, on a machine half as fast as the last)
+    tokens = [f"thr-{uuid.uuid4().hex[:8]}-{i}" for i in range(600)]
     results = [bulk_item.delay(t) for t in tokens]
     effects = MongoClient(throttled_stack.ledger.url).reference_world.effects
 
