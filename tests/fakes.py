@@ -961,7 +961,12 @@ class MemoryLedger:
         return {i: RecordState.of(d) for i in record_ids if (d := self.docs.get(i)) is not None}
 
     def quiet(
-        self, *, older_than_seconds: float, limit: int, touched_since: datetime | None = None
+        self,
+        *,
+        older_than_seconds: float,
+        limit: int,
+        touched_since: datetime | None = None,
+        touched_before: datetime | None = None,
     ) -> list[dict[str, Any]]:
         self._enter("quiet")
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
@@ -973,6 +978,7 @@ class MemoryLedger:
             and d["claimable_at"] != UNPUBLISHED
             and d["updated_at"] < cutoff
             and (touched_since is None or d["updated_at"] >= touched_since)
+            and (touched_before is None or d["updated_at"] < touched_before)
         ][:limit]
 
     def records(self, record_ids: Sequence[str]) -> list[dict[str, Any]]:

@@ -62,6 +62,7 @@ from .ledger.message import KeptMessage
 from .ledger.ports import ReconcilerStore
 from .ledger.record import State
 from .ledger.store import UNPUBLISHED
+from .quiet_slices import QuietSlices
 from .unrecorded import Unrecorded
 
 if TYPE_CHECKING:
@@ -185,6 +186,7 @@ class Reconciler:
         self._sleep = sleep
         self._monotonic = monotonic
         self._looked_at: float | None = None  # when this process last looked for missing jobs
+        self._slices = QuietSlices(sleep=sleep, monotonic=monotonic)  # ...and how it reads
         # The broker as this process last saw it, and why it may have lost data since, until a
         # sweep has looked for the missing jobs.
         self._continuity: Continuity | None = None
@@ -421,11 +423,15 @@ class Reconciler:
                 return
         self._looked_at = now
         runtime = self._runtime
-        quiet = [
-            str(doc["_id"])
-            for doc in self._ledger.quiet(
+        if lost is None and watch.phase is Watch.NONE:  # (quiet_slices.py)
+            found = self._slices.look(self._ledger, after, limit=MISSING_PER_SWEEP)
+        else:  # the recent ones, or all after a loss: at once
+            found = self._ledger.quiet(
                 older_than_seconds=after, limit=MISSING_PER_SWEEP, touched_since=since
             )
+        quiet = [
+            str(doc["_id"])
+            for doc in found
             if doc["_id"] not in handled
             # (another app's job sharing the ledger: its queues are not read here)
             and runtime.tiers.for_record(doc, runtime.tier_of(str(doc.get("task")))) is not None

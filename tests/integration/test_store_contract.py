@@ -591,6 +591,7 @@ def test_the_sweeps_reads_find_every_kind_of_waiting_job_and_only_those(
         ledger.enqueue(record_id, task=TASK, key=record_id, tier="bulk", message=message, **options)
         return record_id
 
+    touched = clock()
     published = enqueue()
     failed = enqueue()
     ledger.mark_unpublished(failed)
@@ -637,6 +638,21 @@ def test_the_sweeps_reads_find_every_kind_of_waiting_job_and_only_those(
     )
     # due for only 10 s: not yet
     assert seen(age=25) == ({"failed", "published", "retrying"}, {"published", "retrying"})
+
+    # A slice of the last touch (the ordinary look's reads): bounds the touch only; a job due
+    # for less than the time asked is not quiet however long ago it was touched
+    def sliced(age: float, since: datetime, before: datetime) -> set[str]:
+        found = ledger.quiet(
+            older_than_seconds=age, limit=10_000, touched_since=since, touched_before=before
+        )
+        return {names[d["_id"]] for d in found if d["_id"] in names}
+
+    second = timedelta(seconds=1)
+    assert sliced(10, touched - second, touched + second) == {"published", "later", "retrying"}
+    assert sliced(25, touched - second, touched + second) == {"published", "retrying"}
+    # (the end is not in the slice; the ledger keeps a time to the millisecond)
+    assert sliced(10, touched - second, touched - timedelta(milliseconds=1)) == set()
+    assert sliced(10, touched + second, clock()) == set()
     # A limit holds across the kinds (what it returns is some of them)
     assert len(ledger.quiet(older_than_seconds=10, limit=2)) == 2
     # Touched since a moment: those only (the watch after a failover reads the recent ones)

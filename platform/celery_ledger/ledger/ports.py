@@ -233,7 +233,12 @@ class ReconcilerStore(Protocol):
     ) -> list[dict[str, Any]]: ...
 
     def quiet(
-        self, *, older_than_seconds: float, limit: int, touched_since: datetime | None = None
+        self,
+        *,
+        older_than_seconds: float,
+        limit: int,
+        touched_since: datetime | None = None,
+        touched_before: datetime | None = None,
     ) -> list[dict[str, Any]]: ...
 
     def records(self, record_ids: Sequence[str]) -> list[dict[str, Any]]: ...

@@ -116,7 +116,12 @@ class Views(LedgerBase):
         return self._untouched(state, cutoff, unpublished=True, limit=limit)
 
     def quiet(
-        self, *, older_than_seconds: float, limit: int, touched_since: datetime | None = None
+        self,
+        *,
+        older_than_seconds: float,
+        limit: int,
+        touched_since: datetime | None = None,
+        touched_before: datetime | None = None,
     ) -> list[dict[str, Any]]:
         """The published jobs waiting for a claim (queued, or retrying and due) and untouched
         for ``older_than_seconds``: those whose message the broker may have lost. Their id,
@@ -124,7 +129,10 @@ class Views(LedgerBase):
         ledger) by these, looks for the rest's messages in the broker, and reads the few it does
         not find with :meth:`records`. Never-published records are the outbox relay's.
         ``touched_since``: only those last touched since then (after a failover, the recent
-        ones: under a backlog, the oldest would fill ``limit``)."""
+        ones: under a backlog, the oldest would fill ``limit``); ``touched_before``: only those
+        last touched before then too (a slice of them: see quiet_slices.py). Either bounds the
+        last touch only: a job due for less than ``older_than_seconds`` is not quiet whenever it
+        was touched."""
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
         found: list[dict[str, Any]] = []
         for state in (State.QUEUED, State.RETRYING):
@@ -135,6 +143,7 @@ class Views(LedgerBase):
                 limit=limit - len(found),
                 projection={"_id": 1, "task": 1, "tier": 1, "fleet": 1},
                 since=touched_since,
+                before=touched_before,
             )
             if len(found) >= limit:
                 break
@@ -149,9 +158,10 @@ class Views(LedgerBase):
         limit: int,
         projection: Mapping[str, Any] | None = None,
         since: datetime | None = None,
+        before: datetime | None = None,
     ) -> list[dict[str, Any]]:
         """Records of ``state``, claimable and untouched since ``cutoff`` (and touched since
-        ``since``, if given), up to ``limit``.
+        ``since`` and before ``before``, if given), up to ``limit``.
 
         A published queued record is claimable from EPOCH: read with ``claimable_at`` equal to
         EPOCH, its "untouched since" is a bound of the sweepers' index, and a deep backlog of
@@ -165,7 +175,8 @@ class Views(LedgerBase):
         """
         if limit <= 0:
             return []
-        untouched: dict[str, datetime] = {"$lt": cutoff}
+        touched_by = cutoff if before is None else min(cutoff, before)
+        untouched: dict[str, datetime] = {"$lt": touched_by}
         if since is not None:
             untouched["$gte"] = since
         exact: list[datetime] = []
@@ -183,7 +194,11 @@ class Views(LedgerBase):
                     return found
             for doc in self.collection.find({"state": state.value, "claimable_at": due}, fields):
                 touched = _aware(doc.get("updated_at"))
-                if touched is not None and touched < cutoff and (since is None or touched >= since):
+                if (
+                    touched is not None
+                    and touched < touched_by
+                    and (since is None or touched >= since)
+                ):
                     found.append(doc)
                     if len(found) >= limit:
                         break
