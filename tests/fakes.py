@@ -967,13 +967,21 @@ class MemoryLedger:
         limit: int,
         touched_since: datetime | None = None,
         touched_before: datetime | None = None,
+        published: bool = True,
+        due: bool = True,
+        newest_first: bool = False,
     ) -> list[dict[str, Any]]:
         self._enter("quiet")
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
+        kinds = {True: published, False: due}  # (waiting in a queue: claimable from EPOCH)
+        docs = self.docs.items()
+        if newest_first:
+            docs = sorted(docs, key=lambda item: item[1]["updated_at"], reverse=True)  # type: ignore[assignment]
         return [
-            {"_id": i, **{k: d[k] for k in ("task", "tier", "fleet") if k in d}}
-            for i, d in self.docs.items()
+            {"_id": i, **{k: d[k] for k in ("task", "tier", "fleet", "updated_at") if k in d}}
+            for i, d in docs
             if d.get("state") in (State.QUEUED.value, State.RETRYING.value)
+            and kinds[d.get("state") == State.QUEUED.value and d["claimable_at"] == EPOCH]
             and d["claimable_at"] < cutoff
             and d["claimable_at"] != UNPUBLISHED
             and d["updated_at"] < cutoff

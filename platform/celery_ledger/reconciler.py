@@ -187,6 +187,7 @@ class Reconciler:
         self._monotonic = monotonic
         self._looked_at: float | None = None  # when this process last looked for missing jobs
         self._slices = QuietSlices(sleep=sleep, monotonic=monotonic)  # ...and how it reads
+        self._left: list[str] = []  # missing jobs a look found past the sweep's limit
         # The broker as this process last saw it, and why it may have lost data since, until a
         # sweep has looked for the missing jobs.
         self._continuity: Continuity | None = None
@@ -436,6 +437,8 @@ class Reconciler:
             # (another app's job sharing the ledger: its queues are not read here)
             and runtime.tiers.for_record(doc, runtime.tier_of(str(doc.get("task")))) is not None
         ]
+        # (the last look's excess first: a round may not read them again for a while)
+        quiet, self._left = list(dict.fromkeys([*self._left, *quiet])), []
         if quiet:
             if unacked is None or waiting is None:
                 unacked, waiting = self._broker.unacked(), self._broker.waiting()
@@ -444,6 +447,7 @@ class Reconciler:
                 self._sleep(MISSING_CONFIRM_SECONDS)
                 unacked, waiting = self._broker.unacked(), self._broker.waiting()
                 absent = [i for i in absent if i not in waiting and i not in unacked]
+            self._left = absent[limit:]
             for doc in self._ledger.records(absent[:limit]):
                 if doc.get("state") not in (State.QUEUED.value, State.RETRYING.value):
                     continue  # claimed or ended since

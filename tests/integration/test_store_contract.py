@@ -653,6 +653,11 @@ def test_the_sweeps_reads_find_every_kind_of_waiting_job_and_only_those(
     # (the end is not in the slice; the ledger keeps a time to the millisecond)
     assert sliced(10, touched - second, touched - timedelta(milliseconds=1)) == set()
     assert sliced(10, touched + second, clock()) == set()
+    # The waiting ones apart from the due ones (the ordinary look reads those at once)
+    waiting = ledger.quiet(older_than_seconds=10, limit=10_000, due=False)
+    assert {names[d["_id"]] for d in waiting if d["_id"] in names} == {"published"}
+    due = ledger.quiet(older_than_seconds=10, limit=10_000, published=False)
+    assert {names[d["_id"]] for d in due if d["_id"] in names} == {"later", "retrying"}
     # A limit holds across the kinds (what it returns is some of them)
     assert len(ledger.quiet(older_than_seconds=10, limit=2)) == 2
     # Touched since a moment: those only (the watch after a failover reads the recent ones)
@@ -661,6 +666,16 @@ def test_the_sweeps_reads_find_every_kind_of_waiting_job_and_only_those(
     since = clock() - timedelta(seconds=20)
     recent = ledger.quiet(older_than_seconds=10, limit=10_000, touched_since=since)
     assert {d["_id"] for d in recent} & {*names, young} == {young}
+    # Newest first: by their last touch, the most recent first, a limit taking the newest
+    ordered = [young]
+    for _ in range(3):
+        clock.advance(1)
+        ordered.append(enqueue())
+    clock.advance(15)
+    newest = ledger.quiet(
+        older_than_seconds=10, limit=3, touched_since=since, due=False, newest_first=True
+    )
+    assert [d["_id"] for d in newest] == ordered[::-1][:3]
     assert len(ledger.stale(State.QUEUED, older_than_seconds=10, limit=1)) == 1
 
 

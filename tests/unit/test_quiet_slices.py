@@ -1,6 +1,7 @@
-"""The ordinary look for missing messages reads the quiet jobs a slice at a time: every read
-bounded, pauses between reads, and still as many jobs a look as one read of them all gave, the
-newest first, every quiet job reached within a round."""
+"""The ordinary look for missing messages reads the quiet jobs a slice at a time: reads bounded
+by what they hold, a pause between two, the due jobs at once, the waiting ones newest first, and
+every job quiet when a round began reached within that round, whatever their number and spread
+and however the clock moves between looks."""
 
 from __future__ import annotations
 
@@ -8,26 +9,35 @@ import bisect
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from celery_ledger.quiet_slices import TARGET, QuietSlices
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+from celery_ledger.quiet_slices import TARGET, QuietSlices
+from tests.conftest import examples
+
+START = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 QUIET = 30.0
 LIMIT = 5_000
 READ_SECONDS = 0.02  # what one read of the fake takes, by its clock
+MS = timedelta(milliseconds=1)
 
 
 class Ledger:
-    """Quiet jobs by their last touch (ids in that order); counts what each read makes the
-    server walk (the whole range, as the embedded server does before it applies a limit)."""
+    """Quiet jobs by their last touch (the waiting ones) or their due time (the delayed and
+    retrying ones), in a ledger that keeps milliseconds; counts what each read of the waiting
+    ones makes the server walk (the whole range, as the embedded server does before it applies
+    a limit), and returns them as its index does (oldest touch first)."""
 
-    def __init__(self, touched: list[datetime]) -> None:
-        self.touched = sorted(touched)
+    def __init__(self, touched: list[datetime], due: dict[str, tuple[datetime, datetime]]) -> None:
+        self.touched = sorted(_ms(t) for t in touched)  # job i: the i-th oldest
+        self.due = due  # id: (last touch, due time)
+        self.at = START
         self.walked: list[int] = []
         self.clock = 0.0
         self.slept: list[float] = []
 
     def now(self) -> datetime:
-        return NOW
+        return self.at
 
     def quiet(
         self,
@@ -36,15 +46,28 @@ class Ledger:
         limit: int,
         touched_since: datetime | None = None,
         touched_before: datetime | None = None,
+        published: bool = True,
+        due: bool = True,
+        newest_first: bool = False,
     ) -> list[dict[str, Any]]:
         self.clock += READ_SECONDS
-        cutoff = NOW - timedelta(seconds=older_than_seconds)
-        if touched_before is not None:
-            cutoff = min(cutoff, touched_before)
-        low = 0 if touched_since is None else bisect.bisect_left(self.touched, touched_since)
-        high = bisect.bisect_left(self.touched, cutoff)
-        self.walked.append(max(high - low, 0))
-        return [{"_id": i} for i in range(low, high)][:limit]
+        cutoff = self.at - timedelta(seconds=older_than_seconds)
+        by = cutoff if touched_before is None else min(cutoff, touched_before)
+        since = None if touched_since is None else _ms(touched_since)
+        found: list[dict[str, Any]] = []
+        if due:
+            found += [
+                {"_id": key}
+                for key, (touched, due_at) in self.due.items()
+                if due_at < cutoff and touched < _ms(by) and (since is None or touched >= since)
+            ]
+        if published:
+            low = 0 if since is None else bisect.bisect_left(self.touched, since)
+            high = bisect.bisect_left(self.touched, _ms(by))
+            self.walked.append(max(high - low, 0))
+            order = range(high - 1, low - 1, -1) if newest_first else range(low, high)
+            found += [{"_id": i, "updated_at": self.touched[i]} for i in order]
+        return found[:limit]
 
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
@@ -53,74 +76,177 @@ class Ledger:
     def slices(self) -> QuietSlices:
         return QuietSlices(sleep=self.sleep, monotonic=lambda: self.clock)
 
+    def quiet_ids(self) -> set[int]:
+        cutoff = _ms(self.at - timedelta(seconds=QUIET))
+        return set(range(bisect.bisect_left(self.touched, cutoff)))
 
-def looks(ledger: Ledger, count: int) -> list[set[int]]:
+
+def _ms(at: datetime) -> datetime:
+    """As the ledger keeps a time: to the millisecond."""
+    return at.replace(microsecond=at.microsecond // 1000 * 1000)
+
+
+def looks(ledger: Ledger, count: int, *, every: float = QUIET) -> list[list[Any]]:
+    """What each of ``count`` looks found, the clock moving ``every`` seconds between two."""
     slices = ledger.slices()
-    return [{doc["_id"] for doc in slices.look(ledger, QUIET, limit=LIMIT)} for _ in range(count)]
+    found = []
+    for _ in range(count):
+        found.append([doc["_id"] for doc in slices.look(ledger, QUIET, limit=LIMIT)])
+        ledger.at += timedelta(seconds=every)
+    return found
+
+
+def assert_rounds_cover(ledger: Ledger, slices: QuietSlices, rounds: int = 2) -> int:
+    """Every job quiet when a round began is found within it, each look finds a job once;
+    returns the looks the last round took."""
+    taken = 0
+    for _ in range(rounds):
+        wanted, seen, taken = ledger.quiet_ids(), set(), 0
+        while True:
+            found = [doc["_id"] for doc in slices.look(ledger, QUIET, limit=LIMIT)]
+            taken += 1
+            assert len(found) == len(set(found)), "a job found twice in one look"
+            seen |= set(found)
+            ledger.at += timedelta(seconds=QUIET)
+            if slices._before is None or wanted <= seen:
+                break
+            assert taken < 100, "the round does not end"
+        assert wanted <= seen, sorted(wanted - seen)[:10]
+    return taken
 
 
 def test_a_few_quiet_jobs_are_all_looked_at_in_one_look_however_spread() -> None:
     # 300 jobs, from a minute to 200 days old
     ages = [timedelta(minutes=1) * 1.07**n for n in range(300)]
-    ledger = Ledger([NOW - age for age in ages if age < timedelta(days=200)])
-    found = looks(ledger, 2)
-    assert found[0] == set(range(len(ledger.touched)))
-    assert found[1] == found[0]  # (the round ended: the next starts again at the newest)
+    ledger = Ledger([START - age for age in ages if age < timedelta(days=200)], {})
+    found = looks(ledger, 2, every=0)
+    assert set(found[0]) == set(range(len(ledger.touched)))
+    assert set(found[1]) == set(found[0])  # (the round ended: the next starts again at the newest)
 
 
-def test_behind_a_deep_backlog_reads_are_bounded_and_a_look_gathers_the_whole_limit() -> None:
+def test_behind_a_deep_backlog_reads_are_bounded_and_a_look_gathers_its_limit() -> None:
     # 40,000 jobs touched over 80 s, the newest 30 s ago
-    start = NOW - timedelta(seconds=QUIET + 80)
-    ledger = Ledger([start + timedelta(seconds=80 * n / 40_000) for n in range(40_000)])
+    start = START - timedelta(seconds=QUIET + 80)
+    ledger = Ledger([start + timedelta(seconds=80 * n / 40_000) for n in range(40_000)], {})
     found = looks(ledger, 9)
     # No read walks more than a few times the target (one read of them all walked 40,000)...
     assert max(ledger.walked) <= 4 * TARGET, max(ledger.walked)
     # ...and between two reads the look pauses as long as a read took: others take the lock
     assert ledger.slept and min(ledger.slept) >= READ_SECONDS * 0.999
-    # Each look gathers as many as one read of them all did, the newest first...
-    assert all(len(f) >= LIMIT for f in found[:8]), [len(f) for f in found]
+    # Each look gathers about as many as one read of them all did, the newest first...
+    assert all(len(f) >= LIMIT - 4 * TARGET for f in found[:7]), [len(f) for f in found]
     assert max(found[0]) == 39_999
     # ...and a round reaches every job (one read of them all saw the oldest 5,000, always)
-    assert set().union(*found[:8]) == set(range(40_000))
-    assert max(found[8]) == 39_999  # the next round starts at the newest
+    assert set().union(*found[:9]) == set(range(40_000))
+
+
+def test_a_round_reaches_every_job_whatever_the_clock_does_between_looks() -> None:
+    # 14,000 jobs touched within 2 s, the clock moving 30 s between looks
+    start = START - timedelta(seconds=QUIET + 5)
+    ledger = Ledger([start + timedelta(seconds=2 * n / 14_000) for n in range(14_000)], {})
+    assert_rounds_cover(ledger, ledger.slices())
 
 
 def test_a_job_quiet_since_a_round_began_is_reached_by_the_next_round() -> None:
-    start = NOW - timedelta(seconds=QUIET + 80)
-    touched = [start + timedelta(seconds=80 * n / 12_000) for n in range(12_000)]
-    ledger = Ledger(touched)
+    start = START - timedelta(seconds=QUIET + 80)
+    ledger = Ledger([start + timedelta(seconds=80 * n / 12_000) for n in range(12_000)], {})
     slices = ledger.slices()
     first = slices.look(ledger, QUIET, limit=LIMIT)
-    assert len(first) == LIMIT
+    assert len(first) > LIMIT - 4 * TARGET
     # A job lost now: quiet (touched 31 s ago) while the round walks the older ones
-    ledger.touched.append(NOW - timedelta(seconds=QUIET + 1) + timedelta(microseconds=1))
-    seen = [{doc["_id"] for doc in slices.look(ledger, QUIET, limit=LIMIT)} for _ in range(3)]
+    ledger.touched.append(_ms(START - timedelta(seconds=QUIET + 1) + MS))
+    seen = [{doc["_id"] for doc in slices.look(ledger, QUIET, limit=LIMIT)} for _ in range(4)]
     assert 12_000 in set().union(*seen)
 
 
-def test_jobs_touched_in_one_instant_past_the_limit_are_passed_not_read_for_ever() -> None:
-    # a bulk publish: 12,000 jobs in the same instant, then older ones
-    burst = [NOW - timedelta(seconds=QUIET + 5)] * 12_000
-    older = [NOW - timedelta(hours=h) for h in range(1, 100)]
-    ledger = Ledger(burst + older)
-    found = looks(ledger, 4)
-    assert set(range(99)) <= set().union(*found)  # (the older ones, sorted first: ids 0..98)
+def test_jobs_touched_in_one_instant_are_read_narrower_and_none_older_is_passed() -> None:
+    # bulk publishes: 3,000 jobs in one millisecond, 100 in each of the next 60, older ones
+    burst = [START - timedelta(seconds=QUIET + 5)] * 3_000
+    burst += [START - timedelta(seconds=QUIET + 4) + n * MS for n in range(60) for _ in range(100)]
+    older = [START - timedelta(hours=h) for h in range(1, 100)]
+    ledger = Ledger(burst + older, {})
+    assert_rounds_cover(ledger, ledger.slices())
+    # Past the limit in one millisecond: a look takes the limit of them and goes on
+    ledger = Ledger([START - timedelta(seconds=QUIET + 5)] * 12_000 + older, {})
+    found = looks(ledger, 3, every=0)
+    assert set(range(99)) <= set().union(*map(set, found))  # (the older ones: ids 0..98)
 
 
 def test_no_job_falls_between_two_slices() -> None:
-    # jobs touched a microsecond apart around every slice's edge: each read's bounds are exact
-    base = NOW - timedelta(seconds=QUIET)
-    touched = [base - timedelta(microseconds=n) for n in range(1, 3_000)]
+    # jobs touched a millisecond apart around every slice's edge: each read's bounds are exact
+    base = START - timedelta(seconds=QUIET)
+    touched = [base - n * MS for n in range(1, 3_000)]
     touched += [base - timedelta(seconds=s) for s in range(1, 2_000)]
-    ledger = Ledger(touched)
-    found = looks(ledger, 1)
-    assert found[0] == set(range(len(touched)))
+    ledger = Ledger(touched, {})
+    assert set(looks(ledger, 1)[0]) == set(range(len(touched)))
 
 
 def test_a_round_that_ends_within_a_look_is_followed_by_the_next_from_the_newest() -> None:
-    start = NOW - timedelta(seconds=QUIET + 70)
-    ledger = Ledger([start + timedelta(seconds=70 * n / 7_000) for n in range(7_000)])
-    first, second = looks(ledger, 2)
-    assert first == set(range(2_000, 7_000))  # the newest
-    # the older 2,000, then the newest 3,000 again: each job once
-    assert second == set(range(2_000)) | set(range(4_000, 7_000))
+    start = START - timedelta(seconds=QUIET + 70)
+    ledger = Ledger([start + timedelta(seconds=70 * n / 7_000) for n in range(7_000)], {})
+    first, second = looks(ledger, 2, every=0)
+    assert max(first) == 6_999 and min(first) >= 2_000 - 4 * TARGET  # the newest
+    # the older rest, then the newest again: each job once, down to where the look began
+    assert len(second) == len(set(second))
+    assert set(range(min(first))) <= set(second) and 6_999 in second
+    assert not set(second) & set(range(min(first), min(first) + 1_000))
+
+
+def test_due_jobs_are_found_at_every_look_however_long_ago_they_were_touched() -> None:
+    # A job delayed 500 days ago, due 40 s ago, and a retry due now; behind a deep backlog
+    start = START - timedelta(seconds=QUIET + 80)
+    due = {
+        "delayed": (START - timedelta(days=500), START - timedelta(seconds=40)),
+        "retry": (START - timedelta(minutes=3), START - timedelta(seconds=QUIET + 1)),
+        "not yet": (START - timedelta(minutes=3), START - timedelta(seconds=10)),
+    }
+    ledger = Ledger([start + timedelta(seconds=80 * n / 40_000) for n in range(40_000)], due)
+    for found in looks(ledger, 3, every=0):
+        assert {"delayed", "retry"} <= set(found) and "not yet" not in found
+
+
+def test_a_dense_stretch_behind_a_quiet_one_is_read_whole_at_most_once_a_round() -> None:
+    # 10 recent jobs, then 8,000 touched within a minute three hours ago
+    recent = [START - timedelta(seconds=QUIET + n) for n in range(1, 11)]
+    old = START - timedelta(hours=3)
+    ledger = Ledger(recent + [old + timedelta(seconds=60 * n / 8_000) for n in range(8_000)], {})
+    slices = ledger.slices()
+    assert_rounds_cover(ledger, slices, rounds=3)
+    # Over three rounds, a read walked the dense stretch whole at most three times
+    assert sum(1 for w in ledger.walked if w > 4 * TARGET) <= 3, sorted(ledger.walked)[-10:]
+    assert sum(ledger.walked) <= 3 * 2 * 8_000 + 20 * TARGET, sum(ledger.walked)
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(
+    clusters=st.lists(
+        st.tuples(
+            st.integers(min_value=31, max_value=10**7),  # seconds before the first look
+            st.integers(min_value=1, max_value=3_000),  # jobs
+            st.integers(min_value=0, max_value=10**5),  # over this many milliseconds
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    every=st.sampled_from([0.0, 1.0, QUIET, 600.0]),
+)
+def test_every_round_reaches_every_job_quiet_when_it_began(
+    clusters: list[tuple[int, int, int]], every: float
+) -> None:
+    touched = [
+        START - timedelta(seconds=ago) + timedelta(milliseconds=span * n // jobs)
+        for ago, jobs, span in clusters
+        for n in range(jobs)
+    ]
+    ledger = Ledger(touched, {})
+    slices = ledger.slices()
+    for _ in range(2):
+        wanted, seen = ledger.quiet_ids(), set()
+        for _ in range(40):
+            found = [doc["_id"] for doc in slices.look(ledger, QUIET, limit=LIMIT)]
+            assert len(found) == len(set(found))
+            seen |= set(found)
+            ledger.at += timedelta(seconds=every)
+            if slices._before is None:
+                break
+        assert wanted <= seen, sorted(wanted - seen)[:10]

@@ -239,6 +239,9 @@ class ReconcilerStore(Protocol):
         limit: int,
         touched_since: datetime | None = None,
         touched_before: datetime | None = None,
+        published: bool = True,
+        due: bool = True,
+        newest_first: bool = False,
     ) -> list[dict[str, Any]]: ...
 
     def records(self, record_ids: Sequence[str]) -> list[dict[str, Any]]: ...

@@ -122,17 +122,23 @@ class Views(LedgerBase):
         limit: int,
         touched_since: datetime | None = None,
         touched_before: datetime | None = None,
+        published: bool = True,
+        due: bool = True,
+        newest_first: bool = False,
     ) -> list[dict[str, Any]]:
         """The published jobs waiting for a claim (queued, or retrying and due) and untouched
         for ``older_than_seconds``: those whose message the broker may have lost. Their id,
-        task, tier and fleet only: the reconciler passes over another app's (sharing the
-        ledger) by these, looks for the rest's messages in the broker, and reads the few it does
-        not find with :meth:`records`. Never-published records are the outbox relay's.
+        task, tier, fleet and last touch only: the reconciler passes over another app's (sharing
+        the ledger) by these, looks for the rest's messages in the broker, and reads the few it
+        does not find with :meth:`records`. Never-published records are the outbox relay's.
         ``touched_since``: only those last touched since then (after a failover, the recent
         ones: under a backlog, the oldest would fill ``limit``); ``touched_before``: only those
         last touched before then too (a slice of them: see quiet_slices.py). Either bounds the
-        last touch only: a job due for less than ``older_than_seconds`` is not quiet whenever it
-        was touched."""
+        last touch only. ``published``: the jobs waiting in a queue (read by their last touch,
+        a bound of the sweepers' index); ``due``: the delayed and retrying ones, due for
+        ``older_than_seconds`` (read by their due time; untouched since they were delayed).
+        ``newest_first``: the waiting ones by their last touch, the most recent first (else in
+        no promised order)."""
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
         found: list[dict[str, Any]] = []
         for state in (State.QUEUED, State.RETRYING):
@@ -144,6 +150,9 @@ class Views(LedgerBase):
                 projection={"_id": 1, "task": 1, "tier": 1, "fleet": 1},
                 since=touched_since,
                 before=touched_before,
+                waiting=published,
+                due=due,
+                newest_first=newest_first,
             )
             if len(found) >= limit:
                 break
@@ -159,9 +168,14 @@ class Views(LedgerBase):
         projection: Mapping[str, Any] | None = None,
         since: datetime | None = None,
         before: datetime | None = None,
+        waiting: bool = True,
+        due: bool = True,
+        newest_first: bool = False,
     ) -> list[dict[str, Any]]:
         """Records of ``state``, claimable and untouched since ``cutoff`` (and touched since
-        ``since`` and before ``before``, if given), up to ``limit``.
+        ``since`` and before ``before``, if given), up to ``limit``: those claimable from an
+        instant (``waiting``: published, or not) and those claimable from their due time
+        (``due``).
 
         A published queued record is claimable from EPOCH: read with ``claimable_at`` equal to
         EPOCH, its "untouched since" is a bound of the sweepers' index, and a deep backlog of
@@ -180,19 +194,22 @@ class Views(LedgerBase):
         if since is not None:
             untouched["$gte"] = since
         exact: list[datetime] = []
-        due = {"$lt": cutoff}
+        due_by = {"$lt": cutoff}
         if state is State.QUEUED:
-            exact = [EPOCH, *([UNPUBLISHED] if unpublished else [])]
-            due = {"$gt": UNPUBLISHED, "$lt": cutoff}
+            exact = [EPOCH, *([UNPUBLISHED] if unpublished else [])] if waiting else []
+            due_by = {"$gt": UNPUBLISHED, "$lt": cutoff}
         fields = None if projection is None else {**projection, "updated_at": 1}
         found: list[dict[str, Any]] = []
         with translate_errors("reconcile query"):
             for claimable in exact:
                 query = {"state": state.value, "claimable_at": claimable, "updated_at": untouched}
-                found += self.collection.find(query, fields).limit(limit - len(found))
+                cursor = self.collection.find(query, fields).limit(limit - len(found))
+                found += cursor.sort("updated_at", DESCENDING) if newest_first else cursor
                 if len(found) >= limit:
                     return found
-            for doc in self.collection.find({"state": state.value, "claimable_at": due}, fields):
+            if not due:
+                return found
+            for doc in self.collection.find({"state": state.value, "claimable_at": due_by}, fields):
                 touched = _aware(doc.get("updated_at"))
                 if (
                     touched is not None
