@@ -960,6 +960,8 @@ class MemoryLedger:
         self._enter("states_of")
         return {i: RecordState.of(d) for i in record_ids if (d := self.docs.get(i)) is not None}
 
+    QUIET_FIELDS = ("task", "tier", "fleet", "updated_at", "claimable_at")
+
     def quiet(
         self,
         *,
@@ -970,24 +972,34 @@ class MemoryLedger:
         published: bool = True,
         due: bool = True,
         newest_first: bool = False,
+        due_since: datetime | None = None,
+        due_before: datetime | None = None,
     ) -> list[dict[str, Any]]:
         self._enter("quiet")
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
-        kinds = {True: published, False: due}  # (waiting in a queue: claimable from EPOCH)
-        docs = self.docs.items()
-        if newest_first:
-            docs = sorted(docs, key=lambda item: item[1]["updated_at"], reverse=True)  # type: ignore[assignment]
-        return [
-            {"_id": i, **{k: d[k] for k in ("task", "tier", "fleet", "updated_at") if k in d}}
-            for i, d in docs
+
+        def waiting(d: dict[str, Any]) -> bool:  # (in a queue: claimable from EPOCH)
+            return bool(d.get("state") == State.QUEUED.value and d["claimable_at"] == EPOCH)
+
+        found = [
+            (i, d)
+            for i, d in self.docs.items()
             if d.get("state") in (State.QUEUED.value, State.RETRYING.value)
-            and kinds[d.get("state") == State.QUEUED.value and d["claimable_at"] == EPOCH]
+            and (published if waiting(d) else due)
             and d["claimable_at"] < cutoff
             and d["claimable_at"] != UNPUBLISHED
             and d["updated_at"] < cutoff
             and (touched_since is None or d["updated_at"] >= touched_since)
             and (touched_before is None or d["updated_at"] < touched_before)
-        ][:limit]
+            and (waiting(d) or due_since is None or d["claimable_at"] >= due_since)
+            and (waiting(d) or due_before is None or d["claimable_at"] < due_before)
+        ]
+        if newest_first:
+            found.sort(key=lambda f: f[1]["updated_at" if waiting(f[1]) else "claimable_at"])
+            found.reverse()
+        return [{"_id": i, **{k: d[k] for k in self.QUIET_FIELDS if k in d}} for i, d in found][
+            :limit
+        ]
 
     def records(self, record_ids: Sequence[str]) -> list[dict[str, Any]]:
         self._enter("records")

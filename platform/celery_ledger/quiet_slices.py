@@ -9,19 +9,24 @@ every client of the ledger for 350 ms (up to 900 ms in the fairness benchmark), 
 and a small tenant's job waited for it. Nothing cheaper tells how many a range holds (a count or
 an index-only read walks the jobs too), so the look learns it from the slices it reads.
 
-A look reads the delayed and retrying jobs that are due (read by their due time: few) at once,
-then ranges of the waiting jobs' last touch (slices), newest first, each sized from what the
-previous one held to hold about :data:`TARGET` jobs, and pauses between two reads as long as the
-read took, so that other clients take the lock in between. It gathers up to ``limit`` jobs;
-the next look goes on from where this one stopped (a round), and after the oldest from the newest
-again, down to where it began. A slice found to hold more than the look can still take is read
-again narrower, or left whole to the next look; no job is passed over, except the jobs past the
-limit touched within one millisecond (a bulk publish writes a batch of 100 at one instant; more
-than 5,000 in one millisecond is out of reach of a fleet), which the stale sweep covers. A job
-waiting in a queue does not move back in time (its touch only moves it to the newest end), so a
-round reaches every job that was quiet when it began. What a slice costs is the jobs it holds,
-except where a stretch without any is followed by a dense one: the read that finds the dense one
-holds it whole, once a round.
+A look reads two kinds of quiet jobs, each in slices of its own axis: the jobs waiting in a
+queue by their last touch, and the delayed and retrying ones that are due by their due time (a
+retry is due at once: behind an outage of a downstream service they are many). Each slice is
+sized from what the previous one held to hold about :data:`TARGET` jobs, read newest first,
+with a pause between two reads as long as the read took, so that other clients take the lock
+in between. A look gathers up to ``limit`` jobs of each kind; the next look goes on from where
+this one stopped (a round), and after the oldest from the newest again, down to where it began.
+A slice found to hold more than the look can still take is read on from the instant of the last
+job read (the ledger's sort gives the newest first); no job is passed over, except the jobs past
+the limit touched within one millisecond (a bulk publish writes a batch of 100 at one instant;
+more than 5,000 in one millisecond is out of reach of a fleet), which the stale sweep covers. A
+quiet job does not move back in time (a touch or a new due time moves it to the newest end), so
+a round reaches every job that was quiet when it began, and the bounds of a round's reads size
+the next round's: a stretch without jobs followed by a dense one, which a read finds whole, is
+read so only in the first round.
+
+The looks after the broker may have lost data, and within the watch after a failover (those
+touched since a moment), read the same way, in rounds of their own.
 
 Pure logic over the ledger's ``quiet`` view, so that its rules are tested with a fake ledger.
 """
@@ -49,6 +54,8 @@ class QuietReader(Protocol):
         published: bool = True,
         due: bool = True,
         newest_first: bool = False,
+        due_since: datetime | None = None,
+        due_before: datetime | None = None,
     ) -> list[dict[str, Any]]: ...
 
 
@@ -60,9 +67,9 @@ TARGET = 100
 FIRST_SPAN = timedelta(seconds=0.25)
 LEAST_SPAN = timedelta(milliseconds=1)
 GROWTH = 4.0
-# A round ends at slices this old (no job waits in a queue that long untouched: the stale sweep
-# publishes it again, which touches it): the next look starts at the newest.
-LOOK_BACK = timedelta(days=400)
+# A round ends at slices this old (older than any record's times but the ledger's EPOCH marks):
+# the next look starts at the newest.
+LOOK_BACK = timedelta(days=365 * 50)
 # Reads a look makes at most, besides two per ``TARGET`` jobs of its limit (an empty slice costs
 # an index probe and the next is four times as long: a gap of months is crossed in a few); the
 # next look goes on from there.
@@ -74,79 +81,113 @@ MIN_PAUSE_SECONDS = 0.005
 
 
 class QuietSlices:
-    """Where the next look reads, and how (see the module docstring). One per reconciler."""
+    """Where the next look at one kind of quiet jobs reads, and how (see the module
+    docstring): the waiting ones by their last touch, or the due ones by their due time."""
 
-    def __init__(self, *, sleep: Callable[[float], None], monotonic: Callable[[], float]) -> None:
+    def __init__(
+        self, *, sleep: Callable[[float], None], monotonic: Callable[[], float], due: bool
+    ) -> None:
         self._sleep = sleep
         self._monotonic = monotonic
+        self._due = due
+        self._axis = "claimable_at" if due else "updated_at"
         self._before: datetime | None = None  # the next slice ends here (None: at the newest)
         self._span = FIRST_SPAN
         self._pause = MIN_PAUSE_SECONDS  # as long as the last read took
         # Where this round's reads began (their lower bounds), and the last round's, ascending:
-        # a read of the next round ends at the next of these below it. A job waiting in a queue
-        # never moves back in time, so such a range holds at most what it held then (a stretch
-        # without jobs followed by a dense one is read whole only once, in the first round).
+        # a read of the next round ends at the next of these below it. A quiet job never moves
+        # back in time, so such a range holds at most what it held then (a stretch without
+        # jobs followed by a dense one is read whole only once, in the first round).
         self._marks: list[datetime] = []
         self._last_marks: list[datetime] = []
 
-    def _read(self, ledger: QuietReader, quiet_seconds: float, **bounds: Any) -> list[Any]:
+    def _read(
+        self,
+        ledger: QuietReader,
+        quiet_seconds: float,
+        *,
+        limit: int,
+        low: datetime,
+        high: datetime,
+        since: datetime | None,
+    ) -> list[dict[str, Any]]:
+        """The jobs of the slice [low, high) of this kind, newest first, up to ``limit``."""
         started = self._monotonic()
-        found = ledger.quiet(older_than_seconds=quiet_seconds, **bounds)
+        if self._due:
+            found = ledger.quiet(
+                older_than_seconds=quiet_seconds,
+                limit=limit,
+                touched_since=since,
+                published=False,
+                due_since=low,
+                due_before=high,
+                newest_first=True,
+            )
+        else:
+            found = ledger.quiet(
+                older_than_seconds=quiet_seconds,
+                limit=limit,
+                touched_since=low,
+                touched_before=high,
+                due=False,
+                newest_first=True,
+            )
         self._pause = max(self._monotonic() - started, MIN_PAUSE_SECONDS)
         return found
 
     def look(
-        self, ledger: QuietReader, quiet_seconds: float, *, limit: int
+        self,
+        ledger: QuietReader,
+        quiet_seconds: float,
+        *,
+        limit: int,
+        since: datetime | None = None,
     ) -> list[dict[str, Any]]:
-        """Up to ``limit`` quiet jobs (untouched for ``quiet_seconds``): the due ones, then
-        the waiting ones a slice at a time from where the last look stopped (or the newest,
-        when a round has ended), each job once."""
-        found = self._read(ledger, quiet_seconds, limit=limit, published=False)
+        """Up to ``limit`` quiet jobs of this kind (untouched for ``quiet_seconds``, and
+        touched ``since`` then, if given), a slice at a time from where the last look stopped
+        (or the newest, when a round has ended), each job once."""
         now = ledger.now()
         newest = now - timedelta(seconds=quiet_seconds)
         oldest = now - LOOK_BACK
-        before = self._before if self._before is not None and self._before <= newest else newest
+        if since is not None and not self._due:
+            oldest = max(oldest, since)
+        resume = self._before is not None and oldest < self._before <= newest
+        before = self._before if resume and self._before is not None else newest
         began, end, span_began = before, oldest, self._span  # this walk reads down to ``end``
         wrapped = began == newest  # (a look from the newest has no round to begin after it)
-        sliced = 0
-        for _ in range(2 * -(-limit // TARGET) + SPARE_READS):
+        found: list[dict[str, Any]] = []
+        for reads in range(2 * -(-limit // TARGET) + SPARE_READS):
             wanted = limit - len(found)
             if wanted <= 0:
                 break
-            self._sleep(self._pause)
-            since = max(before - self._span, end)
+            if reads:
+                self._sleep(self._pause)
+            low = max(before - self._span, end)
             mark = bisect.bisect_left(self._last_marks, before) - 1
             if mark >= 0:
-                since = max(since, self._last_marks[mark])
+                low = max(low, self._last_marks[mark])
             batch = self._read(
-                ledger,
-                quiet_seconds,
-                limit=wanted,
-                touched_since=since,
-                touched_before=before,
-                due=False,
-                newest_first=True,
+                ledger, quiet_seconds, limit=wanted, low=low, high=before, since=since
             )
             if len(batch) >= wanted:
-                # The slice may hold more: take those touched after the last one read (their
-                # instant whole), and read on from its instant, at the density seen
-                last = batch[-1]["updated_at"]
-                taken = [doc for doc in batch if doc["updated_at"] > last]
+                # The slice may hold more: take those after the last one read's instant, and
+                # read on from that instant, at the density seen
+                last = batch[-1][self._axis]
+                taken = [doc for doc in batch if doc[self._axis] > last]
+                before = last + LEAST_SPAN  # (nothing between it and the slice's end is unread)
+                self._mark(before)
                 if taken:
                     found += self._taken(taken)
-                    sliced += len(taken)
-                    before = last + LEAST_SPAN
-                    self._mark(before)
-                    spread = taken[0]["updated_at"] - last
+                    spread = taken[0][self._axis] - last
                     self._span = max(spread * (TARGET / len(taken)), LEAST_SPAN)
                     continue
-                if sliced:
-                    break  # more in one instant than the look can still take: the next one
+                if found:  # more in one instant than the look can still take: the next one
+                    self._span = LEAST_SPAN
+                    break
                 # (more than the limit in one millisecond: see the module docstring)
-                since = last
+                low = last
             found += self._taken(batch)
-            sliced += len(batch)
-            before = since
+            before = low
             self._mark(before)
             grow = GROWTH if not batch else min(max(TARGET / len(batch), 1 / GROWTH), GROWTH)
             self._span = min(max(self._span * grow, LEAST_SPAN), LOOK_BACK)
@@ -168,9 +209,33 @@ class QuietSlices:
     def _taken(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """A read's jobs (newest first), marked every ``TARGET`` of them for the next round."""
         for doc in batch[TARGET::TARGET]:
-            self._mark(doc["updated_at"] + LEAST_SPAN)
+            self._mark(doc[self._axis] + LEAST_SPAN)
         return batch
 
     def _mark(self, at: datetime) -> None:
         if len(self._marks) < MAX_MARKS:
             self._marks.append(at)
+
+
+class QuietLook:
+    """The reconciler's looks at the quiet jobs of one kind of look (the ordinary ones, or
+    those after a loss and within a watch): the waiting ones and the due ones, each kind in
+    rounds of its own, up to ``limit`` of each."""
+
+    def __init__(self, *, sleep: Callable[[float], None], monotonic: Callable[[], float]) -> None:
+        self._waiting = QuietSlices(sleep=sleep, monotonic=monotonic, due=False)
+        self._due = QuietSlices(sleep=sleep, monotonic=monotonic, due=True)
+        self._sleep = sleep
+
+    def look(
+        self,
+        ledger: QuietReader,
+        quiet_seconds: float,
+        *,
+        limit: int,
+        since: datetime | None = None,
+    ) -> list[dict[str, Any]]:
+        """The quiet jobs of this look (see :meth:`QuietSlices.look`)."""
+        waiting = self._waiting.look(ledger, quiet_seconds, limit=limit, since=since)
+        self._sleep(self._waiting._pause)
+        return waiting + self._due.look(ledger, quiet_seconds, limit=limit, since=since)

@@ -62,7 +62,7 @@ from .ledger.message import KeptMessage
 from .ledger.ports import ReconcilerStore
 from .ledger.record import State
 from .ledger.store import UNPUBLISHED
-from .quiet_slices import QuietSlices
+from .quiet_slices import QuietLook
 from .unrecorded import Unrecorded
 
 if TYPE_CHECKING:
@@ -186,7 +186,8 @@ class Reconciler:
         self._sleep = sleep
         self._monotonic = monotonic
         self._looked_at: float | None = None  # when this process last looked for missing jobs
-        self._slices = QuietSlices(sleep=sleep, monotonic=monotonic)  # ...and how it reads
+        self._slices = QuietLook(sleep=sleep, monotonic=monotonic)  # ...and how it reads
+        self._recent = QuietLook(sleep=sleep, monotonic=monotonic)
         self._left: list[str] = []  # missing jobs a look found past the sweep's limit
         # The broker as this process last saw it, and why it may have lost data since, until a
         # sweep has looked for the missing jobs.
@@ -424,12 +425,10 @@ class Reconciler:
                 return
         self._looked_at = now
         runtime = self._runtime
-        if lost is None and watch.phase is Watch.NONE:  # (quiet_slices.py)
-            found = self._slices.look(self._ledger, after, limit=MISSING_PER_SWEEP)
-        else:  # the recent ones, or all after a loss: at once
-            found = self._ledger.quiet(
-                older_than_seconds=after, limit=MISSING_PER_SWEEP, touched_since=since
-            )
+        # A slice at a time (quiet_slices.py); after a loss and within a watch, in rounds of
+        # their own over the recent jobs (or all, after a loss), a look every few seconds
+        slices = self._slices if lost is None and watch.phase is Watch.NONE else self._recent
+        found = slices.look(self._ledger, after, limit=MISSING_PER_SWEEP, since=since)
         quiet = [
             str(doc["_id"])
             for doc in found

@@ -576,6 +576,9 @@ def test_a_held_outbox_job_and_one_no_relay_can_publish(world: tuple[Any, Clock]
     assert bare not in {d["_id"] for d in ledger.unpublished(older_than_seconds=0)}
 
 
+MS = timedelta(milliseconds=1)
+
+
 def test_the_sweeps_reads_find_every_kind_of_waiting_job_and_only_those(
     world: tuple[Any, Clock],
 ) -> None:
@@ -658,6 +661,22 @@ def test_the_sweeps_reads_find_every_kind_of_waiting_job_and_only_those(
     assert {names[d["_id"]] for d in waiting if d["_id"] in names} == {"published"}
     due = ledger.quiet(older_than_seconds=10, limit=10_000, published=False)
     assert {names[d["_id"]] for d in due if d["_id"] in names} == {"later", "retrying"}
+    # ...and a slice of the due ones by their due time, the latest due first
+    due_at = touched + timedelta(seconds=25)
+    for low, high, expected in (
+        (due_at - second, due_at + second, ["later"]),
+        (due_at + MS, due_at + second, []),
+        (touched - second, due_at + second, ["later", "retrying"]),
+    ):
+        sliced_due = ledger.quiet(
+            older_than_seconds=10,
+            limit=10,
+            published=False,
+            due_since=low,
+            due_before=high,
+            newest_first=True,
+        )
+        assert [names[d["_id"]] for d in sliced_due if d["_id"] in names] == expected
     # A limit holds across the kinds (what it returns is some of them)
     assert len(ledger.quiet(older_than_seconds=10, limit=2)) == 2
     # Touched since a moment: those only (the watch after a failover reads the recent ones)

@@ -12,7 +12,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from celery_ledger.quiet_slices import TARGET, QuietSlices
+from celery_ledger.quiet_slices import TARGET, QuietLook
 from tests.conftest import examples
 
 START = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -49,23 +49,34 @@ class Ledger:
         published: bool = True,
         due: bool = True,
         newest_first: bool = False,
+        due_since: datetime | None = None,
+        due_before: datetime | None = None,
     ) -> list[dict[str, Any]]:
         self.clock += READ_SECONDS
         cutoff = self.at - timedelta(seconds=older_than_seconds)
-        by = cutoff if touched_before is None else min(cutoff, touched_before)
+        by = _ms(cutoff if touched_before is None else min(cutoff, touched_before))
         since = None if touched_since is None else _ms(touched_since)
         found: list[dict[str, Any]] = []
         if due:
-            found += [
-                {"_id": key}
+            due_by = _ms(cutoff if due_before is None else min(cutoff, due_before))
+            low = None if due_since is None else _ms(due_since)
+            jobs = [
+                {"_id": key, "updated_at": touched, "claimable_at": due_at}
                 for key, (touched, due_at) in self.due.items()
-                if due_at < cutoff and touched < _ms(by) and (since is None or touched >= since)
+                if due_at < due_by and (low is None or due_at >= low)
+            ]
+            self.walked.append(len(jobs))
+            jobs.sort(key=lambda doc: doc["claimable_at"], reverse=newest_first)
+            found += [
+                doc
+                for doc in jobs
+                if doc["updated_at"] < by and (since is None or doc["updated_at"] >= since)
             ]
         if published:
-            low = 0 if since is None else bisect.bisect_left(self.touched, since)
-            high = bisect.bisect_left(self.touched, _ms(by))
-            self.walked.append(max(high - low, 0))
-            order = range(high - 1, low - 1, -1) if newest_first else range(low, high)
+            low_i = 0 if since is None else bisect.bisect_left(self.touched, since)
+            high = bisect.bisect_left(self.touched, by)
+            self.walked.append(max(high - low_i, 0))
+            order = range(high - 1, low_i - 1, -1) if newest_first else range(low_i, high)
             found += [{"_id": i, "updated_at": self.touched[i]} for i in order]
         return found[:limit]
 
@@ -73,8 +84,8 @@ class Ledger:
         self.slept.append(seconds)
         self.clock += seconds
 
-    def slices(self) -> QuietSlices:
-        return QuietSlices(sleep=self.sleep, monotonic=lambda: self.clock)
+    def slices(self) -> QuietLook:
+        return QuietLook(sleep=self.sleep, monotonic=lambda: self.clock)
 
     def quiet_ids(self) -> set[int]:
         cutoff = _ms(self.at - timedelta(seconds=QUIET))
@@ -96,7 +107,7 @@ def looks(ledger: Ledger, count: int, *, every: float = QUIET) -> list[list[Any]
     return found
 
 
-def assert_rounds_cover(ledger: Ledger, slices: QuietSlices, rounds: int = 2) -> int:
+def assert_rounds_cover(ledger: Ledger, slices: QuietLook, rounds: int = 2) -> int:
     """Every job quiet when a round began is found within it, each look finds a job once;
     returns the looks the last round took."""
     taken = 0
@@ -108,7 +119,7 @@ def assert_rounds_cover(ledger: Ledger, slices: QuietSlices, rounds: int = 2) ->
             assert len(found) == len(set(found)), "a job found twice in one look"
             seen |= set(found)
             ledger.at += timedelta(seconds=QUIET)
-            if slices._before is None or wanted <= seen:
+            if slices._waiting._before is None or wanted <= seen:
                 break
             assert taken < 100, "the round does not end"
         assert wanted <= seen, sorted(wanted - seen)[:10]
@@ -247,6 +258,45 @@ def test_every_round_reaches_every_job_quiet_when_it_began(
             assert len(found) == len(set(found))
             seen |= set(found)
             ledger.at += timedelta(seconds=every)
-            if slices._before is None:
+            if slices._waiting._before is None:
                 break
         assert wanted <= seen, sorted(wanted - seen)[:10]
+
+
+def test_many_due_jobs_neither_starve_the_waiting_ones_nor_hold_the_lock_long() -> None:
+    # 5,200 retries due over the last 10 minutes (behind a downstream outage), 300 waiting jobs
+    due = {
+        f"retry-{n}": (
+            START - timedelta(seconds=600 - n / 10),
+            START - timedelta(seconds=600 - n / 10),
+        )
+        for n in range(5_200)
+    }
+    waiting = [START - timedelta(seconds=QUIET + 1 + n) for n in range(300)]
+    ledger = Ledger(waiting, due)
+    found = looks(ledger, 2, every=0)
+    assert set(range(300)) <= set(found[0])  # the waiting ones at the first look
+    # ...and every due one within a round of two looks, each read bounded
+    assert set(due) <= set(found[0]) | set(found[1])
+    assert max(ledger.walked) <= 4 * TARGET, max(ledger.walked)
+
+
+def test_a_bulk_publish_in_one_instant_is_read_whole_whatever_else_is_due() -> None:
+    due = {
+        f"retry-{n}": (START - timedelta(minutes=5), START - timedelta(minutes=5))
+        for n in range(4_950)
+    }
+    burst = [START - timedelta(seconds=QUIET + 5)] * 100
+    ledger = Ledger(burst, due)
+    for found in looks(ledger, 2, every=0):
+        assert set(range(100)) <= set(found)
+
+
+def test_a_dense_stretch_behind_a_gap_is_not_read_whole_twice_when_a_look_stops_in_it() -> None:
+    # 4,950 recent jobs, two days of nothing, then 20,000 jobs ending with a bulk of 100 at once
+    recent = [START - timedelta(seconds=QUIET + 1) - n * MS for n in range(4_950)]
+    far = START - timedelta(days=2)
+    dense = [far] * 100 + [far - n * 10 * MS for n in range(1, 20_000)]
+    ledger = Ledger(recent + dense, {})
+    assert_rounds_cover(ledger, ledger.slices(), rounds=2)
+    assert sum(1 for w in ledger.walked if w > 4 * TARGET) <= 1, sorted(ledger.walked)[-5:]

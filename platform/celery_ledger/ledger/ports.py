@@ -242,6 +242,8 @@ class ReconcilerStore(Protocol):
         published: bool = True,
         due: bool = True,
         newest_first: bool = False,
+        due_since: datetime | None = None,
+        due_before: datetime | None = None,
     ) -> list[dict[str, Any]]: ...
 
     def records(self, record_ids: Sequence[str]) -> list[dict[str, Any]]: ...

@@ -125,6 +125,8 @@ class Views(LedgerBase):
         published: bool = True,
         due: bool = True,
         newest_first: bool = False,
+        due_since: datetime | None = None,
+        due_before: datetime | None = None,
     ) -> list[dict[str, Any]]:
         """The published jobs waiting for a claim (queued, or retrying and due) and untouched
         for ``older_than_seconds``: those whose message the broker may have lost. Their id,
@@ -137,8 +139,9 @@ class Views(LedgerBase):
         last touch only. ``published``: the jobs waiting in a queue (read by their last touch,
         a bound of the sweepers' index); ``due``: the delayed and retrying ones, due for
         ``older_than_seconds`` (read by their due time; untouched since they were delayed).
-        ``newest_first``: the waiting ones by their last touch, the most recent first (else in
-        no promised order)."""
+        ``due_since`` and ``due_before`` bound the due ones' due time (a slice of them).
+        ``newest_first``: the waiting ones by their last touch and the due ones by their due
+        time, the most recent first (else in no promised order)."""
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
         found: list[dict[str, Any]] = []
         for state in (State.QUEUED, State.RETRYING):
@@ -153,6 +156,8 @@ class Views(LedgerBase):
                 waiting=published,
                 due=due,
                 newest_first=newest_first,
+                due_since=due_since,
+                due_before=due_before,
             )
             if len(found) >= limit:
                 break
@@ -171,6 +176,8 @@ class Views(LedgerBase):
         waiting: bool = True,
         due: bool = True,
         newest_first: bool = False,
+        due_since: datetime | None = None,
+        due_before: datetime | None = None,
     ) -> list[dict[str, Any]]:
         """Records of ``state``, claimable and untouched since ``cutoff`` (and touched since
         ``since`` and before ``before``, if given), up to ``limit``: those claimable from an
@@ -194,11 +201,16 @@ class Views(LedgerBase):
         if since is not None:
             untouched["$gte"] = since
         exact: list[datetime] = []
-        due_by = {"$lt": cutoff}
+        due_by: dict[str, datetime] = {"$lt": cutoff}
+        if due_before is not None:
+            due_by["$lt"] = min(cutoff, due_before)
         if state is State.QUEUED:
             exact = [EPOCH, *([UNPUBLISHED] if unpublished else [])] if waiting else []
-            due_by = {"$gt": UNPUBLISHED, "$lt": cutoff}
-        fields = None if projection is None else {**projection, "updated_at": 1}
+            due_by["$gt"] = UNPUBLISHED  # (one bound a side: see the store contract's shapes)
+        if due_since is not None and due_since > due_by.get("$gt", EPOCH):
+            due_by.pop("$gt", None)
+            due_by["$gte"] = due_since
+        fields = None if projection is None else {**projection, "updated_at": 1, "claimable_at": 1}
         found: list[dict[str, Any]] = []
         with translate_errors("reconcile query"):
             for claimable in exact:
@@ -209,7 +221,8 @@ class Views(LedgerBase):
                     return found
             if not due:
                 return found
-            for doc in self.collection.find({"state": state.value, "claimable_at": due_by}, fields):
+            dues = self.collection.find({"state": state.value, "claimable_at": due_by}, fields)
+            for doc in dues.sort("claimable_at", DESCENDING) if newest_first else dues:
                 touched = _aware(doc.get("updated_at"))
                 if (
                     touched is not None
