@@ -148,9 +148,8 @@ class QuietSlices:
         (or the newest, when a round has ended), each job once."""
         now = ledger.now()
         newest = now - timedelta(seconds=quiet_seconds)
-        oldest = now - LOOK_BACK
-        if since is not None and not self._due:
-            oldest = max(oldest, since)
+        # (a due job was touched before its due time: one touched since then is due since then)
+        oldest = now - LOOK_BACK if since is None else max(now - LOOK_BACK, since)
         resume = self._before is not None and oldest < self._before <= newest
         before = self._before if resume and self._before is not None else newest
         began, end, span_began = before, oldest, self._span  # this walk reads down to ``end``
@@ -175,7 +174,7 @@ class QuietSlices:
                 last = batch[-1][self._axis]
                 taken = [doc for doc in batch if doc[self._axis] > last]
                 before = last + LEAST_SPAN  # (nothing between it and the slice's end is unread)
-                self._mark(before)
+                self._mark(before)  # (the slice held jobs: see _mark)
                 if taken:
                     found += self._taken(taken)
                     spread = taken[0][self._axis] - last
@@ -188,7 +187,8 @@ class QuietSlices:
                 low = last
             found += self._taken(batch)
             before = low
-            self._mark(before)
+            if batch:
+                self._mark(before)
             grow = GROWTH if not batch else min(max(TARGET / len(batch), 1 / GROWTH), GROWTH)
             self._span = min(max(self._span * grow, LEAST_SPAN), LOOK_BACK)
             if before <= end:
@@ -213,6 +213,9 @@ class QuietSlices:
         return batch
 
     def _mark(self, at: datetime) -> None:
+        """Keep a read's lower bound for the next round, if the read found jobs: a stretch
+        without any is crossed by spans that grow, and a mark there would stay one for ever
+        (each round's reads would end at it, and keep it)."""
         if len(self._marks) < MAX_MARKS:
             self._marks.append(at)
 

@@ -82,6 +82,7 @@ STRANDED_PER_SWEEP = 5_000
 MISSING_SCAN_MAX_MESSAGES = 20_000
 # Queued jobs the look considers per sweep (ids only; the few not found are read whole).
 MISSING_PER_SWEEP = 5_000
+MISSING_KEPT = 4 * MISSING_PER_SWEEP  # ...and those kept for the next look, at most
 # A message between two places (popped by a worker and not booked yet; its record written and
 # the message not yet sent) is in one of them a moment later: a job is missing only if it is
 # absent from both looks, this far apart.
@@ -436,8 +437,8 @@ class Reconciler:
             # (another app's job sharing the ledger: its queues are not read here)
             and runtime.tiers.for_record(doc, runtime.tier_of(str(doc.get("task")))) is not None
         ]
-        # (the last look's excess first: a round may not read them again for a while)
-        quiet, self._left = list(dict.fromkeys([*self._left, *quiet])), []
+        # The last look's excess first (its round has gone on), kept until the broker is read
+        quiet = self._left = list(dict.fromkeys([*self._left, *quiet]))[:MISSING_KEPT]
         if quiet:
             if unacked is None or waiting is None:
                 unacked, waiting = self._broker.unacked(), self._broker.waiting()

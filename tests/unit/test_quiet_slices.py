@@ -300,3 +300,28 @@ def test_a_dense_stretch_behind_a_gap_is_not_read_whole_twice_when_a_look_stops_
     ledger = Ledger(recent + dense, {})
     assert_rounds_cover(ledger, ledger.slices(), rounds=2)
     assert sum(1 for w in ledger.walked if w > 4 * TARGET) <= 1, sorted(ledger.walked)[-5:]
+
+
+def test_after_days_without_quiet_jobs_a_new_one_is_found_at_the_first_look() -> None:
+    ledger = Ledger([], {})
+    slices = ledger.slices()
+    for _ in range(2 * 24 * 60):  # two days of looks every 30 s, nothing quiet
+        assert slices.look(ledger, QUIET, limit=LIMIT) == []
+        ledger.at += timedelta(seconds=QUIET)
+    reads = len(ledger.walked)
+    ledger.touched.append(_ms(ledger.at - timedelta(seconds=QUIET + 1)))
+    assert [doc["_id"] for doc in slices.look(ledger, QUIET, limit=LIMIT)] == [0]
+    assert len(ledger.walked) - reads <= 2 * 40  # (the empty past crossed in a few reads)
+
+
+def test_a_watchs_look_reads_only_what_was_touched_since_its_start() -> None:
+    # 5,000 retries due over the last hour; the watch looks at those touched in the last 2 min
+    due = {f"retry-{n}": (START - timedelta(seconds=3_600 - n * 0.72),) * 2 for n in range(5_000)}
+    ledger = Ledger([], due)
+    since = START - timedelta(minutes=2)
+    found = ledger.slices().look(ledger, 2.0, limit=LIMIT, since=since)
+    recent = {
+        key for key, (touched, _) in due.items() if since <= touched < START - timedelta(seconds=2)
+    }
+    assert {doc["_id"] for doc in found} == recent
+    assert sum(ledger.walked) <= len(recent) + 4 * TARGET, sum(ledger.walked)

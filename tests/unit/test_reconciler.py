@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from celery_ledger import Settings
+from celery_ledger import reconciler as reconciler_module
 from celery_ledger.broker import (
     Continuity,
     CopiesOwed,
@@ -596,6 +597,35 @@ def test_a_queued_job_whose_message_is_nowhere_is_republished_after_the_short_wa
         world.clock.advance(3)
         world.reconciler.sweep()
     assert len(world.outbox.tasks) == 1
+
+
+def test_a_look_the_broker_fails_keeps_what_it_read_for_the_next(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given more quiet jobs than a look gathers (2 here), the newest of them lost
+    monkeypatch.setattr(reconciler_module, "MISSING_PER_SWEEP", 2)
+    ids = []
+    for n in range(6):
+        ids.append(world.queued_job(f"job-{n}"))
+        world.clock.advance(1)
+    world.broker.waiting_ids.update(ids[:-1])
+    world.clock.advance(31)
+    # When the broker fails the look that read the lost one
+    calls = {"n": 0}
+    waiting = world.broker.waiting
+
+    def failing() -> set[str]:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ConnectionError("broker away")
+        return waiting()
+
+    monkeypatch.setattr(world.broker, "waiting", failing)
+    assert world.reconciler.sweep().missing == 0
+    # Then the next look (its round gone on to older jobs) looks at it again, and brings it back
+    world.clock.advance(31)
+    assert world.reconciler.sweep().missing == 1
+    assert [t.options["task_id"] for t in world.outbox.tasks] == [ids[-1]]
 
 
 def test_another_apps_quiet_job_is_passed_over_unread(world: World) -> None:

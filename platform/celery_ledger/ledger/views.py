@@ -149,7 +149,8 @@ class Views(LedgerBase):
                 state,
                 cutoff,
                 unpublished=False,
-                limit=limit - len(found),
+                # (newest first: each state's newest, merged below)
+                limit=limit if newest_first else limit - len(found),
                 projection={"_id": 1, "task": 1, "tier": 1, "fleet": 1},
                 since=touched_since,
                 before=touched_before,
@@ -159,9 +160,12 @@ class Views(LedgerBase):
                 due_since=due_since,
                 due_before=due_before,
             )
-            if len(found) >= limit:
+            if len(found) >= limit and not newest_first:
                 break
-        return found
+        if newest_first:  # (a read of one kind: waiting ones by last touch, due ones by due time)
+            found.sort(key=lambda doc: doc["claimable_at" if not published else "updated_at"])
+            found.reverse()
+        return found[:limit]
 
     def _untouched(
         self,
