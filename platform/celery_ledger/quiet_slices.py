@@ -229,6 +229,7 @@ class QuietLook:
         self._waiting = QuietSlices(sleep=sleep, monotonic=monotonic, due=False)
         self._due = QuietSlices(sleep=sleep, monotonic=monotonic, due=True)
         self._sleep = sleep
+        self._kept: list[dict[str, Any]] = []  # waiting ones read by a look that then failed
 
     def look(
         self,
@@ -239,6 +240,10 @@ class QuietLook:
         since: datetime | None = None,
     ) -> list[dict[str, Any]]:
         """The quiet jobs of this look (see :meth:`QuietSlices.look`)."""
-        waiting = self._waiting.look(ledger, quiet_seconds, limit=limit, since=since)
+        # The waiting ones read are kept until the due ones are too: their round has gone on
+        read = self._waiting.look(ledger, quiet_seconds, limit=limit, since=since)
+        waiting = self._kept = (self._kept + read)[: 2 * limit]
         self._sleep(self._waiting._pause)
-        return waiting + self._due.look(ledger, quiet_seconds, limit=limit, since=since)
+        due = self._due.look(ledger, quiet_seconds, limit=limit, since=since)
+        self._kept = []
+        return waiting + due

@@ -447,7 +447,7 @@ class Reconciler:
                 self._sleep(MISSING_CONFIRM_SECONDS)
                 unacked, waiting = self._broker.unacked(), self._broker.waiting()
                 absent = [i for i in absent if i not in waiting and i not in unacked]
-            self._left = absent[limit:]
+            self._left = absent  # (until the records are read: then those past the limit)
             for doc in self._ledger.records(absent[:limit]):
                 if doc.get("state") not in (State.QUEUED.value, State.RETRYING.value):
                     continue  # claimed or ended since
@@ -468,6 +468,7 @@ class Reconciler:
                     report.failed += 1
                     logger.warning("reconcile: %s failed: %s", doc.get("_id"), exc)
                     self._set_aside(doc)
+            self._left = absent[limit:]
         # Looked with the data loss in view: later sweeps are ordinary ones
         if lost is not None and self._data_lost == lost:
             self._data_lost = None

@@ -6,6 +6,7 @@ and however the clock moves between looks."""
 from __future__ import annotations
 
 import bisect
+import contextlib
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -325,3 +326,23 @@ def test_a_watchs_look_reads_only_what_was_touched_since_its_start() -> None:
     }
     assert {doc["_id"] for doc in found} == recent
     assert sum(ledger.walked) <= len(recent) + 4 * TARGET, sum(ledger.walked)
+
+
+def test_waiting_jobs_read_by_a_look_whose_due_read_fails_come_with_the_next_look() -> None:
+    # 12,000 waiting jobs (a round of three looks); the first look's due read fails
+    start = START - timedelta(seconds=QUIET + 80)
+    ledger = Ledger([start + timedelta(seconds=80 * n / 12_000) for n in range(12_000)], {})
+    slices = ledger.slices()
+    real = ledger.quiet
+    failures = iter([True])
+
+    def quiet(**bounds: Any) -> list[dict[str, Any]]:
+        if not bounds.get("published", True) and next(failures, False):
+            raise ConnectionError("ledger away")
+        return real(**bounds)
+
+    ledger.quiet = quiet  # type: ignore[method-assign]
+    with contextlib.suppress(ConnectionError):
+        slices.look(ledger, QUIET, limit=LIMIT)
+    found = {doc["_id"] for doc in slices.look(ledger, QUIET, limit=LIMIT)}
+    assert 11_999 in found  # (the newest: read by the failed look, its round gone on)
