@@ -132,7 +132,8 @@ class QuietSlices:
                 due=False,
                 newest_first=True,
             )
-        self._pause = max(self._monotonic() - started, MIN_PAUSE_SECONDS)
+        # (an empty read is an index probe: the next follows at once)
+        self._pause = max(self._monotonic() - started, MIN_PAUSE_SECONDS) if found else 0.0
         return found
 
     def look(
@@ -142,10 +143,13 @@ class QuietSlices:
         *,
         limit: int,
         since: datetime | None = None,
+        seconds: float = float("inf"),
     ) -> list[dict[str, Any]]:
         """Up to ``limit`` quiet jobs of this kind (untouched for ``quiet_seconds``, and
         touched ``since`` then, if given), a slice at a time from where the last look stopped
-        (or the newest, when a round has ended), each job once."""
+        (or the newest, when a round has ended), each job once; for about ``seconds`` at most
+        (the next look goes on: the sweep must end within its lock's time)."""
+        deadline = self._monotonic() + seconds
         now = ledger.now()
         newest = now - timedelta(seconds=quiet_seconds)
         # (a due job was touched before its due time: one touched since then is due since then)
@@ -159,7 +163,9 @@ class QuietSlices:
             wanted = limit - len(found)
             if wanted <= 0:
                 break
-            if reads:
+            if reads and self._monotonic() >= deadline:
+                break
+            if reads and self._pause:
                 self._sleep(self._pause)
             low = max(before - self._span, end)
             mark = bisect.bisect_left(self._last_marks, before) - 1
@@ -189,7 +195,7 @@ class QuietSlices:
             before = low
             if batch:
                 self._mark(before)
-            grow = GROWTH if not batch else min(max(TARGET / len(batch), 1 / GROWTH), GROWTH)
+            grow = min(max(TARGET / len(batch), 1 / GROWTH), GROWTH) if batch else GROWTH
             self._span = min(max(self._span * grow, LEAST_SPAN), LOOK_BACK)
             if before <= end:
                 if end == oldest:  # the round ended
@@ -238,12 +244,14 @@ class QuietLook:
         *,
         limit: int,
         since: datetime | None = None,
+        seconds: float = float("inf"),
     ) -> list[dict[str, Any]]:
-        """The quiet jobs of this look (see :meth:`QuietSlices.look`)."""
+        """The quiet jobs of this look (see :meth:`QuietSlices.look`), in ``seconds``."""
+        half = seconds / 2
         # The waiting ones read are kept until the due ones are too: their round has gone on
-        read = self._waiting.look(ledger, quiet_seconds, limit=limit, since=since)
+        read = self._waiting.look(ledger, quiet_seconds, limit=limit, since=since, seconds=half)
         waiting = self._kept = (self._kept + read)[: 2 * limit]
         self._sleep(self._waiting._pause)
-        due = self._due.look(ledger, quiet_seconds, limit=limit, since=since)
+        due = self._due.look(ledger, quiet_seconds, limit=limit, since=since, seconds=half)
         self._kept = []
         return waiting + due

@@ -429,7 +429,8 @@ class Reconciler:
         # A slice at a time (quiet_slices.py); after a loss and within a watch, in rounds of
         # their own over the recent jobs (or all, after a loss), a look every few seconds
         slices = self._slices if lost is None and watch.phase is Watch.NONE else self._recent
-        found = slices.look(self._ledger, after, limit=MISSING_PER_SWEEP, since=since)
+        look = max(settings.reconcile_every_seconds / 4, 1.0)  # (its lock lasts 2.5 sweeps)
+        found = slices.look(self._ledger, after, limit=MISSING_PER_SWEEP, since=since, seconds=look)
         quiet = [
             str(doc["_id"])
             for doc in found

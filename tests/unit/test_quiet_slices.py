@@ -346,3 +346,15 @@ def test_waiting_jobs_read_by_a_look_whose_due_read_fails_come_with_the_next_loo
         slices.look(ledger, QUIET, limit=LIMIT)
     found = {doc["_id"] for doc in slices.look(ledger, QUIET, limit=LIMIT)}
     assert 11_999 in found  # (the newest: read by the failed look, its round gone on)
+
+
+def test_a_look_ends_within_its_time_and_the_next_goes_on() -> None:
+    # 40,000 waiting jobs; a look given the time of about four reads (the sweep's lock is short)
+    start = START - timedelta(seconds=QUIET + 80)
+    ledger = Ledger([start + timedelta(seconds=80 * n / 40_000) for n in range(40_000)], {})
+    slices = ledger.slices()
+    reads = len(ledger.walked)
+    first = {doc["_id"] for doc in slices.look(ledger, QUIET, limit=LIMIT, seconds=0.2)}
+    assert 0 < len(ledger.walked) - reads <= 12  # (both kinds: a few reads each)
+    second = {doc["_id"] for doc in slices.look(ledger, QUIET, limit=LIMIT, seconds=0.2)}
+    assert second and not first & second and max(second) < min(first)  # (went on, older)
