@@ -41,13 +41,20 @@ def worker_stopping(exc: BaseException) -> bool:
     )
 
 
-def text_of(exc: BaseException) -> str | None:
+def text_of(exc: object) -> str | None:
     """``str(exc)``, or None when its ``__str__`` or ``__repr__`` raises."""
     try:
         repr(exc)
         return str(exc)
     except Exception:
         return None
+
+
+def readable(value: object) -> str:
+    """``str(value)``, or ``Type (its text could not be read)``: a task's own reason object
+    (a ``Reject``'s, say) must not turn the ending it asked for into a crash of the guard."""
+    text = text_of(value)
+    return text if text is not None else f"{type(value).__name__} (its text could not be read)"
 
 
 def described(exc: BaseException) -> str:

@@ -51,7 +51,7 @@ from .errors import (
     StoreError,
 )
 from .events import Job
-from .exits import text_of, worker_stopping
+from .exits import readable, text_of, worker_stopping
 from .fallback_serving import Fallbacks
 from .identity import Identity
 from .ledger.dead import DeadJob, DeadLetter, error_entry, format_traceback
@@ -1238,7 +1238,7 @@ class Attempt:
 
     def _told(self, text: object) -> str:
         """An ``Ignore``'s or ``Reject``'s text as kept and logged (a sensitive task's: none)."""
-        return REDACTED if self.policy.sensitive else str(text)
+        return REDACTED if self.policy.sensitive else readable(text)
 
     def _sealer(self) -> Sealer | None:
         return self.guard.runtime.sealer if self.policy.sensitive else None

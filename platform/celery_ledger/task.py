@@ -41,6 +41,7 @@ from .errors import (
     PermanentError,
     RetryNotPublished,
 )
+from .exits import readable
 from .guard import Delivery, Replaced, TaskPolicy, Verdict
 from .identity import (
     Identity,
@@ -560,9 +561,9 @@ class LedgerTask(Task):  # type: ignore[misc]
             if not reject.requeue and isinstance(reason, _NEVER_PUBLISHABLE):
                 # (a countdown or eta that is no time, arguments the serializer refuses): put
                 # back, the delivery would ask for the same retry for ever
-                raise PermanentError(f"retry not publishable: {reason}") from reject
+                raise PermanentError(f"retry not publishable: {readable(reason)}") from reject
             if not reject.requeue and isinstance(reason, Exception):
-                raise RetryNotPublished(f"retry not published: {reason}") from reject
+                raise RetryNotPublished(f"retry not published: {readable(reason)}") from reject
             raise
 
     def on_replace(self, sig: Signature) -> Any:

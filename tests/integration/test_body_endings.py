@@ -81,6 +81,8 @@ CONTROL = {
     "raise_retry_exc": ("dead", 1),
     "raise_ignore": ("succeeded", 1),
     "raise_reject": ("dead", 1),
+    "raise_reject_badstr": ("dead", 1),  # (its reason's __str__ and __repr__ raise)
+    "raise_ignore_badstr": ("succeeded", 1),
     "raise_revoked": ("dead", 1),
     "raise_worker_lost": ("dead", 1),
     "raise_time_limit": ("dead", 1),

@@ -690,6 +690,32 @@ def test_reject_with_requeue_hands_the_message_back(h: Harness) -> None:
     assert verdict.kind == "requeue" and h.record["state"] == State.QUEUED
 
 
+class UnreadableReason:
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ broke")
+
+    __repr__ = __str__
+
+
+@pytest.mark.parametrize("requeue", [False, True], ids=["dead", "requeued"])
+def test_a_reject_whose_reason_cannot_be_read_still_ends_as_the_task_asked(
+    h: Harness, requeue: bool
+) -> None:
+    verdict, _ = h.run(fails(Reject(UnreadableReason(), requeue=requeue)))
+
+    if requeue:
+        assert verdict.kind == "requeue" and h.record["state"] == State.QUEUED
+    else:
+        assert verdict.kind == "ack" and h.record["death"] == "rejected"
+        assert "UnreadableReason (its text could not be read)" in h.record["dead_reason"]
+
+
+def test_an_ignore_whose_reason_cannot_be_read_still_ends_the_job(h: Harness) -> None:
+    verdict, _ = h.run(fails(Ignore(UnreadableReason())))
+
+    assert verdict.kind == "ack" and h.record["outcome"] == "ignored"
+
+
 def test_a_replaced_job_ends_naming_its_replacement(h: Harness) -> None:
     verdict, _ = h.run(fails(Replaced("replacement-id")))
 

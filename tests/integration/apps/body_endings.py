@@ -146,6 +146,10 @@ def body(self: Any, token: str, mode: str) -> Any:
         raise Ignore("ignored by hand")
     if mode == "raise_reject":
         raise Reject("rejected by hand", requeue=False)
+    if mode == "raise_reject_badstr":
+        raise Reject(BadRepr(), requeue=False)
+    if mode == "raise_ignore_badstr":
+        raise Ignore(BadRepr())
     if mode == "raise_revoked":
         raise TaskRevokedError("revoked by hand")
     if mode == "raise_worker_shutdown":
