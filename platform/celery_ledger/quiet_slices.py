@@ -21,9 +21,9 @@ job read (the ledger's sort gives the newest first); no job is passed over, exce
 the limit touched within one millisecond (a bulk publish writes a batch of 100 at one instant;
 more than 5,000 in one millisecond is out of reach of a fleet), which the stale sweep covers. A
 quiet job does not move back in time (a touch or a new due time moves it to the newest end), so
-a round reaches every job that was quiet when it began, and the bounds of a round's reads size
-the next round's: a stretch without jobs followed by a dense one, which a read finds whole, is
-read so only in the first round.
+a round reaches every job that was quiet when it began, and marks a round puts every ``TARGET``
+jobs bound the next round's reads: a stretch without jobs followed by a dense one, which a read
+finds whole, is read so only in the first round.
 
 The looks after the broker may have lost data, and within the watch after a failover (those
 touched since a moment), read the same way, in rounds of their own.
@@ -94,12 +94,13 @@ class QuietSlices:
         self._before: datetime | None = None  # the next slice ends here (None: at the newest)
         self._span = FIRST_SPAN
         self._pause = MIN_PAUSE_SECONDS  # as long as the last read took
-        # Where this round's reads began (their lower bounds), and the last round's, ascending:
-        # a read of the next round ends at the next of these below it. A quiet job never moves
-        # back in time, so such a range holds at most what it held then (a stretch without
-        # jobs followed by a dense one is read whole only once, in the first round).
+        # Marks this round put every TARGET jobs it read (see _taken), and the last round's,
+        # ascending: a read of the next round ends at the next of these below it. A quiet job
+        # never moves back in time, so such a range holds at most what it held then (a stretch
+        # without jobs followed by a dense one is read whole only once, in the first round).
         self._marks: list[datetime] = []
         self._last_marks: list[datetime] = []
+        self._unmarked = 0  # jobs this round read since its last mark
 
     def _read(
         self,
@@ -180,7 +181,6 @@ class QuietSlices:
                 last = batch[-1][self._axis]
                 taken = [doc for doc in batch if doc[self._axis] > last]
                 before = last + LEAST_SPAN  # (nothing between it and the slice's end is unread)
-                self._mark(before)  # (the slice held jobs: see _mark)
                 if taken:
                     found += self._taken(taken)
                     spread = taken[0][self._axis] - last
@@ -193,13 +193,11 @@ class QuietSlices:
                 low = last
             found += self._taken(batch)
             before = low
-            if batch:
-                self._mark(before)
             grow = min(max(TARGET / len(batch), 1 / GROWTH), GROWTH) if batch else GROWTH
             self._span = min(max(self._span * grow, LEAST_SPAN), LOOK_BACK)
             if before <= end:
                 if end == oldest:  # the round ended
-                    self._last_marks, self._marks = sorted(self._marks), []
+                    self._last_marks, self._marks, self._unmarked = sorted(self._marks), [], 0
                     if wrapped or len(found) >= limit:
                         self._before, self._span = None, FIRST_SPAN
                         return found
@@ -213,17 +211,20 @@ class QuietSlices:
         return found
 
     def _taken(self, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """A read's jobs (newest first), marked every ``TARGET`` of them for the next round."""
-        for doc in batch[TARGET::TARGET]:
-            self._mark(doc[self._axis] + LEAST_SPAN)
+        """A read's jobs (newest first), a mark put above the next job after every ``TARGET``
+        of them, counted across the round's reads: the next round's reads end at the marks,
+        so that none reads more than about ``TARGET`` jobs (a stretch without jobs followed by
+        a dense one included). Counted, not put where each read ended: jobs arriving a few at
+        a time would leave a mark at every read that found one, and each mark stays one (the
+        next round's reads end at it, and find a job below it), so a round would read as
+        often as jobs ever arrived."""
+        for doc in batch:
+            if self._unmarked >= TARGET:
+                if len(self._marks) < MAX_MARKS:
+                    self._marks.append(doc[self._axis] + LEAST_SPAN)
+                self._unmarked = 0
+            self._unmarked += 1
         return batch
-
-    def _mark(self, at: datetime) -> None:
-        """Keep a read's lower bound for the next round, if the read found jobs: a stretch
-        without any is crossed by spans that grow, and a mark there would stay one for ever
-        (each round's reads would end at it, and keep it)."""
-        if len(self._marks) < MAX_MARKS:
-            self._marks.append(at)
 
 
 class QuietLook:

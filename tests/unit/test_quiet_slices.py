@@ -358,3 +358,21 @@ def test_a_look_ends_within_its_time_and_the_next_goes_on() -> None:
     assert 0 < len(ledger.walked) - reads <= 12  # (both kinds: a few reads each)
     second = {doc["_id"] for doc in slices.look(ledger, QUIET, limit=LIMIT, seconds=0.2)}
     assert second and not first & second and max(second) < min(first)  # (went on, older)
+
+
+def test_jobs_arriving_one_by_one_and_staying_quiet_keep_a_round_short() -> None:
+    # A held tier: a job a minute for two days, none ever claimed; a look every 30 s
+    ledger = Ledger([], {})
+    slices = ledger.slices()
+    for n in range(2 * 24 * 60 * 2):
+        if n % 2 == 0:
+            bisect.insort(ledger.touched, _ms(ledger.at - timedelta(seconds=QUIET + 1)))
+        slices.look(ledger, QUIET, limit=LIMIT)
+        ledger.at += timedelta(seconds=QUIET)
+    # The marks a round keeps grow with the quiet jobs (about one every TARGET), not the reads
+    # that found them a few at a time; so does a round's count of reads
+    jobs = len(ledger.touched)
+    assert len(slices._waiting._last_marks) <= jobs // TARGET + 2, len(slices._waiting._last_marks)
+    reads = len(ledger.walked)
+    assert_rounds_cover(ledger, slices, rounds=1)
+    assert (len(ledger.walked) - reads) / 2 <= 2 * (jobs // TARGET) + 60, len(ledger.walked) - reads
