@@ -99,6 +99,7 @@ RETRIES = {
     "retry_no_exc": ("succeeded", 2),
     "retry_nothrow": ("succeeded", 1),
     "retry_exc_str": ("succeeded", 2),
+    "retry_exc_badstr": ("succeeded", 2),  # (its exception's __str__ and __repr__ raise)
     "retry_eta_far": ("dead", 1),  # (the year 9999: past what the ledger keeps)
 }
 NOT_EXCEPTIONS = {  # BaseExceptions that are not Exceptions

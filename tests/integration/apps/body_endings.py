@@ -195,6 +195,8 @@ def body(self: Any, token: str, mode: str) -> Any:
         raise self.retry(exc="not an exception", countdown=0.2)  # type: ignore[arg-type]
     if mode == "retry_no_exc":
         raise self.retry(countdown=0.2)
+    if mode == "retry_exc_badstr":
+        raise self.retry(exc=BadStrBoth(), countdown=0.2)
     if mode == "retry_nothrow":
         self.retry(exc=ValueError("x"), countdown=0.2, throw=False)
         return {"after": "retry(throw=False)"}
