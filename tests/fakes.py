@@ -962,41 +962,72 @@ class MemoryLedger:
 
     QUIET_FIELDS = ("task", "tier", "fleet", "updated_at", "claimable_at")
 
-    def quiet(
+    def quiet_waiting(
         self,
         *,
         older_than_seconds: float,
         limit: int,
         touched_since: datetime | None = None,
         touched_before: datetime | None = None,
-        published: bool = True,
-        due: bool = True,
-        newest_first: bool = False,
+    ) -> list[dict[str, Any]]:
+        self._enter("quiet_waiting")
+        return self._quiet(
+            older_than_seconds,
+            limit,
+            lambda d: (
+                self._waiting(d)
+                and (touched_since is None or d["updated_at"] >= touched_since)
+                and (touched_before is None or d["updated_at"] < touched_before)
+            ),
+            by="updated_at",
+        )
+
+    def quiet_due(
+        self,
+        *,
+        older_than_seconds: float,
+        limit: int,
+        touched_since: datetime | None = None,
         due_since: datetime | None = None,
         due_before: datetime | None = None,
     ) -> list[dict[str, Any]]:
-        self._enter("quiet")
+        self._enter("quiet_due")
+        return self._quiet(
+            older_than_seconds,
+            limit,
+            lambda d: (
+                not self._waiting(d)
+                and (touched_since is None or d["updated_at"] >= touched_since)
+                and (due_since is None or d["claimable_at"] >= due_since)
+                and (due_before is None or d["claimable_at"] < due_before)
+            ),
+            by="claimable_at",
+        )
+
+    @staticmethod
+    def _waiting(d: dict[str, Any]) -> bool:  # (in a queue: claimable from EPOCH)
+        return bool(d.get("state") == State.QUEUED.value and d["claimable_at"] == EPOCH)
+
+    def _quiet(
+        self,
+        older_than_seconds: float,
+        limit: int,
+        kept: Callable[[dict[str, Any]], bool],
+        *,
+        by: str,
+    ) -> list[dict[str, Any]]:
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
-
-        def waiting(d: dict[str, Any]) -> bool:  # (in a queue: claimable from EPOCH)
-            return bool(d.get("state") == State.QUEUED.value and d["claimable_at"] == EPOCH)
-
         found = [
             (i, d)
             for i, d in self.docs.items()
             if d.get("state") in (State.QUEUED.value, State.RETRYING.value)
-            and (published if waiting(d) else due)
             and d["claimable_at"] < cutoff
             and d["claimable_at"] != UNPUBLISHED
             and d["updated_at"] < cutoff
-            and (touched_since is None or d["updated_at"] >= touched_since)
-            and (touched_before is None or d["updated_at"] < touched_before)
-            and (waiting(d) or due_since is None or d["claimable_at"] >= due_since)
-            and (waiting(d) or due_before is None or d["claimable_at"] < due_before)
+            and kept(d)
         ]
-        if newest_first:
-            found.sort(key=lambda f: f[1]["updated_at" if waiting(f[1]) else "claimable_at"])
-            found.reverse()
+        found.sort(key=lambda f: f[1][by])
+        found.reverse()
         return [{"_id": i, **{k: d[k] for k in self.QUIET_FIELDS if k in d}} for i, d in found][
             :limit
         ]

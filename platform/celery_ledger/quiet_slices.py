@@ -28,7 +28,7 @@ finds whole, is read so only in the first round.
 The looks after the broker may have lost data, and within the watch after a failover (those
 touched since a moment), read the same way, in rounds of their own.
 
-Pure logic over the ledger's ``quiet`` view, so that its rules are tested with a fake ledger.
+Pure logic over the ledger's views of quiet jobs, so that its rules are tested with a fake ledger.
 """
 
 from __future__ import annotations
@@ -40,20 +40,25 @@ from typing import Any, Protocol
 
 
 class QuietReader(Protocol):
-    """What a look needs of the ledger (its ``quiet`` view and clock)."""
+    """What a look needs of the ledger (its views of quiet jobs, and its clock)."""
 
     now: Callable[[], datetime]
 
-    def quiet(
+    def quiet_waiting(
         self,
         *,
         older_than_seconds: float,
         limit: int,
         touched_since: datetime | None = None,
         touched_before: datetime | None = None,
-        published: bool = True,
-        due: bool = True,
-        newest_first: bool = False,
+    ) -> list[dict[str, Any]]: ...
+
+    def quiet_due(
+        self,
+        *,
+        older_than_seconds: float,
+        limit: int,
+        touched_since: datetime | None = None,
         due_since: datetime | None = None,
         due_before: datetime | None = None,
     ) -> list[dict[str, Any]]: ...
@@ -115,23 +120,19 @@ class QuietSlices:
         """The jobs of the slice [low, high) of this kind, newest first, up to ``limit``."""
         started = self._monotonic()
         if self._due:
-            found = ledger.quiet(
+            found = ledger.quiet_due(
                 older_than_seconds=quiet_seconds,
                 limit=limit,
                 touched_since=since,
-                published=False,
                 due_since=low,
                 due_before=high,
-                newest_first=True,
             )
         else:
-            found = ledger.quiet(
+            found = ledger.quiet_waiting(
                 older_than_seconds=quiet_seconds,
                 limit=limit,
                 touched_since=low,
                 touched_before=high,
-                due=False,
-                newest_first=True,
             )
         # (an empty read is an index probe: the next follows at once)
         self._pause = max(self._monotonic() - started, MIN_PAUSE_SECONDS) if found else 0.0

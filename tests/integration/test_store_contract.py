@@ -625,7 +625,10 @@ def test_the_sweeps_reads_find_every_kind_of_waiting_job_and_only_those(
         }
         quiet = {
             names[d["_id"]]
-            for d in ledger.quiet(older_than_seconds=age, limit=10_000)
+            for d in [
+                *ledger.quiet_waiting(older_than_seconds=age, limit=10_000),
+                *ledger.quiet_due(older_than_seconds=age, limit=10_000),
+            ]
             if d["_id"] in names
         }
         return stale, quiet
@@ -642,25 +645,25 @@ def test_the_sweeps_reads_find_every_kind_of_waiting_job_and_only_those(
     # due for only 10 s: not yet
     assert seen(age=25) == ({"failed", "published", "retrying"}, {"published", "retrying"})
 
-    # A slice of the last touch (the ordinary look's reads): bounds the touch only; a job due
-    # for less than the time asked is not quiet however long ago it was touched
+    # A slice of the waiting ones by their last touch (the ordinary look's reads)
     def sliced(age: float, since: datetime, before: datetime) -> set[str]:
-        found = ledger.quiet(
+        found = ledger.quiet_waiting(
             older_than_seconds=age, limit=10_000, touched_since=since, touched_before=before
         )
         return {names[d["_id"]] for d in found if d["_id"] in names}
 
     second = timedelta(seconds=1)
-    assert sliced(10, touched - second, touched + second) == {"published", "later", "retrying"}
-    assert sliced(25, touched - second, touched + second) == {"published", "retrying"}
+    assert sliced(10, touched - second, touched + second) == {"published"}
     # (the end is not in the slice; the ledger keeps a time to the millisecond)
     assert sliced(10, touched - second, touched - timedelta(milliseconds=1)) == set()
     assert sliced(10, touched + second, clock()) == set()
-    # The waiting ones apart from the due ones (the ordinary look reads those at once)
-    waiting = ledger.quiet(older_than_seconds=10, limit=10_000, due=False)
+    # The waiting ones apart from the due ones
+    waiting = ledger.quiet_waiting(older_than_seconds=10, limit=10_000)
     assert {names[d["_id"]] for d in waiting if d["_id"] in names} == {"published"}
-    due = ledger.quiet(older_than_seconds=10, limit=10_000, published=False)
+    due = ledger.quiet_due(older_than_seconds=10, limit=10_000)
     assert {names[d["_id"]] for d in due if d["_id"] in names} == {"later", "retrying"}
+    # ...touched since a moment: none of them was touched since
+    assert not ledger.quiet_due(older_than_seconds=10, limit=10, touched_since=touched + second)
     # ...and a slice of the due ones by their due time, the latest due first
     due_at = touched + timedelta(seconds=25)
     for low, high, expected in (
@@ -668,22 +671,20 @@ def test_the_sweeps_reads_find_every_kind_of_waiting_job_and_only_those(
         (due_at + MS, due_at + second, []),
         (touched - second, due_at + second, ["later", "retrying"]),
     ):
-        sliced_due = ledger.quiet(
-            older_than_seconds=10,
-            limit=10,
-            published=False,
-            due_since=low,
-            due_before=high,
-            newest_first=True,
+        sliced_due = ledger.quiet_due(
+            older_than_seconds=10, limit=10, due_since=low, due_before=high
         )
         assert [names[d["_id"]] for d in sliced_due if d["_id"] in names] == expected
-    # A limit holds across the kinds (what it returns is some of them)
-    assert len(ledger.quiet(older_than_seconds=10, limit=2)) == 2
+    # A limit holds across the two states (a delayed job, a retrying one): the latest due
+    assert [names[d["_id"]] for d in ledger.quiet_due(older_than_seconds=10, limit=1)] == ["later"]
     # Touched since a moment: those only (the watch after a failover reads the recent ones)
     young = enqueue()
     clock.advance(15)
     since = clock() - timedelta(seconds=20)
-    recent = ledger.quiet(older_than_seconds=10, limit=10_000, touched_since=since)
+    recent = [
+        *ledger.quiet_waiting(older_than_seconds=10, limit=10_000, touched_since=since),
+        *ledger.quiet_due(older_than_seconds=10, limit=10_000, touched_since=since),
+    ]
     assert {d["_id"] for d in recent} & {*names, young} == {young}
     # Newest first: by their last touch, the most recent first, a limit taking the newest
     ordered = [young]
@@ -691,9 +692,7 @@ def test_the_sweeps_reads_find_every_kind_of_waiting_job_and_only_those(
         clock.advance(1)
         ordered.append(enqueue())
     clock.advance(15)
-    newest = ledger.quiet(
-        older_than_seconds=10, limit=3, touched_since=since, due=False, newest_first=True
-    )
+    newest = ledger.quiet_waiting(older_than_seconds=10, limit=3, touched_since=since)
     assert [d["_id"] for d in newest] == ordered[::-1][:3]
     assert len(ledger.stale(State.QUEUED, older_than_seconds=10, limit=1)) == 1
 

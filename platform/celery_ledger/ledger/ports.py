@@ -232,16 +232,21 @@ class ReconcilerStore(Protocol):
         self, *, older_than_seconds: float, limit: int = 500
     ) -> list[dict[str, Any]]: ...
 
-    def quiet(
+    def quiet_waiting(
         self,
         *,
         older_than_seconds: float,
         limit: int,
         touched_since: datetime | None = None,
         touched_before: datetime | None = None,
-        published: bool = True,
-        due: bool = True,
-        newest_first: bool = False,
+    ) -> list[dict[str, Any]]: ...
+
+    def quiet_due(
+        self,
+        *,
+        older_than_seconds: float,
+        limit: int,
+        touched_since: datetime | None = None,
         due_since: datetime | None = None,
         due_before: datetime | None = None,
     ) -> list[dict[str, Any]]: ...

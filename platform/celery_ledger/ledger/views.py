@@ -115,33 +115,60 @@ class Views(LedgerBase):
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
         return self._untouched(state, cutoff, unpublished=True, limit=limit)
 
-    def quiet(
+    def quiet_waiting(
         self,
         *,
         older_than_seconds: float,
         limit: int,
         touched_since: datetime | None = None,
         touched_before: datetime | None = None,
-        published: bool = True,
-        due: bool = True,
-        newest_first: bool = False,
+    ) -> list[dict[str, Any]]:
+        """The published jobs waiting in a queue, untouched for ``older_than_seconds`` (and
+        last touched since ``touched_since`` and before ``touched_before``, if given: a slice of
+        them, see quiet_slices.py), the last touched first, up to ``limit``: those whose message
+        the broker may have lost. Their id, task, tier, fleet and times only: the reconciler
+        passes over another app's (sharing the ledger) by these, looks for the rest's messages
+        in the broker, and reads the few it does not find with :meth:`records`.
+        Never-published records are the outbox relay's. Read by their last touch, a bound of
+        the sweepers' index."""
+        return self._quiet(
+            older_than_seconds,
+            limit,
+            by="updated_at",
+            since=touched_since,
+            before=touched_before,
+            waiting=True,
+            due=False,
+        )
+
+    def quiet_due(
+        self,
+        *,
+        older_than_seconds: float,
+        limit: int,
+        touched_since: datetime | None = None,
         due_since: datetime | None = None,
         due_before: datetime | None = None,
     ) -> list[dict[str, Any]]:
-        """The published jobs waiting for a claim (queued, or retrying and due) and untouched
-        for ``older_than_seconds``: those whose message the broker may have lost. Their id,
-        task, tier, fleet and last touch only: the reconciler passes over another app's (sharing
-        the ledger) by these, looks for the rest's messages in the broker, and reads the few it
-        does not find with :meth:`records`. Never-published records are the outbox relay's.
-        ``touched_since``: only those last touched since then (after a failover, the recent
-        ones: under a backlog, the oldest would fill ``limit``); ``touched_before``: only those
-        last touched before then too (a slice of them: see quiet_slices.py). Either bounds the
-        last touch only. ``published``: the jobs waiting in a queue (read by their last touch,
-        a bound of the sweepers' index); ``due``: the delayed and retrying ones, due for
-        ``older_than_seconds`` (read by their due time; untouched since they were delayed).
-        ``due_since`` and ``due_before`` bound the due ones' due time (a slice of them).
-        ``newest_first``: the waiting ones by their last touch and the due ones by their due
-        time, the most recent first (else in no promised order)."""
+        """The delayed and retrying jobs due for ``older_than_seconds`` and untouched since they
+        were delayed (and last touched since ``touched_since``, if given), due since
+        ``due_since`` and before ``due_before`` (a slice of them), the latest due first, up to
+        ``limit``; as :meth:`quiet_waiting` returns them. Read by their due time."""
+        return self._quiet(
+            older_than_seconds,
+            limit,
+            by="claimable_at",
+            since=touched_since,
+            waiting=False,
+            due=True,
+            due_since=due_since,
+            due_before=due_before,
+        )
+
+    def _quiet(
+        self, older_than_seconds: float, limit: int, *, by: str, **bounds: Any
+    ) -> list[dict[str, Any]]:
+        """Each claimable state's newest ``limit`` (by ``by``), merged newest first."""
         cutoff = self.now() - timedelta(seconds=older_than_seconds)
         found: list[dict[str, Any]] = []
         for state in (State.QUEUED, State.RETRYING):
@@ -149,22 +176,13 @@ class Views(LedgerBase):
                 state,
                 cutoff,
                 unpublished=False,
-                # (newest first: each state's newest, merged below)
-                limit=limit if newest_first else limit - len(found),
+                limit=limit,
                 projection={"_id": 1, "task": 1, "tier": 1, "fleet": 1},
-                since=touched_since,
-                before=touched_before,
-                waiting=published,
-                due=due,
-                newest_first=newest_first,
-                due_since=due_since,
-                due_before=due_before,
+                newest_first=True,
+                **bounds,
             )
-            if len(found) >= limit and not newest_first:
-                break
-        if newest_first:  # (a read of one kind: waiting ones by last touch, due ones by due time)
-            found.sort(key=lambda doc: doc["claimable_at" if not published else "updated_at"])
-            found.reverse()
+        found.sort(key=lambda doc: doc[by])
+        found.reverse()
         return found[:limit]
 
     def _untouched(
