@@ -1195,7 +1195,7 @@ class Attempt:
 
     def ignored(self, exc: Ignore) -> Verdict:
         """The body raised ``Ignore``: the job ends here, terminal, with its reason."""
-        op, steps, told = new_op(), self._atomic_steps(), self._told(text_of(exc) or "")
+        op, steps, told = new_op(), self._atomic_steps(), self._told(exc)
         self._persist(
             lambda: self.ledger.finish_without_result(
                 self.record_id,

@@ -73,6 +73,7 @@ EXCEPTIONS = {
     "exc_recursion": ("dead", 1),
     "exc_inf_retry_after": ("dead", 2),  # (the hint ignored: retried once by backoff)
     "exc_huge_retry_after": ("dead", 2),
+    "exc_unreadable_retry_after": ("dead", 2),  # (the hint's property raises)
     "exc_huge_msg": ("dead", 1),  # (20 MB of text)
     "exc_nul_msg": ("dead", 1),  # (NUL and a lone surrogate)
 }

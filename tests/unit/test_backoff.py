@@ -177,3 +177,25 @@ def test_a_retry_after_hint_that_is_no_time_is_ignored_or_floored(hint: Any) -> 
 
     seconds = retry_after_seconds(Throttled())
     assert seconds == (0.0 if hint == -3 else None)
+
+
+class _BadFloat:
+    def __float__(self) -> float:
+        raise KeyError("Retry-After")
+
+
+class _HeaderMissing(ConnectionError):
+    @property
+    def retry_after(self) -> float:  # (an HTTP error reading a header it was not given)
+        raise KeyError("Retry-After")
+
+
+class _HintNotAFloat(ConnectionError):
+    retry_after = _BadFloat()
+
+
+@pytest.mark.parametrize(
+    "exc", [_HeaderMissing(), _HintNotAFloat()], ids=lambda e: type(e).__name__
+)
+def test_a_retry_after_hint_that_cannot_be_read_is_ignored(exc: BaseException) -> None:
+    assert retry_after_seconds(exc) is None

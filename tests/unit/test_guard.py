@@ -714,6 +714,7 @@ def test_an_ignore_whose_reason_cannot_be_read_still_ends_the_job(h: Harness) ->
     verdict, _ = h.run(fails(Ignore(UnreadableReason())))
 
     assert verdict.kind == "ack" and h.record["outcome"] == "ignored"
+    assert h.record["note"] == "Ignore (its text could not be read)"
 
 
 def test_a_replaced_job_ends_naming_its_replacement(h: Harness) -> None:

@@ -131,9 +131,9 @@ def decide(
 
 def retry_after_seconds(exc: BaseException) -> float | None:
     """The exception's ``retry_after`` hint in seconds, if it has a usable one."""
-    hint = getattr(exc, "retry_after", None)
     try:
+        hint = getattr(exc, "retry_after", None)
         seconds = None if hint is None else float(hint)
-    except (TypeError, ValueError, OverflowError):  # (an int past a float's range)
+    except Exception:  # (no time, an int past a float's range, a property that raised)
         return None
     return max(0.0, seconds) if seconds is not None and math.isfinite(seconds) else None

@@ -58,6 +58,12 @@ class InfRetryAfter(ConnectionError):
     retry_after = float("inf")
 
 
+class UnreadableRetryAfter(ConnectionError):
+    @property
+    def retry_after(self) -> float:  # (an HTTP error reading a header it was not given)
+        raise KeyError("Retry-After")
+
+
 class BadRepr:
     def __repr__(self) -> str:
         raise RuntimeError("__repr__ raised")
@@ -123,6 +129,8 @@ def body(self: Any, token: str, mode: str) -> Any:
         return body_recurse(0)
     if mode == "exc_huge_retry_after":
         raise HugeRetryAfter("retry after a googol")
+    if mode == "exc_unreadable_retry_after":
+        raise UnreadableRetryAfter("no Retry-After header")
     if mode == "exc_inf_retry_after":
         raise InfRetryAfter("retry after forever")
     if mode == "sys_exit":
