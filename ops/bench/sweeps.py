@@ -55,7 +55,9 @@ LAYOUTS = ("current", "earlier")
 READS: dict[str, Callable[[Ledger], Any]] = {
     "stale queued (900 s)": lambda ledger: ledger.stale(State.QUEUED, older_than_seconds=900),
     "stale retrying (900 s)": lambda ledger: ledger.stale(State.RETRYING, older_than_seconds=900),
-    "quiet (30 s, 5,000)": lambda ledger: ledger.quiet_waiting(older_than_seconds=30, limit=5000),
+    "quiet waiting (30 s, 5,000)": lambda ledger: ledger.quiet_waiting(
+        older_than_seconds=30, limit=5000
+    ),
 }
 
 

@@ -675,8 +675,11 @@ def test_the_sweeps_reads_find_every_kind_of_waiting_job_and_only_those(
             older_than_seconds=10, limit=10, due_since=low, due_before=high
         )
         assert [names[d["_id"]] for d in sliced_due if d["_id"] in names] == expected
-    # A limit holds across the two states (a delayed job, a retrying one): the latest due
-    assert [names[d["_id"]] for d in ledger.quiet_due(older_than_seconds=10, limit=1)] == ["later"]
+    # Merged across the two states (a delayed job, a retrying one), the latest due first, and
+    # a limit holds across them
+    merged = ledger.quiet_due(older_than_seconds=10, limit=10_000)
+    assert [names[d["_id"]] for d in merged if d["_id"] in names] == ["later", "retrying"]
+    assert len(ledger.quiet_due(older_than_seconds=10, limit=1)) == 1
     # Touched since a moment: those only (the watch after a failover reads the recent ones)
     young = enqueue()
     clock.advance(15)
