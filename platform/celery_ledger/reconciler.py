@@ -1,34 +1,33 @@
 """The reconciler: brings back jobs whose message is gone or stuck, without anyone watching.
 
 It finds (1) running records whose lease ended a grace period ago (their worker died, and Redis
-would only redeliver the message after its visibility timeout, an hour by default), and (2)
-queued or retrying records untouched for a long time (a lost retry, a message lost before its
-first claim), and queued records whose first publish failed, at once (a record never published
-whose tier is above its backpressure mark is left in the outbox: the relay publishes it under
-the mark); (3) degraded results whose replacement is as overdue (its message was lost: see
-policies/fallback.py); (4) this app's jobs' messages a worker took and holds unacknowledged,
-without a running claim, for a lease and the grace (it died before its claim, or after a claim
-it released for a requeue it never sent), and workflow wakes held a minute: these are put back
-on their queue; (5) queued or retrying jobs whose message is nowhere in the broker (not in its
-queue, the delayed set or a worker's hands, in two looks a second apart), untouched for
+would only redeliver the message after its visibility timeout, an hour by default), and (2) queued
+or retrying records untouched for a long time (a lost retry, a message lost before its first
+claim), and queued records whose first publish failed, at once (a record never published whose tier
+is above its backpressure mark is left in the outbox: the relay publishes it under the mark); (3)
+degraded results whose replacement is as overdue (its message was lost: see policies/fallback.py);
+(4) this app's jobs' messages a worker took and holds unacknowledged, without a running claim, for
+a lease and the grace (it died before its claim, or after a claim it released for a requeue it
+never sent), and workflow wakes held a minute: these are put back on their queue; (5) queued or
+retrying jobs whose message is nowhere in the broker (not in its queue, the delayed set or a
+worker's hands, in two looks a second apart), untouched for
 ``LEDGER_RECONCILE_MISSING_AFTER_SECONDS``, long before the stale time of (2) (a job published
-while the ledger was away has its record written by the sweep first: unrecorded.py): a worker killed
-between kombu's pop of a message and its booking as taken, a broker that lost data. That look
-reads the queues, so it runs at most once in that time and while they are short
-(:data:`MISSING_SCAN_MAX_MESSAGES`), and at
-once, whatever their depth, when the broker may have lost data (its marker gone or changed, its
-primary moved: :func:`celery_ledger.broker.data_lost`); the queues' bindings are declared
-again then, since a wiped broker forgot them too, and every active workflow is woken again (at
-the timer it waits for), since its wakes lived only in the broker, and the dead letters' queue
-copies it no longer holds are made due again; and for a while after, it looks at each sweep
-(failover_watch.py: a failover's old primary may take writes, then drop them). For each of (1)
-to (3), a job whose message still waits in its tier's queue or the delayed set is only slow
-and is left alone (under a deep backlog, copies would cost a claim each). Else it puts the
-job's unacknowledged message back on its queue, so it comes back as sent (marked redelivered,
-as kombu marks the copies it restores), or republishes it from the message kept on the
-record, under the job's own identity and with its headers (age, retry state). Fencing keeps
-this safe against a slow original holder: the new delivery claims with a higher token, and
-the old holder's late writes are refused.
+while the ledger was away has its record written by the sweep first: unrecorded.py): a worker
+killed between kombu's pop of a message and its booking as taken, a broker that lost data. That
+look reads the queues, so it runs at most once in that time and while they are short
+(:data:`MISSING_SCAN_MAX_MESSAGES`), and at once, whatever their depth, when the broker may have
+lost data (its marker gone or changed, its primary moved: :func:`celery_ledger.broker.data_lost`);
+the queues' bindings are declared again then, since a wiped broker forgot them too, and every
+active workflow is woken again (at the timer it waits for), since its wakes lived only in the
+broker, and the dead letters' queue copies it no longer holds are made due again; and for a while
+after, it looks at each sweep (failover_watch.py: a failover's old primary may take writes, then
+drop them). For each of (1) to (3), a job whose message still waits in its tier's queue or the
+delayed set is only slow and is left alone (under a deep backlog, copies would cost a claim each).
+Else it puts the job's unacknowledged message back on its queue, so it comes back as sent (marked
+redelivered, as kombu marks the copies it restores), or republishes it from the message kept on the
+record, under the job's own identity and with its headers (age, retry state). Fencing keeps this
+safe against a slow original holder: the new delivery claims with a higher token, and the old
+holder's late writes are refused.
 
 Every worker's housekeeping runs it (:meth:`Reconciler.sweep_if_leader`), one sweeper at a
 time across the fleet; ``celery -A APP ledger reconcile`` and the periodic task
@@ -426,9 +425,10 @@ class Reconciler:
                 return
         self._looked_at = now
         runtime = self._runtime
-        # A slice at a time (quiet_slices.py); after a loss and within a watch, in rounds of
-        # their own over the recent jobs (or all, after a loss), a look every few seconds
+        # A slice at a time (quiet_slices.py); within a watch, in rounds of their own
         slices = self._slices if lost is None and watch.phase is Watch.NONE else self._recent
+        if lost is not None:  # (one look, at every job: from the newest, not where a round stood)
+            slices = self._recent = QuietLook(sleep=self._sleep, monotonic=self._monotonic)
         look = max(settings.reconcile_every_seconds / 4, 1.0)  # (its lock lasts 2.5 sweeps)
         found = slices.look(self._ledger, after, limit=MISSING_PER_SWEEP, since=since, seconds=look)
         quiet = [

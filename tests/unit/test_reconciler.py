@@ -1055,3 +1055,28 @@ def test_what_says_the_broker_lost_data(
 ) -> None:
     why = data_lost(before, now)
     assert (why is None) if lost is None else (why is not None and lost in why)
+
+
+def test_the_look_after_a_second_loss_starts_at_the_newest_wherever_the_watchs_round_stood(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reconciler_module, "MISSING_PER_SWEEP", 20)  # (jobs a look gathers)
+    notice_a_failover(world)
+    # Given 60 jobs touched within the watch, their messages waiting in their queue, and a
+    # look of the watch that read the newest 20 of them (its round stopped there)
+    older = []
+    for n in range(60):
+        world.clock.advance(0.01)
+        older.append(world.queued_job(f"old-{n}"))
+    world.broker.waiting_ids.update(older)
+    world.clock.advance(6)
+    world.reconciler.sweep()
+    # When a second failover loses a job published since
+    world.clock.advance(1)
+    fresh = world.queued_job("fresh")
+    world.clock.advance(3)
+    world.broker.marker = Continuity("m1", "h3:1", False)
+    report = world.reconciler.sweep()
+    # Then its look starts at the newest job, not where the watch's round stood
+    assert report.broker_data_lost is not None
+    assert [t.options["task_id"] for t in world.outbox.tasks] == [fresh]
