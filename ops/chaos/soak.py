@@ -66,7 +66,7 @@ from celery_ledger.embedded.servers import ServerProcess, start_secantus, start_
 from celery_ledger.embedded.stack import EmbeddedStack, WorkerProcess
 from celery_ledger.fairness import FairDispatch
 from celery_ledger.identity import derive_task_id
-from celery_ledger.transport import unacked_keys
+from celery_ledger.routing import unacked_keys
 
 from ..bench.common import REPO, RESULTS, console, machine, print_table
 from .apps import plain_soak

@@ -45,6 +45,7 @@ from .errors import Backpressure, ConfigurationError, PayloadError, PermanentErr
 from .escalation import Escalation
 from .events import Observers
 from .explain import declaring, exiting_on_mistakes, install_excepthook
+from .express import ExpressStep
 from .guard import Guard
 from .headers import TENANT
 from .ledger.store import Ledger
@@ -57,7 +58,7 @@ from .policies.breaker import Breakers
 from .policies.deadline import deadline
 from .policies.schedule import SchedulePolicy
 from .reconciler import Reconciler
-from .routing import DEAD_LETTER, TIERS, Tiers
+from .routing import DEAD_LETTER, TIERS, Tiers, unacked_keys
 from .runtime import Runtime, forget_after_fork
 from .schedule_definitions import beat_problems, schedule_problem
 from .schedules import (
@@ -69,7 +70,6 @@ from .schedules import (
 from .sentinel import primary_of
 from .settings import UNSET_BROKER_URL, Settings, settings_from_environment
 from .task import KEY_SECRET_NEEDED, LedgerTask
-from .transport import unacked_keys
 from .triggers import Argument, Trigger
 from .triggers import declare as declare_trigger
 from .worker import LedgerWorkerStep
@@ -907,10 +907,9 @@ def _create_app(
     )  # fmt: skip
     if app.conf.beat_scheduler == CELERY_BEAT_SCHEDULER:  # (another one chosen: it stays)
         app.conf.beat_scheduler = LEDGER_BEAT_SCHEDULER
-    # What the guarantees need of the configuration above, checked at a worker's start and a
-    # producer's first publish against later changes (conf_check.py)
-    app.pinned_conf = pinned(app.conf)
+    app.pinned_conf = pinned(app.conf)  # (held at a worker's start, a first publish: conf_check)
     app.steps["worker"].add(LedgerWorkerStep)
+    app.steps["consumer"].add(ExpressStep)  # (fair dispatch's express process: express.py)
     redact_task_logs(app)
     install_observability(app, app.runtime)  # metrics, Sentry, JSON logs: as the settings say
 

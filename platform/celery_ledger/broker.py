@@ -25,7 +25,7 @@ from typing import Any, Protocol, cast
 import redis
 
 from . import headers
-from .fairness import lane_lists, waiting_key
+from .fairness import express_list, lane_lists, waiting_key
 from .identity import identity_of
 from .untrusted import float_or_none
 
@@ -42,8 +42,11 @@ _PRIORITY_SEPARATOR = "\x06\x16"
 
 
 def queue_lists(queue: str) -> list[str]:
-    """The Redis lists that hold ``queue``'s messages, one per priority step."""
-    return [queue if p == 0 else f"{queue}{_PRIORITY_SEPARATOR}{p}" for p in PRIORITY_STEPS]
+    """The Redis lists that hold ``queue``'s messages, one per priority step, after the lists of
+    those that went ahead of it (fair dispatch's express lists: a message moves from one of
+    them to the queue, never back; read in this order, one that moved is seen)."""
+    kombu_lists = [queue if p == 0 else f"{queue}{_PRIORITY_SEPARATOR}{p}" for p in PRIORITY_STEPS]
+    return [express_list(queue, p) for p in PRIORITY_STEPS] + kombu_lists
 
 
 # Move one unacked message back to the front of its queue, atomically.

@@ -18,7 +18,8 @@ TURN_MEMORY_SECONDS = 3600
 # ARGV[1] op: put | refill | release | feed | drain; ARGV[2] queue; ARGV[3] depth; ARGV[4] batch;
 # ARGV[5] the priority steps, comma-separated; ARGV[6] the lease of a moved message's concurrency
 # entry (s); put: ARGV[7] tenant, ARGV[8] step, ARGV[9] message; release: ARGV[7] tenant, ARGV[8]
-# job id; feed: ARGV[7] how long the queue's feeder mark lasts (ms).
+# job id; feed: ARGV[7] how long the queue's feeder mark lasts (ms), ARGV[8] '1' when the feeding
+# worker also takes from the express lists with a process of their own (its express mark).
 # Keys are made here from the queue's name: kombu's transport runs on one Redis (or a Sentinel
 # primary), never a cluster. Returns the messages moved to the queue.
 SCRIPT = r"""
@@ -29,6 +30,8 @@ local waiting, jumped, turns = p .. 'waiting', p .. 'jumped', p .. 'turns'
 local steps = {}
 for s in string.gmatch(ARGV[5], '[^,]+') do steps[#steps + 1] = s end
 local function qlist(s) if s == '0' then return q end return q .. '\6\22' .. s end
+local function xlist(s) return q .. '\6\22x' .. s end
+local express = p .. 'express'
 local function lane(t, s) return p .. 'lane:' .. s .. ':' .. t end
 local function running(t) return p .. 'running:' .. t end
 local function rule(tenant)
@@ -122,10 +125,22 @@ local function jump(tenant, s, item)
     if full(tenant, limit, now) then return false end
     hold(tenant, item, now, lease)
   end
-  redis.call('RPUSH', qlist(s), item)
+  if redis.call('EXISTS', express) == 1 then
+    redis.call('LPUSH', xlist(s), item)  -- first in, first out: BRPOP takes the oldest
+  else
+    redis.call('RPUSH', qlist(s), item)
+  end
   redis.call('SET', jumped, '1')
   redis.call('SET', p .. 'turn:' .. tenant, now_turn, 'EX', @TURN_MEMORY@)
   return true
+end
+-- No worker with an express process marks the queue now (or the lanes are drained): what the
+-- express lists hold goes to the front of the queue, in its order (a worker of an earlier
+-- release reads no express list)
+if op == 'drain' or redis.call('EXISTS', express) == 0 then
+  for _, s in ipairs(steps) do
+    while redis.call('LMOVE', xlist(s), qlist(s), 'LEFT', 'RIGHT') do end
+  end
 end
 local ahead = 0
 if op == 'put' then
@@ -147,6 +162,7 @@ elseif op == 'release' then
   redis.call('ZREM', running(ARGV[7]), ARGV[8])
 elseif op == 'feed' then
   redis.call('SET', p .. 'feeder', '1', 'PX', ARGV[7])
+  if ARGV[8] == '1' then redis.call('SET', express, '1', 'PX', ARGV[7]) end
 elseif op == 'drain' then
   return drain(tonumber(ARGV[4]) * 10)
 end

@@ -22,7 +22,14 @@ disagree, whoever runs it (a producer, a worker, a crashed one's successor):
   last one (it went ahead, or left the ring), so one that publishes a job whenever its last has
   started gets the share of a tenant of weight 1 in the ring, not every other start; and at most
   one message goes ahead this way between two moves from the ring, so a stream of new tenants
-  leaves the ring at least every other start;
+  leaves the ring at least every other start. Going ahead of the queue still waits for a
+  running job to end when a flood fills every pool process (a job starts only where one ended:
+  most of a flood job's time, on top of the idle path). So a worker keeps one pool process more
+  than its concurrency for these messages only (:mod:`celery_ledger.express`): while such a
+  worker marks the queue (as the feeder mark, below), a message that goes ahead goes to the
+  queue's express list of its priority, which every worker's take reads first and the express
+  process reads alone; without the mark, to the front of the queue as before, and whatever the
+  express lists still hold goes there with it, in order;
 - ``refill``: while the queue is shallower than ``depth``, the tenant at the ring's head gives
   its oldest message of its highest priority to the queue's list of that priority; after
   ``weight`` messages in a row (its policy) it goes to the ring's tail; a tenant with nothing
@@ -196,9 +203,40 @@ def check_tenant(tenant: Any) -> str:
     return tenant
 
 
+def message_tenant(message: Any) -> str | None:
+    """The tenant a message names (its ``ledger_tenant`` property), if it names a usable one."""
+    properties = message.get("properties") if isinstance(message, dict) else None
+    tenant = properties.get(TENANT_PROPERTY) if isinstance(properties, dict) else None
+    try:
+        return check_tenant(tenant) if tenant is not None else None
+    except ValueError:
+        return None  # (refused at publish; one made otherwise is dispatched as any other)
+
+
 def queue_list(queue: str, step: int) -> str:
     """kombu's list of ``queue``'s messages of priority step ``step``."""
     return queue if step == 0 else f"{queue}{_PRIORITY_SEPARATOR}{step}"
+
+
+def express_list(queue: str, step: int) -> str:
+    """The list of ``queue``'s messages of priority step ``step`` that went ahead of the queue
+    (see the module docstring). Named as kombu names a priority list of ``queue`` (its name,
+    the separator, a suffix), so a take from it is read as a take from ``queue``."""
+    return f"{queue}{_PRIORITY_SEPARATOR}x{step}"
+
+
+def take_keys(
+    queues: Sequence[str], steps: Sequence[int], kombu_list: Any, *, express_only: bool
+) -> list[str]:
+    """What a worker's take (kombu's BRPOP) reads, in order: at each priority step, the express
+    lists of ``queues`` before the lists ``kombu_list(queue, step)`` names; the express
+    process's take (``express_only``) reads the express lists alone."""
+    keys: list[str] = []
+    for step in steps:
+        keys += [express_list(queue, step) for queue in queues]
+        if not express_only:
+            keys += [kombu_list(queue, step) for queue in queues]
+    return keys
 
 
 def prefix(queue: str) -> str:
@@ -272,10 +310,14 @@ class FairDispatch:
             return pipe.evalsha(SCRIPT_SHA, 0, *args)
         return self._run(args)
 
-    def feed(self, queue: str, seconds: float = FEEDER_SECONDS) -> int:
+    def feed(self, queue: str, seconds: float = FEEDER_SECONDS, *, express: bool = False) -> int:
         """Mark ``queue`` as fed by a worker that knows the lanes (for ``seconds``), then
-        refill it. Without the mark a put goes straight to the queue (see FEEDER_SECONDS)."""
-        return self._run(_args("feed", queue, self.depth, self.lease_seconds, int(seconds * 1000)))
+        refill it. Without the mark a put goes straight to the queue (see FEEDER_SECONDS).
+        ``express``: the worker also takes from the queue's express lists with a process of
+        their own (marked the same way: without the mark a newcomer goes to the queue's front)."""
+        milliseconds = int(seconds * 1000)
+        args = _args("feed", queue, self.depth, self.lease_seconds, milliseconds, int(express))
+        return self._run(args)
 
     def drain(self, queue: str) -> int:
         """Move a batch (1,000) of the lanes' messages to ``queue`` as they are (fairness given

@@ -131,3 +131,15 @@ TIER_WORKER_DEFAULTS = {
     "default": TierWorkerDefaults(concurrency=2, prefetch_multiplier=1),
     "bulk": TierWorkerDefaults(concurrency=2, prefetch_multiplier=4),
 }
+
+
+def unacked_keys(namespace: str) -> dict[str, str]:
+    """kombu's keys for delivered, unacknowledged messages, in the app's namespace (so one
+    app's reconciler and restore sweep only ever see its own messages)."""
+    if not namespace:
+        return {}
+    return {
+        "unacked_key": f"{namespace}.unacked",
+        "unacked_index_key": f"{namespace}.unacked_index",
+        "unacked_mutex_key": f"{namespace}.unacked_mutex",
+    }

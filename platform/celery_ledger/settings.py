@@ -7,8 +7,6 @@ from urllib.parse import unquote_plus
 
 import redis.connection
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SecretStr,
     ValidationError,
@@ -35,6 +33,7 @@ from .settings_checks import (  # the validators' checks, and the names other mo
     PLACEHOLDER_PREFIX,
     UNSET_BROKER_HOST,
     UNSET_BROKER_URL,
+    ConsoleUser,
     _built,
     _check_tier,
     _mapping,
@@ -46,28 +45,6 @@ from .settings_checks import (  # the validators' checks, and the names other mo
     tenant_policies,
     unknown_settings,
 )
-
-
-class ConsoleUser(BaseModel):
-    """A login of the web console: its password and role."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    password: SecretStr
-    role: Literal["viewer", "operator"] = "viewer"
-
-    @field_validator("password")
-    @classmethod
-    def _password(cls, value: SecretStr) -> SecretStr:
-        text = value.get_secret_value()
-        _not_a_placeholder(text)
-        if not text.strip(". …"):
-            raise ValueError(
-                'its password is a placeholder ("..."): set a real one, 12+ characters'
-            )
-        if len(text) < 12:
-            raise ValueError("a console password needs 12 or more characters")
-        return value
 
 
 class Settings(SentinelSettings):
@@ -153,6 +130,13 @@ class Settings(SentinelSettings):
         ge=0,
         description="Fair dispatch of tenants' jobs: the most messages a tier queue holds while"
         " they wait in their lanes (0, the default: off; 1: on; workers first, see tenants.md).",
+    )
+    fair_express_slots: int = Field(
+        1,
+        ge=0,
+        le=8,
+        description="With fair dispatch on, pool processes a prefork worker keeps beyond its"
+        " concurrency for the jobs of tenants that go ahead of a backlog (0: none; tenants.md).",
     )
     tenants_top: int = Field(
         10,

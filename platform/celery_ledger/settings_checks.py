@@ -10,12 +10,15 @@ import math
 import os
 import re
 from dataclasses import asdict, fields
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import (
+    BaseModel,
+    ConfigDict,
     SecretStr,
     TypeAdapter,
     ValidationError,
+    field_validator,
 )
 from pydantic_settings import SettingsError
 
@@ -234,3 +237,25 @@ def unknown_settings(known: set[str]) -> str | None:
         )
         + "\nRename or unset it: every LEDGER_* variable must name a setting."
     )
+
+
+class ConsoleUser(BaseModel):
+    """A login of the web console: its password and role."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    password: SecretStr
+    role: Literal["viewer", "operator"] = "viewer"
+
+    @field_validator("password")
+    @classmethod
+    def _password(cls, value: SecretStr) -> SecretStr:
+        text = value.get_secret_value()
+        _not_a_placeholder(text)
+        if not text.strip(". …"):
+            raise ValueError(
+                'its password is a placeholder ("..."): set a real one, 12+ characters'
+            )
+        if len(text) < 12:
+            raise ValueError("a console password needs 12 or more characters")
+        return value

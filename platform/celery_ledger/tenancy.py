@@ -81,10 +81,17 @@ def checked(tenant: Any, *, task_name: str) -> str | None:
         raise PayloadError(f"tenant of {task_name}: {exc}") from None
 
 
-def refill_all(fair: FairDispatch, queues: Callable[[], Iterable[str]]) -> int:
+def refill_all(
+    fair: FairDispatch,
+    queues: Callable[[], Iterable[str]],
+    express: Callable[[], frozenset[str]] = frozenset,
+) -> int:
     """Mark every queue this worker consumes as fed, and feed it from its lanes (what a crashed
-    producer or worker left unfed, and slots that lapsed). Returns the messages moved."""
-    return sum(fair.feed(queue) for queue in queues())
+    producer or worker left unfed, and slots that lapsed); those whose express lists it takes
+    from with a process of their own (``express``: celery_ledger.express) marked so too.
+    Returns the messages moved."""
+    served = express()
+    return sum(fair.feed(queue, express=queue in served) for queue in queues())
 
 
 # How often a worker writes the app's tenant policies where the dispatch reads them (a broker
@@ -102,9 +109,15 @@ class Feeder:
     ``task_postrun``). With fair dispatch off here, it drains the lanes instead (what a fleet
     with it on left there)."""
 
-    def __init__(self, runtime: Any, queues: Callable[[], Iterable[str]]) -> None:
+    def __init__(
+        self,
+        runtime: Any,
+        queues: Callable[[], Iterable[str]],
+        express: Callable[[], frozenset[str]] = frozenset,
+    ) -> None:
         self._runtime = runtime
         self._queues = queues
+        self._express = express
         self._policies = runtime.settings.tenants
         self._tier_queues = [runtime.tiers.queue(tier) for tier in runtime.tiers.names]
         self._written = float("-inf")
@@ -128,7 +141,7 @@ class Feeder:
         if now - self._written >= POLICIES_EVERY_SECONDS:
             fair.write_policies(self._tier_queues, self._policies)
             self._written = now
-        refill_all(fair, self._queues)
+        refill_all(fair, self._queues, self._express)
         return FEED_EVERY_SECONDS
 
     def released(self, sender: Any = None, **_: Any) -> None:
@@ -143,10 +156,12 @@ class Feeder:
             release_slot(self._runtime.fair, self._policies, slot)
 
 
-def worker_feeder(app: Any, queues: Callable[[], Iterable[str]]) -> list[Callable[[], float]]:
+def worker_feeder(
+    app: Any, queues: Callable[[], Iterable[str]], express: Callable[[], frozenset[str]]
+) -> list[Callable[[], float]]:
     """The worker's :class:`Feeder`, started, its release connected to ``task_postrun``: its
     housekeeping job."""
-    feeder = Feeder(app.runtime, queues)
+    feeder = Feeder(app.runtime, queues, express)
     feeder.start()
     signals.task_postrun.connect(feeder.released, weak=False)
     return [feeder.tick]

@@ -33,6 +33,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from queue import Empty
+from time import monotonic
 from typing import Any
 
 from kombu.connection import Connection as KombuConnection
@@ -47,7 +48,7 @@ from .clock import ServerClock, redis_time
 from .envelope import envelope_problem
 from .errors import ConfigurationError
 from .fair_scripts import SCRIPT as FAIR_SCRIPT
-from .fairness import TENANT_PROPERTY, FairDispatch, check_tenant, put_arguments
+from .fairness import FairDispatch, message_tenant, put_arguments, take_keys
 from .poller import MultiChannelPoller
 from .sentinel import SentinelSettings, connection_options, is_sentinel_url
 from .settings import BROKER_URL_UNSET, UNSET_BROKER_HOST
@@ -271,6 +272,8 @@ class Channel(kombu_redis.Channel):
     )
 
     _ledger_client: tuple[Any, Any] | None = None  # (the pool, a client of it)
+    # The express process's channel (express.py): the task consumer's, whose queues it serves
+    ledger_express_for: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -298,7 +301,7 @@ class Channel(kombu_redis.Channel):
     def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
         """kombu's, but for a message that names a tenant while fair dispatch is on: to its
         tenant's lane, from which the queue is fed (fairness.py)."""
-        tenant = _tenant_of(message) if self.ledger_fair_depth else None
+        tenant = message_tenant(message) if self.ledger_fair_depth else None
         if tenant is None:
             super()._put(queue, message, **kwargs)
             return
@@ -348,6 +351,28 @@ class Channel(kombu_redis.Channel):
         if kept is None or kept[0] is not pool:
             kept = self._ledger_client = (pool, self._create_client())
         yield kept[1]
+
+    def _brpop_start(self, timeout: Any = None) -> None:
+        """kombu's take, but with fair dispatch on it reads the queues' express lists first, and
+        the express process's channel reads them alone, of the queues the worker serves now
+        (fairness.py: ``take_keys``)."""
+        if not self.ledger_fair_depth:
+            return super()._brpop_start(timeout)  # type: ignore[no-any-return]
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        serving = self.ledger_express_for
+        if serving is not None:
+            queues = [queue for queue in queues if queue in serving.active_queues]
+        if not queues:
+            return None
+        keys = take_keys(queues, self.priority_steps, self._q_for_pri, express_only=bool(serving))
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = monotonic()  # type: ignore[assignment]
+        wait = self.brpop_timeout if timeout is None else timeout
+        command_args = ["BRPOP", *keys, wait or 0]
+        if self.global_keyprefix:
+            command_args = self.client._prefix_args(command_args)
+        self.client.connection.send_command(*command_args)
+        return None
 
     def _brpop_read(self, **options: Any) -> bool | None:
         try:
@@ -461,16 +486,6 @@ class Channel(kombu_redis.Channel):
             self._held_poison.pop(0)
 
 
-def _tenant_of(message: Any) -> str | None:
-    """The tenant a message names (its ``ledger_tenant`` property), if it names a usable one."""
-    properties = message.get("properties") if isinstance(message, dict) else None
-    tenant = properties.get(TENANT_PROPERTY) if isinstance(properties, dict) else None
-    try:
-        return check_tenant(tenant) if tenant is not None else None
-    except ValueError:
-        return None  # (refused at publish; one made otherwise is dispatched as any other)
-
-
 class Transport(kombu_redis.Transport):
     Channel = Channel
 
@@ -530,18 +545,6 @@ class Connection(KombuConnection):
         super().switch(conn_str)
         if given:
             self.transport_cls = given
-
-
-def unacked_keys(namespace: str) -> dict[str, str]:
-    """kombu's keys for delivered, unacknowledged messages, in the app's namespace (so one
-    app's reconciler and restore sweep only ever see its own messages)."""
-    if not namespace:
-        return {}
-    return {
-        "unacked_key": f"{namespace}.unacked",
-        "unacked_index_key": f"{namespace}.unacked_index",
-        "unacked_mutex_key": f"{namespace}.unacked_mutex",
-    }
 
 
 # A publish that fails on a connection error is tried once more, on a new connection (a pooled

@@ -29,8 +29,10 @@ from .depth_history import SAMPLE_EVERY_SECONDS
 from .envelope import body_problem
 from .errors import ConfigurationError, LedgerError
 from .explain import exiting_on_mistakes
+from .express import express_queues
 from .handoff import LOOK_EVERY_SECONDS, Handoff, Parked, inbox_of
 from .headers import PARKED, UNRUNNABLE_SINCE
+from .policies.throttle import ThrottleSwitch
 from .policies.unrunnable import unrunnable_delay
 from .progress import serve_shutdown_flag
 from .sentinel import for_workers
@@ -131,37 +133,6 @@ def report_clocks(runtime: Any, host: str) -> None:
     for clock in clocks:
         clock.sync()
     runtime.clock_book.report(host, clocks, now=runtime.message_time())
-
-
-class ThrottleSwitch:
-    """Pauses this worker's bulk consumption while the throttle says the foreground suffers.
-
-    It asks the worker itself, through Celery's remote control (``cancel_consumer`` /
-    ``add_consumer``), so the change runs in the worker's event loop: messages not yet taken
-    stay in the queue, messages already reserved still run; nothing is lost or run twice.
-    """
-
-    def __init__(self, app: Any, hostname: str, queue: str) -> None:
-        self._app = app
-        self._hostname = hostname
-        self._queue = queue
-        self.engaged = False
-
-    def tick(self) -> None:
-        throttle = self._app.runtime.throttle
-        should = throttle.should_throttle()
-        if should == self.engaged:
-            return
-        control, reason = self._app.control, throttle.reason()
-        to_this = {"destination": [self._hostname], "reply": True, "timeout": 2.0}
-        if should:
-            control.cancel_consumer(self._queue, **to_this)
-            logger.warning("throttling %s on %s: %s", self._queue, self._hostname, reason)
-        else:
-            control.add_consumer(self._queue, **to_this)
-            logger.warning("resuming %s on %s", self._queue, self._hostname)
-        self.engaged = should
-        self._app.runtime.observers.throttle(self._queue, should, reason)
 
 
 class Paced:
@@ -287,6 +258,12 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             queues = getattr(consumer, "queues", None)
             return frozenset(q.name for q in queues) if queues else at_start
 
+        def fed() -> frozenset[str]:  # (a queue cancelled for a while is fed all the same)
+            return serving() | at_start
+
+        def express() -> frozenset[str]:  # (those its express process takes from: express.py)
+            return serving() & express_queues(getattr(worker, "consumer", None))
+
         def not_runnable(entry: Parked) -> str | None:
             headers = entry.raw.get("headers")
             verdict, _why, problem = check_message(
@@ -329,7 +306,7 @@ class LedgerWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             {
                 "triggers": triggers,
                 "deliveries": deliveries,
-                "fair": [Paced(job) for job in worker_feeder(app, lambda: serving() | at_start)],
+                "fair": [Paced(job) for job in worker_feeder(app, fed, express)],
                 "upkeep": upkeep,
                 "throttle": throttle,
                 "reconcile": reconcile,

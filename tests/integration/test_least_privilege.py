@@ -33,7 +33,7 @@ from pymongo.errors import DuplicateKeyError, OperationFailure
 from celery_ledger.embedded.flower import start_flower
 from celery_ledger.embedded.servers import ServerProcess, start_secantus, start_valkey
 from celery_ledger.ledger.access import ROLE, privileges
-from celery_ledger.transport import unacked_keys
+from celery_ledger.routing import unacked_keys
 
 from .conftest import APP_MODULE, NAMESPACE, producer_app
 from .helpers import shared_task

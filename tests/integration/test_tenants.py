@@ -24,10 +24,11 @@ from celery_ledger.fairness import (
     TENANT_PROPERTY,
     FairDispatch,
     TenantPolicy,
+    express_list,
     queue_list,
     running_key,
 )
-from tasks.effects import effects
+from tasks.effects import effects, record_effect
 
 from .conftest import producer_app, start_healing_worker
 from .helpers import effect_count, shared_task, wait_for
@@ -634,5 +635,84 @@ def test_a_limit_holds_where_bodies_start_when_slots_lapse_in_a_busy_queue(
     assert "at its concurrency limit (capped)" in worker.log_path.read_text(errors="replace")
     assert [t for t in capped if effect_count("span", t) != 1] == []
     assert [t for t in others if effect_count("record", t) != 1] == []
+    assert worker.alive()
+    producer.close()
+
+
+def express_ids(client: redis.Redis, queue: str) -> list[str]:
+    """The express list's messages, oldest (first taken) first."""
+    items = client.lrange(express_list(queue, 0), 0, -1)
+    return [json.loads(item)["headers"]["id"] for item in reversed(items)]
+
+
+def test_with_an_express_process_a_newcomer_goes_to_the_express_lists_in_order(
+    client: redis.Redis,
+) -> None:
+    # Given a big tenant's backlog on a queue whose worker keeps an express process
+    fair, queue = fed(client, depth=1)
+    fair.feed(queue, express=True)
+    for n in range(20):
+        fair.put(queue, "big", 0, envelope(f"big-{n}", "big"))
+    # When two newcomers go ahead (the ring moving in between)
+    assert fair.put(queue, "a", 0, envelope("a-0", "a")) == 1
+    assert ids(client, fair, queue, 1) == ["big-0"]  # (a take from the queue alone)
+    assert fair.put(queue, "b", 0, envelope("b-0", "b")) == 1
+    # Then they wait in the express list, first in first out, and the queue keeps its staging
+    assert express_ids(client, queue) == ["a-0", "b-0"]
+    assert [json.loads(i)["headers"]["id"] for i in client.lrange(queue, 0, -1)] == ["big-1"]
+    # ...where the reconciler sees them (not missing: never published again), as the depth does
+    broker = RedisBroker(client, queues=[queue], delayed_key=f"{queue}:delayed")
+    assert len(broker.waiting()) == 21 and broker.depth() == 21  # (19 of big's, a-0, b-0)
+    # When no worker marks the queue for its express process any more (the mark lapsed: a
+    # rollback, every such worker gone), the next refill moves them to the queue's front, in order
+    client.delete(f"{queue}:fair:express")
+    fair.refill(queue)
+    assert client.llen(express_list(queue, 0)) == 0
+    assert ids(client, fair, queue, 3) == ["a-0", "b-0", "big-1"]
+    # A drain (before a rollback) moves them too, the mark there or not
+    fair.feed(queue, express=True)
+    assert fair.put(queue, "c", 0, envelope("c-0", "c")) == 1
+    assert express_ids(client, queue) == ["c-0"]
+    while fair.drain(queue):
+        pass
+    assert client.llen(express_list(queue, 0)) == 0
+    assert ids(client, fair, queue, 2) == ["c-0", "big-2"]
+
+
+def test_a_newcomer_runs_in_the_express_process_while_the_flood_holds_every_slot(
+    own: EmbeddedStack,
+) -> None:
+    # Given a worker of one process (and its express process) running a big tenant's job that
+    # holds it until the test releases it, the rest of the backlog waiting
+    worker = start_healing_worker(own, "express", concurrency=1, env=FAIR)
+    producer = producer_app(own, f"tenants_{uuid.uuid4().hex[:6]}", fair_queue_depth=2)
+    task = shared_task(producer, RECORD)
+    run = uuid.uuid4().hex[:8]
+    big = [f"{run}-big-{n}" for n in range(5)]
+    for token in big:
+        task.apply_async((token,), {"sleep_seconds": 90, "held": True}, tenant="big")
+
+    def state(token: str) -> State | None:
+        record = producer.ledger.get(task.name, token)
+        return None if record is None else record.state
+
+    wait_for(lambda: state(big[0]) is State.RUNNING, timeout=60, what="the flood's job running")
+    # When a small tenant's job arrives
+    small = f"{run}-small"
+    task.apply_async((small,), tenant="small")
+    # Then it runs beside the flood's job, not after it: nothing ended to free a process
+    wait_for(lambda: effect_count("record", small) == 1, timeout=30, what="the newcomer ran")
+    assert effect_count("record", big[0]) == 0 and state(big[0]) is State.RUNNING
+    assert [t for t in big[1:] if state(t) is not State.QUEUED] == []  # (the flood waits)
+    # ...and when the flood is released every job runs once
+    for token in big:
+        record_effect("release", token)
+    wait_for(
+        lambda: all(state(t) is State.SUCCEEDED for t in big),
+        timeout=120,
+        interval=0.5,
+        what="the flood succeeded",
+    )
+    assert [t for t in [*big, small] if effect_count("record", t) != 1] == []
     assert worker.alive()
     producer.close()

@@ -19,11 +19,11 @@ OVERSIZED = {
     "guard.py": 1418,
     "task.py": 1140,
     "schedules.py": 954,
-    "app.py": 960,
+    "app.py": 959,
     "workflow/engine.py": 935,
     "triggers.py": 818,
     "console/app.py": 670,
-    "settings.py": 660,
+    "settings.py": 644,
     "deadletter.py": 685,
 }
 # The public API (``celery_ledger.__all__``): a name added or removed is a change of the

@@ -13,8 +13,7 @@ from rich.table import Table
 from .. import audit
 from ..errors import ConfigurationError
 from ..rotation import RotationReport, rotate_keys
-from ..routing import DEAD_LETTER
-from ..transport import unacked_keys
+from ..routing import DEAD_LETTER, unacked_keys
 from .options import actor_option
 
 console = Console(soft_wrap=True)

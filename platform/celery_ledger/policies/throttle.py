@@ -3,19 +3,23 @@
 Two signals: the foreground p95 latency the apps report (:mod:`celery_ledger.pressure`) and the
 critical tier's backlog. Engage above either threshold; release once both are back under
 ``resume_ratio`` of their marks (hysteresis, so the throttle does not flap). The worker applies
-the decision to its own consumption (``celery_ledger.worker.ThrottleSwitch``).
+the decision to its own consumption (:class:`ThrottleSwitch`).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ConfigurationError
 from ..locks import ForkSafeLock
 from ..pressure import Pressure
 from .backpressure import QueueDepths
+
+logger = logging.getLogger("celery_ledger.worker")
 
 
 @dataclass(frozen=True)
@@ -100,3 +104,34 @@ class Throttle:
 
 def _num(value: float) -> str:
     return f"{round(value, 1):g}"
+
+
+class ThrottleSwitch:
+    """Pauses this worker's bulk consumption while the throttle says the foreground suffers.
+
+    It asks the worker itself, through Celery's remote control (``cancel_consumer`` /
+    ``add_consumer``), so the change runs in the worker's event loop: messages not yet taken
+    stay in the queue, messages already reserved still run; nothing is lost or run twice.
+    """
+
+    def __init__(self, app: Any, hostname: str, queue: str) -> None:
+        self._app = app
+        self._hostname = hostname
+        self._queue = queue
+        self.engaged = False
+
+    def tick(self) -> None:
+        throttle = self._app.runtime.throttle
+        should = throttle.should_throttle()
+        if should == self.engaged:
+            return
+        control, reason = self._app.control, throttle.reason()
+        to_this = {"destination": [self._hostname], "reply": True, "timeout": 2.0}
+        if should:
+            control.cancel_consumer(self._queue, **to_this)
+            logger.warning("throttling %s on %s: %s", self._queue, self._hostname, reason)
+        else:
+            control.add_consumer(self._queue, **to_this)
+            logger.warning("resuming %s on %s", self._queue, self._hostname)
+        self.engaged = should
+        self._app.runtime.observers.throttle(self._queue, should, reason)
